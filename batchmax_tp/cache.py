@@ -1,0 +1,273 @@
+"""A bounded KV cache that plugs into transformers' Cache API: one ``BoundedLayer`` per decoder layer.
+
+Each layer preallocates, per (sample, local KV head), ``capacity`` slots of keys and values plus, per slot, the
+absolute (padded-sequence) position of the token it holds (-1: empty, pad or evicted) and the attention weight it
+has received. Eviction frees slots in place; new pairs are written into freed slots by index. Keys already carry
+RoPE, so nothing is compacted or re-rotated (ED compacts its single kept pair, once per eviction).
+
+Head counts come from the tensors the model hands to ``update`` (under tensor parallelism they are the rank's
+local heads). The cache works only with the "batchmax" attention function (``batchmax_tp.attention``), which
+reads the layer's slot state and adds each query's attention probabilities to the slots it attended.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .policy import Method, eviction_priority, slots_to_evict
+from .schedule import Phase
+
+logger = logging.getLogger(__name__)
+
+# The layer whose ``update`` ran last on this thread, handed to the attention call that follows it in the same
+# attention module (transformers calls ``past_key_values.update`` and then the attention function).
+_handoff = threading.local()
+
+
+def take_updated_layer(key: torch.Tensor) -> BoundedLayer:
+    layer = getattr(_handoff, "layer", None)
+    _handoff.layer = None
+    if layer is None or layer.keys is not key:
+        raise RuntimeError(
+            "the 'batchmax' attention needs past_key_values=BatchMaxCache(...) and a model that passes the cache's "
+            "keys straight to its attention function"
+        )
+    return layer
+
+
+class BoundedLayer(CacheLayerMixin):
+    """One decoder layer's slots: keys/values [B, H, C, D], pos [B, H, C] (int64), score [B, H, C] (float32)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: BatchMaxCache, layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.pos: torch.Tensor | None = None
+        self.score: torch.Tensor | None = None
+        self.filled = 0  # occupied slots per (sample, head), pads included: the same host int for all of them
+        self.seen = 0  # tokens processed so far = padded position of the next token
+        self.free: torch.Tensor | None = None  # [B, H, F] freed slot indices; None: slots [filled, C) are free
+        self.free_ptr = 0
+        self.decoding = False
+        self.new_slots: torch.Tensor | slice | None = None  # where the last update wrote, for the attention call
+
+    # -- transformers' CacheLayerMixin ------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        m = self.cache.method
+        capacity = m.kv_max if m.bounded else self.cache.reserve
+        self._allocate(key_states.shape[0], key_states.shape[1], key_states.shape[-1], value_states.shape[-1], capacity)
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1 if self.cache.method.name == "fkv" else self.cache.method.kv_max
+
+    def reset(self) -> None:
+        self.keys = self.values = self.pos = self.score = None
+        self.is_initialized = False
+        self.filled = self.seen = self.free_ptr = 0
+        self.free, self.decoding, self.new_slots = None, False, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for name in ("keys", "values", "pos", "score", "free"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
+
+    # -- storage ------------------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _allocate(self, batch: int, heads: int, k_dim: int, v_dim: int, capacity: int) -> None:
+        # Zero-filled, never empty(): masked slots still enter the probs @ V product (with weight 0), so they must
+        # hold finite values.
+        kw = dict(dtype=self.dtype, device=self.device)
+        self.keys = torch.zeros(batch, heads, capacity, k_dim, **kw)
+        self.values = torch.zeros(batch, heads, capacity, v_dim, **kw)
+        self.pos = torch.full((batch, heads, capacity), -1, dtype=torch.long, device=self.device)
+        self.score = torch.zeros(batch, heads, capacity, dtype=torch.float32, device=self.device)
+        self.cache.note_capacity()
+
+    def _resize(self, capacity: int) -> None:
+        """Reallocate to ``capacity`` slots keeping the occupied ones; only while slots [0, filled) hold them."""
+        assert self.free is None, "resizing needs a compact layout"
+        old = (self.keys, self.values, self.pos, self.score)
+        B, H, _, Dk = self.keys.shape
+        self._allocate(B, H, Dk, self.values.shape[-1], capacity)
+        n = self.filled
+        for new, prev in zip((self.keys, self.values, self.pos, self.score), old):
+            new[:, :, :n] = prev[:, :, :n]
+
+    def kv_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    # -- eviction -----------------------------------------------------------------------------------------------
+    def evict(self, n: int, curr_id: int) -> None:
+        """Drop ``n`` occupied pairs per (sample, head) by the method's rule; pads and empty slots go first."""
+        method = self.cache.method
+        empty = self.capacity - self.filled
+        priority = eviction_priority(method, self.score, self.pos, curr_id)  # [B, H, C]
+        if method.name == "ed":
+            # Keep only the newest pair: move it to slot 0 and make the rest of the buffer free again.
+            kept = slots_to_evict(-priority, self.pos, self.filled - n)  # [B, H, filled - n]
+            k = kept.shape[-1]
+            for buf in (self.keys, self.values):
+                idx = kept[..., None].expand(-1, -1, -1, buf.shape[-1])  # [B, H, k, D]
+                buf[:, :, :k] = buf.gather(2, idx)
+            for buf in (self.pos, self.score):
+                buf[:, :, :k] = buf.gather(2, kept)
+            self.pos[:, :, k:] = -1
+            self.score[:, :, k:] = 0
+            self.filled, self.free, self.free_ptr = k, None, 0
+            if self.capacity > method.kv_max:
+                self._resize(method.kv_max)
+            return
+        freed = slots_to_evict(priority, self.pos, empty + n)  # [B, H, empty + n]
+        self.pos.scatter_(2, freed, -1)
+        self.score.scatter_(2, freed, 0.0)
+        self.filled -= n
+        self.free, self.free_ptr = freed, 0
+
+    # -- the update called by the attention module ---------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Make room (evicting per the phase), write the block's pairs into free slots, return the full buffers.
+
+        key_states/value_states: [B, H, n, D] (RoPE applied). Returns keys/values [B, H, C, D]; which slots
+        are valid, and at which positions, is in ``self.pos`` (read by the attention function).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.new_slots is not None:
+            raise RuntimeError(
+                "BatchMaxCache was updated twice without the 'batchmax' attention in between: load the model with "
+                "attn_implementation='batchmax' (batchmax_tp.attention.use_batchmax_attention(model))"
+            )
+        n = key_states.shape[2]
+        phase = self.cache.phase
+        if phase is None:  # driven by HF generate: infer the phase from the block itself
+            first_decode = n == 1 and self.seen > 0 and not self.decoding
+            self.decoding = self.decoding or first_decode
+            evict = self.cache.method.num_to_evict(self.filled, n, self.capacity_for(n), first_decode)
+        else:
+            evict = phase.evict
+        if evict:
+            self.evict(evict, curr_id=self.seen - 1)
+
+        if self.free is None:
+            needed = self.filled + n
+            if needed > self.capacity:
+                if self.cache.method.bounded:
+                    raise ValueError(f"a block of {n} tokens does not fit in kv_max={self.cache.method.kv_max}")
+                # Grow geometrically when HF generate drives the cache (the engine reserves the exact size).
+                self._resize(max(needed, self.cache.reserve, 2 * self.capacity))
+            slots = slice(self.filled, needed)
+            self.keys[:, :, slots] = key_states
+            self.values[:, :, slots] = value_states
+            self.pos[:, :, slots] = torch.arange(self.seen, self.seen + n, device=self.device)
+            self.score[:, :, slots] = 0.0
+        else:
+            if self.free_ptr + n > self.free.shape[-1]:
+                raise ValueError(f"a block of {n} tokens does not fit in the {self.free.shape[-1]} freed slots")
+            slots = self.free[..., self.free_ptr : self.free_ptr + n]  # [B, H, n]
+            self.free_ptr += n
+            idx_k = slots[..., None].expand(-1, -1, -1, key_states.shape[-1])  # [B, H, n, Dk]
+            idx_v = slots[..., None].expand(-1, -1, -1, value_states.shape[-1])  # [B, H, n, Dv]
+            self.keys.scatter_(2, idx_k, key_states)
+            self.values.scatter_(2, idx_v, value_states)
+            new_pos = torch.arange(self.seen, self.seen + n, device=self.device).expand_as(slots)  # [B, H, n]
+            self.pos.scatter_(2, slots, new_pos)
+            self.score.scatter_(2, slots, 0.0)
+        self.filled += n
+        self.seen += n
+        self.new_slots = slots
+        _handoff.layer = self
+        return self.keys, self.values
+
+    def capacity_for(self, n: int) -> int:
+        """The slot budget that eviction decisions are made against (HF-generate path, no explicit phase)."""
+        m = self.cache.method
+        if m.name == "bm":
+            return m.kv_max
+        return max(self.capacity, self.filled + n)
+
+    def mark_pads(self, token_mask: torch.Tensor) -> None:
+        """Invalidate the slots just written for pad tokens. token_mask: [B, n] bool, True for real tokens."""
+        slots = self.new_slots
+        self.new_slots = None
+        if token_mask is None:
+            return
+        if isinstance(slots, slice):
+            self.pos[:, :, slots].masked_fill_(~token_mask[:, None, :], -1)
+        else:
+            cur = self.pos.gather(2, slots)  # [B, H, n]
+            self.pos.scatter_(2, slots, cur.masked_fill(~token_mask[:, None, :], -1))
+
+    def kept_positions(self) -> list[list[list[int]]]:
+        """Sorted real positions held, per sample and local KV head (host copy; for tests and inspection)."""
+        pos = self.pos.cpu()
+        return [[sorted(p for p in row.tolist() if p >= 0) for row in sample] for sample in pos]
+
+
+class BatchMaxCache(Cache):
+    """KV cache bounded by ``method.kv_max`` pairs per (sample, KV head) during prefill and decoding.
+
+    Use it through ``batchmax_tp.engine.generate`` (Algorithm 1's block schedule) or as a drop-in
+    ``model.generate(..., past_key_values=BatchMaxCache(method))`` on a model whose attention implementation is
+    "batchmax"; HF's generate prefills the whole prompt in one block, so a prompt longer than ``kv_max`` needs
+    ``prefill_chunk_size=p`` (identical to Algorithm 1 when ``kv_max`` is a multiple of ``p``).
+
+    ``reserve`` preallocates that many slots for FKV/ED so their prefill does not reallocate.
+    """
+
+    def __init__(self, method: Method, num_layers: int | None = None, reserve: int = 0):
+        self.method = method
+        self.reserve = reserve
+        self.phase: Phase | None = None
+        self.peak_kv_bytes = 0
+        if num_layers is None:
+            super().__init__(layers=None, layer_class_to_replicate=self._new_layer)
+        else:
+            super().__init__(layers=[BoundedLayer(self, i) for i in range(num_layers)])
+
+    def _new_layer(self) -> BoundedLayer:
+        return BoundedLayer(self, len(self.layers))
+
+    def begin(self, phase: Phase | None) -> None:
+        """State the phase of the next forward pass (the engine does; HF generate leaves it None)."""
+        self.phase = phase
+
+    def note_capacity(self) -> None:
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
+
+    def kv_bytes(self) -> int:
+        """Bytes of the K/V buffers allocated now (all layers)."""
+        return sum(layer.kv_bytes() for layer in self.layers)
+
+    def meta_bytes(self) -> int:
+        """Bytes of the per-slot bookkeeping (positions and attention sums)."""
+        return sum(
+            layer.pos.numel() * layer.pos.element_size() + layer.score.numel() * layer.score.element_size()
+            for layer in self.layers
+            if layer.pos is not None
+        )
+
+    def kept_positions(self) -> list[list[list[list[int]]]]:
+        """Per layer, sample and local KV head: the sorted positions of the pairs held."""
+        return [layer.kept_positions() for layer in self.layers]

@@ -1,0 +1,108 @@
+"""Eviction methods: Batch-Max (BM), extreme decoding-only (ED) and the full cache (FKV).
+
+A method is a small validated dataclass. Scoring is pure tensor math on one cache layer's slot state:
+``score() -> sort -> the first n slots are evicted``. Lower scores are evicted first; empty and pad slots score
+``-inf``; exact score ties evict the older pair (smaller position) first, so the kept set is deterministic and
+identical on every tensor-parallel rank that holds the same head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+METHODS = ("bm", "ed", "fkv")
+
+
+@dataclass(frozen=True)
+class Method:
+    """What to keep in a bounded KV cache.
+
+    - ``bm``: Batch-Max (paper, Algorithm 1 + average attention). The cache never holds more than ``kv_max``
+      pairs per (sample, KV head), during prefill too; ``p`` pairs are evicted whenever a block does not fit.
+    - ``ed``: extreme decoding-only eviction (Algorithm 3): the whole prompt is prefilled at once, then only
+      the newest pair is kept, and again whenever the cache reaches ``kv_max`` pairs.
+    - ``fkv``: full cache, never evicts (``kv_max`` is ignored).
+    """
+
+    name: str
+    kv_max: int | None = None
+    p: int = 64
+
+    def __post_init__(self) -> None:
+        if self.name not in METHODS:
+            raise ValueError(f"unknown method {self.name!r}: choose one of {', '.join(METHODS)}")
+        if not isinstance(self.p, int) or self.p < 1:
+            raise ValueError(f"p must be an integer >= 1, got {self.p!r}")
+        if self.name == "fkv":
+            return
+        if not isinstance(self.kv_max, int):
+            raise ValueError(f"kv_max must be an integer for method {self.name!r}, got {self.kv_max!r}")
+        if self.name == "bm" and self.kv_max <= self.p:
+            raise ValueError(f"kv_max must be > p for method 'bm', got kv_max={self.kv_max} p={self.p}")
+        if self.name == "ed" and self.kv_max < 2:
+            raise ValueError(f"kv_max must be >= 2 for method 'ed', got {self.kv_max}")
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the prefill itself is bounded by ``kv_max`` (only BM)."""
+        return self.name == "bm"
+
+    def label(self) -> str:
+        return self.name if self.name == "fkv" else f"{self.name}(kv_max={self.kv_max}, p={self.p})"
+
+    def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
+        """How many pairs to evict before writing ``incoming`` new pairs into a cache holding ``filled``.
+
+        This is the one place where the schedule's eviction decision is made (the cache calls it per layer,
+        the schedule calls it to state each phase): it depends only on host integers shared by every layer and
+        every rank, so all of them evict at the same steps.
+        """
+        if self.name == "fkv":
+            return 0
+        if self.name == "ed":
+            # Algorithm 3: after the prompt and whenever |kv| reached kv_max, keep only the newest pair.
+            return filled - 1 if (first_decode or filled >= self.kv_max) and filled > 1 else 0
+        # Algorithm 1: remove p pairs before a block or decode step that does not fit.
+        if filled + incoming > capacity:
+            if incoming > self.p:
+                raise ValueError(
+                    f"a block of {incoming} tokens does not fit in a Batch-Max cache of kv_max={capacity} even "
+                    f"after evicting p={self.p}: feed prompts in blocks of at most p tokens after the first "
+                    f"(batchmax_tp.engine.generate does; with HF generate pass prefill_chunk_size=p)"
+                )
+            return min(self.p, filled)
+        return 0
+
+
+def average_attention(score: torch.Tensor, pos: torch.Tensor, curr_id: int) -> torch.Tensor:
+    """The paper's eviction score: attention received / number of queries that could attend to the pair.
+
+    score: [B, H, C] float32 summed attention weights; pos: [B, H, C] padded-sequence positions, -1 for empty
+    or pad slots; curr_id: the last position already processed. Returns [B, H, C], ``-inf`` for empty slots.
+    """
+    valid = pos >= 0
+    count = (curr_id + 1 - pos).clamp(min=1).to(score.dtype)
+    return torch.where(valid, score / count, float("-inf"))
+
+
+def newest_first(score: torch.Tensor, pos: torch.Tensor, curr_id: int) -> torch.Tensor:
+    """ED's rule: keep the most recent pair; the score is the position itself (empty slots -1)."""
+    return pos.to(torch.float32)
+
+
+def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices [B, H, n] of the ``n`` slots with the smallest ``(priority, position)``.
+
+    Two stable sorts give the lexicographic order: first by position, then by priority, so exact priority ties
+    evict the older pair first and the result does not depend on the slot layout.
+    """
+    by_pos = pos.argsort(dim=-1, stable=True)  # [B, H, C]
+    order = priority.gather(-1, by_pos).argsort(dim=-1, stable=True)  # [B, H, C]
+    return by_pos.gather(-1, order[..., :n])  # [B, H, n]
+
+
+def eviction_priority(method: Method, score: torch.Tensor, pos: torch.Tensor, curr_id: int) -> torch.Tensor:
+    rule = newest_first if method.name == "ed" else average_attention
+    return rule(score, pos, curr_id)

@@ -1,0 +1,80 @@
+"""The block/step schedule of Algorithm 1 (BM) and Algorithm 3 (ED), stated phase by phase.
+
+The schedule depends only on host integers (padded prompt length, kv_max, p, max_new_tokens), never on tensor
+values, so every layer, every sample and every tensor-parallel rank runs the same phases and evicts at the same
+points.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .policy import Method
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One forward pass: a prefill block or a decode step.
+
+    ``start``/``end`` are padded-sequence positions ``[start, end)`` fed in this pass; ``evict`` is how many
+    pairs each (sample, KV head) drops before the pass; ``step`` is the decode step t (1-based, 0 in prefill).
+    """
+
+    kind: Literal["prefill", "decode"]
+    start: int
+    end: int
+    evict: int
+    step: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def curr_id(self) -> int:
+        """The last position already processed when this phase's eviction is decided."""
+        return self.start - 1
+
+
+def capacity(method: Method, prompt_len: int, max_new_tokens: int) -> int:
+    """Slots each (sample, KV head) needs at its largest: kv_max for BM, the prompt for ED, everything for FKV."""
+    if method.name == "bm":
+        return method.kv_max
+    if method.name == "ed":
+        return max(method.kv_max, prompt_len)
+    return prompt_len + max(max_new_tokens - 1, 0)
+
+
+def prefill_blocks(method: Method, prompt_len: int) -> list[tuple[int, int]]:
+    """Algorithm 1: first block ``min(s, kv_max)`` tokens, then blocks of ``p``; ED and FKV: one block."""
+    if method.name != "bm":
+        return [(0, prompt_len)]
+    t1 = min(prompt_len, method.kv_max)
+    blocks = [(0, t1)]
+    while t1 < prompt_len:
+        t0, t1 = t1, min(prompt_len, t1 + method.p)
+        blocks.append((t0, t1))
+    return blocks
+
+
+def plan(method: Method, prompt_len: int, max_new_tokens: int) -> list[Phase]:
+    """Every forward pass of a generation of ``max_new_tokens`` tokens from a padded prompt of ``prompt_len``.
+
+    The first token comes from the last prefill block; decode step t (1..max_new_tokens-1) feeds the token at
+    position ``prompt_len + t - 1``.
+    """
+    if prompt_len < 1:
+        raise ValueError("prompt must have at least one token")
+    cap = capacity(method, prompt_len, max_new_tokens)
+    phases, filled = [], 0
+    for start, end in prefill_blocks(method, prompt_len):
+        evict = method.num_to_evict(filled, end - start, cap, first_decode=False)
+        filled += end - start - evict
+        phases.append(Phase("prefill", start, end, evict))
+    for t in range(1, max_new_tokens):
+        pos = prompt_len + t - 1
+        evict = method.num_to_evict(filled, 1, cap, first_decode=t == 1)
+        filled += 1 - evict
+        phases.append(Phase("decode", pos, pos + 1, evict, step=t))
+    return phases
