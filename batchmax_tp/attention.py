@@ -48,24 +48,28 @@ def batchmax_attention(
     slot_pos = layer.pos  # [B, Hkv, C]
     valid = slot_pos >= 0  # [B, Hkv, C]
     first = layer.seen - n  # padded position of the block's first query
-    q = query.view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head
+    q = (query * scaling).view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head
 
     chunk = max(1, SCORE_CHUNK_BYTES // (4 * B * Hq * C))
     outputs = []
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
         qc = q[:, :, :, a:b].reshape(B, Hkv, g * (b - a), D)  # [B, Hkv, g*m, D]
-        logits = torch.matmul(qc, key.transpose(2, 3)).float() * scaling  # [B, Hkv, g*m, C]
+        logits = torch.matmul(qc, key.transpose(2, 3)).float()  # [B, Hkv, g*m, C]
         logits = logits.view(B, Hkv, g, b - a, C)  # [B, Hkv, g, m, C]
-        qpos = torch.arange(first + a, first + b, device=query.device)  # [m]
-        visible = valid[:, :, None, :] & (slot_pos[:, :, None, :] <= qpos[:, None])  # [B, Hkv, m, C]
+        if n == 1:  # a decode step: every kept slot precedes the query
+            visible = valid[:, :, None, :]  # [B, Hkv, 1, C]
+        else:
+            qpos = torch.arange(first + a, first + b, device=query.device)  # [m]
+            visible = valid[:, :, None, :] & (slot_pos[:, :, None, :] <= qpos[:, None])  # [B, Hkv, m, C]
         # A pad query sees no slot at all; a finite fill keeps its row finite (its weights are dropped below).
         logits = logits.masked_fill(~visible[:, :, None], torch.finfo(torch.float32).min)
         probs = torch.softmax(logits, dim=-1)  # [B, Hkv, g, m, C]
-        received = probs.sum(dim=2)  # [B, Hkv, m, C]
-        if token_mask is not None:
-            received = received * token_mask[:, None, a:b, None]  # pad queries add nothing
-        layer.score += received.sum(dim=2)  # [B, Hkv, C]
+        with torch.profiler.record_function("batchmax::score"):
+            received = probs.sum(dim=2)  # [B, Hkv, m, C]
+            if token_mask is not None:
+                received = received * token_mask[:, None, a:b, None]  # pad queries add nothing
+            layer.score += received.sum(dim=2)  # [B, Hkv, C]
         out = torch.matmul(probs.view(B, Hkv, g * (b - a), C).to(value.dtype), value)  # [B, Hkv, g*m, D]
         outputs.append(out.view(B, Hq, b - a, D))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, n, D]

@@ -121,6 +121,10 @@ class BoundedLayer(CacheLayerMixin):
     # -- eviction -----------------------------------------------------------------------------------------------
     def evict(self, n: int, curr_id: int) -> None:
         """Drop ``n`` occupied pairs per (sample, head) by the method's rule; pads and empty slots go first."""
+        with torch.profiler.record_function("batchmax::evict"):
+            self._evict(n, curr_id)
+
+    def _evict(self, n: int, curr_id: int) -> None:
         method = self.cache.method
         empty = self.capacity - self.filled
         priority = eviction_priority(method, self.score, self.pos, curr_id)  # [B, H, C]

@@ -87,7 +87,6 @@ def generate(
     cache = BatchMaxCache(method, num_layers=model.config.num_hidden_layers, reserve=capacity(method, s, max_new_tokens))
     real_pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, s] RoPE positions (pads counted out)
     token_mask = attention_mask.bool()  # [B, s]
-    ones = torch.ones(B, 1, dtype=torch.bool, device=device)  # [B, 1] generated tokens are never pads
 
     warpers, gen = None, None
     if do_sample:
@@ -143,7 +142,7 @@ def generate(
             cache.begin(phase)
             out = model(
                 input_ids=next_input,
-                attention_mask=ones,
+                attention_mask=None,  # generated tokens are never pads
                 position_ids=next_pos,
                 past_key_values=cache,
                 use_cache=True,
