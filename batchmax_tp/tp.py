@@ -1,0 +1,186 @@
+"""Tensor parallelism: DeepSpeed inference AutoTP applied to an unchanged HF model, from any launcher.
+
+AutoTP splits attention heads (and MLP columns) across the ranks of a tensor-parallel group. The Batch-Max cache
+sizes its buffers from the key tensors it receives, so each rank holds and evicts only its own KV heads: eviction
+needs no communication. Every rank runs the same schedule (it depends only on host integers derived from the
+shared inputs), so the all-reduces AutoTP inserts stay in lock-step.
+
+Launchers: ``deepspeed`` (env + ``--local_rank``), ``torchrun`` (env), MPI (``mpirun``/``mpiexec``: DeepSpeed's
+MPI discovery through mpi4py) and SLURM (``srun``: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID mapped to RANK/
+WORLD_SIZE/LOCAL_RANK when those are absent). A plain ``python`` run is a world of one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# A rank that dies must not leave the others waiting forever in a collective.
+DEFAULT_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits: ``world = dp * tp``; replica r owns ranks ``[r*tp, (r+1)*tp)``."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launcher_env() -> dict[str, str]:
+    """RANK/WORLD_SIZE/LOCAL_RANK as set by deepspeed/torchrun, else mapped from SLURM or MPI variables."""
+    env = {}
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return env
+    for ours, theirs in (
+        ("RANK", ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")),
+        ("WORLD_SIZE", ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")),
+        ("LOCAL_RANK", ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK")),
+    ):
+        for name in theirs:
+            if name in os.environ:
+                env[ours] = os.environ[name]
+                break
+    return env
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, world, local_rank) the launcher announced, without initialising anything."""
+    env = {**os.environ, **launcher_env()}
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def check_tp_size(tp: int, world: int, num_kv_heads: int) -> None:
+    """Reject layouts AutoTP cannot serve, before any weight is loaded."""
+    if tp < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp}")
+    if world % tp:
+        raise ValueError(f"world size {world} is not a multiple of tp_size {tp}")
+    if tp > num_kv_heads:
+        raise ValueError(f"tp_size {tp} exceeds the model's {num_kv_heads} KV heads: every rank needs one")
+
+
+def init_distributed(tp: int, device: str = "cpu", timeout_s: int = DEFAULT_TIMEOUT_S) -> Layout:
+    """Initialise torch.distributed (through DeepSpeed) from whichever launcher started us; returns the layout.
+
+    World of one: nothing is initialised. CPU uses gloo, CUDA nccl; on CUDA the process binds to LOCAL_RANK.
+    """
+    os.environ.update(launcher_env())
+    rank, world, local_rank = world_from_env()
+    if world == 1 and "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
+        return Layout(tp=tp)
+    import deepspeed
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend="nccl" if device.startswith("cuda") else "gloo",
+            auto_mpi_discovery=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            verbose=False,
+        )
+    layout = Layout(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, tp=tp)
+    if layout.world % tp:
+        raise ValueError(f"world size {layout.world} is not a multiple of tp_size {tp}")
+    if not layout.is_main:
+        logging.getLogger("batchmax_tp").setLevel(logging.WARNING)
+    return layout
+
+
+def route_inference_all_reduce_to_torch() -> None:
+    """On CPU, make DeepSpeed's ``inference_all_reduce`` use ``torch.distributed.all_reduce``.
+
+    DeepSpeed prefers its shared-memory CPU kernel when the CPU supports it; that kernel segfaults on our CPU
+    machines. Its backend falls back to ``torch.distributed.all_reduce`` when the detected vector level is 0, so
+    we set that level; nothing else changes. Applied on CPU only.
+    """
+    import deepspeed.comm.comm as ds_comm
+
+    if ds_comm.cdb is not None:
+        ds_comm.cdb.shm_vector_kernel_level = 0
+
+
+class ModelParallelUnit:
+    """The ``mpu`` DeepSpeed asks for: this rank's TP group (its replica) and DP group (same TP rank, all replicas).
+
+    Every rank must construct it (``new_group`` is collective); ranks of replica r are ``[r*tp, (r+1)*tp)``.
+    """
+
+    def __init__(self, layout: Layout):
+        import torch.distributed as dist
+
+        self.layout = layout
+        for r in range(layout.dp):
+            group = dist.new_group(list(range(r * layout.tp, (r + 1) * layout.tp)))
+            if r == layout.replica:
+                self.tp_group = group
+        for t in range(layout.tp):
+            group = dist.new_group(list(range(t, layout.world, layout.tp)))
+            if t == layout.tp_rank:
+                self.dp_group = group
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.layout.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.layout.tp
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.layout.replica
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.layout.dp
+
+
+def apply_tensor_parallel(model: torch.nn.Module, layout: Layout, dtype: torch.dtype) -> torch.nn.Module:
+    """Split ``model``'s heads over this replica's TP group with AutoTP (no kernel injection); returns the model."""
+    if layout.tp == 1:
+        return model
+    import deepspeed
+
+    check_tp_size(layout.tp, layout.world, model.config.num_key_value_heads)
+    if next(model.parameters()).device.type == "cpu":
+        route_inference_all_reduce_to_torch()
+    mpu = ModelParallelUnit(layout)
+    # DeepSpeed reads the group from ``mpu`` in its engine and from ``tp_group`` when slicing layers: pass both.
+    engine = deepspeed.init_inference(
+        model,
+        tensor_parallel={"tp_size": layout.tp, "mpu": mpu, "tp_group": mpu.tp_group},
+        dtype=dtype,
+        replace_with_kernel_inject=False,
+    )
+    return engine.module
