@@ -1,0 +1,378 @@
+"""Run configuration: one validated dataclass, layered defaults -> YAML (``--config FILE``) -> CLI flags.
+
+YAML keys use underscores (``batch_size``), CLI flags use dashes (``--batch-size``). Every problem is reported
+as a :class:`ConfigError` with a one-line message that starts with the offending key, e.g.
+``kv_max: kv_max must be > p for method 'bm', got kv_max=64 p=64``.
+
+This module imports nothing heavy at import time: ``batchmax_tp.models`` (for the default model id) and
+``batchmax_tp.policy`` (for the method rules) are imported only when a config is validated, and nothing here
+loads a model or writes a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "RunConfig",
+    "DEFAULT_KV_MAX",
+    "DTYPES",
+    "LOG_LEVELS",
+    "build_parser",
+    "load_yaml",
+    "parse_args",
+    "resolve_device",
+]
+
+#: Per-method cache size used when ``kv_max`` is null (fkv has none).
+DEFAULT_KV_MAX: dict[str, int | None] = {"bm": 512, "ed": 2, "fkv": None}
+DTYPES = ("float32", "float16", "bfloat16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error naming the offending key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        message = " ".join(str(message).split())  # always one line
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+def _embedded_model() -> str:
+    return importlib.import_module("batchmax_tp.models").EMBEDDED_MODEL
+
+
+# Field name -> (accepted python types, nullable). bool is never accepted where int/float is expected.
+_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
+    "model": ((str,), True),  # null = the embedded model
+    "methods": ((list,), False),
+    "kv_max": ((int,), True),
+    "p": ((int,), False),
+    "batch_size": ((int,), False),
+    "max_new_tokens": ((int,), False),
+    "ignore_eos": ((bool,), False),
+    "data": ((str,), True),
+    "num_samples": ((int,), True),
+    "out": ((str,), False),
+    "dtype": ((str,), False),
+    "device": ((str,), False),
+    "seed": ((int,), False),
+    "do_sample": ((bool,), False),
+    "temperature": ((int, float), False),
+    "top_k": ((int,), False),
+    "top_p": ((int, float), False),
+    "log_level": ((str,), False),
+}
+
+_TYPE_NAMES = {str: "a string", list: "a list", int: "an integer", bool: "a boolean (true/false)"}
+
+
+def _type_name(types: tuple[type, ...], nullable: bool) -> str:
+    name = "a number" if float in types else _TYPE_NAMES[types[0]]
+    return f"{name} or null" if nullable else name
+
+
+def _check_type(key: str, value: Any) -> None:
+    types, nullable = _TYPES[key]
+    if value is None:
+        if nullable:
+            return
+        raise ConfigError(key, f"must be {_type_name(types, nullable)}, got null")
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok:
+        raise ConfigError(key, f"must be {_type_name(types, nullable)}, got {type(value).__name__} {value!r}")
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``launch/run.py`` invocation needs. Construction validates (raises :class:`ConfigError`)."""
+
+    model: str | None = None  #: HF model id or local path; null -> ``batchmax_tp.models.EMBEDDED_MODEL``
+    methods: list[str] = field(default_factory=lambda: ["fkv", "ed", "bm"])
+    kv_max: int | None = None  #: bm/ed cache size per (sample, KV head); null -> DEFAULT_KV_MAX
+    p: int = 64  #: BM eviction amount / prefill block size
+    batch_size: int = 4
+    max_new_tokens: int = 64
+    ignore_eos: bool = True  #: always generate max_new_tokens (throughput runs)
+    data: str | None = None  #: JSONL path; null -> the embedded fixture
+    num_samples: int | None = None  #: first N samples of the file; null -> all
+    out: str = "results/default"
+    dtype: str = "float32"
+    device: str = "auto"  #: auto = cuda if available, else cpu
+    seed: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  #: 0 = disabled
+    top_p: float = 1.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.methods, str):
+            self.methods = [self.methods]
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name))
+        if isinstance(self.temperature, int):
+            self.temperature = float(self.temperature)
+        if isinstance(self.top_p, int):
+            self.top_p = float(self.top_p)
+        self.log_level = self.log_level.upper()
+        if self.model is None:
+            self.model = _embedded_model()
+        self._validate()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        if not self.model.strip():
+            raise ConfigError("model", "must not be empty")
+        if not self.methods:
+            raise ConfigError("methods", "must name at least one method")
+        for m in self.methods:
+            if not isinstance(m, str):
+                raise ConfigError("methods", f"entries must be strings, got {type(m).__name__} {m!r}")
+        dup = sorted({m for m in self.methods if self.methods.count(m) > 1})
+        if dup:
+            raise ConfigError("methods", f"duplicate method(s) {', '.join(dup)}")
+        if self.batch_size < 1:
+            raise ConfigError("batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.max_new_tokens < 1:
+            raise ConfigError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.num_samples is not None and self.num_samples < 1:
+            raise ConfigError("num_samples", f"must be >= 1 or null (all), got {self.num_samples}")
+        if self.kv_max is not None and self.kv_max < 1:
+            raise ConfigError("kv_max", f"must be >= 1 or null (per-method default), got {self.kv_max}")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not _DEVICE_RE.match(self.device):
+            raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.temperature <= 0:
+            raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError("top_k", f"must be >= 0 (0 = disabled), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not self.out.strip():
+            raise ConfigError("out", "must not be empty")
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise ConfigError("out", f"exists and is not a directory: {self.out}")
+        if self.data is not None and not os.path.isfile(self.data):
+            raise ConfigError("data", f"file not found: {self.data}")
+        self.method_specs()  # the method rules live in policy.Method; check them now, before any model loads
+
+    # ------------------------------------------------------------------ methods
+    def kv_max_for(self, name: str) -> int | None:
+        """The cache size method ``name`` runs with: ``kv_max`` if set (bm/ed), else the per-method default."""
+        if name == "fkv":
+            return None
+        return self.kv_max if self.kv_max is not None else DEFAULT_KV_MAX.get(name)
+
+    def method_specs(self) -> list:
+        """One ``batchmax_tp.policy.Method`` per entry of ``methods``; errors name the key that caused them."""
+        Method = importlib.import_module("batchmax_tp.policy").Method
+        specs = []
+        for name in self.methods:
+            try:
+                specs.append(Method(name, kv_max=self.kv_max_for(name), p=self.p))
+            except ValueError as err:
+                hint = ""
+                if self.kv_max is None and DEFAULT_KV_MAX.get(name) is not None and self._p_alone_ok(Method):
+                    hint = f" (kv_max null = the {name} default {DEFAULT_KV_MAX[name]}; set kv_max explicitly)"
+                raise ConfigError(self._blame(Method, name), f"{err}{hint}") from None
+        return specs
+
+    def _p_alone_ok(self, Method) -> bool:
+        try:
+            Method("fkv", p=self.p)
+        except ValueError:
+            return False
+        return True
+
+    def _blame(self, Method, name: str) -> str:
+        """Which key made ``Method(name, ...)`` fail, found by retrying with defaults (Method owns the rules)."""
+        try:
+            Method(name, kv_max=DEFAULT_KV_MAX.get(name), p=64)
+        except ValueError:
+            return "methods"
+        try:
+            Method(name, kv_max=DEFAULT_KV_MAX.get(name), p=self.p)
+        except ValueError:
+            # p alone is invalid, or p is too large for the default kv_max (then kv_max is the fix only if set).
+            if self.kv_max is None:
+                return "p"
+            try:
+                Method(name, kv_max=self.kv_max, p=64)
+            except ValueError:
+                return "kv_max"
+            return "p"
+        return "kv_max"
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> "RunConfig":
+        """Build from a YAML-style mapping (unknown keys rejected; ``method: bm`` is accepted for one method)."""
+        return cls(**_normalise_mapping(data, source))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "RunConfig":
+        return cls.from_dict(load_yaml(path), source=str(path))
+
+
+def _normalise_mapping(data: Any, source: str) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{source}: top level must be a mapping of keys, got {type(data).__name__}")
+    data = dict(data)
+    known = RunConfig.keys()
+    for key in data:
+        if key == "method":
+            continue
+        if key not in known:
+            hint = f" (did you mean {key.replace('-', '_')}?)" if key.replace("-", "_") in known else ""
+            raise ConfigError(str(key), f"unknown key in {source}{hint}; known keys: method, {', '.join(known)}")
+    if "method" in data:
+        if "methods" in data:
+            raise ConfigError("method", f"give either method or methods in {source}, not both")
+        method = data.pop("method")
+        if not isinstance(method, str):
+            raise ConfigError("method", f"must be a string (use methods: [...] for several), got {method!r}")
+        data["methods"] = [method]
+    for key, value in data.items():
+        if key == "methods" and isinstance(value, str):
+            continue
+        _check_type(key, value)
+    return data
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML config file into a plain dict (empty file -> {}). Errors are one line, keyed ``config``."""
+    if not os.path.isfile(path):
+        raise ConfigError("config", f"file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError("config", f"cannot parse {path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path}: top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+# ---------------------------------------------------------------------- CLI
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError("", message)
+
+
+def _bool_flag(parser, name: str, help: str) -> None:
+    dest = name.replace("-", "_")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(f"--{name}", dest=dest, action="store_true", default=argparse.SUPPRESS, help=help)
+    group.add_argument(f"--no-{name}", dest=dest, action="store_false", default=argparse.SUPPRESS)
+
+
+def _int_or_null(text: str) -> int | None:
+    if text.lower() in ("null", "none", "default", "all"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or null, got {text!r}") from None
+
+
+def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
+    S = argparse.SUPPRESS  # only flags actually given override the YAML / defaults
+    p = _Parser(
+        prog=prog,
+        description="Batched generation with Batch-Max (bm), extreme decoding-only (ed) or full-cache (fkv) "
+        "KV caches. Settings layer: built-in defaults -> --config YAML -> these flags.",
+        argument_default=S,
+        allow_abbrev=False,
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML file with any of the keys below (underscores)")
+    p.add_argument("--model", help="HF model id or local path (default: the embedded SmolLM2)")
+    p.add_argument(
+        "--method",
+        dest="methods",
+        action="append",
+        metavar="{bm,ed,fkv}",
+        help="method to run; repeat (or comma-separate) for several (default: fkv, ed, bm)",
+    )
+    p.add_argument("--kv-max", type=_int_or_null, metavar="N|null",
+                   help="bm/ed KV pairs per (sample, KV head) (default null: bm 512, ed 2)")
+    p.add_argument("--p", type=int, metavar="N", help="BM eviction amount / prefill block (default 64)")
+    p.add_argument("--batch-size", type=int, metavar="N", help="samples per batch (default 4)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate per sample (default 64)")
+    _bool_flag(p, "ignore-eos", "keep generating past EOS (default on; --no-ignore-eos stops at EOS)")
+    p.add_argument("--data", metavar="JSONL", help="samples file (default: the embedded fixture)")
+    p.add_argument("--num-samples", type=_int_or_null, metavar="N|null",
+                   help="use the first N samples (default all)")
+    p.add_argument("--out", metavar="DIR", help="output directory (default results/default)")
+    p.add_argument("--dtype", metavar="|".join(DTYPES), help="model dtype (default float32)")
+    p.add_argument("--device", metavar="auto|cpu|cuda", help="default auto = cuda if available")
+    p.add_argument("--seed", type=int, metavar="N", help="random seed (default 0)")
+    _bool_flag(p, "do-sample", "sample instead of greedy decoding (default off)")
+    p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default 1.0)")
+    p.add_argument("--top-k", type=int, metavar="K", help="top-k sampling, 0 = off (default 0)")
+    p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, 1.0 = off (default 1.0)")
+    p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ... (default INFO)")
+    # Passed by the deepspeed / torch.distributed launchers; accepted and ignored (LOCAL_RANK env is used).
+    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, help=S)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
+    """defaults -> ``--config`` YAML -> CLI flags, validated. Raises :class:`ConfigError` (one line)."""
+    args = vars(build_parser().parse_args(argv))
+    args.pop("local_rank", None)
+    config_path = args.pop("config", None)
+    merged: dict[str, Any] = {}
+    if config_path is not None:
+        merged.update(_normalise_mapping(load_yaml(config_path), str(config_path)))
+    if "methods" in args:
+        methods = [m.strip() for item in args["methods"] for m in item.split(",") if m.strip()]
+        if not methods:
+            raise ConfigError("method", "--method needs a method name (bm, ed or fkv)")
+        args["methods"] = methods
+    merged.update(args)
+    return RunConfig(**merged)
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` if available else ``cpu``; a cuda request without CUDA is a ConfigError."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device", f"{device} requested but torch.cuda.is_available() is False")
+    return device

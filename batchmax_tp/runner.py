@@ -1,0 +1,301 @@
+"""The reusable parts of ``launch/run.py``: batching, decoding, aggregation, result files and the table.
+
+``run_method`` takes the ``generate`` function as a parameter (default: ``batchmax_tp.engine.generate``) so
+tests can drive it with a fake engine. Every file is written atomically (temp file + rename), so an
+interrupted run never leaves a half-written result behind.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MethodRun",
+    "atomic_write_text",
+    "batched",
+    "aggregate",
+    "cut_at_eos",
+    "format_table",
+    "method_out_dir",
+    "run_method",
+    "summary_row",
+    "utc_now",
+    "write_config",
+    "write_method_results",
+    "write_table",
+]
+
+
+# ---------------------------------------------------------------------- small helpers
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def batched(items: Sequence[Any], batch_size: int) -> Iterator[list[Any]]:
+    """Consecutive batches of ``batch_size`` items in order; the last one may be smaller."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for start in range(0, len(items), batch_size):
+        yield list(items[start : start + batch_size])
+
+
+def _eos_ids(eos_token_id: int | Iterable[int] | None) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(t) for t in eos_token_id}
+
+
+def cut_at_eos(tokens: Sequence[int], num_generated: int, eos_token_id: int | Iterable[int] | None) -> list[int]:
+    """The first ``num_generated`` tokens, cut before the first EOS token (the EOS itself is dropped)."""
+    eos = _eos_ids(eos_token_id)
+    out: list[int] = []
+    for tok in list(tokens)[: int(num_generated)]:
+        if int(tok) in eos:
+            break
+        out.append(int(tok))
+    return out
+
+
+def _to_list(x: Any) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+# ---------------------------------------------------------------------- aggregation
+@dataclass
+class MethodRun:
+    """What one method produced over all batches (before it is turned into a summary)."""
+
+    method: str
+    kv_max: int | None
+    p: int
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    peak_kv_bytes: int = 0
+    num_batches: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)
+    started_at: str = ""
+    finished_at: str = ""
+    wall_s: float = 0.0
+
+    def add_batch(self, result: Any) -> None:
+        """Fold one engine result (``.num_generated``, ``.prefill_s``, ``.decode_s``, ``.peak_kv_bytes``) in."""
+        self.generated_tokens += int(sum(int(n) for n in _to_list(result.num_generated)))
+        self.prefill_s += float(result.prefill_s)
+        self.decode_s += float(result.decode_s)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, int(result.peak_kv_bytes))
+        self.num_batches += 1
+
+
+def aggregate(run: MethodRun) -> dict[str, Any]:
+    """Throughput and accuracy numbers of a finished :class:`MethodRun`."""
+    total_s = run.prefill_s + run.decode_s
+    checked = [r["correct"] for r in run.records if r.get("correct") is not None]
+    num_correct = sum(1 for c in checked if c)
+    return {
+        "num_samples": len(run.records),
+        "num_batches": run.num_batches,
+        "generated_tokens": run.generated_tokens,
+        "prefill_s": run.prefill_s,
+        "decode_s": run.decode_s,
+        "total_s": total_s,
+        "tokens_per_s": run.generated_tokens / total_s if total_s > 0 else None,
+        "peak_kv_bytes": run.peak_kv_bytes,
+        "peak_kv_mib": run.peak_kv_bytes / 2**20,
+        "num_checked": len(checked),
+        "num_correct": num_correct,
+        "accuracy": num_correct / len(checked) if checked else None,
+    }
+
+
+def summary_row(run: MethodRun, cfg: Any, *, tp_size: int = 1) -> dict[str, Any]:
+    """The ``summary.json`` object of one method."""
+    summary: dict[str, Any] = {
+        "method": run.method,
+        "model": cfg.model,
+        "batch_size": cfg.batch_size,
+        "kv_max": run.kv_max,
+        "p": run.p,
+        "tp_size": tp_size,
+        "max_new_tokens": cfg.max_new_tokens,
+        "ignore_eos": cfg.ignore_eos,
+        "do_sample": cfg.do_sample,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "data": cfg.data,
+    }
+    summary.update(aggregate(run))
+    summary.update({"started_at": run.started_at, "finished_at": run.finished_at, "wall_s": run.wall_s})
+    return summary
+
+
+# ---------------------------------------------------------------------- one method
+def _default_generate() -> Callable[..., Any]:
+    return importlib.import_module("batchmax_tp.engine").generate
+
+
+def run_method(
+    model: Any,
+    tokenizer: Any,
+    samples: Sequence[Any],
+    method: Any,
+    cfg: Any,
+    *,
+    generate_fn: Callable[..., Any] | None = None,
+    encode_fn: Callable[..., Any] | None = None,
+    is_correct_fn: Callable[[str, Any], bool | None] | None = None,
+    progress: bool | None = None,
+) -> MethodRun:
+    """Generate for every sample with ``method`` (a ``policy.Method``) in batches of ``cfg.batch_size``.
+
+    Samples are batched in file order, encoded (chat template, left padding), generated with the engine,
+    decoded up to the first EOS and checked against their reference.
+    """
+    from tqdm.auto import tqdm
+
+    tasks = importlib.import_module("batchmax_tp.tasks")
+    generate_fn = generate_fn or _default_generate()
+    encode_fn = encode_fn or tasks.encode_prompts
+    is_correct_fn = is_correct_fn or tasks.is_correct
+
+    eos_token_id = getattr(tokenizer, "eos_token_id", None)
+    pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = eos_token_id if isinstance(eos_token_id, int) else None
+    device = getattr(model, "device", None)
+
+    run = MethodRun(method=method.name, kv_max=None if method.name == "fkv" else method.kv_max, p=method.p)
+    run.started_at = utc_now()
+    start = time.perf_counter()
+    label = method.label() if hasattr(method, "label") else method.name
+    logger.info("running %s on %d samples, batch size %d", label, len(samples), cfg.batch_size)
+    bar = tqdm(total=len(samples), desc=method.name, unit="sample", disable=None if progress is None else not progress)
+    try:
+        for index, batch in enumerate(batched(samples, cfg.batch_size)):
+            input_ids, attention_mask = encode_fn(tokenizer, [s.prompt for s in batch])
+            if device is not None and hasattr(input_ids, "to"):
+                input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            result = generate_fn(
+                model,
+                input_ids,
+                attention_mask,
+                method,
+                cfg.max_new_tokens,
+                ignore_eos=cfg.ignore_eos,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+                do_sample=cfg.do_sample,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                seed=cfg.seed + index,
+            )
+            run.add_batch(result)
+            tokens = _to_list(result.tokens)
+            num_generated = _to_list(result.num_generated)
+            prompt_tokens = [int(sum(_to_list(row))) for row in _to_list(attention_mask)]
+            for i, sample in enumerate(batch):
+                kept = cut_at_eos(tokens[i], num_generated[i], eos_token_id)
+                output = tokenizer.decode(kept, skip_special_tokens=True)
+                correct = is_correct_fn(output, sample.reference)
+                run.records.append(
+                    {
+                        "id": sample.id,
+                        "prompt_tokens": prompt_tokens[i],
+                        "output": output,
+                        "reference": sample.reference,
+                        "correct": correct,
+                        "generated_tokens": int(num_generated[i]),
+                    }
+                )
+            logger.debug(
+                "%s batch %d: %d samples, prefill %.3f s, decode %.3f s",
+                method.name, index, len(batch), float(result.prefill_s), float(result.decode_s),
+            )
+            bar.update(len(batch))
+    finally:
+        bar.close()
+    run.wall_s = time.perf_counter() - start
+    run.finished_at = utc_now()
+    return run
+
+
+# ---------------------------------------------------------------------- files
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same directory and an atomic rename."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def method_out_dir(out: str | os.PathLike, method: str, several: bool) -> str:
+    """``OUT`` for a single-method run, ``OUT/<method>`` when several methods run."""
+    return os.path.join(os.fspath(out), method) if several else os.fspath(out)
+
+
+def write_method_results(folder: str | os.PathLike, summary: dict[str, Any], records: Sequence[dict]) -> None:
+    """``folder/summary.json`` and ``folder/samples.jsonl`` (one JSON object per sample)."""
+    folder = os.fspath(folder)
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    atomic_write_text(os.path.join(folder, "samples.jsonl"), lines)
+    atomic_write_text(os.path.join(folder, "summary.json"), json.dumps(summary, indent=2) + "\n")
+
+
+def write_config(out: str | os.PathLike, cfg: Any) -> None:
+    """The resolved configuration as ``OUT/config.yaml`` (loadable again with ``--config``)."""
+    header = (
+        "# Resolved batchmax_tp run configuration (defaults -> --config YAML -> CLI flags).\n"
+        f"# Written {utc_now()}. Re-run with: python launch/run.py --config <this file>\n"
+    )
+    atomic_write_text(os.path.join(os.fspath(out), "config.yaml"), header + cfg.to_yaml())
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def format_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """Markdown table: method | batch | kv_max | tokens/s | peak KV MiB | correct (k/n)."""
+    lines = [
+        "| method | batch | kv_max | tokens/s | peak KV MiB | correct (k/n) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        kv = "-" if s.get("kv_max") is None else str(s["kv_max"])
+        correct = f"{s['num_correct']}/{s['num_checked']}" if s.get("num_checked") else "n/a"
+        lines.append(
+            f"| {s['method']} | {s['batch_size']} | {kv} | {_fmt(s.get('tokens_per_s'), '.2f')} | "
+            f"{_fmt(s['peak_kv_bytes'] / 2**20, '.2f')} | {correct} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out: str | os.PathLike, summaries: Sequence[dict[str, Any]]) -> str:
+    table = format_table(summaries)
+    atomic_write_text(os.path.join(os.fspath(out), "table.md"), table)
+    return table

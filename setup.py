@@ -1,0 +1,35 @@
+"""batchmax_tp: high-throughput batched LLM inference with KV-cache eviction during prefill and decoding."""
+
+from setuptools import setup
+
+setup(
+    name="batchmax_tp",
+    version="0.1.0",
+    description=(
+        "Batch-Max: higher LLM throughput with larger batch sizes and KV-cache compression during prefill "
+        "and decoding"
+    ),
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=["batchmax_tp"],
+    package_data={"batchmax_tp": ["fixtures/*.jsonl"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.0",
+        "deepspeed",
+        "sentencepiece",
+        "datasets",
+        "rouge-score",
+        "gguf",
+        "accelerate",
+        "pyyaml",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest"],
+        "mpi": ["mpi4py"],
+    },
+)

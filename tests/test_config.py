@@ -1,0 +1,403 @@
+"""RunConfig layering/validation, launch/run.py's early exits, and the runner's batching/aggregation/files.
+
+Everything here is offline and model-free: the engine, the model loader and the prompt encoder are faked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from batchmax_tp import runner
+from batchmax_tp.config import DEFAULT_KV_MAX, ConfigError, RunConfig, parse_args
+from batchmax_tp.models import EMBEDDED_MODEL
+from batchmax_tp.policy import Method
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_PY = ROOT / "launch" / "run.py"
+
+
+def _load_run_module():
+    spec = importlib.util.spec_from_file_location("batchmax_launch_run", RUN_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_yaml(tmp_path: Path, data, name: str = "cfg.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(path)
+
+
+# ---------------------------------------------------------------------- defaults and layering
+def test_defaults():
+    cfg = RunConfig()
+    assert cfg.model == EMBEDDED_MODEL
+    assert cfg.methods == ["fkv", "ed", "bm"]
+    assert cfg.kv_max is None and cfg.p == 64
+    assert cfg.batch_size == 4 and cfg.max_new_tokens == 64
+    assert cfg.ignore_eos is True and cfg.do_sample is False
+    assert cfg.data is None and cfg.num_samples is None
+    assert cfg.out == "results/default"
+    assert cfg.dtype == "float32" and cfg.device == "auto" and cfg.seed == 0
+    assert parse_args([]) == cfg
+    specs = cfg.method_specs()
+    assert [(m.name, m.kv_max, m.p) for m in specs] == [("fkv", None, 64), ("ed", 2, 64), ("bm", 512, 64)]
+    assert all(isinstance(m, Method) for m in specs)
+
+
+def test_default_yaml_matches_builtin_defaults():
+    assert RunConfig.from_yaml(ROOT / "configs" / "default.yaml") == RunConfig()
+    assert parse_args(["--config", str(ROOT / "configs" / "default.yaml")]) == RunConfig()
+
+
+def test_yaml_overrides_defaults_and_cli_overrides_yaml(tmp_path):
+    path = _write_yaml(
+        tmp_path, {"method": "bm", "kv_max": 256, "p": 32, "batch_size": 8, "ignore_eos": False, "top_p": 1}
+    )
+    cfg = parse_args(["--config", path])
+    assert cfg.methods == ["bm"] and cfg.kv_max == 256 and cfg.p == 32 and cfg.batch_size == 8
+    assert cfg.ignore_eos is False and cfg.max_new_tokens == 64  # untouched key keeps its default
+    assert cfg.top_p == 1.0 and isinstance(cfg.top_p, float)
+
+    cfg = parse_args(["--config", path, "--batch-size", "2", "--ignore-eos", "--kv-max", "null", "--p", "16"])
+    assert cfg.batch_size == 2 and cfg.ignore_eos is True and cfg.kv_max is None and cfg.p == 16
+    assert cfg.methods == ["bm"] and cfg.method_specs()[0].kv_max == DEFAULT_KV_MAX["bm"]
+
+    cfg = parse_args(["--config", path, "--method", "ed", "--kv-max", "4"])
+    assert cfg.methods == ["ed"] and cfg.method_specs()[0].kv_max == 4
+
+
+def test_method_forms(tmp_path):
+    assert parse_args(["--method", "bm"]).methods == ["bm"]
+    assert parse_args(["--method", "bm", "--method", "fkv"]).methods == ["bm", "fkv"]
+    assert parse_args(["--method", "ed,bm"]).methods == ["ed", "bm"]
+    assert parse_args(["--config", _write_yaml(tmp_path, {"methods": ["ed", "fkv"]})]).methods == ["ed", "fkv"]
+    assert parse_args(["--config", _write_yaml(tmp_path, {"methods": "ed"})]).methods == ["ed"]
+    assert parse_args(["--config", _write_yaml(tmp_path, "")]) == RunConfig()  # empty file = defaults
+
+
+def test_local_rank_is_accepted_and_ignored():
+    assert parse_args(["--local_rank", "0"]) == RunConfig()
+    assert parse_args(["--local-rank=3", "--method", "bm"]).methods == ["bm"]
+    assert parse_args(["--local_rank=1"]) == RunConfig()
+
+
+def test_to_dict_round_trips_through_yaml(tmp_path):
+    cfg = parse_args(["--method", "bm", "--kv-max", "128", "--p", "8", "--num-samples", "3", "--do-sample"])
+    d = cfg.to_dict()
+    assert d["methods"] == ["bm"] and d["kv_max"] == 128 and d["num_samples"] == 3 and d["do_sample"] is True
+    path = _write_yaml(tmp_path, cfg.to_yaml())
+    assert parse_args(["--config", path]) == cfg
+
+
+# ---------------------------------------------------------------------- errors
+def _error_of(argv) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    message = str(info.value)
+    assert "\n" not in message, f"not one line: {message!r}"
+    return message
+
+
+@pytest.mark.parametrize(
+    "yaml_data, key",
+    [
+        ({"batchsize": 4}, "batchsize"),  # unknown key
+        ({"batch-size": 4}, "batch-size"),  # CLI spelling in YAML
+        ({"batch_size": "4"}, "batch_size"),  # wrong types
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"p": True}, "p"),
+        ({"kv_max": 1.5}, "kv_max"),
+        ({"methods": [1]}, "methods"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"p": 0}, "p"),  # impossible values
+        ({"method": "bm", "kv_max": 64}, "kv_max"),
+        ({"method": "bm", "kv_max": 32, "p": 64}, "kv_max"),
+        ({"method": "ed", "kv_max": 1}, "kv_max"),
+        ({"method": "bm", "p": 600}, "p"),  # p too large for the default kv_max 512
+        ({"methods": ["bm", "lru"]}, "methods"),
+        ({"methods": ["bm", "bm"]}, "methods"),
+        ({"methods": []}, "methods"),
+        ({"method": "bm", "methods": ["ed"]}, "method"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"num_samples": 0}, "num_samples"),
+        ({"data": "/nonexistent/samples.jsonl"}, "data"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"top_p": 0}, "top_p"),
+        ({"log_level": "LOUD"}, "log_level"),
+    ],
+)
+def test_yaml_errors_are_one_line_and_name_the_key(tmp_path, yaml_data, key):
+    message = _error_of(["--config", _write_yaml(tmp_path, yaml_data)])
+    assert message.startswith(f"{key}:"), message
+
+
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["--p", "0"], "p"),
+        (["--method", "bm", "--kv-max", "64"], "kv_max"),
+        (["--method", "ed", "--kv-max", "1"], "kv_max"),
+        (["--method", "xyz"], "methods"),
+        (["--data", "/nonexistent/samples.jsonl"], "data"),
+        (["--batch-size", "0"], "batch_size"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+    ],
+)
+def test_cli_errors_are_one_line_and_name_the_key(argv, key):
+    message = _error_of(argv)
+    assert message.startswith(f"{key}:"), message
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--batch-size", "four"], "--batch-size"),
+        (["--no-such-flag"], "--no-such-flag"),
+        (["--ignore-eos", "--no-ignore-eos"], "--no-ignore-eos"),
+        (["--config", "/nonexistent/run.yaml"], "config"),
+    ],
+)
+def test_cli_parse_errors_are_one_line(argv, needle):
+    assert needle in _error_of(argv)
+
+
+def test_yaml_syntax_and_shape_errors(tmp_path):
+    assert _error_of(["--config", _write_yaml(tmp_path, "p: [1,\n")]).startswith("config:")
+    assert _error_of(["--config", _write_yaml(tmp_path, "- 1\n- 2\n")]).startswith("config:")
+
+
+def test_existing_data_file_is_accepted(tmp_path):
+    data = tmp_path / "s.jsonl"
+    data.write_text('{"id": 1, "prompt": "hi"}\n')
+    assert parse_args(["--data", str(data)]).data == str(data)
+
+
+# ---------------------------------------------------------------------- launch/run.py early exits
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import batchmax_tp.models as models
+
+    def boom(*args, **kwargs):
+        raise AssertionError("load_model must not be called for a bad configuration")
+
+    monkeypatch.setattr(models, "load_model", boom)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--bogus-flag"], ["--p", "0"], ["--method", "bm", "--kv-max", "10"], ["--batch-size", "x"],
+     ["--data", "/nonexistent.jsonl"]],
+)
+def test_run_py_bad_config_exits_2_before_loading(tmp_path, capsys, no_model_load, bad):
+    out = tmp_path / "out"
+    rc = _load_run_module().main(["--out", str(out), *bad])
+    assert rc == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    assert not out.exists()
+
+
+def test_run_py_subprocess_bad_flag(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(RUN_PY), "--bogus", "--out", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("error: ") and "--bogus" in proc.stderr
+    assert not out.exists() and os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------- runner
+def _fake_result(num_generated, prefill_s, decode_s, peak, tokens=None):
+    num_generated = torch.tensor(num_generated)
+    if tokens is None:
+        tokens = torch.full((len(num_generated), int(num_generated.max())), 7)
+    return SimpleNamespace(
+        tokens=torch.as_tensor(tokens), num_generated=num_generated,
+        prefill_s=prefill_s, decode_s=decode_s, peak_kv_bytes=peak,
+    )
+
+
+def test_batched_keeps_file_order():
+    assert list(runner.batched(list(range(7)), 3)) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(runner.batched([], 3)) == []
+    with pytest.raises(ValueError):
+        list(runner.batched([1], 0))
+
+
+def test_cut_at_eos():
+    assert runner.cut_at_eos([5, 6, 2, 7], 4, 2) == [5, 6]
+    assert runner.cut_at_eos([5, 6, 7, 8], 3, 2) == [5, 6, 7]
+    assert runner.cut_at_eos([5, 9, 6], 3, [9, 2]) == [5]
+    assert runner.cut_at_eos([2, 5], 2, None) == [2, 5]
+
+
+def test_aggregation_with_fake_engine_results():
+    run = runner.MethodRun(method="bm", kv_max=128, p=16)
+    run.add_batch(_fake_result([8, 8], prefill_s=1.0, decode_s=3.0, peak=1000))
+    run.add_batch(_fake_result([8, 5], prefill_s=0.5, decode_s=1.5, peak=3000))
+    run.add_batch(_fake_result([2], prefill_s=0.25, decode_s=0.75, peak=500))
+    run.records = [{"correct": True}, {"correct": False}, {"correct": None}, {"correct": True}, {"correct": None}]
+    agg = runner.aggregate(run)
+    assert agg["generated_tokens"] == 31
+    assert agg["prefill_s"] == pytest.approx(1.75) and agg["decode_s"] == pytest.approx(5.25)
+    assert agg["tokens_per_s"] == pytest.approx(31 / 7.0)
+    assert agg["peak_kv_bytes"] == 3000 and agg["num_batches"] == 3 and agg["num_samples"] == 5
+    assert (agg["num_correct"], agg["num_checked"]) == (2, 3) and agg["accuracy"] == pytest.approx(2 / 3)
+
+    empty = runner.aggregate(runner.MethodRun(method="fkv", kv_max=None, p=64))
+    assert empty["tokens_per_s"] is None and empty["accuracy"] is None
+
+
+class _FakeTokenizer:
+    eos_token_id = 2
+    pad_token_id = 2
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+def _fake_encode(tokenizer, prompts, chat_template=True):
+    lengths = [len(p.split()) for p in prompts]
+    width = max(lengths)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, width - n:] = 1
+    return torch.full((len(prompts), width), 3) * mask + 2 * (1 - mask), mask
+
+
+def _make_fake_generate(calls):
+    def fake_generate(model, input_ids, attention_mask, method, max_new_tokens, **kw):
+        calls.append({"batch": input_ids.shape[0], "method": method, "max_new_tokens": max_new_tokens, **kw})
+        bsz = input_ids.shape[0]
+        tokens = torch.tensor([[10 + j, 11, 2, 12][:max_new_tokens] for j in range(bsz)])
+        return SimpleNamespace(
+            tokens=tokens, num_generated=torch.full((bsz,), max_new_tokens),
+            prefill_s=0.5, decode_s=1.5, peak_kv_bytes=1024 * bsz,
+        )
+
+    return fake_generate
+
+
+def test_run_method_with_fake_engine():
+    samples = [SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference=ref)
+               for i, ref in enumerate(["w10 w11", "w99", None])]
+    cfg = RunConfig(methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, seed=5)
+    calls = []
+    run = runner.run_method(
+        SimpleNamespace(), _FakeTokenizer(), samples, cfg.method_specs()[0], cfg,
+        generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False,
+    )
+    assert [c["batch"] for c in calls] == [2, 1]
+    assert [c["seed"] for c in calls] == [5, 6]
+    assert all(c["ignore_eos"] is True and c["eos_token_id"] == 2 and c["max_new_tokens"] == 4 for c in calls)
+    assert [r["id"] for r in run.records] == ["0", "1", "2"]
+    assert [r["prompt_tokens"] for r in run.records] == [1, 2, 3]
+    assert run.records[0]["output"] == "w10 w11"  # cut at the first EOS (id 2)
+    assert [r["correct"] for r in run.records] == [True, False, None]
+    assert [r["generated_tokens"] for r in run.records] == [4, 4, 4]
+    summary = runner.summary_row(run, cfg)
+    assert summary["generated_tokens"] == 12 and summary["tokens_per_s"] == pytest.approx(12 / 4.0)
+    assert summary["peak_kv_bytes"] == 2048 and summary["kv_max"] == 128 and summary["tp_size"] == 1
+    assert summary["accuracy"] == pytest.approx(0.5)
+
+
+def test_atomic_write_leaves_no_temp_files(tmp_path):
+    target = tmp_path / "sub" / "x.json"
+    runner.atomic_write_text(target, "one")
+    runner.atomic_write_text(target, "two")
+    assert target.read_text() == "two"
+    assert os.listdir(target.parent) == ["x.json"]
+
+
+def test_format_table():
+    table = runner.format_table([
+        {"method": "fkv", "batch_size": 4, "kv_max": None, "tokens_per_s": 12.345, "peak_kv_bytes": 3 * 2**20,
+         "num_correct": 2, "num_checked": 3},
+        {"method": "bm", "batch_size": 8, "kv_max": 512, "tokens_per_s": None, "peak_kv_bytes": 0,
+         "num_correct": 0, "num_checked": 0},
+    ])
+    lines = table.strip().splitlines()
+    assert lines[0] == "| method | batch | kv_max | tokens/s | peak KV MiB | correct (k/n) |"
+    assert lines[2] == "| fkv | 4 | - | 12.35 | 3.00 | 2/3 |"
+    assert lines[3] == "| bm | 8 | 512 | n/a | 0.00 | n/a |"
+
+
+# ---------------------------------------------------------------------- run.py end to end with fakes
+@pytest.fixture
+def fake_stack(monkeypatch, tmp_path):
+    import batchmax_tp.models as models
+    import batchmax_tp.tasks as tasks
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(
+        json.dumps({"id": i, "prompt": "x " * (i + 2), "reference": "w10" if i % 2 == 0 else "nope"}) + "\n"
+        for i in range(5)
+    ))
+    calls = []
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (SimpleNamespace(), _FakeTokenizer()))
+    monkeypatch.setattr(tasks, "encode_prompts", _fake_encode)
+    # A stand-in engine module (importing the real one costs seconds; runner looks it up at call time).
+    monkeypatch.setitem(sys.modules, "batchmax_tp.engine", SimpleNamespace(generate=_make_fake_generate(calls)))
+    return SimpleNamespace(data=str(data), calls=calls)
+
+
+def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
+    out = tmp_path / "res"
+    rc = _load_run_module().main([
+        "--data", fake_stack.data, "--out", str(out), "--batch-size", "2", "--max-new-tokens", "3",
+        "--device", "cpu", "--log-level", "WARNING",
+    ])
+    assert rc == 0
+    assert sorted(os.listdir(out)) == ["bm", "config.yaml", "ed", "fkv", "table.md"]
+    for name in ("fkv", "ed", "bm"):
+        assert sorted(os.listdir(out / name)) == ["samples.jsonl", "summary.json"]
+        summary = json.loads((out / name / "summary.json").read_text())
+        for key in ("method", "batch_size", "kv_max", "p", "tp_size", "num_samples", "generated_tokens",
+                    "tokens_per_s", "prefill_s", "decode_s", "peak_kv_bytes", "accuracy", "model",
+                    "started_at", "finished_at"):
+            assert key in summary, key
+        assert summary["method"] == name and summary["num_samples"] == 5 and summary["generated_tokens"] == 15
+        assert summary["kv_max"] == {"fkv": None, "ed": 2, "bm": 512}[name]
+        assert summary["accuracy"] == pytest.approx(3 / 5)
+        rows = [json.loads(line) for line in (out / name / "samples.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in rows] == ["0", "1", "2", "3", "4"]
+        assert set(rows[0]) >= {"id", "prompt_tokens", "output", "reference", "correct", "generated_tokens"}
+    printed = capsys.readouterr().out
+    assert printed == (out / "table.md").read_text()
+    assert printed.count("\n") == 5 and "| bm | 2 | 512 |" in printed and "3/5" in printed
+    resolved = parse_args(["--config", str(out / "config.yaml")])
+    assert resolved.device == "cpu" and resolved.batch_size == 2 and resolved.data == fake_stack.data
+    assert len(fake_stack.calls) == 9  # 3 methods x 3 batches
+
+
+def test_run_py_single_method_layout(tmp_path, capsys, fake_stack):
+    out = tmp_path / "res"
+    rc = _load_run_module().main([
+        "--data", fake_stack.data, "--out", str(out), "--method", "ed", "--kv-max", "8",
+        "--num-samples", "3", "--device", "cpu", "--log-level", "WARNING",
+    ])
+    assert rc == 0
+    assert sorted(os.listdir(out)) == ["config.yaml", "samples.jsonl", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == "ed" and summary["kv_max"] == 8 and summary["num_samples"] == 3
+    assert capsys.readouterr().out.startswith("| method |")
