@@ -1,0 +1,192 @@
+"""Tensor parallel (DeepSpeed AutoTP, gloo on CPU): each rank keeps and evicts its own KV heads, no collective
+is added by eviction, and the results equal a single process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from batchmax_tp.policy import Method
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 9 query / 3 KV heads, like the embedded model: AutoTP splits them unevenly on tp=2 (6/2 and 3/1).
+GQA_9_3 = dict(hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16, initializer_range=0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (3, 60), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :23] = 0
+    mask[1, :8] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def make_model(embedded: bool):
+    if embedded:
+        from batchmax_tp.models import load_model
+
+        return load_model()[0]
+    from batchmax_tp.models import tiny_random_llama
+
+    return tiny_random_llama(seed=0, **GQA_9_3)
+
+
+def prompt_batch(embedded: bool, replica: int = 0):
+    if not embedded:
+        return batch(seed=replica)
+    from batchmax_tp.models import load_model
+    from batchmax_tp.tasks import encode_prompts, load_jsonl, default_fixture_path
+
+    tok = load_model()[1]
+    texts = [s.prompt[:500] for s in load_jsonl(default_fixture_path())[:2]]
+    return encode_prompts(tok, texts)
+
+
+def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_collectives):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from batchmax_tp import tp
+    from batchmax_tp.engine import generate
+
+    layout = tp.init_distributed(tp_size)
+    model = tp.apply_tensor_parallel(make_model(embedded), layout, torch.float32)
+    ids, mask = prompt_batch(embedded, layout.replica)
+    counts = {}
+    if count_collectives:
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter", "barrier"):
+            orig = getattr(dist, name)
+
+            def wrapped(*a, _orig=orig, _name=name, **k):
+                counts[_name] = counts.get(_name, 0) + 1
+                return _orig(*a, **k)
+
+            setattr(dist, name, wrapped)
+    results = {}
+    for m in method:
+        counts.clear()
+        out = generate(model, ids, mask, m, new, ignore_eos=True, return_logits=True)
+        results[m.name] = dict(tokens=out.tokens, logits=torch.stack(out.logits), kept=out.cache.kept_positions(),
+                               local_kv_heads=out.cache.layers[0].keys.shape[1], collectives=dict(counts),
+                               forwards=len(out.phases))
+    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_tp(tmp_path, world, tp_size, methods, new=12, embedded=False, count_collectives=False):
+    mp.spawn(_worker, args=(world, tp_size, free_port(), str(tmp_path), methods, new, embedded, count_collectives),
+             nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def single_process(methods, new=12, embedded=False, replica=0):
+    from batchmax_tp.engine import generate
+
+    model = make_model(embedded)
+    ids, mask = prompt_batch(embedded, replica)
+    out = {}
+    for m in methods:
+        o = generate(model, ids, mask, m, new, ignore_eos=True, return_logits=True)
+        out[m.name] = dict(tokens=o.tokens, logits=torch.stack(o.logits), kept=o.cache.kept_positions())
+    return out
+
+
+def assert_matches_single(ranks, single, method: str, tp_size: int):
+    """Logits and tokens equal on every rank; rank r's kept sets equal the single run's for r's KV heads."""
+    offset = 0
+    for r, res in enumerate(ranks[:tp_size]):
+        got = res[method]
+        torch.testing.assert_close(got["logits"], single[method]["logits"], atol=1e-4, rtol=0)
+        assert torch.equal(got["tokens"], single[method]["tokens"])
+        h = got["local_kv_heads"]
+        want = [[heads[offset : offset + h] for heads in layer] for layer in single[method]["kept"]]
+        assert got["kept"] == want, f"rank {r}: kept positions differ from heads {offset}..{offset + h - 1}"
+        offset += h
+    total_heads = len(single[method]["kept"][0][0])
+    assert offset == total_heads
+
+
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_tp_matches_single_process_through_evictions(tmp_path, tp_size):
+    methods = [Method("bm", kv_max=16, p=4), Method("ed", kv_max=2)]
+    ranks = run_tp(tmp_path, tp_size, tp_size, methods)
+    single = single_process(methods)
+    for m in methods:
+        assert_matches_single(ranks, single, m.name, tp_size)
+    # Evictions really happened (prefill and decode), and the split is AutoTP's uneven one on tp=2.
+    kept = single["bm"]["kept"]
+    assert all(len(h) < 16 + 1 for layer in kept for sample in layer for h in sample)
+    assert [r["bm"]["local_kv_heads"] for r in ranks] == ([2, 1] if tp_size == 2 else [1, 1, 1])
+
+
+def test_eviction_adds_no_collectives(tmp_path):
+    methods = [Method("fkv"), Method("bm", kv_max=16, p=4)]
+    ranks = run_tp(tmp_path, 2, 2, methods, count_collectives=True)
+    for res in ranks:
+        fkv, bm = res["fkv"], res["bm"]
+        assert fkv["collectives"].get("all_reduce", 0) > 0, "the wrapper saw no all-reduce: it cannot count"
+        per_fwd_fkv = {k: v / fkv["forwards"] for k, v in fkv["collectives"].items()}
+        per_fwd_bm = {k: v / bm["forwards"] for k, v in bm["collectives"].items()}
+        assert per_fwd_bm == per_fwd_fkv
+
+
+def test_dp2_tp2_each_replica_matches_single_process(tmp_path):
+    methods = [Method("bm", kv_max=16, p=4)]
+    ranks = run_tp(tmp_path, 4, 2, methods)
+    for replica in range(2):
+        single = single_process(methods, replica=replica)
+        assert_matches_single(ranks[2 * replica : 2 * replica + 2], single, "bm", 2)
+    assert not torch.equal(ranks[0]["bm"]["tokens"], ranks[2]["bm"]["tokens"]), "replicas got the same data"
+
+
+def test_tp3_embedded_model(tmp_path):
+    methods = [Method("bm", kv_max=64, p=16)]
+    ranks = run_tp(tmp_path, 3, 3, methods, new=20, embedded=True)
+    single = single_process(methods, new=20, embedded=True)
+    assert_matches_single(ranks, single, "bm", 3)
+
+
+def test_killed_rank_ends_the_job_quickly(tmp_path):
+    """A rank that dies mid-run: the launcher returns non-zero well within 60 s, nobody hangs."""
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, signal, torch\n"
+        "from batchmax_tp import tp\n"
+        "from batchmax_tp.engine import generate\n"
+        "from batchmax_tp.models import tiny_random_llama\n"
+        "from batchmax_tp.policy import Method\n"
+        "layout = tp.init_distributed(2)\n"
+        f"model = tp.apply_tensor_parallel(tiny_random_llama(seed=0, **{GQA_9_3!r}), layout, torch.float32)\n"
+        "ids = torch.randint(3, 128, (2, 40))\n"
+        "generate(model, ids, None, Method('bm', kv_max=16, p=4), 4, ignore_eos=True)\n"
+        "if layout.rank == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "generate(model, ids, None, Method('bm', kv_max=16, p=4), 64, ignore_eos=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    t = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(script)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    elapsed = time.monotonic() - t
+    assert proc.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f}s"
