@@ -1,0 +1,264 @@
+"""Naive, slow, independent reference of the Batch-Max paper's algorithms.
+
+Written from the paper (section 3: Algorithm 1, the average-attention eviction rule, Algorithm 3) and
+docs/API.md only -- it deliberately shares no code with ``batchmax_tp``.
+
+The forward pass of a HF ``LlamaForCausalLM``-style model (Llama, Qwen2, Mistral: same module layout) is
+re-run by hand from the model's own submodules, one sample at a time, token block by token block, with an
+explicit eager attention over a Python list of kept KV entries per (layer, KV head).  Nothing is batched or
+vectorised beyond single dot products, so that every rule is visible in a few lines:
+
+* Schedule ("bm", Algorithm 1): s = padded length; first block t1 = min(s, kv_max); while t1 < s: evict p,
+  process the next block of up to p tokens.  Decoding, t = 1..max_new_tokens-1: if |kv| == kv_max evict p;
+  process the token at padded position s+t-1.  |kv| counts pad entries (pads occupy slots).
+* Average attention: every query (one per query head per real token) attends causally over the kept
+  entries plus the current block up to itself; the probability it gives an entry is added to that entry's
+  sum (GQA: the g query heads of a group all add to their KV head's entries).  Pads are never attended and
+  pad queries add nothing.  Eviction removes the p entries with the smallest
+  ``(ave, position)`` where ``ave = sum / (curr_id + 1 - position)``, curr_id = last position already
+  processed, and pads have ``ave = -inf``.
+* "ed" (Algorithm 3): the prompt is one block, then only the newest entry is kept; during decoding, after a
+  token is processed, if |kv| == kv_max only the newest entry is kept.  The reference applies each of these
+  evictions lazily, just before the next decode step (step 1, or when |kv| == kv_max): every forward pass sees
+  exactly the same pairs, and the state reported after the last token is the set of pairs that token attended
+  (an eviction with no later step to serve is not applied -- BM is reported the same way).
+* "fkv": the prompt is one block, nothing is ever evicted.
+
+Positions (``kept`` and ``curr_id``) are indices in the padded sequence: prompt 0..s-1, the token fed at
+decode step t is s+t-1.  RoPE uses the sample's real position ids (cumsum(mask)-1), like HF ``generate``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+@dataclass
+class Entry:
+    """One kept KV pair of one (sample, layer, KV head)."""
+
+    pos: int  # index in the padded sequence
+    is_pad: bool
+    key: torch.Tensor | None = None  # [head_dim], post-RoPE (None for pads)
+    value: torch.Tensor | None = None  # [head_dim]
+    sum: float = 0.0  # summed attention weight received (python float = float64)
+
+
+@dataclass
+class RefResult:
+    logits: list  # list over generated tokens of float32 [B, V]
+    kept: list  # [layer][sample][kv_head] -> sorted list[int] (real positions only) after the last pass
+    tokens: torch.Tensor  # [B, max_new_tokens]
+    kept_after_prefill: list = field(default_factory=list)  # same layout, right after the prompt
+    kept_history: list = field(default_factory=list)  # [t] -> kept (same layout) after producing logits[t]
+    evictions: int = 0  # number of eviction events (summed over samples, layers, heads)
+    min_margin: float = math.inf  # smallest nonzero relative gap between the last evicted and first kept ave
+    tie_decisions: int = 0  # evictions whose boundary was an exact ave tie (decided by position)
+    events: list = field(default_factory=list)  # (sample, layer, head, curr_id, evicted positions)
+
+    def __iter__(self):  # allows ``logits, kept, tokens = reference_generate(...)``
+        return iter((self.logits, self.kept, self.tokens))
+
+
+def _decoder_modules(model):
+    base = model.model
+    return base.embed_tokens, base.layers, base.rotary_emb, base.norm, model.lm_head
+
+
+class _SampleState:
+    """The kept entries of one sample: kv[layer][kv_head] -> list[Entry] (ordered by position)."""
+
+    def __init__(self, model, npad: int):
+        cfg = model.config
+        self.model = model
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.group = self.n_heads // self.n_kv
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.npad = npad
+        self.kv = [[[] for _ in range(self.n_kv)] for _ in range(self.n_layers)]
+
+    # ------------------------------------------------------------------ forward of one block
+    def process(self, block):
+        """block: list of (padded position, token id). Returns the float32 logits of its last token
+        (None if the block holds only pads)."""
+        embed, layers, rotary, norm, lm_head = _decoder_modules(self.model)
+        real = [(pos, tok) for pos, tok in block if pos >= self.npad]
+        pads = [pos for pos, _ in block if pos < self.npad]
+        assert [pos for pos, _ in block] == sorted(pos for pos, _ in block)
+        if not real:  # only pads: they just occupy slots
+            for layer in range(self.n_layers):
+                for h in range(self.n_kv):
+                    self.kv[layer][h].extend(Entry(pos, True) for pos in pads)
+            return None
+        positions = [pos for pos, _ in real]
+        n = len(real)
+        ids = torch.tensor([[tok for _, tok in real]])
+        pos_ids = torch.tensor([[pos - self.npad for pos in positions]])  # real RoPE positions
+        hidden = embed(ids)  # [1, n, hidden]
+        cos, sin = rotary(hidden, pos_ids)
+        for layer, dec in enumerate(layers):
+            attn = dec.self_attn
+            residual = hidden
+            x = dec.input_layernorm(hidden)
+            q = attn.q_proj(x).view(1, n, self.n_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(1, n, self.n_kv, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(1, n, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            out = torch.zeros(n, self.n_heads, self.head_dim, dtype=hidden.dtype)
+            for h in range(self.n_kv):
+                entries = self.kv[layer][h]
+                entries.extend(Entry(pos, True) for pos in pads)
+                entries.extend(
+                    Entry(pos, False, k[0, h, i].clone(), v[0, h, i].clone()) for i, pos in enumerate(positions)
+                )
+                for qh in range(h * self.group, (h + 1) * self.group):  # the query heads of this KV head
+                    for i, qpos in enumerate(positions):
+                        visible = [e for e in entries if not e.is_pad and e.pos <= qpos]
+                        keys = torch.stack([e.key for e in visible])
+                        values = torch.stack([e.value for e in visible])
+                        scores = (keys @ q[0, qh, i]) * self.scaling
+                        probs = torch.softmax(scores.float(), dim=-1)
+                        out[i, qh] = (probs.to(values.dtype) @ values)
+                        for e, pr in zip(visible, probs.tolist()):
+                            e.sum += pr
+            hidden = residual + attn.o_proj(out.reshape(1, n, self.n_heads * self.head_dim))
+            residual = hidden
+            hidden = residual + dec.mlp(dec.post_attention_layernorm(hidden))
+        hidden = norm(hidden)
+        return lm_head(hidden[:, -1]).float()[0]
+
+    # ------------------------------------------------------------------ evictions
+    def size(self) -> int:
+        sizes = {len(h) for layer in self.kv for h in layer}
+        assert len(sizes) == 1, sizes
+        return sizes.pop()
+
+    def evict_bm(self, p: int, curr_id: int, result: RefResult, sample: int):
+        for layer in range(self.n_layers):
+            for h in range(self.n_kv):
+                entries = self.kv[layer][h]
+                assert len(entries) >= p
+
+                def ave(e):
+                    assert e.pos <= curr_id
+                    return -math.inf if e.is_pad else e.sum / (curr_id + 1 - e.pos)
+
+                order = sorted(entries, key=lambda e: (ave(e), e.pos))
+                evicted, kept = order[:p], order[p:]
+                real_ev = [e for e in evicted if not e.is_pad]
+                if real_ev and kept:  # how close the decision was (for test robustness)
+                    a, b = ave(real_ev[-1]), ave(kept[0])
+                    if a == b:  # an exact tie at the boundary: decided by position (older evicted)
+                        result.tie_decisions += 1
+                    else:  # a near tie would be decided by rounding noise
+                        result.min_margin = min(result.min_margin, (b - a) / max(abs(b), 1e-30))
+                gone = {id(e) for e in evicted}
+                self.kv[layer][h] = [e for e in entries if id(e) not in gone]  # compacted
+                result.evictions += 1
+                result.events.append((sample, layer, h, curr_id, sorted(e.pos for e in real_ev)))
+
+    def keep_newest(self, result: RefResult, sample: int, curr_id: int):
+        for layer in range(self.n_layers):
+            for h in range(self.n_kv):
+                entries = self.kv[layer][h]
+                newest = max(entries, key=lambda e: e.pos)
+                assert newest.pos == curr_id
+                result.events.append(
+                    (sample, layer, h, curr_id, sorted(e.pos for e in entries if not e.is_pad and e is not newest))
+                )
+                self.kv[layer][h] = [newest]
+                result.evictions += 1
+
+    def kept(self):
+        return [[sorted(e.pos for e in self.kv[layer][h] if not e.is_pad) for h in range(self.n_kv)]
+                for layer in range(self.n_layers)]
+
+
+@torch.no_grad()
+def reference_generate(model, input_ids, attention_mask, method_name, kv_max=None, p=None, max_new_tokens=1):
+    """Greedy generation with the paper's cache policy, naively.
+
+    Returns a :class:`RefResult`, which also unpacks as ``(logits_per_step, kept, tokens)``:
+    ``logits_per_step`` a list of float32 ``[B, V]`` (one per generated token), ``kept[layer][sample][kv_head]``
+    the sorted real positions kept at the end, ``tokens`` ``[B, max_new_tokens]``.
+    """
+    if method_name not in ("bm", "ed", "fkv"):
+        raise ValueError(f"unknown method {method_name!r}")
+    if method_name == "bm":
+        assert p is not None and p >= 1 and kv_max is not None and kv_max > p
+    if method_name == "ed":
+        assert kv_max is not None and kv_max >= 2
+    assert max_new_tokens >= 1
+    input_ids = input_ids.cpu()
+    attention_mask = attention_mask.cpu()
+    bsz, s = input_ids.shape
+    n_layers = model.config.num_hidden_layers
+    result = RefResult(logits=[], kept=[], tokens=torch.zeros(bsz, max_new_tokens, dtype=torch.long))
+    per_sample_logits, per_sample_history = [], []
+    for j in range(bsz):
+        mask = attention_mask[j].tolist()
+        npad = mask.index(1)
+        assert all(m == 0 for m in mask[:npad]) and all(m == 1 for m in mask[npad:]), "left padding expected"
+        ids = input_ids[j].tolist()
+        st = _SampleState(model, npad)
+        logits = []
+
+        def block(t0, t1):
+            return st.process([(pos, ids[pos]) for pos in range(t0, t1)])
+
+        # ---------------- prefill
+        if method_name == "bm":
+            t1 = min(s, kv_max)
+            last = block(0, t1)
+            while t1 < s:
+                st.evict_bm(p, curr_id=t1 - 1, result=result, sample=j)
+                t0, t1 = t1, min(s, t1 + p)
+                last = block(t0, t1)
+        else:
+            last = block(0, s)
+        assert last is not None  # the last prompt token is always real
+        logits.append(last)
+        history = [st.kept()]
+        tok = int(torch.argmax(last))
+        gen = [tok]
+        # ---------------- decoding
+        for t in range(1, max_new_tokens):
+            pos = s + t - 1
+            if method_name == "bm" and st.size() == kv_max:
+                st.evict_bm(p, curr_id=pos - 1, result=result, sample=j)
+            if method_name == "ed" and (t == 1 or st.size() == kv_max):
+                # Algorithm 3 removes all but the most recent pair right after the prompt and after a step
+                # that fills the cache; doing it just before the next step is the same computation.
+                st.keep_newest(result, j, curr_id=pos - 1)
+            assert method_name == "fkv" or st.size() < kv_max
+            out = st.process([(pos, tok)])
+            logits.append(out)
+            history.append(st.kept())
+            tok = int(torch.argmax(out))
+            gen.append(tok)
+        result.tokens[j] = torch.tensor(gen)
+        per_sample_logits.append(logits)
+        per_sample_history.append(history)
+    result.logits = [torch.stack([per_sample_logits[j][t] for j in range(bsz)]) for t in range(max_new_tokens)]
+    n_kv = model.config.num_key_value_heads
+    result.kept_history = [
+        [[per_sample_history[j][t][layer] for j in range(bsz)] for layer in range(n_layers)]
+        for t in range(max_new_tokens)
+    ]
+    result.kept = result.kept_history[-1]
+    result.kept_after_prefill = result.kept_history[0]
+    assert all(len(result.kept[0][j]) == n_kv for j in range(bsz))
+    return result
+
+
+def hf_position_ids(attention_mask):
+    """Position ids HF ``generate`` uses for a left-padded batch: cumsum(mask)-1, pads clamped to 0."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 0)

@@ -1,0 +1,254 @@
+"""Engine-level properties: exactness with room for everything, HF drop-in cache, bounded memory, padding
+invariance, method validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    PEAKED,
+    assert_kept_equal,
+    assert_logits_close,
+    assert_tokens_equal,
+    hf_full_cache_logits,
+    left_padded_batch,
+    tiny_llama,
+)
+from reference import reference_generate
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from batchmax_tp.cache import BatchMaxCache
+from batchmax_tp.engine import generate
+from batchmax_tp.policy import Method
+
+ATOL = 1e-4
+
+
+def real_positions(mask_row):
+    return [i for i, m in enumerate(mask_row.tolist()) if m]
+
+
+# ------------------------------------------------------------------------------- room for everything
+@pytest.mark.parametrize("method", [Method("bm", kv_max=80, p=8), Method("fkv")], ids=["bm", "fkv"])
+def test_large_kv_max_equals_hf_full_cache_tiny(method):
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch([37, 52, 60], seed=1)
+    s, n = ids.shape[1], 12  # s + n <= 80: BM never evicts
+    want_plain = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[:, s:]
+    out = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
+    assert_logits_close(out.logits, hf_full_cache_logits(model, ids, mask, out.tokens), ATOL,
+                        what=f"{method.name} vs HF full forward")
+    assert_tokens_equal(out.tokens, want_plain, what=f"{method.name} vs HF generate")
+    for layer in out.cache.kept_positions():
+        for j, heads in enumerate(layer):
+            assert heads == [real_positions(mask[j]) + list(range(s, s + n - 1))] * 2
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from batchmax_tp.models import load_model
+
+    return load_model()  # (model, tokenizer), float32, cached conversion
+
+
+PROMPTS = [
+    "The lighthouse keeper on the northern island kept a logbook of every ship that passed during the long "
+    "winter. In January he recorded eleven fishing boats, three cargo ships and a single sailing yacht that "
+    "had lost its way in a storm. In February the sea froze near the shore and no ships came at all, so he "
+    "spent his evenings repairing nets and reading old letters. How many ships did he record in January?",
+    "Write one short sentence describing a quiet morning in a small mountain village, mentioning the "
+    "baker, the church bell and the first bus of the day that takes the children to school in the valley.",
+]
+
+
+def test_embedded_model_greedy_equals_hf_generate(embedded):
+    from batchmax_tp.tasks import encode_prompts
+
+    model, tok = embedded
+    ids, mask = encode_prompts(tok, PROMPTS)
+    s, n = ids.shape[1], 16
+    assert 60 <= s <= 160 and mask.sum(1).min() < s  # ~100 tokens, really padded
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, s:]
+    want = torch.nn.functional.pad(want, (0, n - want.shape[1]), value=tok.pad_token_id)  # all may stop early
+    full_logits = hf_full_cache_logits(model, ids, mask, want)
+    out = generate(model, ids, mask, Method("bm", kv_max=s + n + 8, p=16), n,
+                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, return_logits=True)
+    assert_tokens_equal(out.tokens, want, what="embedded model: engine BM vs HF generate")
+    # logits of the steps before any EOS (after it the continuation differs only by padding conventions)
+    first_eos = [int(out.num_generated[j]) for j in range(len(PROMPTS))]
+    steps = min(first_eos)
+    assert steps >= 4, first_eos
+    # 30 fp32 layers, logits ~20 in magnitude: observed max |diff| ~5e-5; a little headroom for other BLAS
+    assert_logits_close(out.logits[:steps], full_logits[:steps], 5e-4, what="embedded model: BM vs HF forward")
+
+
+# --------------------------------------------------------------------------------------- HF drop-in cache
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=128, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              initializer_range=0.2)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {}),
+}
+
+
+def tiny_arch(name, seed=0):
+    config_cls, model_cls, extra = ARCHS[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config_cls(**COMMON, **extra))
+    model.set_attn_implementation("sdpa")
+    model.generation_config.eos_token_id = None  # compare full lengths
+    return model.float().eval()
+
+
+def hf_generate(model, ids, mask, n, cache=None, **kw):
+    from batchmax_tp.attention import use_batchmax_attention
+
+    args = dict(attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                return_dict_in_generate=True, output_logits=True, **kw)
+    with torch.no_grad():
+        if cache is None:
+            res = model.generate(ids, **args)
+        else:
+            with use_batchmax_attention(model):
+                res = model.generate(ids, past_key_values=cache, **args)
+    return res.sequences[:, ids.shape[1]:], [x.float() for x in res.logits]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_hf_generate_drop_in(arch):
+    model = tiny_arch(arch)
+    ids, mask = left_padded_batch([20, 33, 40], seed=0)
+    s, n = ids.shape[1], 12
+    want, want_logits = hf_generate(model, ids, mask, n)
+    # large kv_max: identical to plain HF generate
+    got, got_logits = hf_generate(model, ids, mask, n, BatchMaxCache(Method("bm", kv_max=64, p=8)))
+    assert_tokens_equal(got, want, what=f"{arch}: drop-in BM (no eviction) vs HF generate")
+    assert_logits_close(got_logits, want_logits, ATOL, what=f"{arch}: drop-in BM (no eviction) logits")
+    assert model.config._attn_implementation == "sdpa"  # restored
+    # small kv_max with chunked prefill: runs, evicts, stays bounded
+    kv_max, p = 16, 4
+    cache = BatchMaxCache(Method("bm", kv_max=kv_max, p=p))
+    got, _ = hf_generate(model, ids, mask, n, cache, prefill_chunk_size=p)
+    assert got.shape == (3, n)
+    kept = cache.kept_positions()
+    assert len(kept) == COMMON["num_hidden_layers"]
+    for layer in kept:
+        for j, heads in enumerate(layer):
+            assert len(heads) == COMMON["num_key_value_heads"]
+            for positions in heads:
+                assert 0 < len(positions) <= kv_max < int(mask[j].sum()) + n - 1
+                assert s + n - 2 in positions  # the newest fed token is held
+    if arch != "phi3":  # fused qkv projection: outside the reference's module layout
+        # kv_max a multiple of p: HF's p-chunked prefill is Algorithm 1, so the reference applies exactly
+        ref = reference_generate(model, ids, mask, "bm", kv_max, p, n)
+        assert ref.min_margin > 1e-4
+        cache = BatchMaxCache(Method("bm", kv_max=kv_max, p=p))
+        got, got_logits = hf_generate(model, ids, mask, n, cache, prefill_chunk_size=p)
+        assert_logits_close(got_logits, ref.logits, ATOL, what=f"{arch}: drop-in BM vs reference")
+        assert_tokens_equal(got, ref.tokens, what=f"{arch}: drop-in BM vs reference")
+        assert_kept_equal(cache.kept_positions(), ref.kept, what=f"{arch}: drop-in BM kept vs reference")
+
+
+# ------------------------------------------------------------------------------------------ KV memory
+def kv_buffer_bytes(cache):
+    return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+               for layer in cache.layers)
+
+
+def test_bm_kv_bytes_bounded_and_independent_of_prompt_length():
+    model = tiny_llama(0, **PEAKED)
+    cfg = model.config
+    kv_max, p, n, batch = 32, 8, 10, 2
+    expected = batch * cfg.num_hidden_layers * cfg.num_key_value_heads * kv_max * cfg.head_dim * 2 * 4
+    seen = []
+    for longest in (40, 120):
+        ids, mask = left_padded_batch([longest - 7, longest], seed=longest)
+        out = generate(model, ids, mask, Method("bm", kv_max=kv_max, p=p), n, ignore_eos=True)
+        assert len(out.cache.layers) == cfg.num_hidden_layers
+        assert kv_buffer_bytes(out.cache) == expected, (longest, kv_buffer_bytes(out.cache), expected)
+        assert out.peak_kv_bytes == expected
+        assert out.cache.kv_bytes() == expected
+        seen.append(kv_buffer_bytes(out.cache))
+    assert seen[0] == seen[1]
+    # and the full cache does grow with the prompt (the measure is not a constant)
+    fkv = [kv_buffer_bytes(generate(model, *left_padded_batch([m - 7, m], seed=m), Method("fkv"), n,
+                                    ignore_eos=True).cache) for m in (40, 120)]
+    assert fkv[0] < fkv[1] and fkv[1] > expected
+
+
+# ----------------------------------------------------------------------------------- padding invariance
+def test_samples_alone_equal_batch_without_eviction():
+    model = tiny_llama(0, **PEAKED)
+    lengths = [37, 52, 60]
+    ids, mask = left_padded_batch(lengths, seed=1)
+    s, n = ids.shape[1], 10
+    method = Method("bm", kv_max=s + n, p=8)
+    batch = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
+    for j, length in enumerate(lengths):
+        alone_ids = ids[j:j + 1, s - length:]
+        alone = generate(model, alone_ids, torch.ones_like(alone_ids), method, n, ignore_eos=True, return_logits=True)
+        assert_tokens_equal(alone.tokens[0], batch.tokens[j], what=f"sample {j} alone vs in batch")
+        assert_logits_close([x[0] for x in alone.logits], [x[j] for x in batch.logits], ATOL,
+                            what=f"sample {j} alone vs in batch")
+
+
+def test_samples_alone_equal_batch_with_eviction():
+    """BM evicting. The schedule follows the padded length and pads occupy slots (paper, section 3), so a
+    row's result may depend on its own padding -- but never on the other rows: each row, run alone with its
+    padding, equals its row in the batch; the unpadded longest row equals itself run unpadded."""
+    model = tiny_llama(0, **PEAKED)
+    lengths = [37, 52, 60]
+    ids, mask = left_padded_batch(lengths, seed=1)
+    n = 14
+    method = Method("bm", kv_max=16, p=4)
+    batch = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
+    kept = batch.cache.kept_positions()
+    assert all(len(h) < min(lengths) for layer in kept for row in layer for h in row)  # evicted
+    for j in range(len(lengths)):
+        alone = generate(model, ids[j:j + 1], mask[j:j + 1], method, n, ignore_eos=True, return_logits=True)
+        assert_tokens_equal(alone.tokens[0], batch.tokens[j], what=f"row {j} alone vs in batch")
+        assert_logits_close([x[0] for x in alone.logits], [x[j] for x in batch.logits], ATOL,
+                            what=f"row {j} alone vs in batch")
+        assert_kept_equal([[layer[0]] for layer in alone.cache.kept_positions()],
+                          [[layer[j]] for layer in kept], what=f"row {j} alone vs in batch")
+    assert mask[2].all()  # the longest row has no pads
+
+
+# ------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("args,kwargs", [
+    (("bm",), dict(kv_max=16, p=0)),
+    (("bm",), dict(kv_max=16, p=-3)),
+    (("bm",), dict(kv_max=4, p=4)),
+    (("bm",), dict(kv_max=3, p=4)),
+    (("ed",), dict(kv_max=1)),
+    (("ed",), dict(kv_max=0)),
+    (("h2o",), dict(kv_max=16, p=4)),
+    (("",), dict()),
+])
+def test_method_validation(args, kwargs):
+    with pytest.raises(ValueError) as err:
+        Method(*args, **kwargs)
+    msg = str(err.value)
+    assert msg and "\n" not in msg.strip()
+
+
+def test_valid_methods():
+    assert Method("bm", kv_max=5, p=4).kv_max == 5
+    assert Method("ed", kv_max=2).name == "ed"
+    assert Method("fkv").name == "fkv"
