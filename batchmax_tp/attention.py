@@ -50,7 +50,7 @@ def batchmax_attention(
     first = layer.seen - n  # padded position of the block's first query
     q = (query * scaling).view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head
 
-    chunk = max(1, SCORE_CHUNK_BYTES // (4 * B * Hq * C))
+    chunk = max(1, SCORE_CHUNK_BYTES // (4 * B * Hq * C))  # queries per score block
     outputs = []
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
@@ -65,6 +65,8 @@ def batchmax_attention(
         # A pad query sees no slot at all; a finite fill keeps its row finite (its weights are dropped below).
         logits = logits.masked_fill(~visible[:, :, None], torch.finfo(torch.float32).min)
         probs = torch.softmax(logits, dim=-1)  # [B, Hkv, g, m, C]
+        # Live score buffers at this point: the masked logits, the probabilities and the visibility mask.
+        layer.cache.note_workspace(2 * probs.numel() * probs.element_size() + visible.numel() * visible.element_size())
         with torch.profiler.record_function("batchmax::score"):
             received = probs.sum(dim=2)  # [B, Hkv, m, C]
             if token_mask is not None:

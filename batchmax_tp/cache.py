@@ -245,6 +245,7 @@ class BatchMaxCache(Cache):
         self.reserve = reserve
         self.phase: Phase | None = None
         self.peak_kv_bytes = 0
+        self.peak_workspace_bytes = 0  # largest attention-score block (logits + probabilities + mask)
         if num_layers is None:
             super().__init__(layers=None, layer_class_to_replicate=self._new_layer)
         else:
@@ -259,6 +260,9 @@ class BatchMaxCache(Cache):
 
     def note_capacity(self) -> None:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
+
+    def note_workspace(self, nbytes: int) -> None:
+        self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
 
     def kv_bytes(self) -> int:
         """Bytes of the K/V buffers allocated now (all layers)."""

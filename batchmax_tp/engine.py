@@ -32,6 +32,7 @@ class GenerationOutput:
     prefill_s: float
     decode_s: float
     peak_kv_bytes: int
+    peak_workspace_bytes: int
     cache: BatchMaxCache
     phases: list[Phase]
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # per generated token, float32 [B, V]
@@ -161,6 +162,7 @@ def generate(
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
         peak_kv_bytes=cache.peak_kv_bytes,
+        peak_workspace_bytes=cache.peak_workspace_bytes,
         cache=cache,
         phases=phases,
         logits=all_logits,

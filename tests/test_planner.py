@@ -1,0 +1,84 @@
+"""The planner predicts, from shapes alone, exactly the K/V and score-block peaks the engine measures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchmax_tp import attention
+from batchmax_tp.engine import generate
+from batchmax_tp.models import tiny_random_llama
+from batchmax_tp.planner import ModelShape, max_batch, parse_bytes, predict
+from batchmax_tp.policy import Method
+
+CASES = [
+    (Method("bm", kv_max=24, p=8), 3, 70, 12),
+    (Method("bm", kv_max=24, p=8), 2, 20, 30),  # prompt shorter than kv_max, decode evictions
+    (Method("ed", kv_max=2), 3, 50, 8),
+    (Method("ed", kv_max=65), 2, 30, 8),  # prompt shorter than kv_max
+    (Method("fkv"), 2, 40, 9),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_random_llama(seed=0)
+
+
+@pytest.mark.parametrize("chunk_bytes", [attention.SCORE_CHUNK_BYTES, 4096])
+@pytest.mark.parametrize("method,batch,prompt,new", CASES)
+def test_prediction_equals_measured_peaks(model, monkeypatch, chunk_bytes, method, batch, prompt, new):
+    monkeypatch.setattr(attention, "SCORE_CHUNK_BYTES", chunk_bytes)  # 4096: prefill runs in query chunks
+    ids = torch.randint(3, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    out = generate(model, ids, None, method, new, ignore_eos=True)
+    est = predict(ModelShape.from_config(model.config), method, batch, prompt, new)
+    assert est.kv == out.peak_kv_bytes
+    assert est.workspace == out.peak_workspace_bytes
+
+
+def test_bm_peak_does_not_grow_with_the_prompt():
+    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                       params=134_515_008)
+    bm = Method("bm", kv_max=512, p=64)
+    peaks = [predict(shape, bm, 8, s, 256).total for s in (1024, 4096)]
+    assert peaks[1] == peaks[0]
+    fkv = [predict(shape, Method("fkv"), 8, s, 256).kv for s in (1024, 4096)]
+    assert fkv[1] > 3 * fkv[0]
+
+
+def test_param_count_matches_the_model(model):
+    assert ModelShape.from_config(model.config).params == sum(p.numel() for p in model.parameters())
+
+
+def test_tp_splits_heads_like_autotp():
+    shape = ModelShape(layers=2, hidden=144, intermediate=128, heads=9, kv_heads=3, head_dim=16, vocab=128, params=0)
+    assert shape.local_heads(1) == (9, 3)
+    assert shape.local_heads(2) == (6, 2)  # rank 0 of 6/2 + 3/1
+    assert shape.local_heads(3) == (3, 1)
+
+
+def test_max_batch_is_the_boundary():
+    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                       params=134_515_008)
+    for method in (Method("bm", kv_max=512, p=64), Method("ed", kv_max=2), Method("fkv")):
+        budget = predict(shape, method, 7, 2000, 256).total + 1
+        b = max_batch(budget, shape, method, 2000, 256)
+        assert b == 7
+        assert predict(shape, method, b + 1, 2000, 256).total > budget
+    assert max_batch(10, shape, Method("fkv"), 2000, 256) == 0
+    # At one budget, BM fits a larger batch than ED, and ED (decoding-only) than FKV.
+    budget = parse_bytes("2GiB")
+    sizes = [max_batch(budget, shape, m, 3000, 512) for m in (Method("bm", kv_max=512, p=64), Method("ed", kv_max=2),
+                                                                Method("fkv"))]
+    assert sizes[0] > sizes[1] >= sizes[2] > 0
+
+
+@pytest.mark.parametrize("text,value", [("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                        ("123", 123), (77, 77)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_parse_bytes_rejects_garbage():
+    with pytest.raises(ValueError, match="byte size"):
+        parse_bytes("lots")
