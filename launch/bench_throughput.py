@@ -1,0 +1,151 @@
+"""Throughput at a fixed memory budget: FKV, ED and BM each at the largest batch that fits (the paper's claim).
+
+    python launch/bench_throughput.py                      # embedded model, CPU, budget = what FKV needs for 4
+    python launch/bench_throughput.py --model arch:llama-2-7b --dtype float16 --device cuda --memory-budget 40GiB
+
+One run: (1) the budget (given, or the planner's peak of FKV at --fkv-batch, so FKV fits exactly that many);
+(2) for each method the largest fitting batch (planner), one timed generation of --new tokens ignoring EOS
+from prompts of --prompt-len tokens, tokens/s = generated tokens / (prefill + decode) seconds; (3) the ratios
+BM/ED and BM/FKV; (4) measured peak K/V + score-block bytes of BM and FKV for prompt lengths 512..4096 at a
+fixed batch. Prefill and decode seconds and the per-step decode time are printed too, to show where time goes.
+Results: --out (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from batchmax_tp.engine import generate  # noqa: E402
+from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
+from batchmax_tp.planner import ModelShape, max_batch, parse_bytes, predict  # noqa: E402
+from batchmax_tp.policy import Method  # noqa: E402
+
+
+def prompts(vocab: int, batch: int, length: int, device: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (batch, length), generator=g).to(device)
+
+
+def timed(model, method: Method, batch: int, length: int, new: int, device: str) -> dict:
+    ids = prompts(model.config.vocab_size, batch, length, device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    out = generate(model, ids, None, method, new, ignore_eos=True)
+    row = {
+        "batch": batch,
+        "prefill_s": out.prefill_s,
+        "decode_s": out.decode_s,
+        "decode_step_ms": 1e3 * out.decode_s / max(new - 1, 1),
+        "tokens_per_s": batch * new / (out.prefill_s + out.decode_s),
+        "peak_kv_bytes": out.peak_kv_bytes,
+        "peak_workspace_bytes": out.peak_workspace_bytes,
+    }
+    if device.startswith("cuda"):
+        row["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=EMBEDDED_MODEL)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompt-len", type=int, default=1536)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--memory-budget", default=None, help="bytes or e.g. 24GiB; default: FKV's peak at --fkv-batch")
+    ap.add_argument("--fkv-batch", type=int, default=4)
+    ap.add_argument("--kv-max", default="512", help="comma-separated BM kv_max values to try")
+    ap.add_argument("--p", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=64, help="cap on any batch (time on a CPU)")
+    ap.add_argument("--lengths", default="512,1024,2048,4096")
+    ap.add_argument("--length-batch", type=int, default=2)
+    ap.add_argument("--out", default="results/bench_throughput.json")
+    a = ap.parse_args(argv)
+
+    model, _ = load_model(a.model, dtype=a.dtype, device=a.device)
+    shape = ModelShape.from_config(model.config)
+    s, T = a.prompt_len, a.new
+    fkv = Method("fkv")
+    budget = parse_bytes(a.memory_budget) if a.memory_budget else predict(shape, fkv, a.fkv_batch, s, T, dtype=a.dtype).total
+    methods = [fkv, Method("ed", kv_max=2), Method("ed", kv_max=65)]
+    methods += [Method("bm", kv_max=int(k), p=a.p) for k in a.kv_max.split(",")]
+
+    generate(model, prompts(model.config.vocab_size, 1, 16, a.device), None, Method("bm", kv_max=8, p=4), 4)  # warm-up
+    rows = []
+    for m in methods:
+        fit = max_batch(budget, shape, m, s, T, dtype=a.dtype)
+        b = min(fit, a.max_batch)
+        if b == 0:
+            rows.append({"method": m.name, "kv_max": m.kv_max, "batch": 0, "status": "OOM"})
+            continue
+        t = time.perf_counter()
+        row = {"method": m.name, "kv_max": m.kv_max, "largest_fitting_batch": fit, "status": "ok",
+               "predicted": predict(shape, m, b, s, T, dtype=a.dtype).as_dict(), **timed(model, m, b, s, T, a.device)}
+        row["wall_s"] = time.perf_counter() - t
+        rows.append(row)
+        print(f"{m.label():<28} b={b:<3} {row['tokens_per_s']:7.1f} tok/s  prefill {row['prefill_s']:7.1f}s  "
+              f"decode {row['decode_s']:7.1f}s ({row['decode_step_ms']:.0f} ms/step)", flush=True)
+
+    def best(name):
+        ok = [r for r in rows if r["method"] == name and r["status"] == "ok"]
+        return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+
+    b_bm, b_ed, b_fkv = best("bm"), best("ed"), best("fkv")
+    ratios = {
+        "bm_over_ed": b_bm["tokens_per_s"] / b_ed["tokens_per_s"] if b_bm and b_ed else None,
+        "bm_over_fkv": b_bm["tokens_per_s"] / b_fkv["tokens_per_s"] if b_bm and b_fkv else None,
+    }
+
+    lengths = [int(x) for x in a.lengths.split(",")]
+    bm_mem = Method("bm", kv_max=int(a.kv_max.split(",")[0]), p=a.p)
+    memory = []
+    for L in lengths:
+        for m in (bm_mem, fkv):
+            ids = prompts(model.config.vocab_size, a.length_batch, L, a.device, seed=1)
+            out = generate(model, ids, None, m, 2, ignore_eos=True)
+            est = predict(shape, m, a.length_batch, L, 2, dtype=a.dtype)
+            memory.append({"method": m.name, "prompt_len": L, "batch": a.length_batch,
+                           "measured_kv_plus_workspace": out.peak_kv_bytes + out.peak_workspace_bytes,
+                           "predicted_kv_plus_workspace": est.kv + est.workspace,
+                           "predicted_total": est.total})
+    bm_at = {r["prompt_len"]: r["measured_kv_plus_workspace"] for r in memory if r["method"] == "bm"}
+    growth = bm_at[max(lengths)] / bm_at[1024] if 1024 in bm_at else None
+
+    print(f"\nmodel={a.model} device={a.device} dtype={a.dtype} threads={torch.get_num_threads()} prompt={s} new={T} "
+          f"budget={budget / 2**30:.3f} GiB (planner total: weights + activations + K/V + score block)")
+    print(f"{'method':<6}{'kv_max':>7}{'batch':>7}{'tokens/s':>10}{'prefill s':>11}{'decode s':>10}{'ms/step':>9}"
+          f"{'peak KV MiB':>13}")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['method']:<6}{str(r['kv_max']):>7}{'OOM':>7}")
+            continue
+        print(f"{r['method']:<6}{str(r['kv_max'] or '-'):>7}{r['batch']:>7}{r['tokens_per_s']:>10.1f}"
+              f"{r['prefill_s']:>11.1f}{r['decode_s']:>10.1f}{r['decode_step_ms']:>9.0f}"
+              f"{r['peak_kv_bytes'] / 2**20:>13.1f}")
+    fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+    print(f"BM/ED = {fmt(ratios['bm_over_ed'])}   BM/FKV = {fmt(ratios['bm_over_fkv'])}")
+    print(f"\npeak K/V + score block (MiB) at batch {a.length_batch}:")
+    print("prompt " + " ".join(f"{L:>8}" for L in lengths))
+    for name in ("bm", "fkv"):
+        vals = [r["measured_kv_plus_workspace"] / 2**20 for r in memory if r["method"] == name]
+        print(f"{name:<6} " + " ".join(f"{v:>8.1f}" for v in vals))
+    print(f"BM peak at {max(lengths)} / at 1024 = {fmt(growth)}")
+
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out + ".tmp", "w") as f:
+        json.dump({"args": vars(a), "budget_bytes": budget, "runs": rows, "ratios": ratios, "memory": memory,
+                   "bm_peak_growth_4096_over_1024": growth}, f, indent=2)
+    os.replace(a.out + ".tmp", a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
