@@ -1,0 +1,148 @@
+"""Choosing (b, kv_max): the paper's procedure as a plan, and an auto-tuner that needs few trials.
+
+Both work on any ``evaluate(method, batch) -> Trial`` callable (a real run, or a toy model in tests) and use the
+planner to skip what cannot fit the memory budget.
+
+The tuner rests on two observations the paper's tables bear out: at a fixed ``kv_max`` throughput grows with the
+batch, so the largest batch that fits is the one to time; and the task metric depends on ``kv_max`` (how much
+context survives) but not on the batch size. So it (1) measures FKV's metric once, (2) bisects the ``kv_max``
+grid for the smallest value whose metric reaches ``target x FKV`` (metric is taken as non-decreasing in
+``kv_max``; each probe runs at that kv_max's largest fitting batch, so its throughput is measured too), and (3)
+times a few neighbours above it, since a slightly larger ``kv_max`` can fit the same batch and a smaller one
+is below target. Trials are cached: no (method, batch) runs twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from .planner import ModelShape, max_batch
+from .policy import Method
+
+logger = logging.getLogger(__name__)
+
+PAPER_BATCHES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, 24, 30, 32, 40, 48, 60, 64, 80, 96, 120, 160, 192, 240,
+                 320, 480, 960)  # divisors of 960, the paper's sample count
+
+
+@dataclass
+class Trial:
+    method: str
+    kv_max: int | None
+    batch: int
+    tokens_per_s: float | None  # None: out of memory
+    metric: float | None
+
+    @property
+    def oom(self) -> bool:
+        return self.tokens_per_s is None
+
+
+@dataclass
+class TuneResult:
+    best: Trial | None
+    fkv: Trial
+    target_metric: float
+    trials: list[Trial] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"best": None if self.best is None else asdict(self.best), "fkv": asdict(self.fkv),
+                "target_metric": self.target_metric, "trials": [asdict(t) for t in self.trials]}
+
+
+def kv_grid(prompt_len: int, step: int = 128, p: int = 64) -> list[int]:
+    """Multiples of ``step`` above ``p`` and below the prompt length (beyond it BM never evicts in prefill)."""
+    return [k for k in range(step, prompt_len + step, step) if k > p]
+
+
+def divisor_batches(num_samples: int, limit: int) -> list[int]:
+    """Batch sizes that divide ``num_samples`` (so every batch size sees the same samples), up to ``limit``."""
+    return [b for b in range(1, min(limit, num_samples) + 1) if num_samples % b == 0]
+
+
+def largest_batch(budget: int, shape: ModelShape, method: Method, prompt_len: int, new: int, *, dtype: str,
+                  tp: int = 1, batches: list[int] | None = None) -> int:
+    """Largest fitting batch, restricted to ``batches`` when given (0 when nothing fits)."""
+    b = max_batch(budget, shape, method, prompt_len, new, tp=tp, dtype=dtype)
+    if batches is not None:
+        b = max((x for x in batches if x <= b), default=0)
+    return b
+
+
+def paper_plan(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dtype: str, tp: int = 1,
+               p: int = 64, num_samples: int = 960, kv_values: list[int] | None = None) -> list[tuple[Method, int]]:
+    """The runs of the paper's procedure: ED (kv_max 2) at b0 (the smallest batch that does not fit: an OOM row),
+    ED (2 and 65) and FKV at b0 - 1, then BM at each kv_max's largest fitting divisor batch."""
+    ed2 = Method("ed", kv_max=2)
+    b0 = max_batch(budget, shape, ed2, prompt_len, new, tp=tp, dtype=dtype) + 1
+    runs = [(ed2, b0)]
+    if b0 > 1:
+        runs += [(ed2, b0 - 1), (Method("ed", kv_max=65), b0 - 1), (Method("fkv"), b0 - 1)]
+    batches = divisor_batches(num_samples, 1 << 16)
+    for k in kv_values or kv_grid(prompt_len, 128, p):
+        bm = Method("bm", kv_max=k, p=p)
+        b = largest_batch(budget, shape, bm, prompt_len, new, dtype=dtype, tp=tp, batches=batches)
+        if b:
+            runs.append((bm, b))
+    return runs
+
+
+def tune(
+    evaluate: Callable[[Method, int], Trial],
+    budget: int,
+    shape: ModelShape,
+    prompt_len: int,
+    new: int,
+    *,
+    target: float = 0.95,
+    dtype: str = "float32",
+    tp: int = 1,
+    p: int = 64,
+    kv_values: list[int] | None = None,
+    batches: list[int] | None = None,
+    neighbours: int = 2,
+) -> TuneResult:
+    """Highest-throughput BM (b, kv_max) whose metric is at least ``target`` x FKV's, under ``budget``."""
+    cache: dict[tuple, Trial] = {}
+
+    def run(method: Method, batch: int) -> Trial:
+        key = (method.name, method.kv_max, batch)
+        if key not in cache:
+            cache[key] = evaluate(method, batch)
+            logger.info("trial %s b=%d -> %s", method.label(), batch, cache[key])
+        return cache[key]
+
+    fkv_b = largest_batch(budget, shape, Method("fkv"), prompt_len, new, dtype=dtype, tp=tp, batches=batches)
+    if fkv_b == 0:
+        raise ValueError("the budget does not fit FKV at batch 1: the target metric cannot be measured")
+    fkv = run(Method("fkv"), fkv_b)
+    goal = target * fkv.metric
+
+    grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p)) if k > p]
+    fitting = []  # (kv_max, batch) that fit, ascending kv_max
+    for k in grid:
+        b = largest_batch(budget, shape, Method("bm", kv_max=k, p=p), prompt_len, new, dtype=dtype, tp=tp,
+                          batches=batches)
+        if b:
+            fitting.append((k, b))
+    if not fitting:
+        return TuneResult(None, fkv, goal, list(cache.values()))
+
+    def probe(i: int) -> Trial:
+        k, b = fitting[i]
+        return run(Method("bm", kv_max=k, p=p), b)
+
+    lo, hi = 0, len(fitting)  # first index whose metric reaches the goal, in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        t = probe(mid)
+        if not t.oom and t.metric is not None and t.metric >= goal:
+            hi = mid
+        else:
+            lo = mid + 1
+    candidates = [probe(i) for i in range(lo, min(lo + 1 + neighbours, len(fitting)))]
+    good = [t for t in candidates if not t.oom and t.metric is not None and t.metric >= goal]
+    best = max(good, key=lambda t: t.tokens_per_s, default=None)
+    return TuneResult(best, fkv, goal, list(cache.values()))

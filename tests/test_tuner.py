@@ -1,0 +1,103 @@
+"""Auto-tuner and the paper's sweep plan: against exhaustive search on a toy throughput model, and a real run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchmax_tp.planner import ModelShape, max_batch, predict
+from batchmax_tp.policy import Method
+from batchmax_tp.tuner import Trial, divisor_batches, kv_grid, paper_plan, tune
+
+SHAPE = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                   params=134_515_008)
+S, T = 2048, 256
+
+
+def toy(method: Method, b: int) -> Trial:
+    """Throughput: prefill per sample + decode steps that get cheaper per token with batch, dearer with kv.
+    Metric: grows with kv_max, saturating at FKV's 0.30."""
+    kv = S + T if method.name == "fkv" else method.kv_max
+    step = 0.02 + 0.0005 * b + 1e-6 * b * kv
+    tps = b * T / (b * S / 300 + T * step)
+    metric = 0.30 if method.name == "fkv" else 0.30 * min(1.0, (kv / 1536) ** 0.5)
+    return Trial(method.name, method.kv_max, b, tps, metric)
+
+
+@pytest.mark.parametrize("target", [0.9, 0.95, 1.0])
+def test_tuner_finds_the_exhaustive_optimum_in_fewer_trials(target):
+    budget = predict(SHAPE, Method("fkv"), 4, S, T).total
+    calls = []
+
+    def evaluate(method, b):
+        calls.append((method.kv_max, b))
+        return toy(method, b)
+
+    res = tune(evaluate, budget, SHAPE, S, T, target=target)
+    # Exhaustive: every kv_max on the grid at every fitting batch.
+    goal = target * 0.30
+    everything = []
+    for k in kv_grid(S):
+        m = Method("bm", kv_max=k, p=64)
+        for b in range(1, max_batch(budget, SHAPE, m, S, T) + 1):
+            everything.append(toy(m, b))
+    best = max((t for t in everything if t.metric >= goal), key=lambda t: t.tokens_per_s)
+    assert (res.best.kv_max, res.best.batch) == (best.kv_max, best.batch)
+    assert res.best.metric >= goal
+    assert len(calls) == len(set(calls)) <= 8 < len(everything)
+
+
+def test_tuner_returns_none_when_no_bm_config_reaches_the_target():
+    budget = predict(SHAPE, Method("fkv"), 2, S, T).total
+    res = tune(toy, budget, SHAPE, S, T, target=1.0, kv_values=[128, 256])
+    assert res.best is None and res.fkv.metric == pytest.approx(0.30)
+
+
+def test_tuner_rejects_a_budget_without_fkv():
+    with pytest.raises(ValueError, match="FKV at batch 1"):
+        tune(toy, 10**6, SHAPE, S, T)
+
+
+def test_paper_plan_follows_the_procedure():
+    budget = predict(SHAPE, Method("ed", kv_max=2), 5, S, T).total + 1  # ED fits 5, not 6
+    runs = paper_plan(budget, SHAPE, S, T, dtype="float32")
+    head = [(m.name, m.kv_max, b) for m, b in runs[:4]]
+    assert head == [("ed", 2, 6), ("ed", 2, 5), ("ed", 65, 5), ("fkv", None, 5)]
+    assert predict(SHAPE, Method("ed", kv_max=2), 6, S, T).total > budget  # the OOM row
+    bm = [(m.kv_max, b) for m, b in runs[4:]]
+    assert [k for k, _ in bm] == [k for k in kv_grid(S)]
+    for k, b in bm:
+        assert 960 % b == 0 and predict(SHAPE, Method("bm", kv_max=k, p=64), b, S, T).total <= budget
+    assert bm[0][1] > 5  # BM fits more than ED at the same budget
+
+
+def test_grids():
+    assert kv_grid(600) == [128, 256, 384, 512, 640]
+    assert divisor_batches(960, 50)[-5:] == [24, 30, 32, 40, 48]
+
+
+def test_tuner_on_the_embedded_model_with_a_small_budget():
+    from batchmax_tp.engine import generate
+    from batchmax_tp.models import load_model
+    from batchmax_tp.tasks import default_fixture_path, encode_prompts, load_jsonl
+
+    model, tok = load_model()
+    samples = load_jsonl(default_fixture_path())[:2]
+    ids, mask = encode_prompts(tok, [s.prompt[:1200] for s in samples])
+    s, new = ids.shape[1], 6
+    shape = ModelShape.from_config(model.config)
+    ref = generate(model, ids, mask, Method("fkv"), new).tokens
+
+    def evaluate(method, b):
+        # Metric: greedy-token agreement with FKV (b rows of the 2 prompts; throughput measured on that batch).
+        rows = torch.arange(b) % ids.shape[0]
+        out = generate(model, ids[rows], mask[rows], method, new, ignore_eos=True)
+        agree = (out.tokens[: ids.shape[0]] == ref).float().mean().item() if b >= ids.shape[0] else \
+            (out.tokens == ref[:b]).float().mean().item()
+        return Trial(method.name, method.kv_max, b, b * new / (out.prefill_s + out.decode_s), agree)
+
+    budget = predict(shape, Method("fkv"), 2, s, new).total
+    res = tune(evaluate, budget, shape, s, new, target=0.5, p=32, kv_values=[64, 128, 192])
+    assert res.fkv.metric == 1.0
+    assert res.best is not None and res.best.metric >= 0.5
+    assert res.best.batch >= 2 and res.best.kv_max in (64, 128, 192)
