@@ -73,6 +73,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "top_k": ((int,), False),
     "top_p": ((int, float), False),
     "log_level": ((str,), False),
+    "tp_size": ((int,), False),
 }
 
 _TYPE_NAMES = {str: "a string", list: "a list", int: "an integer", bool: "a boolean (true/false)"}
@@ -116,6 +117,7 @@ class RunConfig:
     top_k: int = 0  #: 0 = disabled
     top_p: float = 1.0
     log_level: str = "INFO"
+    tp_size: int = 1  #: ranks per tensor-parallel group; dp_size = world size / tp_size (derived at launch)
 
     def __post_init__(self) -> None:
         if isinstance(self.methods, str):
@@ -163,6 +165,8 @@ class RunConfig:
             raise ConfigError("top_k", f"must be >= 0 (0 = disabled), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.tp_size < 1:
+            raise ConfigError("tp_size", f"must be >= 1, got {self.tp_size}")
         if not self.out.strip():
             raise ConfigError("out", "must not be empty")
         if os.path.exists(self.out) and not os.path.isdir(self.out):
@@ -345,6 +349,9 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, metavar="K", help="top-k sampling, 0 = off (default 0)")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, 1.0 = off (default 1.0)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ... (default INFO)")
+    p.add_argument("--tp-size", type=int, metavar="N",
+                   help="tensor-parallel ranks per model replica (default 1); data-parallel replicas = "
+                   "world size / N")
     # Passed by the deepspeed / torch.distributed launchers; accepted and ignored (LOCAL_RANK env is used).
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, help=S)
     return p

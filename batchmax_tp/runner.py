@@ -21,15 +21,20 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "MethodRun",
+    "RESULTS_TIMEOUT_S",
     "atomic_write_text",
     "batched",
     "aggregate",
+    "gather_runs",
+    "merge_replica_runs",
+    "replica_batches",
     "cut_at_eos",
     "format_table",
     "method_out_dir",
     "run_method",
     "summary_row",
     "utc_now",
+    "warm_up",
     "write_config",
     "write_method_results",
     "write_table",
@@ -47,6 +52,21 @@ def batched(items: Sequence[Any], batch_size: int) -> Iterator[list[Any]]:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     for start in range(0, len(items), batch_size):
         yield list(items[start : start + batch_size])
+
+
+def replica_batches(
+    items: Sequence[Any], batch_size: int, replica: int = 0, num_replicas: int = 1
+) -> Iterator[tuple[int, int, list[Any]]]:
+    """``(batch_index, first_item_index, batch)`` of the batches data-parallel replica ``replica`` runs.
+
+    Batches are cut in file order (:func:`batched`) and dealt round-robin: batch i goes to replica
+    ``i % num_replicas``. With one replica this is every batch.
+    """
+    if not 0 <= replica < num_replicas:
+        raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
+    for index, batch in enumerate(batched(items, batch_size)):
+        if index % num_replicas == replica:
+            yield index, index * batch_size, batch
 
 
 def _eos_ids(eos_token_id: int | Iterable[int] | None) -> set[int]:
@@ -86,6 +106,7 @@ class MethodRun:
     peak_kv_bytes: int = 0
     num_batches: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  #: file index of each record (restores file order)
     started_at: str = ""
     finished_at: str = ""
     wall_s: float = 0.0
@@ -120,8 +141,15 @@ def aggregate(run: MethodRun) -> dict[str, Any]:
     }
 
 
-def summary_row(run: MethodRun, cfg: Any, *, tp_size: int = 1) -> dict[str, Any]:
-    """The ``summary.json`` object of one method."""
+def summary_row(
+    run: MethodRun,
+    cfg: Any,
+    *,
+    tp_size: int = 1,
+    dp_size: int = 1,
+    per_replica: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The ``summary.json`` object of one method (``per_replica`` only for multi-process runs)."""
     summary: dict[str, Any] = {
         "method": run.method,
         "model": cfg.model,
@@ -129,6 +157,7 @@ def summary_row(run: MethodRun, cfg: Any, *, tp_size: int = 1) -> dict[str, Any]
         "kv_max": run.kv_max,
         "p": run.p,
         "tp_size": tp_size,
+        "dp_size": dp_size,
         "max_new_tokens": cfg.max_new_tokens,
         "ignore_eos": cfg.ignore_eos,
         "do_sample": cfg.do_sample,
@@ -138,6 +167,8 @@ def summary_row(run: MethodRun, cfg: Any, *, tp_size: int = 1) -> dict[str, Any]
     }
     summary.update(aggregate(run))
     summary.update({"started_at": run.started_at, "finished_at": run.finished_at, "wall_s": run.wall_s})
+    if per_replica is not None:
+        summary["per_replica"] = per_replica
     return summary
 
 
@@ -157,11 +188,15 @@ def run_method(
     encode_fn: Callable[..., Any] | None = None,
     is_correct_fn: Callable[[str, Any], bool | None] | None = None,
     progress: bool | None = None,
+    replica: int = 0,
+    num_replicas: int = 1,
 ) -> MethodRun:
     """Generate for every sample with ``method`` (a ``policy.Method``) in batches of ``cfg.batch_size``.
 
     Samples are batched in file order, encoded (chat template, left padding), generated with the engine,
-    decoded up to the first EOS and checked against their reference.
+    decoded up to the first EOS and checked against their reference. With ``num_replicas > 1`` only the batches
+    of data-parallel replica ``replica`` run (:func:`replica_batches`); batch i always samples with seed
+    ``cfg.seed + i``, so the outputs do not depend on the number of replicas.
     """
     from tqdm.auto import tqdm
 
@@ -180,10 +215,18 @@ def run_method(
     run.started_at = utc_now()
     start = time.perf_counter()
     label = method.label() if hasattr(method, "label") else method.name
-    logger.info("running %s on %d samples, batch size %d", label, len(samples), cfg.batch_size)
-    bar = tqdm(total=len(samples), desc=method.name, unit="sample", disable=None if progress is None else not progress)
+    mine = list(replica_batches(samples, cfg.batch_size, replica, num_replicas))
+    total = sum(len(batch) for _, _, batch in mine)
+    if num_replicas > 1:
+        logger.info(
+            "running %s on %d of %d samples (replica %d of %d), batch size %d",
+            label, total, len(samples), replica, num_replicas, cfg.batch_size,
+        )
+    else:
+        logger.info("running %s on %d samples, batch size %d", label, len(samples), cfg.batch_size)
+    bar = tqdm(total=total, desc=method.name, unit="sample", disable=None if progress is None else not progress)
     try:
-        for index, batch in enumerate(batched(samples, cfg.batch_size)):
+        for index, first, batch in mine:
             input_ids, attention_mask = encode_fn(tokenizer, [s.prompt for s in batch])
             if device is not None and hasattr(input_ids, "to"):
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -220,6 +263,7 @@ def run_method(
                         "generated_tokens": int(num_generated[i]),
                     }
                 )
+                run.positions.append(first + i)
             logger.debug(
                 "%s batch %d: %d samples, prefill %.3f s, decode %.3f s",
                 method.name, index, len(batch), float(result.prefill_s), float(result.decode_s),
@@ -230,6 +274,133 @@ def run_method(
     run.wall_s = time.perf_counter() - start
     run.finished_at = utc_now()
     return run
+
+
+def warm_up(
+    model: Any,
+    tokenizer: Any,
+    samples: Sequence[Any],
+    methods: Sequence[Any],
+    cfg: Any,
+    *,
+    generate_fn: Callable[..., Any] | None = None,
+    encode_fn: Callable[..., Any] | None = None,
+    prompt_tokens: int = 8,
+    new_tokens: int = 2,
+) -> float:
+    """One tiny untimed generate per method (the last ``prompt_tokens`` tokens of the first prompt,
+    ``new_tokens`` new tokens), so that the first timed method does not pay one-time costs (lazy imports,
+    attention registration, allocator and kernel warm-up). Returns the seconds it took.
+
+    Every rank runs it on the same input, so tensor-parallel collectives stay in lock-step.
+    """
+    tasks = importlib.import_module("batchmax_tp.tasks")
+    generate_fn = generate_fn or _default_generate()
+    encode_fn = encode_fn or tasks.encode_prompts
+    start = time.perf_counter()
+    input_ids, attention_mask = encode_fn(tokenizer, [samples[0].prompt])
+    input_ids, attention_mask = input_ids[:, -prompt_tokens:], attention_mask[:, -prompt_tokens:]
+    device = getattr(model, "device", None)
+    if device is not None and hasattr(input_ids, "to"):
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    eos_token_id = getattr(tokenizer, "eos_token_id", None)
+    pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    for method in methods:
+        generate_fn(
+            model, input_ids, attention_mask, method, new_tokens,
+            ignore_eos=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=cfg.seed,
+        )
+    elapsed = time.perf_counter() - start
+    logger.info("warm-up (%d methods, %d prompt tokens, %d new tokens): %.2f s",
+                len(methods), input_ids.shape[-1], new_tokens, elapsed)
+    return elapsed
+
+
+# ---------------------------------------------------------------------- data parallel: merging replicas
+#: Timeout of the group that gathers results: data-parallel replicas finish a method up to a batch apart, which
+#: can take much longer than the 60 s collective timeout of the model's groups (``tp.DEFAULT_TIMEOUT_S``).
+RESULTS_TIMEOUT_S = 4 * 3600
+
+
+def merge_replica_runs(runs: Sequence[MethodRun]) -> tuple[MethodRun, list[dict[str, Any]]]:
+    """Fold the :class:`MethodRun` of every data-parallel replica (index = replica) into one, plus the
+    ``per_replica`` list of ``summary.json``.
+
+    Records are put back in file order. The replicas run concurrently, so the merged ``prefill_s`` and
+    ``decode_s`` are those of the slowest replica (largest ``prefill_s + decode_s``) and the merged
+    ``tokens_per_s`` = all generated tokens / that replica's time. ``peak_kv_bytes`` is the largest over
+    replicas (each replica's value is already the total over its tensor-parallel ranks).
+    """
+    if not runs:
+        raise ValueError("merge_replica_runs needs at least one run")
+    first = runs[0]
+    merged = MethodRun(method=first.method, kv_max=first.kv_max, p=first.p)
+    per_replica = []
+    for replica, run in enumerate(runs):
+        if run.method != first.method:
+            raise ValueError(f"replica {replica} ran {run.method}, replica 0 ran {first.method}")
+        total_s = run.prefill_s + run.decode_s
+        per_replica.append({
+            "replica": replica,
+            "num_samples": len(run.records),
+            "num_batches": run.num_batches,
+            "generated_tokens": run.generated_tokens,
+            "prefill_s": run.prefill_s,
+            "decode_s": run.decode_s,
+            "tokens_per_s": run.generated_tokens / total_s if total_s > 0 else None,
+            "peak_kv_bytes": run.peak_kv_bytes,
+            "wall_s": run.wall_s,
+        })
+        merged.generated_tokens += run.generated_tokens
+        merged.num_batches += run.num_batches
+        merged.peak_kv_bytes = max(merged.peak_kv_bytes, run.peak_kv_bytes)
+        merged.wall_s = max(merged.wall_s, run.wall_s)
+    slowest = max(runs, key=lambda r: r.prefill_s + r.decode_s)
+    merged.prefill_s, merged.decode_s = slowest.prefill_s, slowest.decode_s
+    started = [r.started_at for r in runs if r.started_at]
+    finished = [r.finished_at for r in runs if r.finished_at]
+    merged.started_at = min(started) if started else ""
+    merged.finished_at = max(finished) if finished else ""
+    pairs = sorted(
+        ((pos, rec) for run in runs for pos, rec in zip(run.positions, run.records, strict=True)),
+        key=lambda pair: pair[0],
+    )
+    seen = [pos for pos, _ in pairs]
+    if len(set(seen)) != len(seen):
+        raise ValueError("a sample was generated by more than one replica")
+    merged.positions = seen
+    merged.records = [rec for _, rec in pairs]
+    return merged, per_replica
+
+
+def gather_runs(run: MethodRun, layout: Any, group: Any = None) -> tuple[MethodRun, list[dict[str, Any]]] | None:
+    """Collect every rank's :class:`MethodRun` on rank 0 (``torch.distributed.gather_object``) and merge them.
+
+    Collective: every rank calls it. Only the records and timings of each replica's tensor-parallel rank 0
+    count (its peers computed the same tokens); ``peak_kv_bytes`` of a replica is the sum over its ranks,
+    since each rank holds only its own KV heads. Returns ``(merged run, per_replica)`` on rank 0, else None.
+    """
+    import torch.distributed as dist
+
+    mine = {"replica": layout.replica, "tp_rank": layout.tp_rank, "peak_kv_bytes": run.peak_kv_bytes,
+            "run": run if layout.tp_rank == 0 else None}
+    gathered = [None] * layout.world if layout.is_main else None
+    dist.gather_object(mine, gathered, dst=0, group=group)
+    if not layout.is_main:
+        return None
+    runs: list[MethodRun] = []
+    per_rank: list[list[int]] = [[0] * layout.tp for _ in range(layout.dp)]
+    for item in gathered:
+        per_rank[item["replica"]][item["tp_rank"]] = int(item["peak_kv_bytes"])
+    for replica in range(layout.dp):
+        lead = next(item["run"] for item in gathered if item["replica"] == replica and item["tp_rank"] == 0)
+        lead.peak_kv_bytes = sum(per_rank[replica])
+        runs.append(lead)
+    merged, per_replica = merge_replica_runs(runs)
+    for replica, entry in enumerate(per_replica):
+        entry["ranks"] = list(range(replica * layout.tp, (replica + 1) * layout.tp))
+        entry["peak_kv_bytes_per_rank"] = per_rank[replica]
+    return merged, per_replica
 
 
 # ---------------------------------------------------------------------- files

@@ -2,20 +2,31 @@
 """Run batched generation with one or more KV-cache methods and write the results.
 
     python launch/run.py [--config configs/default.yaml] [flags]      # --help lists the flags
+    torchrun --nproc_per_node 4 launch/run.py --tp-size 2 [flags]      # 2 replicas x 2 tensor-parallel ranks
 
 Order: parse + validate the configuration (any error: ``error: <one line>`` on stderr, exit 2, before a model
-is loaded or a file written); load the samples; load the model; for each method generate in batches, then
-write OUT/[<method>/]summary.json + samples.jsonl, OUT/config.yaml and (several methods) OUT/table.md; print
-one table to stdout.
+is loaded or a file written); check that ``tp_size`` divides the launcher's world size; load the samples (every
+rank reads the same file, deterministically); initialise torch.distributed (multi-process launches only); check
+``tp_size`` against the KV heads in the model's config (before any weight is loaded); load the model and split
+it with AutoTP; an untimed warm-up; for each method generate in batches (batch i on data-parallel replica
+i % dp_size), gather the per-sample records on rank 0, which writes OUT/[<method>/]summary.json + samples.jsonl,
+OUT/config.yaml and (several methods) OUT/table.md, and prints one table to stdout.
+
+Multi-process runs: only rank 0 writes files, prints the table and shows progress bars; other ranks log warnings
+and errors only. A rank that raises logs the traceback and exits 1 at once, so that the launcher stops the other
+ranks instead of leaving them waiting in a collective.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import importlib
+import io
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 try:  # a source checkout run without `pip install -e .`
     import batchmax_tp  # noqa: F401
@@ -29,8 +40,36 @@ logger = logging.getLogger("batchmax_tp.run")
 
 
 def _fail(message: str) -> int:
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     return 2
+
+
+def num_kv_heads(model_id: str) -> int:
+    """KV heads of ``model_id`` read from its configuration only (config.json; no weights are loaded)."""
+    from transformers import AutoConfig
+
+    models = importlib.import_module("batchmax_tp.models")
+    path = str(models.embedded_model_dir()) if model_id == models.EMBEDDED_MODEL else model_id
+    config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    if not heads:
+        raise ValueError(f"the configuration of {model_id} names no num_key_value_heads/num_attention_heads")
+    return int(heads)
+
+
+def _quiet_libraries() -> None:
+    """Ranks other than 0: no progress bars and only warnings from transformers and DeepSpeed."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+def _setup_stdout(is_main: bool):
+    """stdout is for the final table: library prints during setup go to stderr on rank 0, nowhere elsewhere."""
+    return contextlib.redirect_stdout(sys.stderr if is_main else io.StringIO())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,6 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+
+    tp = importlib.import_module("batchmax_tp.tp")
+    rank, world, local_rank = tp.world_from_env()
+    if world % cfg.tp_size:
+        return _fail(
+            f"tp_size: world size {world} is not a multiple of tp_size {cfg.tp_size}; start dp_size x tp_size "
+            f"processes, e.g. torchrun --nproc_per_node {cfg.tp_size} launch/run.py --tp-size {cfg.tp_size} ..."
+        )
 
     tasks = importlib.import_module("batchmax_tp.tasks")
     data = cfg.data if cfg.data is not None else str(tasks.default_fixture_path())
@@ -59,18 +106,85 @@ def main(argv: Sequence[str] | None = None) -> int:
         samples = samples[: cfg.num_samples]
     methods = cfg.method_specs()
 
+    device = cfg.device
+    if world > 1 and device.startswith("cuda"):
+        device = f"cuda:{local_rank}"  # one GPU per process: the launcher's LOCAL_RANK picks it
+
+    if rank != 0:
+        _quiet_libraries()
+    with _setup_stdout(rank == 0):  # DeepSpeed prints while it initialises: keep stdout for the table
+        layout = tp.init_distributed(cfg.tp_size, device)
+    import torch.distributed as dist
+
+    if layout.world == 1:  # plain python (or an MPI world of one: then a group of one exists)
+        rc = _run(cfg, layout, samples, methods, device)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return rc
+    try:
+        rc = _run(cfg, layout, samples, methods, device)
+    except BaseException:  # noqa: BLE001 - any failure: tell, then leave at once (no collective may wait on us)
+        logger.exception("rank %d failed; exiting so that the launcher stops the other ranks", layout.rank)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    if dist.is_initialized():
+        if rc != 0:
+            # Every rank failed the same check. Meet once more before leaving: a rank that exits while a slower
+            # one is still connecting its gloo/nccl mesh makes that one fail with a traceback instead.
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+        dist.destroy_process_group()
+    return rc
+
+
+def _run(cfg: Any, layout: Any, samples: list, methods: list, device: str) -> int:
     import torch
 
-    torch.manual_seed(cfg.seed)
+    tp = importlib.import_module("batchmax_tp.tp")
     models = importlib.import_module("batchmax_tp.models")
-    model, tokenizer = models.load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    if layout.tp > 1:
+        try:
+            heads = num_kv_heads(cfg.model)
+        except (OSError, ValueError) as err:
+            return _fail(f"model: cannot read the configuration of {cfg.model}: {err}")
+        try:
+            tp.check_tp_size(layout.tp, layout.world, heads)
+        except ValueError as err:
+            return _fail(f"tp_size: {err} ({cfg.model})")
+
+    torch.manual_seed(cfg.seed)
+    with _setup_stdout(layout.is_main):
+        model, tokenizer = models.load_model(cfg.model, dtype=cfg.dtype, device=device)
+        model = tp.apply_tensor_parallel(model, layout, getattr(torch, cfg.dtype))
+    results_group = None
+    if layout.world > 1:
+        import torch.distributed as dist
+
+        # Replicas reach the per-method gather up to a batch apart: give it a long timeout of its own.
+        results_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=runner.RESULTS_TIMEOUT_S))
+        logger.info("world %d = dp_size %d x tp_size %d", layout.world, layout.dp, layout.tp)
 
     several = len(methods) > 1
-    runner.write_config(cfg.out, cfg)
+    if layout.is_main:
+        runner.write_config(cfg.out, cfg)
+    runner.warm_up(model, tokenizer, samples, methods, cfg)
     summaries = []
     for method in methods:
-        run = runner.run_method(model, tokenizer, samples, method, cfg)
-        summary = runner.summary_row(run, cfg, tp_size=1)
+        run = runner.run_method(
+            model, tokenizer, samples, method, cfg,
+            progress=None if layout.is_main else False, replica=layout.replica, num_replicas=layout.dp,
+        )
+        per_replica = None
+        if layout.world > 1:
+            gathered = runner.gather_runs(run, layout, results_group)
+            if gathered is None:  # not rank 0
+                continue
+            run, per_replica = gathered
+        summary = runner.summary_row(run, cfg, tp_size=layout.tp, dp_size=layout.dp, per_replica=per_replica)
         folder = runner.method_out_dir(cfg.out, method.name, several)
         runner.write_method_results(folder, summary, run.records)
         logger.info(
@@ -78,8 +192,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             method.name, summary["generated_tokens"], summary["total_s"], summary["tokens_per_s"] or 0.0, folder,
         )
         summaries.append(summary)
-    table = runner.write_table(cfg.out, summaries) if several else runner.format_table(summaries)
-    print(table, end="")
+    if layout.is_main:
+        table = runner.write_table(cfg.out, summaries) if several else runner.format_table(summaries)
+        print(table, end="", flush=True)
+    if results_group is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=results_group)  # nobody leaves while rank 0 may still be reading from it
     return 0
 
 

@@ -387,7 +387,11 @@ def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
     assert printed.count("\n") == 5 and "| bm | 2 | 512 |" in printed and "3/5" in printed
     resolved = parse_args(["--config", str(out / "config.yaml")])
     assert resolved.device == "cpu" and resolved.batch_size == 2 and resolved.data == fake_stack.data
-    assert len(fake_stack.calls) == 9  # 3 methods x 3 batches
+    # One untimed warm-up per method (2 new tokens, at most 8 prompt tokens), then 3 methods x 3 batches.
+    warm, timed = fake_stack.calls[:3], fake_stack.calls[3:]
+    assert [c["method"].name for c in warm] == ["fkv", "ed", "bm"]
+    assert all(c["max_new_tokens"] == 2 and c["batch"] == 1 for c in warm)
+    assert len(timed) == 9 and all(c["max_new_tokens"] == 3 for c in timed)
 
 
 def test_run_py_single_method_layout(tmp_path, capsys, fake_stack):

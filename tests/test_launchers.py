@@ -1,0 +1,404 @@
+"""launch/run.py under real launchers on CPU (gloo, embedded model): deepspeed, torchrun, mpiexec, a simulated srun.
+
+Tensor-parallel (tp=2) and data-parallel (dp=2) runs must write the same ``samples.jsonl`` as a single process
+(same ids, same order, same outputs), and a summary with the layout and per-replica numbers. Layout errors stop
+the run with one line before any weight is loaded. Every run is small (2 samples, batch 1, 4 new tokens, bm with
+kv_max 128 / p 32 on ~370-token prompts cut from the bundled fixture, so BM evicts during prefill and decoding)
+and uses one thread per process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from batchmax_tp import tp
+from batchmax_tp.config import ConfigError, parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_PY = str(ROOT / "launch" / "run.py")
+SMALL = ["--method", "bm", "--num-samples", "2", "--batch-size", "1", "--max-new-tokens", "4", "--kv-max", "128",
+         "--p", "32"]
+SUMMARY_KEYS = ("method", "batch_size", "kv_max", "p", "tp_size", "num_samples", "generated_tokens", "tokens_per_s",
+                "prefill_s", "decode_s", "peak_kv_bytes")
+TIMEOUT_S = 240
+# Launcher/rank variables that must not leak from the environment pytest runs in.
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+_LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def tool(name: str) -> str | None:
+    """The launcher installed next to this Python (so it runs the same interpreter), else the one on PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which(name)
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = TIMEOUT_S) -> SimpleNamespace:
+    """Run a launcher in its own process group; on timeout the whole group (launcher + ranks) is killed."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env or clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd[0]} did not finish in {timeout} s\nstdout:\n{out}\nstderr:\n{err[-5000:]}")
+    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err, elapsed=time.monotonic() - start)
+
+
+def assert_ok(res: SimpleNamespace) -> None:
+    assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-8000:]}"
+
+
+def samples(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _short_data(folder: Path) -> Path:
+    """The fixture's first two samples, each document cut to its first 1400 characters + its question."""
+    from batchmax_tp.tasks import default_fixture_path
+
+    path = folder / "short.jsonl"
+    lines = []
+    for line in default_fixture_path().read_text().splitlines()[:2]:
+        record = json.loads(line)
+        prompt = record["prompt"]
+        record["prompt"] = prompt[:1400] + "\n\n" + prompt[prompt.rindex("Question:"):]
+        lines.append(json.dumps(record) + "\n")
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> list[str]:
+    """The flags of every run: SMALL on the short data file."""
+    return [*SMALL, "--data", str(_short_data(tmp_path_factory.mktemp("data")))]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, small):
+    """The reference: a plain single-process run."""
+    out = tmp_path_factory.mktemp("single") / "D0"
+    res = run([sys.executable, RUN_PY, *small, "--out", str(out)])
+    assert_ok(res)
+    return SimpleNamespace(out=out, samples=samples(out), summary=summary(out), stdout=res.stdout)
+
+
+def check_matches_single(out: Path, single, tp_size: int, dp_size: int) -> dict:
+    got = samples(out)
+    assert [r["id"] for r in got] == [r["id"] for r in single.samples]  # each sample once, in file order
+    assert got == single.samples  # same outputs, prompt lengths, token counts, correctness
+    s = summary(out)
+    for key in SUMMARY_KEYS:
+        assert key in s, key
+    assert (s["tp_size"], s["dp_size"]) == (tp_size, dp_size)
+    assert (s["method"], s["batch_size"], s["kv_max"], s["p"]) == ("bm", 1, 128, 32)
+    assert s["num_samples"] == 2 and s["generated_tokens"] == single.summary["generated_tokens"] == 8
+    # A replica's K/V bytes are summed over its TP ranks (each holds its own KV heads): the same as one process.
+    assert s["peak_kv_bytes"] == single.summary["peak_kv_bytes"] > 0
+    replicas = s["per_replica"]
+    assert [r["replica"] for r in replicas] == list(range(dp_size))
+    assert [r["ranks"] for r in replicas] == [list(range(i * tp_size, (i + 1) * tp_size)) for i in range(dp_size)]
+    for r in replicas:
+        for key in ("generated_tokens", "prefill_s", "decode_s", "tokens_per_s"):
+            assert key in r, key
+        assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / (r["prefill_s"] + r["decode_s"]))
+        assert sum(r["peak_kv_bytes_per_rank"]) == r["peak_kv_bytes"]
+    assert sum(r["generated_tokens"] for r in replicas) == s["generated_tokens"]
+    slowest = max(r["prefill_s"] + r["decode_s"] for r in replicas)
+    assert s["tokens_per_s"] == pytest.approx(s["generated_tokens"] / slowest)
+    assert s["prefill_s"] + s["decode_s"] == pytest.approx(slowest)
+    return s
+
+
+def check_stdout_is_one_table(stdout: str) -> None:
+    """Only rank 0 prints, and only the table, on stdout (launcher chatter aside)."""
+    assert stdout.count("| method | batch |") == 1, stdout
+    assert stdout.count("| bm | 1 | 128 |") == 1, stdout
+    assert "AutoTP" not in stdout and "built successfully" not in stdout, stdout
+
+
+# ---------------------------------------------------------------------- single process
+def test_single_process_summary(single):
+    s = single.summary
+    assert (s["tp_size"], s["dp_size"]) == (1, 1) and "per_replica" not in s
+    assert [r["id"] for r in single.samples] == ["lighthouse_dog", "harwick_bridge"]
+    assert all(r["generated_tokens"] == 4 and r["output"] for r in single.samples)
+    assert single.stdout.splitlines()[0] == "| method | batch | kv_max | tokens/s | peak KV MiB | correct (k/n) |"
+    assert len(single.stdout.splitlines()) == 3
+
+
+# ---------------------------------------------------------------------- tensor parallel, 2 ranks
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_tp2_equals_single_process(tmp_path, single, launcher, small):
+    exe = tool(launcher)
+    if exe is None:
+        pytest.skip(f"{launcher} is not installed")
+    out = tmp_path / ("D1" if launcher == "deepspeed" else "D2")
+    nproc = ["--num_gpus", "2"] if launcher == "deepspeed" else ["--nproc_per_node", "2"]
+    res = run([exe, *nproc, "--master_port", str(free_port()), RUN_PY, *small, "--tp-size", "2", "--out", str(out)])
+    assert_ok(res)
+    s = check_matches_single(out, single, tp_size=2, dp_size=1)
+    # SmolLM2 has 3 KV heads: AutoTP gives rank 0 two of them and rank 1 one.
+    assert s["per_replica"][0]["peak_kv_bytes_per_rank"] == [2 * s["peak_kv_bytes"] // 3, s["peak_kv_bytes"] // 3]
+    check_stdout_is_one_table(res.stdout)
+    assert sorted(os.listdir(out)) == ["config.yaml", "samples.jsonl", "summary.json"]
+    assert parse_args(["--config", str(out / "config.yaml")]).tp_size == 2
+
+
+# ---------------------------------------------------------------------- data parallel, 2 replicas
+def test_dp2_equals_single_process(tmp_path, single, small):
+    exe = tool("torchrun")
+    if exe is None:
+        pytest.skip("torchrun is not installed")
+    out = tmp_path / "DP"
+    res = run([exe, "--nproc_per_node", "2", "--master_port", str(free_port()), RUN_PY, *small, "--tp-size", "1",
+               "--out", str(out)])
+    assert_ok(res)
+    s = check_matches_single(out, single, tp_size=1, dp_size=2)
+    # Batch i went to replica i % 2: one sample each.
+    assert [r["num_samples"] for r in s["per_replica"]] == [1, 1]
+    assert [r["generated_tokens"] for r in s["per_replica"]] == [4, 4]
+    check_stdout_is_one_table(res.stdout)
+
+
+# ---------------------------------------------------------------------- MPI
+def test_mpiexec_tp2_equals_single_process(tmp_path, single, small):
+    exe = tool("mpiexec")
+    if exe is None:
+        pytest.skip("mpiexec is not installed (pip install mpich mpi4py)")
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpi4py is not installed (DeepSpeed's MPI support needs it)")
+    out = tmp_path / "MPI"
+    # The rank's environment reaches each process (MPICH and Open MPI both forward it by default).
+    res = run([exe, "-n", "2", sys.executable, RUN_PY, *small, "--tp-size", "2", "--out", str(out)],
+              env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+    assert_ok(res)
+    check_matches_single(out, single, tp_size=2, dp_size=1)
+    check_stdout_is_one_table(res.stdout)
+
+
+# ---------------------------------------------------------------------- SLURM (no real SLURM here)
+# A child process (torch imported once) that, for each case, replaces its whole environment with the case's
+# launcher variables and reports tp.world_from_env().
+_WORLD_CHECK = """
+import json, os, sys
+from batchmax_tp import tp
+base = {k: v for k, v in os.environ.items()}
+results = []
+for case in json.loads(sys.argv[1]):
+    os.environ.clear()
+    os.environ.update({**base, **case})
+    results.append(list(tp.world_from_env()))
+print(json.dumps(results))
+"""
+
+
+def _worlds_in_subprocess(cases: list[dict[str, str]]) -> list[tuple[int, int, int]]:
+    proc = subprocess.run([sys.executable, "-c", _WORLD_CHECK, json.dumps(cases)], env=clean_env(),
+                          capture_output=True, text=True, timeout=120, check=True)
+    return [tuple(r) for r in json.loads(proc.stdout)]
+
+
+def test_slurm_and_mpi_environment_mapping():
+    cases = {
+        (0, 1, 0): {},
+        (5, 8, 1): dict(SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1"),
+        # torchrun/deepspeed variables win over SLURM ones (torchrun inside an sbatch allocation).
+        (2, 4, 2): dict(RANK="2", WORLD_SIZE="4", LOCAL_RANK="2", SLURM_PROCID="0", SLURM_NTASKS="1",
+                        SLURM_LOCALID="0"),
+        (3, 4, 3): dict(OMPI_COMM_WORLD_RANK="3", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="3"),
+        (1, 2, 1): dict(PMI_RANK="1", PMI_SIZE="2", MPI_LOCALRANKID="1"),
+    }
+    assert _worlds_in_subprocess(list(cases.values())) == list(cases)
+    # srun --ntasks 8 with tp_size 4: rank 5 is tensor rank 1 of replica 1.
+    layout = tp.Layout(rank=5, world=8, local_rank=1, tp=4)
+    assert (layout.dp, layout.replica, layout.tp_rank) == (2, 1, 1)
+
+
+def test_srun_style_environment_end_to_end(tmp_path, single, small):
+    """What ``srun --ntasks 2 python launch/run.py --tp-size 2`` gives each task: SLURM_* variables only (and
+    MASTER_ADDR/MASTER_PORT from launch/slurm_tp.sbatch). Both ranks are started here by hand."""
+    out = tmp_path / "SLURM"
+    port = str(free_port())
+    procs, start = [], time.monotonic()
+    for rank in range(2):
+        env = clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, RUN_PY, *small, "--tp-size", "2", "--out", str(out)],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    results = []
+    try:
+        for proc in procs:
+            out_text, err_text = proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - start)))
+            results.append((proc.returncode, out_text, err_text))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    for rank, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exit {rc}\n{err[-8000:]}"
+    check_matches_single(out, single, tp_size=2, dp_size=1)
+    check_stdout_is_one_table(results[0][1])
+    assert results[1][1] == "", "rank 1 printed on stdout"
+    assert " INFO " not in results[1][2], "rank 1 logged below WARNING"
+
+
+# ---------------------------------------------------------------------- layout errors
+def test_check_tp_size():
+    tp.check_tp_size(1, 1, 3)
+    tp.check_tp_size(3, 6, 3)
+    tp.check_tp_size(2, 4, 3)
+    with pytest.raises(ValueError, match="multiple"):
+        tp.check_tp_size(4, 1, 3)
+    with pytest.raises(ValueError, match="multiple"):
+        tp.check_tp_size(2, 3, 3)
+    with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
+        tp.check_tp_size(4, 4, 3)
+    with pytest.raises(ValueError, match=">= 1"):
+        tp.check_tp_size(0, 1, 3)
+
+
+def test_tp_size_config_key():
+    assert parse_args([]).tp_size == 1
+    assert parse_args(["--tp-size", "2"]).tp_size == 2
+    for bad in (["--tp-size", "0"], ["--tp-size", "-1"]):
+        with pytest.raises(ConfigError, match="^tp_size:"):
+            parse_args(bad)
+
+
+def test_model_kv_heads_come_from_the_config():
+    spec = importlib.util.spec_from_file_location("batchmax_launch_run_l", RUN_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.num_kv_heads("embedded:smollm2-135m-instruct") == 3
+
+
+def test_single_process_tp4_fails_in_one_line(tmp_path, small):
+    out = tmp_path / "E1"
+    res = run([sys.executable, RUN_PY, *small, "--tp-size", "4", "--out", str(out)], timeout=120)
+    assert res.returncode == 2
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: tp_size: world size 1 is not a multiple of tp_size 4"), lines[0]
+    assert not out.exists()
+
+
+def test_tp_larger_than_kv_heads_fails_before_loading_weights(tmp_path, small):
+    """4 ranks, tp_size 4, a model with 3 KV heads: every rank stops with one line before loading weights."""
+    exe = tool("torchrun")
+    if exe is None:
+        pytest.skip("torchrun is not installed")
+    out = tmp_path / "E2"
+    res = run([exe, "--nproc_per_node", "4", "--master_port", str(free_port()), RUN_PY, *small, "--tp-size", "4",
+               "--out", str(out)], timeout=180)
+    assert res.returncode != 0
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert errors, res.stderr
+    assert all(line.startswith("error: tp_size: tp_size 4 exceeds the model's 3 KV heads") for line in errors), errors
+    assert "batchmax_tp.models: loaded" not in res.stderr and "Loading weights" not in res.stderr
+    assert 'launch/run.py", line' not in res.stderr, "a rank failed with a traceback instead of the one line"
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------- a failing rank
+def test_failing_rank_ends_the_job(tmp_path, small):
+    """Rank 1 of a dp=2 run raises in its first method: the job exits non-zero quickly and writes no results,
+    although rank 0 would otherwise wait in the result gather (whose timeout is hours)."""
+    wrapper = tmp_path / "fail_rank1.py"
+    wrapper.write_text(
+        "import os, runpy, sys\n"
+        "from batchmax_tp import runner\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    def boom(*args, **kwargs):\n"
+        "        raise RuntimeError('injected failure on rank 1')\n"
+        "    runner.run_method = boom\n"
+        f"sys.argv = [{RUN_PY!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path({RUN_PY!r}, run_name='__main__')\n"
+    )
+    exe = tool("torchrun")
+    if exe is None:
+        pytest.skip("torchrun is not installed")
+    out = tmp_path / "F"
+    res = run([exe, "--nproc_per_node", "2", "--master_port", str(free_port()), str(wrapper), *small,
+               "--tp-size", "1", "--out", str(out)], timeout=120)
+    assert res.returncode != 0
+    assert "injected failure on rank 1" in res.stderr and "rank 1 failed" in res.stderr
+    assert res.elapsed < 60, f"took {res.elapsed:.0f} s"
+    assert not (out / "samples.jsonl").exists() and not (out / "summary.json").exists()
+
+
+# ---------------------------------------------------------------------- data-parallel bookkeeping (no processes)
+def test_replica_batches_round_robin():
+    from batchmax_tp.runner import replica_batches
+
+    items = list("abcdefg")
+    dealt = {r: list(replica_batches(items, 2, r, 3)) for r in range(3)}
+    assert dealt[0] == [(0, 0, ["a", "b"]), (3, 6, ["g"])]
+    assert dealt[1] == [(1, 2, ["c", "d"])]
+    assert dealt[2] == [(2, 4, ["e", "f"])]
+    assert [b for _, _, b in replica_batches(items, 3)] == [["a", "b", "c"], ["d", "e", "f"], ["g"]]
+    assert list(replica_batches(items[:1], 4, 1, 2)) == []  # more replicas than batches: nothing to do
+    with pytest.raises(ValueError):
+        list(replica_batches(items, 2, 2, 2))
+
+
+def test_merge_replica_runs_restores_file_order_and_uses_the_slowest_replica():
+    from batchmax_tp.runner import MethodRun, merge_replica_runs, summary_row
+
+    def replica_run(positions, tokens, prefill, decode, peak, started, finished):
+        run = MethodRun(method="bm", kv_max=128, p=32, generated_tokens=tokens, prefill_s=prefill, decode_s=decode,
+                        peak_kv_bytes=peak, num_batches=len(positions), started_at=started, finished_at=finished,
+                        wall_s=prefill + decode)
+        run.records = [{"id": f"s{p}", "correct": p % 2 == 0} for p in positions]
+        run.positions = list(positions)
+        return run
+
+    runs = [replica_run([0, 1, 4], 12, 1.0, 2.0, 500, "2026-01-01T00:00:01", "2026-01-01T00:00:05"),
+            replica_run([2, 3], 8, 3.0, 1.5, 700, "2026-01-01T00:00:00", "2026-01-01T00:00:06"),
+            replica_run([], 0, 0.0, 0.0, 0, "2026-01-01T00:00:02", "2026-01-01T00:00:02")]
+    merged, per_replica = merge_replica_runs(runs)
+    assert [r["id"] for r in merged.records] == ["s0", "s1", "s2", "s3", "s4"] and merged.positions == [0, 1, 2, 3, 4]
+    assert merged.generated_tokens == 20 and merged.num_batches == 5 and merged.peak_kv_bytes == 700
+    assert (merged.prefill_s, merged.decode_s) == (3.0, 1.5)  # replica 1 took longest (4.5 s)
+    assert (merged.started_at, merged.finished_at) == ("2026-01-01T00:00:00", "2026-01-01T00:00:06")
+    assert [r["num_samples"] for r in per_replica] == [3, 2, 0]
+    assert per_replica[0]["tokens_per_s"] == pytest.approx(12 / 3.0) and per_replica[2]["tokens_per_s"] is None
+    cfg = parse_args(["--method", "bm", "--kv-max", "128", "--p", "32"])
+    s = summary_row(merged, cfg, tp_size=2, dp_size=3, per_replica=per_replica)
+    assert s["tokens_per_s"] == pytest.approx(20 / 4.5) and (s["tp_size"], s["dp_size"]) == (2, 3)
+    assert s["num_samples"] == 5 and s["num_correct"] == 3 and len(s["per_replica"]) == 3
+    with pytest.raises(ValueError, match="more than one replica"):
+        merge_replica_runs([runs[0], replica_run([1], 4, 1.0, 1.0, 1, "", "")])
