@@ -6,8 +6,9 @@ needs no communication. Every rank runs the same schedule (it depends only on ho
 shared inputs), so the all-reduces AutoTP inserts stay in lock-step.
 
 Launchers: ``deepspeed`` (env + ``--local_rank``), ``torchrun`` (env), MPI (``mpirun``/``mpiexec``: DeepSpeed's
-MPI discovery through mpi4py) and SLURM (``srun``: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID mapped to RANK/
-WORLD_SIZE/LOCAL_RANK when those are absent). A plain ``python`` run is a world of one.
+MPI discovery through mpi4py, which also finds the master address) and SLURM (``srun``: SLURM_PROCID/
+SLURM_NTASKS/SLURM_LOCALID mapped to RANK/WORLD_SIZE/LOCAL_RANK when those are absent). A plain ``python`` run
+is a world of one.
 """
 
 from __future__ import annotations
@@ -84,29 +85,52 @@ def check_tp_size(tp: int, world: int, num_kv_heads: int) -> None:
         raise ValueError(f"tp_size {tp} exceeds the model's {num_kv_heads} KV heads: every rank needs one")
 
 
+def _mpi_launch() -> bool:
+    """Started by mpirun/mpiexec (and not by a launcher that already set RANK)."""
+    return "RANK" not in os.environ and "SLURM_PROCID" not in os.environ and any(
+        v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+    )
+
+
 def init_distributed(tp: int, device: str = "cpu", timeout_s: int = DEFAULT_TIMEOUT_S) -> Layout:
     """Initialise torch.distributed (through DeepSpeed) from whichever launcher started us; returns the layout.
 
-    World of one: nothing is initialised. CPU uses gloo, CUDA nccl; on CUDA the process binds to LOCAL_RANK.
+    World of one: nothing is initialised. CPU uses gloo, CUDA nccl; on CUDA the process binds to its local GPU.
+    - deepspeed/torchrun: their RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* are used as they are;
+    - MPI: DeepSpeed's MPI discovery (mpi4py) sets them, MASTER_ADDR being rank 0's address (multi-node safe);
+      MASTER_PORT, if set, is kept;
+    - SLURM: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID are mapped; on several nodes MASTER_ADDR must be set (the
+      sbatch recipe does), on one node it defaults to 127.0.0.1.
     """
-    os.environ.update(launcher_env())
     rank, world, local_rank = world_from_env()
-    if world == 1 and "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
+    if world == 1:
         return Layout(tp=tp)
     import deepspeed
     import torch.distributed as dist
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    if not _mpi_launch():
+        os.environ.update(launcher_env())
+        if "MASTER_ADDR" not in os.environ:
+            if int(os.environ.get("SLURM_NNODES", "1")) > 1:
+                raise ValueError(
+                    "MASTER_ADDR is not set on a multi-node SLURM job: export MASTER_ADDR=$(scontrol show "
+                    "hostnames $SLURM_JOB_NODELIST | head -n 1) before srun"
+                )
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ.setdefault("MASTER_PORT", str(port))
     if device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
+        # One task may see all of a node's GPUs or only its own (srun --gpus-per-task=1).
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
         deepspeed.init_distributed(
             dist_backend="nccl" if device.startswith("cuda") else "gloo",
             auto_mpi_discovery=True,
+            distributed_port=port,
             timeout=datetime.timedelta(seconds=timeout_s),
             verbose=False,
         )
+    local_rank = int(os.environ.get("LOCAL_RANK", local_rank))
     layout = Layout(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, tp=tp)
     if layout.world % tp:
         raise ValueError(f"world size {layout.world} is not a multiple of tp_size {tp}")

