@@ -12,7 +12,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=["batchmax_tp"],
-    package_data={"batchmax_tp": ["fixtures/*.jsonl"]},
+    package_data={"batchmax_tp": ["fixtures/*.jsonl", "fixtures/*/*.jsonl"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[

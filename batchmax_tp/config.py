@@ -27,6 +27,9 @@ __all__ = [
     "DEFAULT_KV_MAX",
     "DTYPES",
     "LOG_LEVELS",
+    "METRICS",
+    "RUN_KEYS",
+    "TASK_NAMES",
     "build_parser",
     "load_yaml",
     "parse_args",
@@ -38,6 +41,12 @@ DEFAULT_KV_MAX: dict[str, int | None] = {"bm": 512, "ed": 2, "fkv": None}
 DTYPES = ("float32", "float16", "bfloat16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+#: ``task`` values (``batchmax_tp.tasks.TASK_NAMES``; repeated here so that validation imports nothing heavy).
+TASK_NAMES = ("jsonl", "cnn_dailymail", "narrativeqa", "gsm8k")
+METRICS = ("rouge2", "accuracy", "exact", "contains")  #: ``batchmax_tp.metrics.METRICS``
+#: Keys of one entry of ``runs``.
+RUN_KEYS = ("method", "batch_size", "kv_max")
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 class ConfigError(ValueError):
@@ -74,6 +83,11 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "top_p": ((int, float), False),
     "log_level": ((str,), False),
     "tp_size": ((int,), False),
+    "task": ((str,), False),
+    "num_shots": ((int,), True),  # null = the paper's count for the task
+    "max_input_tokens": ((int,), True),
+    "metric": ((str,), True),  # null = the task's metric
+    "runs": ((list,), True),  # null = methods x [batch_size]
 }
 
 _TYPE_NAMES = {str: "a string", list: "a list", int: "an integer", bool: "a boolean (true/false)"}
@@ -118,6 +132,11 @@ class RunConfig:
     top_p: float = 1.0
     log_level: str = "INFO"
     tp_size: int = 1  #: ranks per tensor-parallel group; dp_size = world size / tp_size (derived at launch)
+    task: str = "jsonl"  #: jsonl (``data`` = a JSONL file) or a paper task (``data`` = hub id or folder)
+    num_shots: int | None = None  #: null = the paper's count (CNN/DM 1, NarrativeQA 2, GSM8K 16; jsonl 0)
+    max_input_tokens: int | None = 3584  #: prompts of paper tasks are cut (in the document) to this many tokens
+    metric: str | None = None  #: null = the task's (jsonl: contains)
+    runs: list[dict[str, Any]] | None = None  #: sweep entries {method, batch_size, kv_max}; null = methods x b
 
     def __post_init__(self) -> None:
         if isinstance(self.methods, str):
@@ -171,9 +190,97 @@ class RunConfig:
             raise ConfigError("out", "must not be empty")
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise ConfigError("out", f"exists and is not a directory: {self.out}")
-        if self.data is not None and not os.path.isfile(self.data):
-            raise ConfigError("data", f"file not found: {self.data}")
-        self.method_specs()  # the method rules live in policy.Method; check them now, before any model loads
+        self._validate_task()
+        if self.runs is None:
+            self.method_specs()  # the method rules live in policy.Method; check them now, before any model loads
+        else:
+            self.run_specs()
+
+    def _validate_task(self) -> None:
+        if self.task not in TASK_NAMES:
+            raise ConfigError("task", f"must be one of {', '.join(TASK_NAMES)}, got {self.task!r}")
+        if self.metric is not None and self.metric not in METRICS:
+            raise ConfigError("metric", f"must be one of {', '.join(METRICS)} or null, got {self.metric!r}")
+        if self.num_shots is not None and self.num_shots < 0:
+            raise ConfigError("num_shots", f"must be >= 0 or null (the paper's count), got {self.num_shots}")
+        if self.task == "jsonl" and self.num_shots:
+            raise ConfigError("num_shots", "JSONL prompts have no shots; num_shots is for the paper's tasks")
+        if self.max_input_tokens is not None and self.max_input_tokens < 1:
+            raise ConfigError("max_input_tokens", f"must be >= 1 or null (no limit), got {self.max_input_tokens}")
+        if self.data is None:
+            return
+        if self.task == "jsonl":
+            if not os.path.isfile(self.data):
+                raise ConfigError("data", f"file not found: {self.data}")
+        elif not os.path.isdir(self.data) and (os.path.exists(self.data) or not _HUB_ID_RE.match(self.data)):
+            raise ConfigError(
+                "data", f"task {self.task} needs a hub id (owner/name) or a folder with train.jsonl and "
+                f"test.jsonl, got {self.data!r}"
+            )
+
+    # ------------------------------------------------------------------ tasks
+    @property
+    def sweep(self) -> bool:
+        """Whether this config writes the sweep layout (run folders, report, resume): it has ``runs`` or a paper
+        task. A plain JSONL config without ``runs`` keeps the per-method layout."""
+        return self.runs is not None or self.task != "jsonl"
+
+    def shots_for_task(self) -> int:
+        """``num_shots``, or the paper's count for the task (0 for jsonl)."""
+        if self.num_shots is not None:
+            return self.num_shots
+        if self.task == "jsonl":
+            return 0
+        return importlib.import_module("batchmax_tp.tasks").TASKS[self.task].shots
+
+    def metric_for_task(self) -> str:
+        """``metric``, or the task's (CNN/DM and NarrativeQA rouge2, GSM8K accuracy, jsonl contains)."""
+        if self.metric is not None:
+            return self.metric
+        if self.task == "jsonl":
+            return "contains"
+        return importlib.import_module("batchmax_tp.tasks").TASKS[self.task].metric
+
+    def run_specs(self) -> list:
+        """The runs of a sweep (``batchmax_tp.evaluate.RunSpec``): the ``runs`` entries, or each of ``methods``
+        at ``batch_size``. Errors name the entry, e.g. ``runs[2].kv_max: ...``."""
+        RunSpec = importlib.import_module("batchmax_tp.evaluate").RunSpec
+        if self.runs is None:
+            return [RunSpec(method, self.batch_size) for method in self.method_specs()]
+        if not self.runs:
+            raise ConfigError("runs", "must list at least one run, or be null (methods x batch_size)")
+        Method = importlib.import_module("batchmax_tp.policy").Method
+        specs, names = [], {}
+        for i, entry in enumerate(self.runs):
+            where = f"runs[{i}]"
+            if not isinstance(entry, dict):
+                raise ConfigError(where, f"must be a mapping like {{method: bm, batch_size: 8, kv_max: 512}}, "
+                                  f"got {entry!r}")
+            for key in entry:
+                if key not in RUN_KEYS:
+                    raise ConfigError(f"{where}.{key}", f"unknown key; a run has {', '.join(RUN_KEYS)}")
+            for key in ("method", "batch_size"):
+                if key not in entry:
+                    raise ConfigError(f"{where}.{key}", "missing")
+            method, batch_size, kv_max = entry["method"], entry["batch_size"], entry.get("kv_max")
+            if not isinstance(method, str):
+                raise ConfigError(f"{where}.method", f"must be a string, got {method!r}")
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                raise ConfigError(f"{where}.batch_size", f"must be an integer >= 1, got {batch_size!r}")
+            if kv_max is not None and (isinstance(kv_max, bool) or not isinstance(kv_max, int) or kv_max < 1):
+                raise ConfigError(f"{where}.kv_max", f"must be an integer >= 1 or null, got {kv_max!r}")
+            if kv_max is None:
+                kv_max = self.kv_max_for(method)
+            try:
+                spec = RunSpec(Method(method, kv_max=kv_max, p=self.p), batch_size)
+            except ValueError as err:
+                key = "method" if "unknown method" in str(err) else "p" if str(err).startswith("p ") else "kv_max"
+                raise ConfigError(f"{where}.{key}", str(err)) from None
+            if spec.name in names:
+                raise ConfigError(where, f"the same run as runs[{names[spec.name]}] ({spec.name})")
+            names[spec.name] = i
+            specs.append(spec)
+        return specs
 
     # ------------------------------------------------------------------ methods
     def kv_max_for(self, name: str) -> int | None:
@@ -352,6 +459,13 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, metavar="N",
                    help="tensor-parallel ranks per model replica (default 1); data-parallel replicas = "
                    "world size / N")
+    p.add_argument("--task", metavar="|".join(TASK_NAMES),
+                   help="jsonl (--data = a JSONL file; default) or a paper task (--data = hub id or folder)")
+    p.add_argument("--num-shots", type=_int_or_null, metavar="N|null",
+                   help="few-shot examples (default null: CNN/DM 1, NarrativeQA 2, GSM8K 16)")
+    p.add_argument("--max-input-tokens", type=_int_or_null, metavar="N|null",
+                   help="cut paper-task prompts to N tokens, in the document only (default 3584)")
+    p.add_argument("--metric", metavar="|".join(METRICS), help="default: the task's (jsonl: contains)")
     # Passed by the deepspeed / torch.distributed launchers; accepted and ignored (LOCAL_RANK env is used).
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, help=S)
     return p

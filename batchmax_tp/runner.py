@@ -411,6 +411,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; results are ordinary files
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()

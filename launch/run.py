@@ -12,6 +12,12 @@ it with AutoTP; an untimed warm-up; for each method generate in batches (batch i
 i % dp_size), gather the per-sample records on rank 0, which writes OUT/[<method>/]summary.json + samples.jsonl,
 OUT/config.yaml and (several methods) OUT/table.md, and prints one table to stdout.
 
+Sweeps (a ``runs`` list or a paper task): the task's data is read before the model (and OUT/config.yaml is
+checked: results made with another configuration are never resumed); prompts are built with the tokenizer;
+each run appends its finished batches to OUT/<run>/samples.jsonl and ends with OUT/<run>/summary.json
+(``batchmax_tp.evaluate``); finished runs and batches are skipped when the same config runs again. At the end
+rank 0 writes OUT/report.md, results.csv, throughput.png and metric_vs_kv.png and prints the report.
+
 Multi-process runs: only rank 0 writes files, prints the table and shows progress bars; other ranks log warnings
 and errors only. A rank that raises logs the traceback and exits 1 at once, so that the launcher stops the other
 ranks instead of leaving them waiting in a collective.
@@ -93,18 +99,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     tasks = importlib.import_module("batchmax_tp.tasks")
-    data = cfg.data if cfg.data is not None else str(tasks.default_fixture_path())
-    try:
-        samples = tasks.load_jsonl(data)
-    except (FileNotFoundError, ValueError) as err:
-        return _fail(f"data: {err}")
-    if not samples:
-        return _fail(f"data: no samples in {data}")
-    if cfg.num_samples is not None:
-        if cfg.num_samples > len(samples):
+    samples, task_data = None, None
+    if cfg.task == "jsonl":
+        data = cfg.data if cfg.data is not None else str(tasks.default_fixture_path())
+        try:
+            samples = tasks.load_jsonl(data)
+        except (FileNotFoundError, ValueError) as err:
+            return _fail(f"data: {err}")
+        if not samples:
+            return _fail(f"data: no samples in {data}")
+        if cfg.num_samples is not None and cfg.num_samples > len(samples):
             logger.warning("num_samples=%d but %s has only %d samples", cfg.num_samples, data, len(samples))
-        samples = samples[: cfg.num_samples]
-    methods = cfg.method_specs()
+        samples = [samples[i] for i in tasks.select_indices(len(samples), cfg.num_samples, cfg.seed)]
+    else:
+        source = cfg.data if cfg.data is not None else f"the bundled fixture {tasks.fixture_dir(cfg.task)}"
+        try:
+            task_data = _load_task(cfg, tasks)
+        except Exception as err:  # noqa: BLE001 - datasets raises many kinds; all mean "cannot read the data"
+            return _fail(f"data: cannot load task {cfg.task} from {source}: {type(err).__name__}: {err}")
+    if cfg.sweep:
+        results = importlib.import_module("batchmax_tp.results")
+        try:
+            resuming = results.check_same_config(cfg.out, cfg.to_dict())
+        except ValueError as err:
+            return _fail(str(err))
+        specs = cfg.run_specs()
+        if resuming and world == 1 and all(results.read_summary(os.path.join(cfg.out, s.name)) for s in specs):
+            logger.info("every run in %s has finished: writing the report only", cfg.out)
+            return _report(cfg, [results.read_summary(os.path.join(cfg.out, s.name)) for s in specs])
+        methods = list({s.method: None for s in specs})  # for the warm-up: each distinct method once
+    else:
+        methods = cfg.method_specs()
 
     device = cfg.device
     if world > 1 and device.startswith("cuda"):
@@ -117,12 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as dist
 
     if layout.world == 1:  # plain python (or an MPI world of one: then a group of one exists)
-        rc = _run(cfg, layout, samples, methods, device)
+        rc = _run(cfg, layout, samples, methods, device, task_data)
         if dist.is_initialized():
             dist.destroy_process_group()
         return rc
     try:
-        rc = _run(cfg, layout, samples, methods, device)
+        rc = _run(cfg, layout, samples, methods, device, task_data)
     except BaseException:  # noqa: BLE001 - any failure: tell, then leave at once (no collective may wait on us)
         logger.exception("rank %d failed; exiting so that the launcher stops the other ranks", layout.rank)
         logging.shutdown()
@@ -141,7 +166,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     return rc
 
 
-def _run(cfg: Any, layout: Any, samples: list, methods: list, device: str) -> int:
+def _load_task(cfg: Any, tasks: Any) -> Any:
+    """A paper task's shots and selected test examples (``tasks.TaskData``), read through ``datasets``."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    return tasks.load_task(cfg.task, cfg.data, num_shots=cfg.num_shots, num_samples=cfg.num_samples, seed=cfg.seed)
+
+
+def _report(cfg: Any, summaries: list[dict]) -> int:
+    """Rank 0 after a sweep: OUT/report.md, results.csv and the plots; the report goes to stdout too."""
+    report = importlib.import_module("batchmax_tp.report")
+    paths = report.write_report(cfg.out, summaries)
+    print(paths["report.md"].read_text(encoding="utf-8"), end="", flush=True)
+    return 0
+
+
+def _run_sweep(cfg: Any, layout: Any, model: Any, tokenizer: Any, samples: list, results_group: Any) -> None:
+    """Every run of the sweep (finished ones are skipped, unfinished ones resumed), then the report."""
+    evaluate = importlib.import_module("batchmax_tp.evaluate")
+    summaries = []
+    for spec in cfg.run_specs():
+        summary = evaluate.evaluate_run(model, tokenizer, samples, spec, cfg, layout=layout, group=results_group)
+        if summary is not None:  # rank 0
+            summaries.append(summary)
+    if layout.is_main:
+        _report(cfg, summaries)
+
+
+def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str, task_data: Any = None) -> int:
     import torch
 
     tp = importlib.import_module("batchmax_tp.tp")
@@ -168,10 +221,20 @@ def _run(cfg: Any, layout: Any, samples: list, methods: list, device: str) -> in
         results_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=runner.RESULTS_TIMEOUT_S))
         logger.info("world %d = dp_size %d x tp_size %d", layout.world, layout.dp, layout.tp)
 
-    several = len(methods) > 1
+    if task_data is not None:
+        tasks = importlib.import_module("batchmax_tp.tasks")
+        try:
+            samples = tasks.build_samples(tokenizer, task_data, cfg.max_input_tokens)
+        except ValueError as err:
+            return _fail(f"max_input_tokens: {err}")
+
     if layout.is_main:
         runner.write_config(cfg.out, cfg)
     runner.warm_up(model, tokenizer, samples, methods, cfg)
+    if cfg.sweep:
+        _run_sweep(cfg, layout, model, tokenizer, samples, results_group)
+        methods = []  # the per-method path below is the plain JSONL layout
+    several = len(methods) > 1
     summaries = []
     for method in methods:
         run = runner.run_method(
@@ -192,7 +255,7 @@ def _run(cfg: Any, layout: Any, samples: list, methods: list, device: str) -> in
             method.name, summary["generated_tokens"], summary["total_s"], summary["tokens_per_s"] or 0.0, folder,
         )
         summaries.append(summary)
-    if layout.is_main:
+    if layout.is_main and summaries:
         table = runner.write_table(cfg.out, summaries) if several else runner.format_table(summaries)
         print(table, end="", flush=True)
     if results_group is not None:

@@ -56,11 +56,6 @@ def test_defaults():
     assert all(isinstance(m, Method) for m in specs)
 
 
-def test_default_yaml_matches_builtin_defaults():
-    assert RunConfig.from_yaml(ROOT / "configs" / "default.yaml") == RunConfig()
-    assert parse_args(["--config", str(ROOT / "configs" / "default.yaml")]) == RunConfig()
-
-
 def test_yaml_overrides_defaults_and_cli_overrides_yaml(tmp_path):
     path = _write_yaml(
         tmp_path, {"method": "bm", "kv_max": 256, "p": 32, "batch_size": 8, "ignore_eos": False, "top_p": 1}

@@ -1,0 +1,308 @@
+"""One evaluation run (method, batch size, kv_max) over a task's samples: resumable, crash-safe, multi-process.
+
+:func:`evaluate_run` generates batch by batch and appends each finished batch to ``OUT/<run>/samples.jsonl``
+(:class:`batchmax_tp.results.SampleLog`); when every batch is done it writes ``summary.json``. Run again with
+the same configuration it skips what is already done (see :mod:`batchmax_tp.results`).
+
+Batches are cut in sample order (``batch_size`` each); batch ``i`` samples with seed ``seed + i`` and runs on
+data-parallel replica ``i % dp_size``. With several processes the replicas advance in rounds (round r: each
+replica's r-th unfinished batch); after each round rank 0 gathers the round's records and appends them, so a
+multi-process run is as crash-safe as a single process and only rank 0 touches the files.
+
+A batch that raises an out-of-memory error ends the run with ``status: "oom"`` (the paper's OOM rows); the
+sweep goes on with the next run. (In a multi-process run every rank must hit it in the same batch, which holds
+for the identical ranks of tensor parallelism; a lone OOM in one replica stops the job instead.)
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from . import metrics, results
+from .runner import atomic_write_text, batched, cut_at_eos, utc_now
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunSpec", "evaluate_run", "is_oom"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One entry of a sweep: ``method`` is a ``policy.Method`` (which holds kv_max and p)."""
+
+    method: Any
+    batch_size: int
+
+    @property
+    def kv_max(self) -> int | None:
+        return None if self.method.name == "fkv" else self.method.kv_max
+
+    @property
+    def name(self) -> str:
+        """The run's folder: ``fkv-b4``, ``bm-b32-kv1024``."""
+        return results.run_dir_name(self.method.name, self.batch_size, self.kv_max)
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether an exception means the device (or host) ran out of memory."""
+    import torch
+
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and ("out of memory" in str(err) or "can't allocate memory" in str(err))
+
+
+def _free_memory(device: Any) -> None:
+    import torch
+
+    gc.collect()
+    if getattr(device, "type", None) == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _to_list(x: Any) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+def _reference(sample: Any) -> Any:
+    ref = sample.reference
+    return list(ref) if isinstance(ref, tuple) else ref
+
+
+def run_settings(cfg: Any, spec: RunSpec, *, tp_size: int = 1, dp_size: int = 1) -> dict[str, Any]:
+    """The settings part of a run's ``summary.json`` (everything but the measurements)."""
+    return {
+        "run": spec.name,
+        "method": spec.method.name,
+        "batch_size": spec.batch_size,
+        "kv_max": spec.kv_max,
+        "p": spec.method.p,
+        "model": cfg.model,
+        "task": cfg.task,
+        "data": cfg.data,
+        "num_shots": cfg.shots_for_task(),
+        "metric": cfg.metric_for_task(),
+        "max_input_tokens": cfg.max_input_tokens,
+        "max_new_tokens": cfg.max_new_tokens,
+        "ignore_eos": cfg.ignore_eos,
+        "do_sample": cfg.do_sample,
+        "seed": cfg.seed,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "tp_size": tp_size,
+        "dp_size": dp_size,
+    }
+
+
+class _Comm:
+    """The collectives of a multi-process run (rank 0 decides, everyone follows); no-ops in one process."""
+
+    def __init__(self, layout: Any, group: Any):
+        self.layout, self.group = layout, group
+        self.world = 1 if layout is None else layout.world
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world if self.layout.is_main else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+
+def evaluate_run(
+    model: Any,
+    tokenizer: Any,
+    samples: Sequence[Any],
+    spec: RunSpec,
+    cfg: Any,
+    *,
+    layout: Any = None,
+    group: Any = None,
+    generate_fn: Callable[..., Any] | None = None,
+    encode_fn: Callable[..., Any] | None = None,
+    progress: bool | None = None,
+) -> dict[str, Any] | None:
+    """Run (or finish, or skip) one run of a sweep into ``cfg.out/<spec.name>``; its summary on rank 0.
+
+    Collective when ``layout.world > 1``: every rank calls it with the same arguments (``group``: a gloo group
+    with a long timeout for the result traffic). Returns the ``summary.json`` object on rank 0, None elsewhere.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    tasks = importlib.import_module("batchmax_tp.tasks")
+    generate_fn = generate_fn or importlib.import_module("batchmax_tp.engine").generate
+    encode_fn = encode_fn or tasks.encode_prompts
+    comm = _Comm(layout, group)
+    is_main = layout is None or layout.is_main
+    dp, tp = (1, 1) if layout is None else (layout.dp, layout.tp)
+    replica, tp_rank = (0, 0) if layout is None else (layout.replica, layout.tp_rank)
+
+    folder = Path(cfg.out) / spec.name
+    log = results.SampleLog(folder / results.SAMPLES_FILE)
+    batches = list(batched(list(samples), spec.batch_size))
+    batch_ids = [[s.id for s in batch] for batch in batches]
+
+    # Rank 0 reads what is done; every rank learns it.
+    state = None
+    if is_main:
+        finished = results.read_summary(folder)
+        if finished is not None:
+            state = {"finished": finished}
+        else:
+            state = {"done": sorted({r["batch"] for r in log.load(batch_ids)})}
+    state = comm.broadcast(state)
+    if "finished" in state:
+        if is_main:
+            logger.info("%s: finished earlier (%s), skipped", spec.name, state["finished"].get("status"))
+        return state["finished"] if is_main else None
+    done = set(state["done"])
+
+    todo = {r: [i for i in range(len(batches)) if i % dp == r and i not in done] for r in range(dp)}
+    mine = todo[replica]
+    rounds = max((len(v) for v in todo.values()), default=0)
+    metric = cfg.metric_for_task()
+    eos_token_id = getattr(tokenizer, "eos_token_id", None)
+    pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = eos_token_id if isinstance(eos_token_id, int) else None
+    device = getattr(model, "device", None)
+
+    done_samples = sum(len(batches[i]) for i in done)
+    if is_main:
+        logger.info("%s: %s, %d samples in %d batches%s", spec.name,
+                    spec.method.label() if hasattr(spec.method, "label") else spec.method.name, len(samples),
+                    len(batches), f", resuming after {len(done)} finished batches" if done else "")
+    bar = tqdm(total=len(samples), initial=done_samples, desc=spec.name, unit="sample", dynamic_ncols=True,
+               disable=(not is_main) if progress is None else not (progress and is_main))
+    session_tokens, session_s = 0, 0.0
+    started_at, start = utc_now(), time.perf_counter()
+    status, stop = "done", None
+    try:
+        for r in range(rounds):
+            index = mine[r] if r < len(mine) else None
+            message: dict[str, Any] = {"replica": replica, "tp_rank": tp_rank, "records": None, "peak": 0, "oom": None}
+            if index is not None:
+                batch = batches[index]
+                try:
+                    message.update(_run_batch(model, tokenizer, batch, index, spec, cfg, generate_fn, encode_fn,
+                                              metric, eos_token_id, pad_token_id, device, replica))
+                except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
+                    if not is_oom(err):
+                        raise
+                    message["oom"] = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+                    _free_memory(device)
+                if tp_rank != 0:
+                    message["records"] = None  # the replica's tp rank 0 reports its (identical) records
+            gathered = comm.gather(message)
+            if is_main:
+                stop, written = _write_round(log, gathered, tp)
+                # Progress: this session's tokens/s; the replicas of a round run side by side.
+                session_tokens += sum(rec["generated_tokens"] for rec in written)
+                session_s += max((rec["batch_prefill_s"] + rec["batch_decode_s"] for rec in written), default=0.0)
+                bar.update(len(written))
+                if session_s > 0:
+                    bar.set_postfix_str(f"{session_tokens / session_s:.1f} tokens/s", refresh=False)
+            stop = comm.broadcast(stop)
+            if stop is not None:
+                status = "oom"
+                logger.warning("%s: out of memory (%s); run marked OOM", spec.name, stop)
+                break
+    finally:
+        bar.close()
+
+    if not is_main:
+        return None
+    records = log.load(batch_ids)
+    summary = run_settings(cfg, spec, tp_size=tp, dp_size=dp)
+    summary["status"] = status
+    summary.update(results.summarise(records))
+    if status == "oom":
+        summary["error"] = stop
+    summary.update({"started_at": started_at, "finished_at": utc_now(), "wall_s": time.perf_counter() - start})
+    atomic_write_text(folder / results.SUMMARY_FILE, _json(summary))
+    if status == "done":
+        logger.info("%s: %d samples, %s %.4f, %.2f tokens/s", spec.name, summary["num_samples"], metric,
+                    summary["score"] or 0.0, summary["tokens_per_s"] or 0.0)
+    return summary
+
+
+def _json(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+
+
+def _write_round(
+    log: results.SampleLog, gathered: list[dict[str, Any]], tp: int
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """Rank 0: append one round's records (in batch order, each batch's peak KV summed over its tp ranks).
+    Returns ``(out-of-memory message or None, records written)``; nothing is written when a rank ran out of
+    memory."""
+    ooms = [m["oom"] for m in gathered if m["oom"]]
+    if ooms:
+        return ooms[0], []
+    peaks: dict[int, int] = {}
+    for m in gathered:
+        peaks[m["replica"]] = peaks.get(m["replica"], 0) + int(m["peak"])
+    round_records = []
+    for m in sorted((m for m in gathered if m["records"]), key=lambda m: m["records"][0]["batch"]):
+        for rec in m["records"]:
+            rec["batch_peak_kv_bytes"] = peaks[m["replica"]] if tp > 1 else rec["batch_peak_kv_bytes"]
+            round_records.append(rec)
+    log.append(round_records)
+    return None, round_records
+
+
+def _run_batch(model, tokenizer, batch, index, spec, cfg, generate_fn, encode_fn, metric, eos_token_id,
+               pad_token_id, device, replica) -> dict[str, Any]:
+    """Generate one batch and turn it into its per-sample records."""
+    input_ids, attention_mask = encode_fn(tokenizer, [s.prompt for s in batch])
+    if device is not None and hasattr(input_ids, "to"):
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    result = generate_fn(
+        model, input_ids, attention_mask, spec.method, cfg.max_new_tokens,
+        ignore_eos=cfg.ignore_eos, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        do_sample=cfg.do_sample, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+        seed=cfg.seed + index,
+    )
+    tokens = _to_list(result.tokens)
+    num_generated = _to_list(result.num_generated)
+    prompt_tokens = [int(sum(_to_list(row))) for row in _to_list(attention_mask)]
+    records = []
+    for i, sample in enumerate(batch):
+        output = tokenizer.decode(cut_at_eos(tokens[i], num_generated[i], eos_token_id), skip_special_tokens=True)
+        score = metrics.score(metric, output, sample.reference)
+        records.append({
+            "id": sample.id,
+            "batch": index,
+            "replica": replica,
+            "output": output,
+            "reference": _reference(sample),
+            "score": score,
+            "correct": None if score is None or metric == "rouge2" else score == 1.0,
+            "prompt_tokens": prompt_tokens[i],
+            "generated_tokens": int(num_generated[i]),
+            "tokens_cut": int(getattr(sample, "tokens_cut", 0)),
+            "batch_prefill_s": float(result.prefill_s),
+            "batch_decode_s": float(result.decode_s),
+            "batch_peak_kv_bytes": int(result.peak_kv_bytes),
+        })
+    return {"records": records, "peak": int(result.peak_kv_bytes)}

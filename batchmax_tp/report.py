@@ -1,0 +1,299 @@
+"""Reports of a sweep of runs: a Markdown table laid out like the paper's Tables 1-2, a CSV and two PNG plots.
+
+Input: the ``summary.json`` objects of the runs (:func:`batchmax_tp.results.summarise` plus the run's
+settings), in the order of the config's ``runs`` list. A run that ran out of memory has ``status: "oom"`` and
+shows as ``OOM`` in the table (as in the paper) and as a cross on the throughput plot.
+
+Files (in ``OUT``): ``report.md``, ``results.csv``, ``throughput.png`` (tokens/s against batch size, one line
+per method) and ``metric_vs_kv.png`` (the task metric against kv_max; FKV, which has no kv_max, as a dashed
+line). Plots are drawn with matplotlib's Agg canvas (no display, no pyplot state).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from .metrics import METRIC_LABELS
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CSV_COLUMNS",
+    "REPORT_FILES",
+    "format_csv",
+    "format_report",
+    "mask_timings",
+    "plot_metric_vs_kv",
+    "plot_throughput",
+    "write_report",
+]
+
+REPORT_FILES = ("report.md", "results.csv", "throughput.png", "metric_vs_kv.png")
+
+#: CSV columns left empty for a run that ran out of memory (its batches before the OOM are not a result).
+_MEASURED = ("score", "num_scored", "generated_tokens", "prefill_s", "decode_s", "tokens_per_s", "peak_kv_mib",
+             "samples_cut", "tokens_cut")
+
+CSV_COLUMNS = (
+    "task", "model", "method", "batch_size", "kv_max", "p", "status", "metric", "score", "num_samples",
+    "num_scored", "generated_tokens", "prefill_s", "decode_s", "tokens_per_s", "peak_kv_mib", "samples_cut",
+    "tokens_cut", "max_new_tokens", "tp_size", "dp_size", "run",
+)
+
+_NAMES = {"ed": "ED", "fkv": "FKV", "bm": "BM"}
+_LEGEND = {"ed": "ED (decoding-only eviction)", "fkv": "FKV (full KV cache)", "bm": "BM (Batch-Max)"}
+_COLOURS = {"ed": "tab:orange", "fkv": "tab:blue", "bm": "tab:green"}
+_MARKERS = {"ed": "s", "fkv": "o", "bm": "^"}
+_AXIS_LABELS = {
+    "rouge2": "rouge-2 F-measure (mean over samples)",
+    "accuracy": "accuracy (fraction of correct answers)",
+    "exact": "exact match (fraction of samples)",
+    "contains": "contains (fraction of outputs with the answer)",
+}
+_TIMING_CELL = "t/s"  # what mask_timings puts in place of a timing
+
+
+def _is_oom(s: dict[str, Any]) -> bool:
+    return s.get("status") == "oom"
+
+
+def _lead(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose settings head the report: the first that did not run out of memory (an OOM run may have
+    stopped before its first sample)."""
+    return next((s for s in summaries if not _is_oom(s)), summaries[0])
+
+
+def _metric_label(summaries: Sequence[dict[str, Any]]) -> str:
+    metric = next((s.get("metric") for s in summaries if s.get("metric")), "contains")
+    return METRIC_LABELS.get(metric, metric)
+
+
+def _speed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def _score(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+# ---------------------------------------------------------------------- Markdown
+def format_report(summaries: Sequence[dict[str, Any]], *, title: str | None = None) -> str:
+    """The Markdown report: a header with the settings, the paper-style table, then BM against ED and FKV."""
+    if not summaries:
+        raise ValueError("format_report needs at least one run")
+    first = _lead(summaries)
+    label = _metric_label(summaries)
+    task = first.get("task") or "jsonl"
+    lines = [f"# {title or f'Batch-Max results: {task}'}", ""]
+    lines.append(
+        f"Model `{first.get('model')}`, task `{task}` ({first.get('num_shots', 0)}-shot, metric {label}), "
+        f"{first.get('num_samples')} samples, {first.get('max_new_tokens')} new tokens"
+        f"{' (EOS ignored)' if first.get('ignore_eos') else ''}, max_input_tokens {first.get('max_input_tokens')}, "
+        f"p = {first.get('p')}, tp_size {first.get('tp_size', 1)} x dp_size {first.get('dp_size', 1)}, "
+        f"{first.get('dtype')} on {first.get('device')}."
+    )
+    lines += ["", f"| Method | b | kv_max | {label} | tokens/s | peak KV MiB | prompts cut |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in summaries:
+        method = _NAMES.get(s["method"], s["method"])
+        kv = "N/A" if s.get("kv_max") is None else str(s["kv_max"])
+        if _is_oom(s):
+            lines.append(f"| {method} | {s['batch_size']} | {kv} | OOM | OOM | OOM | |")
+            continue
+        lines.append(
+            f"| {method} | {s['batch_size']} | {kv} | {_score(s.get('score'))} | {_speed(s.get('tokens_per_s'))} | "
+            f"{s.get('peak_kv_mib', 0.0):.1f} | {s.get('samples_cut', 0)}/{s.get('num_samples', 0)} |"
+        )
+    lines += ["", *_comparison(summaries, label)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _comparison(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
+    """BM's throughput against the fastest ED run and its metric against the FKV run (the paper's analysis)."""
+    ok = [s for s in summaries if not _is_oom(s)]
+    ed = [s for s in ok if s["method"] == "ed" and s.get("tokens_per_s")]
+    fkv = [s for s in ok if s["method"] == "fkv" and s.get("score") is not None]
+    bm = [s for s in ok if s["method"] == "bm"]
+    if not bm or not (ed or fkv):
+        return []
+    best_ed = max(ed, key=lambda s: s["tokens_per_s"]) if ed else None
+    ref = fkv[0] if fkv else None
+    against = []
+    if best_ed:
+        against.append(f"the fastest ED run (b={best_ed['batch_size']}, kv_max={best_ed['kv_max']})")
+    if ref:
+        against.append(f"the full cache FKV (b={ref['batch_size']})")
+    lines = [f"BM against {' and '.join(against)}:"]
+    for s in bm:
+        parts = []
+        if best_ed and s.get("tokens_per_s"):
+            gain = 100.0 * (s["tokens_per_s"] / best_ed["tokens_per_s"] - 1.0)
+            parts.append(f"throughput {gain:+.1f}% vs ED")
+        if ref and s.get("score") is not None and ref["score"]:
+            parts.append(f"{label} {100.0 * s['score'] / ref['score']:.1f}% of FKV")
+        elif ref and s.get("score") is not None:
+            parts.append(f"{label} {_score(s['score'])} (FKV {_score(ref['score'])})")
+        lines.append(f"- BM b={s['batch_size']} kv_max={s['kv_max']}: {', '.join(parts)}")
+    return lines
+
+
+def mask_timings(report: str) -> str:
+    """``report.md`` with everything that depends on wall-clock time replaced by ``t/s``: the tokens/s column
+    of the table and the throughput percentages of the comparison lines."""
+    out = []
+    column = None
+    for line in report.splitlines():
+        if line.startswith("|"):
+            cells = line.split("|")
+            if column is None and "tokens/s" in [c.strip() for c in cells]:
+                column = [c.strip() for c in cells].index("tokens/s")
+            elif column is not None and not set(cells[column].strip()) <= set("-:"):
+                cells[column] = f" {_TIMING_CELL} " if cells[column].strip() != "OOM" else cells[column]
+            line = "|".join(cells)
+        line = re.sub(r"throughput [+-][\d.]+% vs ED", f"throughput {_TIMING_CELL} vs ED", line)
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------- CSV
+def format_csv(summaries: Sequence[dict[str, Any]]) -> str:
+    """One row per run with :data:`CSV_COLUMNS` (empty cells for OOM runs' measurements)."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for s in summaries:
+        row = {key: s.get(key) for key in CSV_COLUMNS}
+        row["status"] = s.get("status", "done")
+        if _is_oom(s):
+            row.update({key: None for key in _MEASURED})
+        writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------- plots
+def _figure():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.0, 4.6), dpi=120)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot(1, 1, 1)
+
+
+def _subtitle(summaries: Sequence[dict[str, Any]]) -> str:
+    first = _lead(summaries)
+    model = str(first.get("model", "")).split("/")[-1].replace("embedded:", "")
+    return f"{first.get('task') or 'jsonl'}, {model}, {first.get('num_samples')} samples, " \
+           f"{first.get('max_new_tokens')} new tokens"
+
+
+def _methods(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    order = {"ed": 0, "fkv": 1, "bm": 2}
+    return sorted({s["method"] for s in summaries}, key=lambda m: order.get(m, 9))
+
+
+def plot_throughput(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
+    """tokens/s against batch size, one line per method; points labelled with kv_max, OOM runs as crosses."""
+    fig, ax = _figure()
+    ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
+    for method in _methods(summaries):
+        runs = sorted((s for s in ok if s["method"] == method), key=lambda s: (s["batch_size"], s.get("kv_max") or 0))
+        if runs:
+            ax.plot([s["batch_size"] for s in runs], [s["tokens_per_s"] for s in runs], marker=_MARKERS.get(method, "o"),
+                    color=_COLOURS.get(method), label=_LEGEND.get(method, method))
+            stacked: dict[int, int] = {}  # several kv_max at one batch size: stack their labels
+            for s in runs:
+                if s.get("kv_max") is not None:
+                    level = stacked[s["batch_size"]] = stacked.get(s["batch_size"], -1) + 1
+                    ax.annotate(f"kv={s['kv_max']}", (s["batch_size"], s["tokens_per_s"]), textcoords="offset points",
+                                xytext=(5, 4 - 10 * level), fontsize=7, color=_COLOURS.get(method))
+    ooms = [s for s in summaries if _is_oom(s)]
+    if ooms:
+        ax.scatter([s["batch_size"] for s in ooms], [0.0] * len(ooms), marker="x", s=60, color="tab:red",
+                   label="out of memory (OOM)", zorder=3, clip_on=False)
+    ax.set_xlabel("batch size b (samples per batch)")
+    ax.set_ylabel("throughput (generated tokens / s)")
+    ax.set_title(f"Throughput vs batch size\n{_subtitle(summaries)}", fontsize=10)
+    top = max([1e-3, *(s["tokens_per_s"] for s in ok)])
+    ax.set_ylim(bottom=0.0, top=top * 1.12)  # room for the labels above the highest point
+    ax.margins(x=0.12)
+    batch_sizes = sorted({s["batch_size"] for s in summaries})
+    if len(batch_sizes) <= 12:
+        ax.set_xticks(batch_sizes)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
+    """The task metric against kv_max (log2 axis) for ED and BM, points labelled with b; FKV as a dashed line."""
+    fig, ax = _figure()
+    label = _metric_label(summaries)
+    ok = [s for s in summaries if not _is_oom(s) and s.get("score") is not None]
+    kvs = sorted({s["kv_max"] for s in ok if s.get("kv_max") is not None})
+    for method in _methods(summaries):
+        runs = [s for s in ok if s["method"] == method]
+        if not runs:
+            continue
+        colour = _COLOURS.get(method)
+        if method == "fkv":
+            for value in sorted({round(s["score"], 6) for s in runs}):
+                bs = ",".join(str(s["batch_size"]) for s in runs if round(s["score"], 6) == value)
+                ax.axhline(value, linestyle="--", color=colour, label=f"{_LEGEND['fkv']}, b={bs}")
+            continue
+        runs = sorted(runs, key=lambda s: (s["kv_max"], s["batch_size"]))
+        ax.plot([s["kv_max"] for s in runs], [s["score"] for s in runs], linestyle="none",
+                marker=_MARKERS.get(method, "o"), markersize=7, color=colour, label=_LEGEND.get(method, method),
+                clip_on=False, zorder=3)
+        points: dict[tuple[int, float], list[int]] = {}  # runs at the same point share one label "b=1,3"
+        for s in runs:
+            points.setdefault((s["kv_max"], round(s["score"], 6)), []).append(s["batch_size"])
+        keys = list(points)
+        for index, (kv, value) in enumerate(keys):  # a label goes below its point when the neighbour is higher
+            other = keys[index - 1] if index else keys[min(1, len(keys) - 1)]
+            below = other != (kv, value) and 0 < value < other[1]
+            ax.annotate("b=" + ",".join(map(str, points[(kv, value)])), (kv, value), textcoords="offset points",
+                        xytext=(5, -11 if below else 4), fontsize=7, color=colour)
+    if kvs:
+        from matplotlib.ticker import FixedLocator, NullLocator
+
+        ax.set_xscale("log", base=2)
+        low, high = min(kvs) / 1.5, max(kvs) * 1.5
+        ticks = [2**e for e in range(0, 24) if low <= 2**e <= high]
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([str(t) for t in ticks])
+        ax.set_xlim(low, high)
+    ax.set_xlabel("kv_max (KV pairs kept per sample and KV head, log scale)")
+    ax.set_ylabel(_AXIS_LABELS.get(next((s.get("metric") for s in summaries if s.get("metric")), ""),
+                                   f"{label} (mean over samples)"))
+    ax.set_title(f"{label} vs KV cache size\n{_subtitle(summaries)}", fontsize=10)
+    top = max([1e-3, *(s["score"] for s in ok)]) * 1.15
+    ax.set_ylim(bottom=-0.03 * top, top=top)  # points at 0 stay whole
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+def write_report(out: str | os.PathLike[str], summaries: Sequence[dict[str, Any]]) -> dict[str, Path]:
+    """Write :data:`REPORT_FILES` into ``out`` (text files atomically) and return their paths."""
+    from .runner import atomic_write_text
+
+    out = Path(out)
+    paths = {name: out / name for name in REPORT_FILES}
+    atomic_write_text(paths["report.md"], format_report(summaries))
+    atomic_write_text(paths["results.csv"], format_csv(summaries))
+    for name, plot in (("throughput.png", plot_throughput), ("metric_vs_kv.png", plot_metric_vs_kv)):
+        tmp = out / f".{name}.tmp"
+        plot(summaries, tmp)
+        os.replace(tmp, paths[name])
+    logger.info("report: %s", ", ".join(str(p) for p in paths.values()))
+    return paths
