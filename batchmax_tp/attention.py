@@ -23,6 +23,8 @@ NAME = "batchmax"
 # Largest attention-probability block materialised at once (bytes of float32 scores); longer query blocks are
 # processed in chunks of queries so prefill never builds an attention matrix over the whole prompt.
 SCORE_CHUNK_BYTES = 64 * 2**20
+# Query chunk of an in-order (not yet evicted) block: smaller chunks skip more of the causal upper triangle.
+CAUSAL_CHUNK = 128
 
 
 def batchmax_attention(
@@ -39,41 +41,53 @@ def batchmax_attention(
     padding mask (last n columns of a 2D [B, *] mask, True for real tokens) or None. Returns [B, n, Hq, D]."""
     layer = take_updated_layer(key)
     B, Hq, n, D = query.shape
-    Hkv, C = key.shape[1], key.shape[2]
+    Hkv = key.shape[1]
     g = Hq // Hkv
     scaling = D**-0.5 if scaling is None else scaling
 
     token_mask = None if attention_mask is None else attention_mask[:, -n:].bool()  # [B, n]
     layer.mark_pads(token_mask)
-    slot_pos = layer.pos  # [B, Hkv, C]
-    valid = slot_pos >= 0  # [B, Hkv, C]
+    hi = layer.high  # slots [hi, C) were never written: leave them out of every product
+    keys_t = key[:, :, :hi].transpose(2, 3)  # [B, Hkv, D, hi]
+    values = value[:, :, :hi]  # [B, Hkv, hi, D]
+    slot_pos = layer.pos[:, :, :hi]  # [B, Hkv, hi]
+    score = layer.score[:, :, :hi]  # [B, Hkv, hi], a view: accumulated in place
+    if n == 1:  # a decode step: every kept slot precedes the query, only empty/evicted slots are hidden
+        hidden = (slot_pos < 0)[:, :, None, None, :]  # [B, Hkv, 1, 1, hi]
+    else:  # empty and pad slots get a position after every query, so one comparison hides them too
+        eff_pos = slot_pos.masked_fill(slot_pos < 0, torch.iinfo(slot_pos.dtype).max)  # [B, Hkv, hi]
     first = layer.seen - n  # padded position of the block's first query
     q = (query * scaling).view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head
 
-    chunk = max(1, SCORE_CHUNK_BYTES // (4 * B * Hq * C))  # queries per score block
+    # Before the first eviction slots hold positions in order and the block sits in [hi - n, hi), so a query
+    # chunk ending at block index b sees only slots [0, hi - n + b): causal work is skipped chunk by chunk.
+    ordered = layer.free is None
+    chunk = max(1, SCORE_CHUNK_BYTES // (4 * B * Hq * hi))  # queries per score block
+    if ordered and n > 1:
+        chunk = min(chunk, CAUSAL_CHUNK)
     outputs = []
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
-        qc = q[:, :, :, a:b].reshape(B, Hkv, g * (b - a), D)  # [B, Hkv, g*m, D]
-        logits = torch.matmul(qc, key.transpose(2, 3)).float()  # [B, Hkv, g*m, C]
-        logits = logits.view(B, Hkv, g, b - a, C)  # [B, Hkv, g, m, C]
-        if n == 1:  # a decode step: every kept slot precedes the query
-            visible = valid[:, :, None, :]  # [B, Hkv, 1, C]
-        else:
+        m = b - a
+        lim = hi - n + b if ordered else hi  # slots this chunk can see
+        qc = q[:, :, :, a:b].reshape(B, Hkv, g * m, D)  # [B, Hkv, g*m, D]
+        logits = torch.matmul(qc, keys_t[..., :lim]).float().view(B, Hkv, g, m, lim)  # [B, Hkv, g, m, lim]
+        if n > 1:
             qpos = torch.arange(first + a, first + b, device=query.device)  # [m]
-            visible = valid[:, :, None, :] & (slot_pos[:, :, None, :] <= qpos[:, None])  # [B, Hkv, m, C]
+            hidden = (eff_pos[:, :, None, :lim] > qpos[:, None])[:, :, None]  # [B, Hkv, 1, m, lim]
         # A pad query sees no slot at all; a finite fill keeps its row finite (its weights are dropped below).
-        logits = logits.masked_fill(~visible[:, :, None], torch.finfo(torch.float32).min)
-        probs = torch.softmax(logits, dim=-1)  # [B, Hkv, g, m, C]
+        logits.masked_fill_(hidden, torch.finfo(torch.float32).min)
+        probs = torch.softmax(logits, dim=-1).view(B, Hkv, g * m, lim)  # [B, Hkv, g*m, lim]
         # Live score buffers at this point: the masked logits, the probabilities and the visibility mask.
-        layer.cache.note_workspace(2 * probs.numel() * probs.element_size() + visible.numel() * visible.element_size())
-        with torch.profiler.record_function("batchmax::score"):
-            received = probs.sum(dim=2)  # [B, Hkv, m, C]
-            if token_mask is not None:
-                received = received * token_mask[:, None, a:b, None]  # pad queries add nothing
-            layer.score += received.sum(dim=2)  # [B, Hkv, C]
-        out = torch.matmul(probs.view(B, Hkv, g * (b - a), C).to(value.dtype), value)  # [B, Hkv, g*m, D]
-        outputs.append(out.view(B, Hq, b - a, D))
+        layer.cache.note_workspace(2 * probs.numel() * probs.element_size() + hidden.numel() * hidden.element_size())
+        # Attention received per slot, summed over the query group and the block's real queries.
+        if token_mask is None:
+            score[..., :lim] += probs.sum(dim=2)  # [B, Hkv, lim]
+        else:
+            real = token_mask[:, a:b].repeat(1, g).to(probs.dtype)  # [B, g*m], row order of probs
+            score[..., :lim] += torch.matmul(real[:, None, None, :], probs).view(B, Hkv, lim)  # pads add nothing
+        out = torch.matmul(probs.to(value.dtype), values[:, :, :lim])  # [B, Hkv, g*m, D]
+        outputs.append(out.view(B, Hq, m, D))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, n, D]
     return out.transpose(1, 2).contiguous(), None  # [B, n, Hq, D]
 

@@ -54,6 +54,7 @@ class BoundedLayer(CacheLayerMixin):
         self.score: torch.Tensor | None = None
         self.filled = 0  # occupied slots per (sample, head), pads included: the same host int for all of them
         self.seen = 0  # tokens processed so far = padded position of the next token
+        self.high = 0  # slots [0, high) have been written at least once; the rest are empty
         self.free: torch.Tensor | None = None  # [B, H, F] freed slot indices; None: slots [filled, C) are free
         self.free_ptr = 0
         self.decoding = False
@@ -79,7 +80,7 @@ class BoundedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.pos = self.score = None
         self.is_initialized = False
-        self.filled = self.seen = self.free_ptr = 0
+        self.filled = self.seen = self.free_ptr = self.high = 0
         self.free, self.decoding, self.new_slots = None, False, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -139,7 +140,7 @@ class BoundedLayer(CacheLayerMixin):
                 buf[:, :, :k] = buf.gather(2, kept)
             self.pos[:, :, k:] = -1
             self.score[:, :, k:] = 0
-            self.filled, self.free, self.free_ptr = k, None, 0
+            self.filled, self.free, self.free_ptr, self.high = k, None, 0, k
             if self.capacity > method.kv_max:
                 self._resize(method.kv_max)
             return
@@ -148,6 +149,7 @@ class BoundedLayer(CacheLayerMixin):
         self.score.scatter_(2, freed, 0.0)
         self.filled -= n
         self.free, self.free_ptr = freed, 0
+        self.high = self.capacity  # freed slots may lie anywhere below the capacity
 
     # -- the update called by the attention module ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -182,6 +184,7 @@ class BoundedLayer(CacheLayerMixin):
                 # Grow geometrically when HF generate drives the cache (the engine reserves the exact size).
                 self._resize(max(needed, self.cache.reserve, 2 * self.capacity))
             slots = slice(self.filled, needed)
+            self.high = max(self.high, needed)
             self.keys[:, :, slots] = key_states
             self.values[:, :, slots] = value_states
             self.pos[:, :, slots] = torch.arange(self.seen, self.seen + n, device=self.device)

@@ -68,11 +68,22 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def score_block_bytes(batch: int, q_heads: int, kv_heads: int, queries: int, slots: int) -> int:
-    """Bytes of the attention's score block for ``queries`` queries over ``slots`` slots (chunked)."""
+def score_block_bytes(batch: int, q_heads: int, kv_heads: int, queries: int, slots: int,
+                      ordered: bool = False) -> int:
+    """Largest score block for ``queries`` queries over ``slots`` slots, chunked like the attention does.
+
+    ``ordered``: no eviction yet, so the block is the last ``queries`` slots and a chunk ending at block index b
+    sees ``slots - queries + b`` slots (causal skipping); otherwise every chunk sees all slots.
+    """
     chunk = max(1, attention.SCORE_CHUNK_BYTES // (4 * batch * q_heads * slots))
-    m = min(queries, chunk)
-    return 2 * 4 * batch * q_heads * m * slots + batch * kv_heads * m * slots
+    if ordered and queries > 1:
+        chunk = min(chunk, attention.CAUSAL_CHUNK)
+    best = 0
+    for a in range(0, queries, chunk):
+        m = min(queries, a + chunk) - a
+        seen = slots - queries + a + m if ordered else slots
+        best = max(best, 2 * 4 * batch * q_heads * m * seen + batch * kv_heads * m * seen)
+    return best
 
 
 def predict(
@@ -91,12 +102,19 @@ def predict(
     cap = capacity(method, prompt_len, max_new_tokens)
     kv = 2 * batch * shape.layers * kv_heads * cap * shape.head_dim * nbytes
 
-    # Score blocks: every prefill block attends over the cache's slots; a decode step is one query.
-    workspace = 0
+    # Score blocks: queries attend over the slots written so far (the cache's high-water mark): a prefill block
+    # ending at ``end`` sees ``end`` slots until the first eviction, then all ``cap``; a decode step one query.
+    workspace, evicted = 0, False
     for start, end in prefill_blocks(method, prompt_len):
-        workspace = max(workspace, score_block_bytes(batch, q_heads, kv_heads, end - start, cap))
+        evicted = evicted or end > cap
+        workspace = max(workspace, score_block_bytes(batch, q_heads, kv_heads, end - start,
+                                                     cap if evicted else end, ordered=not evicted))
     if max_new_tokens > 1:
-        workspace = max(workspace, score_block_bytes(batch, q_heads, kv_heads, 1, cap))
+        if method.name == "ed":  # compacted to one pair at the first step, then never more than kv_max
+            decode_slots = min(method.kv_max, max_new_tokens)
+        else:
+            decode_slots = min(cap, prompt_len + max_new_tokens - 1)
+        workspace = max(workspace, score_block_bytes(batch, q_heads, kv_heads, 1, decode_slots))
 
     block = max(end - start for start, end in prefill_blocks(method, prompt_len))
     local_inter = math.ceil(shape.intermediate / tp)
