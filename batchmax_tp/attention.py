@@ -81,11 +81,12 @@ def batchmax_attention(
         # Live score buffers at this point: the masked logits, the probabilities and the visibility mask.
         layer.cache.note_workspace(2 * probs.numel() * probs.element_size() + hidden.numel() * hidden.element_size())
         # Attention received per slot, summed over the query group and the block's real queries.
-        if token_mask is None:
-            score[..., :lim] += probs.sum(dim=2)  # [B, Hkv, lim]
-        else:
-            real = token_mask[:, a:b].repeat(1, g).to(probs.dtype)  # [B, g*m], row order of probs
-            score[..., :lim] += torch.matmul(real[:, None, None, :], probs).view(B, Hkv, lim)  # pads add nothing
+        with torch.profiler.record_function("batchmax::score"):
+            if token_mask is None:
+                score[..., :lim] += probs.sum(dim=2)  # [B, Hkv, lim]
+            else:
+                real = token_mask[:, a:b].repeat(1, g).to(probs.dtype)  # [B, g*m], row order of probs
+                score[..., :lim] += torch.matmul(real[:, None, None, :], probs).view(B, Hkv, lim)  # pads add 0
         out = torch.matmul(probs.to(value.dtype), values[:, :, :lim])  # [B, Hkv, g*m, D]
         outputs.append(out.view(B, Hq, m, D))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, n, D]
