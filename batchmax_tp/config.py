@@ -28,6 +28,7 @@ __all__ = [
     "DTYPES",
     "LOG_LEVELS",
     "METRICS",
+    "PROCEDURES",
     "RUN_KEYS",
     "TASK_NAMES",
     "build_parser",
@@ -46,6 +47,8 @@ TASK_NAMES = ("jsonl", "cnn_dailymail", "narrativeqa", "gsm8k")
 METRICS = ("rouge2", "accuracy", "exact", "contains")  #: ``batchmax_tp.metrics.METRICS``
 #: Keys of one entry of ``runs``.
 RUN_KEYS = ("method", "batch_size", "kv_max")
+#: ``procedure`` values: the paper's batch-size procedure (section 4.1) and the auto-tuner (``batchmax_tp.budget``).
+PROCEDURES = ("paper", "tune")
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -88,13 +91,20 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "max_input_tokens": ((int,), True),
     "metric": ((str,), True),  # null = the task's metric
     "runs": ((list,), True),  # null = methods x [batch_size]
+    "memory_budget": ((str, int), True),  # null = no budget; bytes or "24GiB"
+    "procedure": ((str,), True),  # null = the runs as listed; paper | tune
+    "kv_values": ((list,), True),  # kv_max values the procedures try; null = multiples of 128 below the prompt
+    "target": ((int, float), False),  # tune: the metric to reach, as a fraction of FKV's
 }
 
 _TYPE_NAMES = {str: "a string", list: "a list", int: "an integer", bool: "a boolean (true/false)"}
 
 
 def _type_name(types: tuple[type, ...], nullable: bool) -> str:
-    name = "a number" if float in types else _TYPE_NAMES[types[0]]
+    if str in types and int in types:
+        name = "a byte size (e.g. 24GiB, 512MiB or 1000000)"
+    else:
+        name = "a number" if float in types else _TYPE_NAMES[types[0]]
     return f"{name} or null" if nullable else name
 
 
@@ -137,6 +147,10 @@ class RunConfig:
     max_input_tokens: int | None = 3584  #: prompts of paper tasks are cut (in the document) to this many tokens
     metric: str | None = None  #: null = the task's (jsonl: contains)
     runs: list[dict[str, Any]] | None = None  #: sweep entries {method, batch_size, kv_max}; null = methods x b
+    memory_budget: str | int | None = None  #: peak bytes per rank a run may need (planner); over it = an OOM row
+    procedure: str | None = None  #: null = the runs as listed; paper = the paper's b0 procedure; tune = auto-tuner
+    kv_values: list[int] | None = None  #: BM kv_max values for the procedures; null = tuner.kv_grid(prompt)
+    target: float = 0.95  #: tune: the BM metric must reach target x FKV's
 
     def __post_init__(self) -> None:
         if isinstance(self.methods, str):
@@ -147,6 +161,8 @@ class RunConfig:
             self.temperature = float(self.temperature)
         if isinstance(self.top_p, int):
             self.top_p = float(self.top_p)
+        if isinstance(self.target, int):
+            self.target = float(self.target)
         self.log_level = self.log_level.upper()
         if self.model is None:
             self.model = _embedded_model()
@@ -191,6 +207,7 @@ class RunConfig:
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise ConfigError("out", f"exists and is not a directory: {self.out}")
         self._validate_task()
+        self._validate_budget()
         if self.runs is None:
             self.method_specs()  # the method rules live in policy.Method; check them now, before any model loads
         else:
@@ -218,12 +235,48 @@ class RunConfig:
                 f"test.jsonl, got {self.data!r}"
             )
 
+    def _validate_budget(self) -> None:
+        self.budget_bytes()  # raises ConfigError("memory_budget: ...")
+        if self.procedure is not None and self.procedure not in PROCEDURES:
+            raise ConfigError("procedure", f"must be one of {', '.join(PROCEDURES)} or null, got {self.procedure!r}")
+        if self.procedure is not None and self.memory_budget is None:
+            raise ConfigError("memory_budget", f"procedure {self.procedure} needs a memory budget per rank "
+                              "(e.g. memory_budget: 24GiB or --memory-budget 24GiB)")
+        if not self.target > 0:
+            raise ConfigError("target", f"must be > 0 (a fraction of FKV's metric, e.g. 0.95), got {self.target}")
+        if self.kv_values is not None:
+            if not self.kv_values:
+                raise ConfigError("kv_values", "must list at least one kv_max, or be null (multiples of 128)")
+            for k in self.kv_values:
+                if isinstance(k, bool) or not isinstance(k, int):
+                    raise ConfigError("kv_values", f"entries must be integers, got {k!r}")
+                if k <= self.p:
+                    raise ConfigError("kv_values", f"BM needs kv_max > p, got kv_max={k} with p={self.p}")
+            if len(set(self.kv_values)) != len(self.kv_values):
+                raise ConfigError("kv_values", f"duplicate values in {self.kv_values}")
+
+    def budget_bytes(self) -> int | None:
+        """``memory_budget`` in bytes (None without a budget)."""
+        if self.memory_budget is None:
+            return None
+        from .planner import parse_bytes
+
+        try:
+            value = parse_bytes(self.memory_budget)
+        except ValueError:
+            value = None
+        if value is None or value <= 0:
+            raise ConfigError("memory_budget", f"cannot read a positive byte size from {self.memory_budget!r} "
+                              "(examples: 24GiB, 512MiB, 1.5GB, 1000000)")
+        return value
+
     # ------------------------------------------------------------------ tasks
     @property
     def sweep(self) -> bool:
-        """Whether this config writes the sweep layout (run folders, report, resume): it has ``runs`` or a paper
-        task. A plain JSONL config without ``runs`` keeps the per-method layout."""
-        return self.runs is not None or self.task != "jsonl"
+        """Whether this config writes the sweep layout (run folders, report, resume): it has ``runs``, a paper
+        task, a memory budget or a procedure. A plain JSONL config without these keeps the per-method layout."""
+        return (self.runs is not None or self.task != "jsonl" or self.memory_budget is not None
+                or self.procedure is not None)
 
     def shots_for_task(self) -> int:
         """``num_shots``, or the paper's count for the task (0 for jsonl)."""
@@ -420,6 +473,26 @@ def _int_or_null(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or null, got {text!r}") from None
 
 
+def _null_or_text(text: str) -> str | None:
+    return None if text.lower() in ("null", "none") else text
+
+
+def _int_or_text(text: str) -> int | str | None:
+    """``--memory-budget``: null, a plain integer (bytes) or a size with a unit (checked by RunConfig)."""
+    if text.lower() in ("null", "none"):
+        return None
+    return int(text) if text.strip().isdigit() else text
+
+
+def _int_list(text: str) -> list[int] | None:
+    if text.lower() in ("null", "none", "default"):
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 896,1024, got {text!r}") from None
+
+
 def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     S = argparse.SUPPRESS  # only flags actually given override the YAML / defaults
     p = _Parser(
@@ -466,6 +539,14 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     p.add_argument("--max-input-tokens", type=_int_or_null, metavar="N|null",
                    help="cut paper-task prompts to N tokens, in the document only (default 3584)")
     p.add_argument("--metric", metavar="|".join(METRICS), help="default: the task's (jsonl: contains)")
+    p.add_argument("--memory-budget", type=_int_or_text, metavar="BYTES",
+                   help="peak memory per rank a run may need, e.g. 24GiB (planner prediction; over it = OOM row)")
+    p.add_argument("--procedure", type=_null_or_text, metavar="paper|tune|null",
+                   help="paper: the paper's b0 procedure (launch/sweep.py); tune: the auto-tuner (launch/tune.py)")
+    p.add_argument("--kv-values", type=_int_list, metavar="K1,K2,...|null",
+                   help="BM kv_max values the procedures try (default: multiples of 128 below the longest prompt)")
+    p.add_argument("--target", type=float, metavar="T",
+                   help="tune: BM's metric must reach T x FKV's (default 0.95)")
     # Passed by the deepspeed / torch.distributed launchers; accepted and ignored (LOCAL_RANK env is used).
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, help=S)
     return p

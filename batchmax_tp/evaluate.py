@@ -9,8 +9,13 @@ data-parallel replica ``i % dp_size``. With several processes the replicas advan
 replica's r-th unfinished batch); after each round rank 0 gathers the round's records and appends them, so a
 multi-process run is as crash-safe as a single process and only rank 0 touches the files.
 
-A batch that raises an out-of-memory error ends the run with ``status: "oom"`` (the paper's OOM rows); the
-sweep goes on with the next run. (In a multi-process run every rank must hit it in the same batch, which holds
+Memory: before a run starts, the planner predicts its peak per rank (``batchmax_tp.budget.predict_spec``: the
+run's batch size, the longest prompt of its samples); every summary records it (``predicted_peak_bytes``) next to
+what was measured (``peak_kv_bytes``, ``peak_workspace_bytes``, on CUDA ``cuda_max_memory_allocated``). With a
+``memory_budget`` a run whose prediction exceeds it is not run: its summary is an OOM row
+(``oom_cause: "predicted"``). A batch that raises an out-of-memory error ends the run with ``status: "oom"``
+(``oom_cause: "runtime"``; the paper's OOM rows); the caching allocator is emptied once the exception is gone,
+and the sweep goes on with the next run. (In a multi-process run every rank must hit it in the same batch, which holds
 for the identical ranks of tensor parallelism; a lone OOM in one replica stops the job instead.)
 """
 
@@ -138,11 +143,15 @@ def evaluate_run(
     generate_fn: Callable[..., Any] | None = None,
     encode_fn: Callable[..., Any] | None = None,
     progress: bool | None = None,
+    prompt_len: int | None = None,
+    shape: Any = None,
 ) -> dict[str, Any] | None:
     """Run (or finish, or skip) one run of a sweep into ``cfg.out/<spec.name>``; its summary on rank 0.
 
     Collective when ``layout.world > 1``: every rank calls it with the same arguments (``group``: a gloo group
     with a long timeout for the result traffic). Returns the ``summary.json`` object on rank 0, None elsewhere.
+    ``prompt_len`` (the longest encoded prompt of ``samples``) and ``shape`` (``planner.ModelShape``) are
+    computed when not given; a model without a config gets no prediction (and no budget check).
     """
     import torch
     from tqdm.auto import tqdm
@@ -174,6 +183,25 @@ def evaluate_run(
             logger.info("%s: finished earlier (%s), skipped", spec.name, state["finished"].get("status"))
         return state["finished"] if is_main else None
     done = set(state["done"])
+
+    budget_mod = importlib.import_module("batchmax_tp.budget")
+    estimate = _predict(model, tokenizer, batches, spec, cfg, tp, prompt_len, shape, encode_fn, budget_mod)
+    budget = budget_mod._budget(cfg)
+    if estimate is not None and budget is not None and estimate.total > budget:
+        # Over the budget on paper: an OOM row, as if the run had failed in its first batch (the same verdict on
+        # every rank: the prediction depends only on the config and the samples).
+        message = budget_mod.over_budget_message(estimate, budget)
+        if not is_main:
+            return None
+        logger.warning("%s: %s", spec.name, message)
+        summary = run_settings(cfg, spec, tp_size=tp, dp_size=dp)
+        summary["status"] = "oom"
+        summary.update(results.summarise([]))
+        summary.update(budget_mod.budget_fields(cfg, estimate, model))
+        summary.update({"error": message, "oom_cause": "predicted", "started_at": utc_now(), "finished_at": utc_now(),
+                        "wall_s": 0.0})
+        atomic_write_text(folder / results.SUMMARY_FILE, _json(summary))
+        return summary
 
     todo = {r: [i for i in range(len(batches)) if i % dp == r and i not in done] for r in range(dp)}
     mine = todo[replica]
@@ -208,6 +236,9 @@ def evaluate_run(
                     if not is_oom(err):
                         raise
                     message["oom"] = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+                if message["oom"]:
+                    # Outside the handler: the exception (and the frames holding the batch's tensors) is gone,
+                    # so the caching allocator can actually hand their memory back.
                     _free_memory(device)
                 if tp_rank != 0:
                     message["records"] = None  # the replica's tp rank 0 reports its (identical) records
@@ -234,14 +265,27 @@ def evaluate_run(
     summary = run_settings(cfg, spec, tp_size=tp, dp_size=dp)
     summary["status"] = status
     summary.update(results.summarise(records))
+    summary.update(budget_mod.budget_fields(cfg, estimate, model))
     if status == "oom":
         summary["error"] = stop
+        summary["oom_cause"] = "runtime"
     summary.update({"started_at": started_at, "finished_at": utc_now(), "wall_s": time.perf_counter() - start})
     atomic_write_text(folder / results.SUMMARY_FILE, _json(summary))
     if status == "done":
         logger.info("%s: %d samples, %s %.4f, %.2f tokens/s", spec.name, summary["num_samples"], metric,
                     summary["score"] or 0.0, summary["tokens_per_s"] or 0.0)
     return summary
+
+
+def _predict(model, tokenizer, batches, spec, cfg, tp, prompt_len, shape, encode_fn, budget_mod) -> Any:
+    """The planner's peak per rank of this run (None for a model without a config, e.g. a test double)."""
+    if shape is None:
+        shape = budget_mod.model_shape(model)
+    if shape is None or not batches:
+        return None
+    if prompt_len is None:  # every batch is padded to its longest prompt
+        prompt_len = max(int(encode_fn(tokenizer, [s.prompt for s in batch])[0].shape[-1]) for batch in batches)
+    return budget_mod.predict_spec(shape, spec.method, spec.batch_size, prompt_len, cfg, tp)
 
 
 def _json(obj: Any) -> str:
@@ -274,15 +318,22 @@ def _write_round(
 def _run_batch(model, tokenizer, batch, index, spec, cfg, generate_fn, encode_fn, metric, eos_token_id,
                pad_token_id, device, replica) -> dict[str, Any]:
     """Generate one batch and turn it into its per-sample records."""
+    import torch
+
     input_ids, attention_mask = encode_fn(tokenizer, [s.prompt for s in batch])
     if device is not None and hasattr(input_ids, "to"):
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    cuda = getattr(device, "type", None) == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     result = generate_fn(
         model, input_ids, attention_mask, spec.method, cfg.max_new_tokens,
         ignore_eos=cfg.ignore_eos, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         do_sample=cfg.do_sample, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
         seed=cfg.seed + index,
     )
+    cuda_peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
+    workspace = int(getattr(result, "peak_workspace_bytes", 0) or 0)
     tokens = _to_list(result.tokens)
     num_generated = _to_list(result.num_generated)
     prompt_tokens = [int(sum(_to_list(row))) for row in _to_list(attention_mask)]
@@ -304,5 +355,7 @@ def _run_batch(model, tokenizer, batch, index, spec, cfg, generate_fn, encode_fn
             "batch_prefill_s": float(result.prefill_s),
             "batch_decode_s": float(result.decode_s),
             "batch_peak_kv_bytes": int(result.peak_kv_bytes),
+            "batch_peak_workspace_bytes": workspace,
+            "batch_cuda_max_memory_allocated": cuda_peak,
         })
     return {"records": records, "peak": int(result.peak_kv_bytes)}

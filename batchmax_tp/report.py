@@ -38,13 +38,19 @@ REPORT_FILES = ("report.md", "results.csv", "throughput.png", "metric_vs_kv.png"
 
 #: CSV columns left empty for a run that ran out of memory (its batches before the OOM are not a result).
 _MEASURED = ("score", "num_scored", "generated_tokens", "prefill_s", "decode_s", "tokens_per_s", "peak_kv_mib",
-             "samples_cut", "tokens_cut")
+             "samples_cut", "tokens_cut", "peak_workspace_mib", "cuda_max_memory_allocated_mib")
 
 CSV_COLUMNS = (
     "task", "model", "method", "batch_size", "kv_max", "p", "status", "metric", "score", "num_samples",
     "num_scored", "generated_tokens", "prefill_s", "decode_s", "tokens_per_s", "peak_kv_mib", "samples_cut",
     "tokens_cut", "max_new_tokens", "tp_size", "dp_size", "run",
+    # memory (per rank except peak_kv_mib, which is the replica's K/V over its tensor-parallel ranks)
+    "peak_workspace_mib", "cuda_max_memory_allocated_mib", "predicted_peak_mib", "memory_budget_mib", "oom_cause",
+    "weights_mib",
 )
+_MIB_OF = {"peak_workspace_mib": "peak_workspace_bytes", "cuda_max_memory_allocated_mib": "cuda_max_memory_allocated",
+           "predicted_peak_mib": "predicted_peak_bytes", "memory_budget_mib": "memory_budget_bytes",
+           "weights_mib": "weights_bytes"}
 
 _NAMES = {"ed": "ED", "fkv": "FKV", "bm": "BM"}
 _LEGEND = {"ed": "ED (decoding-only eviction)", "fkv": "FKV (full KV cache)", "bm": "BM (Batch-Max)"}
@@ -111,7 +117,47 @@ def format_report(summaries: Sequence[dict[str, Any]], *, title: str | None = No
             f"{s.get('peak_kv_mib', 0.0):.1f} | {s.get('samples_cut', 0)}/{s.get('num_samples', 0)} |"
         )
     lines += ["", *_comparison(summaries, label)]
+    lines += ["", *_memory(summaries)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _mib(x: int | None) -> str:
+    return "n/a" if x is None else f"{x / 2**20:.1f}"
+
+
+def _memory(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """The memory accounting of each run: the planner's prediction per rank (and the budget) beside what was
+    measured. Only for runs that recorded a prediction (``batchmax_tp.budget``)."""
+    rows = [s for s in summaries if s.get("predicted")]
+    if not rows:
+        return []
+    budgets = {s.get("memory_budget_bytes") for s in rows}
+    budget = next(iter(budgets)) if len(budgets) == 1 else None
+    lines = ["## Memory per rank (MiB)", ""]
+    lines.append(
+        (f"Budget {_mib(budget)} MiB per rank: a run whose predicted peak exceeds it is an OOM row without being run. "
+         if budget is not None else "No memory budget. ")
+        + "Predicted by `batchmax_tp.planner` from shapes: K/V and the score block exactly, weights from the "
+        "parameter count, activations an estimate. Measured: the K/V buffers, the largest score block, the "
+        "weights this process holds"
+        + (" (K/V over all tensor-parallel ranks of a replica)" if any(s.get("tp_size", 1) > 1 for s in rows) else "")
+        + ", and on CUDA `torch.cuda.max_memory_allocated`."
+    )
+    lines += ["", "| Method | b | kv_max | status | predicted | K/V | score block | weights | activations | "
+                  "measured K/V | measured score block | loaded weights | CUDA max allocated |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in rows:
+        p = s["predicted"]
+        method = _NAMES.get(s["method"], s["method"])
+        kv = "N/A" if s.get("kv_max") is None else str(s["kv_max"])
+        status = f"OOM ({s.get('oom_cause', 'runtime')})" if _is_oom(s) else "done"
+        measured = ["", "", _mib(s.get("weights_bytes")), ""] if _is_oom(s) else [
+            _mib(s.get("peak_kv_bytes")), _mib(s.get("peak_workspace_bytes")), _mib(s.get("weights_bytes")),
+            _mib(s.get("cuda_max_memory_allocated"))]
+        lines.append(f"| {method} | {s['batch_size']} | {kv} | {status} | {_mib(p['total'])} | {_mib(p['kv'])} | "
+                     f"{_mib(p['workspace'])} | {_mib(p['weights'])} | {_mib(p['activations'])} | "
+                     + " | ".join(measured) + " |")
+    return lines
 
 
 def _comparison(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
@@ -156,6 +202,8 @@ def mask_timings(report: str) -> str:
             elif column is not None and not set(cells[column].strip()) <= set("-:"):
                 cells[column] = f" {_TIMING_CELL} " if cells[column].strip() != "OOM" else cells[column]
             line = "|".join(cells)
+        else:
+            column = None  # a table ends at the first line that is not a row
         line = re.sub(r"throughput [+-][\d.]+% vs ED", f"throughput {_TIMING_CELL} vs ED", line)
         out.append(line)
     return "\n".join(out) + "\n"
@@ -169,6 +217,8 @@ def format_csv(summaries: Sequence[dict[str, Any]]) -> str:
     writer.writeheader()
     for s in summaries:
         row = {key: s.get(key) for key in CSV_COLUMNS}
+        for column, key in _MIB_OF.items():
+            row[column] = None if s.get(key) is None else s[key] / 2**20
         row["status"] = s.get("status", "done")
         if _is_oom(s):
             row.update({key: None for key in _MEASURED})

@@ -46,7 +46,8 @@ SUMMARY_FILE = "summary.json"
 #: line of that batch); ``reference`` is a string, a list of strings (several references) or null.
 RECORD_KEYS = (
     "id", "batch", "replica", "output", "reference", "score", "correct", "prompt_tokens", "generated_tokens", "tokens_cut",
-    "batch_prefill_s", "batch_decode_s", "batch_peak_kv_bytes",
+    "batch_prefill_s", "batch_decode_s", "batch_peak_kv_bytes", "batch_peak_workspace_bytes",
+    "batch_cuda_max_memory_allocated",
 )
 
 #: Wall-clock fields: they differ between two runs of the same configuration, and are all that may differ
@@ -56,10 +57,11 @@ TIMING_KEYS = frozenset({
     "started_at", "finished_at", "wall_s",
 })
 
-#: Configuration keys that do not change any output (and so never block resuming). With a ``runs`` list each
-#: run's folder is named after its method, batch size and kv_max, so ``runs``, ``methods`` and ``batch_size``
-#: do not matter either.
-_NEUTRAL_KEYS = frozenset({"out", "log_level"})
+#: Configuration keys that do not change any output (and so never block resuming). With a ``runs`` list (or a
+#: ``procedure``, which builds its own runs) each run's folder is named after its method, batch size and
+#: kv_max, so ``runs``, ``methods`` and ``batch_size`` do not matter either. ``target`` only steers which runs
+#: the tuner asks for.
+_NEUTRAL_KEYS = frozenset({"out", "log_level", "target"})
 _NEUTRAL_KEYS_WITH_RUNS = _NEUTRAL_KEYS | {"runs", "methods", "batch_size"}
 
 
@@ -148,7 +150,9 @@ def summarise(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     ``prefill_s`` and ``decode_s`` are summed over the batches of a data-parallel replica (``replica``; 0 in a
     single process); replicas run side by side, so the run's are those of the slowest replica (largest sum),
     and ``tokens_per_s`` = all generated tokens / (its ``prefill_s + decode_s``). ``peak_kv_bytes`` is the
-    largest batch's (summed over tensor-parallel ranks). ``score`` is the mean metric over samples with a
+    largest batch's (summed over tensor-parallel ranks); ``peak_workspace_bytes`` (the largest attention-score
+    block) and ``cuda_max_memory_allocated`` (None off CUDA) are the largest batch's on one rank (the replica's
+    tensor-parallel rank 0). ``score`` is the mean metric over samples with a
     reference; ``accuracy`` the fraction of ``correct`` samples among those with a yes/no verdict.
     """
     batches: dict[int, Mapping[str, Any]] = {}
@@ -165,6 +169,9 @@ def summarise(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     scores = [float(r["score"]) for r in records if r.get("score") is not None]
     checked = [bool(r["correct"]) for r in records if r.get("correct") is not None]
     peak = max((int(r.get("batch_peak_kv_bytes") or 0) for r in batches.values()), default=0)
+    workspace = max((int(r.get("batch_peak_workspace_bytes") or 0) for r in batches.values()), default=0)
+    cuda = [int(r["batch_cuda_max_memory_allocated"]) for r in batches.values()
+            if r.get("batch_cuda_max_memory_allocated") is not None]
     return {
         "num_samples": len(records),
         "num_batches": len(batches),
@@ -175,6 +182,8 @@ def summarise(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "tokens_per_s": generated / total_s if total_s > 0 else None,
         "peak_kv_bytes": peak,
         "peak_kv_mib": peak / 2**20,
+        "peak_workspace_bytes": workspace,
+        "cuda_max_memory_allocated": max(cuda) if cuda else None,
         "score": sum(scores) / len(scores) if scores else None,
         "num_scored": len(scores),
         "num_checked": len(checked),
@@ -210,7 +219,7 @@ def check_same_config(out: str | os.PathLike[str], config: Mapping[str, Any]) ->
         old = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"out: cannot read {path} to resume: {' '.join(str(err).split())}") from None
-    neutral = _NEUTRAL_KEYS_WITH_RUNS if config.get("runs") else _NEUTRAL_KEYS
+    neutral = _NEUTRAL_KEYS_WITH_RUNS if config.get("runs") or config.get("procedure") else _NEUTRAL_KEYS
     for key in sorted((set(old) | set(config)) - neutral):
         if old.get(key) != config.get(key):
             raise ValueError(

@@ -104,6 +104,8 @@ class MethodRun:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     peak_kv_bytes: int = 0
+    peak_workspace_bytes: int = 0  #: largest attention-score block (engine ``peak_workspace_bytes``), one rank
+    cuda_max_memory_allocated: int | None = None  #: largest ``torch.cuda.max_memory_allocated`` of a batch (CUDA)
     num_batches: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  #: file index of each record (restores file order)
@@ -111,12 +113,16 @@ class MethodRun:
     finished_at: str = ""
     wall_s: float = 0.0
 
-    def add_batch(self, result: Any) -> None:
-        """Fold one engine result (``.num_generated``, ``.prefill_s``, ``.decode_s``, ``.peak_kv_bytes``) in."""
+    def add_batch(self, result: Any, cuda_max_memory_allocated: int | None = None) -> None:
+        """Fold one engine result (``.num_generated``, ``.prefill_s``, ``.decode_s``, ``.peak_kv_bytes``,
+        ``.peak_workspace_bytes``) in, with the batch's CUDA peak when measured."""
         self.generated_tokens += int(sum(int(n) for n in _to_list(result.num_generated)))
         self.prefill_s += float(result.prefill_s)
         self.decode_s += float(result.decode_s)
         self.peak_kv_bytes = max(self.peak_kv_bytes, int(result.peak_kv_bytes))
+        self.peak_workspace_bytes = max(self.peak_workspace_bytes, int(getattr(result, "peak_workspace_bytes", 0) or 0))
+        if cuda_max_memory_allocated is not None:
+            self.cuda_max_memory_allocated = max(self.cuda_max_memory_allocated or 0, int(cuda_max_memory_allocated))
         self.num_batches += 1
 
 
@@ -135,6 +141,8 @@ def aggregate(run: MethodRun) -> dict[str, Any]:
         "tokens_per_s": run.generated_tokens / total_s if total_s > 0 else None,
         "peak_kv_bytes": run.peak_kv_bytes,
         "peak_kv_mib": run.peak_kv_bytes / 2**20,
+        "peak_workspace_bytes": run.peak_workspace_bytes,
+        "cuda_max_memory_allocated": run.cuda_max_memory_allocated,
         "num_checked": len(checked),
         "num_correct": num_correct,
         "accuracy": num_correct / len(checked) if checked else None,
@@ -148,8 +156,10 @@ def summary_row(
     tp_size: int = 1,
     dp_size: int = 1,
     per_replica: list[dict[str, Any]] | None = None,
+    memory: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``summary.json`` object of one method (``per_replica`` only for multi-process runs)."""
+    """The ``summary.json`` object of one method (``per_replica`` only for multi-process runs; ``memory``: the
+    budget and the planner's prediction, ``batchmax_tp.budget.budget_fields``)."""
     summary: dict[str, Any] = {
         "method": run.method,
         "model": cfg.model,
@@ -166,6 +176,8 @@ def summary_row(
         "data": cfg.data,
     }
     summary.update(aggregate(run))
+    if memory is not None:
+        summary.update(memory)
     summary.update({"started_at": run.started_at, "finished_at": run.finished_at, "wall_s": run.wall_s})
     if per_replica is not None:
         summary["per_replica"] = per_replica
@@ -225,11 +237,16 @@ def run_method(
     else:
         logger.info("running %s on %d samples, batch size %d", label, len(samples), cfg.batch_size)
     bar = tqdm(total=total, desc=method.name, unit="sample", disable=None if progress is None else not progress)
+    cuda = getattr(device, "type", None) == "cuda"
     try:
         for index, first, batch in mine:
             input_ids, attention_mask = encode_fn(tokenizer, [s.prompt for s in batch])
             if device is not None and hasattr(input_ids, "to"):
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            if cuda:
+                import torch
+
+                torch.cuda.reset_peak_memory_stats(device)
             result = generate_fn(
                 model,
                 input_ids,
@@ -245,7 +262,10 @@ def run_method(
                 top_p=cfg.top_p,
                 seed=cfg.seed + index,
             )
-            run.add_batch(result)
+            if cuda:
+                run.add_batch(result, torch.cuda.max_memory_allocated(device))
+            else:
+                run.add_batch(result)
             tokens = _to_list(result.tokens)
             num_generated = _to_list(result.num_generated)
             prompt_tokens = [int(sum(_to_list(row))) for row in _to_list(attention_mask)]
@@ -354,6 +374,9 @@ def merge_replica_runs(runs: Sequence[MethodRun]) -> tuple[MethodRun, list[dict[
         merged.generated_tokens += run.generated_tokens
         merged.num_batches += run.num_batches
         merged.peak_kv_bytes = max(merged.peak_kv_bytes, run.peak_kv_bytes)
+        merged.peak_workspace_bytes = max(merged.peak_workspace_bytes, run.peak_workspace_bytes)
+        if run.cuda_max_memory_allocated is not None:
+            merged.cuda_max_memory_allocated = max(merged.cuda_max_memory_allocated or 0, run.cuda_max_memory_allocated)
         merged.wall_s = max(merged.wall_s, run.wall_s)
     slowest = max(runs, key=lambda r: r.prefill_s + r.decode_s)
     merged.prefill_s, merged.decode_s = slowest.prefill_s, slowest.decode_s

@@ -18,6 +18,12 @@ each run appends its finished batches to OUT/<run>/samples.jsonl and ends with O
 (``batchmax_tp.evaluate``); finished runs and batches are skipped when the same config runs again. At the end
 rank 0 writes OUT/report.md, results.csv, throughput.png and metric_vs_kv.png and prints the report.
 
+Memory (``batchmax_tp.budget``): every run's peak per rank is predicted by the planner from the model's config,
+the batch size and the longest prompt, and recorded in its summary; with ``memory_budget`` a run predicted over
+it becomes an OOM row without running. ``procedure: paper`` (``launch/sweep.py``) builds the runs with the
+paper's b0 procedure (OUT/plan.json) and runs them as a sweep; ``procedure: tune`` (``launch/tune.py``) runs the
+auto-tuner's trials into OUT/tune/ and writes OUT/tune.json and OUT/tuned.yaml.
+
 Multi-process runs: only rank 0 writes files, prints the table and shows progress bars; other ranks log warnings
 and errors only. A rank that raises logs the traceback and exits 1 at once, so that the launcher stops the other
 ranks instead of leaving them waiting in a collective.
@@ -29,6 +35,7 @@ import contextlib
 import datetime
 import importlib
 import io
+import json
 import logging
 import os
 import sys
@@ -123,11 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             resuming = results.check_same_config(cfg.out, cfg.to_dict())
         except ValueError as err:
             return _fail(str(err))
-        specs = cfg.run_specs()
-        if resuming and world == 1 and all(results.read_summary(os.path.join(cfg.out, s.name)) for s in specs):
-            logger.info("every run in %s has finished: writing the report only", cfg.out)
-            return _report(cfg, [results.read_summary(os.path.join(cfg.out, s.name)) for s in specs])
-        methods = list({s.method: None for s in specs})  # for the warm-up: each distinct method once
+        if cfg.procedure is not None:  # the runs depend on the model and the prompts: known after loading them
+            methods = importlib.import_module("batchmax_tp.budget").warm_up_methods(cfg)
+        else:
+            specs = cfg.run_specs()
+            if resuming and world == 1 and all(results.read_summary(os.path.join(cfg.out, s.name)) for s in specs):
+                logger.info("every run in %s has finished: writing the report only", cfg.out)
+                return _report(cfg, [results.read_summary(os.path.join(cfg.out, s.name)) for s in specs])
+            methods = list({s.method: None for s in specs})  # for the warm-up: each distinct method once
     else:
         methods = cfg.method_specs()
 
@@ -182,16 +192,33 @@ def _report(cfg: Any, summaries: list[dict]) -> int:
     return 0
 
 
-def _run_sweep(cfg: Any, layout: Any, model: Any, tokenizer: Any, samples: list, results_group: Any) -> None:
-    """Every run of the sweep (finished ones are skipped, unfinished ones resumed), then the report."""
+def _run_sweep(cfg: Any, layout: Any, model: Any, tokenizer: Any, samples: list, results_group: Any,
+               shape: Any = None, prompt_len: int | None = None) -> int:
+    """Every run of the sweep (finished ones are skipped, unfinished ones resumed), then the report. With
+    ``procedure: paper`` the runs are the paper's plan (OUT/plan.json); ``procedure: tune`` runs the auto-tuner."""
     evaluate = importlib.import_module("batchmax_tp.evaluate")
+    budget = importlib.import_module("batchmax_tp.budget")
+    if cfg.procedure == "tune":
+        info = budget.run_tuner(model, tokenizer, samples, cfg, shape=shape, prompt_len=prompt_len, layout=layout,
+                                group=results_group)
+        if layout.is_main:
+            print(budget.write_tune_results(cfg, info), end="", flush=True)
+        return 0 if info["best"] is not None else 1
+    if cfg.procedure == "paper":
+        specs, plan = budget.paper_specs(cfg, shape, prompt_len, num_samples=len(samples), tp=layout.tp)
+        if layout.is_main:
+            runner.atomic_write_text(os.path.join(cfg.out, "plan.json"), json.dumps(plan, indent=2) + "\n")
+    else:
+        specs = cfg.run_specs()
     summaries = []
-    for spec in cfg.run_specs():
-        summary = evaluate.evaluate_run(model, tokenizer, samples, spec, cfg, layout=layout, group=results_group)
+    for spec in specs:
+        summary = evaluate.evaluate_run(model, tokenizer, samples, spec, cfg, layout=layout, group=results_group,
+                                        prompt_len=prompt_len, shape=shape)
         if summary is not None:  # rank 0
             summaries.append(summary)
     if layout.is_main:
         _report(cfg, summaries)
+    return 0
 
 
 def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str, task_data: Any = None) -> int:
@@ -228,11 +255,23 @@ def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str
         except ValueError as err:
             return _fail(f"max_input_tokens: {err}")
 
+    budget = importlib.import_module("batchmax_tp.budget")
+    shape = budget.model_shape(model)  # None for a model without a config (test doubles): no predictions
+    if shape is None and cfg.procedure is not None:
+        return _fail(f"model: procedure {cfg.procedure} needs the model's configuration to plan memory ({cfg.model})")
+    prompt_len = budget.longest_prompt(tokenizer, samples) if shape is not None else None
+
     if layout.is_main:
         runner.write_config(cfg.out, cfg)
     runner.warm_up(model, tokenizer, samples, methods, cfg)
+    rc = 0
     if cfg.sweep:
-        _run_sweep(cfg, layout, model, tokenizer, samples, results_group)
+        try:
+            rc = _run_sweep(cfg, layout, model, tokenizer, samples, results_group, shape, prompt_len)
+        except ValueError as err:
+            if cfg.procedure != "tune":
+                raise
+            return _fail(str(err))  # the tuner's one-line verdicts (budget too small for FKV, no references)
         methods = []  # the per-method path below is the plain JSONL layout
     several = len(methods) > 1
     summaries = []
@@ -247,7 +286,10 @@ def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str
             if gathered is None:  # not rank 0
                 continue
             run, per_replica = gathered
-        summary = runner.summary_row(run, cfg, tp_size=layout.tp, dp_size=layout.dp, per_replica=per_replica)
+        estimate = None if shape is None else budget.predict_spec(shape, method, cfg.batch_size, prompt_len, cfg,
+                                                                  layout.tp)
+        summary = runner.summary_row(run, cfg, tp_size=layout.tp, dp_size=layout.dp, per_replica=per_replica,
+                                     memory=budget.budget_fields(cfg, estimate, model))
         folder = runner.method_out_dir(cfg.out, method.name, several)
         runner.write_method_results(folder, summary, run.records)
         logger.info(
@@ -262,7 +304,7 @@ def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str
         import torch.distributed as dist
 
         dist.barrier(group=results_group)  # nobody leaves while rank 0 may still be reading from it
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,0 +1,341 @@
+"""Memory budget in the main job, the paper's procedure (launch/sweep.py) and the auto-tuner (launch/tune.py).
+
+Offline and fast: a tiny random Llama with the embedded tokenizer's vocabulary on the bundled NarrativeQA fixture
+(prompts cut to 420 tokens, 3 new tokens), and the embedded SmolLM2 on two short JSONL prompts for the tuner.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import csv
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer
+
+from batchmax_tp import budget, evaluate, report, tasks
+from batchmax_tp.config import ConfigError, parse_args
+from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
+from batchmax_tp.planner import ModelShape, max_batch, predict
+from batchmax_tp.policy import Method
+from batchmax_tp.tuner import paper_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"batchmax_test_{name}", ROOT / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _yaml(tmp_path, data, name="cfg.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    _prepare_tokenizer(tok)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer):
+    from batchmax_tp.models import tiny_random_llama
+
+    return tiny_random_llama(vocab_size=len(tokenizer), max_position_embeddings=2048)
+
+
+@pytest.fixture
+def stack(monkeypatch, tokenizer, tiny_model):
+    """The main job with the tiny model; records each timed generate call as (method, kv_max, batch) and can
+    raise an error for the calls that ``stack.fail`` selects."""
+    import batchmax_tp.engine as engine
+    import batchmax_tp.models as models
+
+    real = engine.generate
+    state = type("Stack", (), {})()
+    state.calls, state.fail = [], None
+
+    def counting(model, ids, mask, method, new, **kw):
+        if new > 2:  # timed (the warm-up makes 2 tokens)
+            state.calls.append((method.name, method.kv_max if method.name != "fkv" else None, ids.shape[0]))
+            if state.fail is not None and state.fail(method, ids.shape[0]):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(model, ids, mask, method, new, **kw)
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (tiny_model, tokenizer))
+    monkeypatch.setattr(engine, "generate", counting)
+    return state
+
+
+def _nqa(out, **extra):
+    data = {"task": "narrativeqa", "num_samples": 4, "max_input_tokens": 420, "max_new_tokens": 3, "p": 32,
+            "device": "cpu", "log_level": "WARNING", "out": str(out)}
+    data.update(extra)
+    return data
+
+
+def _prompt_len(tokenizer, num_samples=4) -> int:
+    data = tasks.load_task("narrativeqa", num_samples=num_samples, seed=0)
+    return budget.longest_prompt(tokenizer, tasks.build_samples(tokenizer, data, 420))
+
+
+def _predict(model, method, b, prompt_len, new=3):
+    return predict(ModelShape.from_config(model.config), method, b, prompt_len, new).total
+
+
+def _csv(out):
+    return list(csv.DictReader(io.StringIO((out / "results.csv").read_text())))
+
+
+# ---------------------------------------------------------------------- configuration
+@pytest.mark.parametrize("data, key", [
+    ({"memory_budget": "lots"}, "memory_budget"),
+    ({"memory_budget": "1.5.3GiB"}, "memory_budget"),
+    ({"memory_budget": 0}, "memory_budget"),
+    ({"memory_budget": "-2GiB"}, "memory_budget"),
+    ({"memory_budget": True}, "memory_budget"),
+    ({"memory_budget": 1.5}, "memory_budget"),
+    ({"memory_budget": [1]}, "memory_budget"),
+    ({"procedure": "paper"}, "memory_budget"),  # a procedure needs a budget
+    ({"procedure": "grid", "memory_budget": "1GiB"}, "procedure"),
+    ({"kv_values": [64]}, "kv_values"),  # BM needs kv_max > p (64)
+    ({"kv_values": []}, "kv_values"),
+    ({"kv_values": [128, 128]}, "kv_values"),
+    ({"kv_values": ["128"]}, "kv_values"),
+    ({"target": 0}, "target"),
+])
+def test_bad_budget_configs_are_one_line_errors_naming_the_key(tmp_path, data, key):
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", _yaml(tmp_path, data)])
+    assert str(info.value).startswith(f"{key}:") and "\n" not in str(info.value), str(info.value)
+
+
+def test_budget_values_and_flags(tmp_path, capsys):
+    assert parse_args(["--memory-budget", "2GiB"]).budget_bytes() == 2 * 2**30
+    assert parse_args(["--memory-budget", "1000"]).budget_bytes() == 1000
+    cfg = parse_args(["--config", _yaml(tmp_path, {"memory_budget": "512MiB", "kv_values": [128, 256]})])
+    assert cfg.budget_bytes() == 512 * 2**20 and cfg.sweep and cfg.kv_values == [128, 256]
+    assert parse_args([]).budget_bytes() is None and not parse_args([]).sweep
+    assert parse_args(["--config", _yaml(tmp_path, cfg.to_dict())]) == cfg  # config.yaml loads back
+    # launch scripts: one line on stderr, exit 2, before any model is loaded or file written
+    rc = _load("sweep").main(["--memory-budget", "lots", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: memory_budget: ") and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+    assert _load("sweep").procedure_argv(["--kv-max", "896,1024", "--kv-max=5"], "paper") == [
+        "--kv-values", "896,1024", "--kv-values=5", "--procedure", "paper"]
+
+
+# ---------------------------------------------------------------------- budget in the main job
+def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, tokenizer, tiny_model, capsys):
+    s = _prompt_len(tokenizer)
+    bm = Method("bm", kv_max=128, p=32)
+    limit = _predict(tiny_model, bm, 4, s) + 1  # both BM runs fit, FKV at b=2 does not
+    assert _predict(tiny_model, Method("fkv"), 2, s) > limit
+    out = tmp_path / "res"
+    runs = [{"method": "fkv", "batch_size": 2}, {"method": "bm", "batch_size": 2, "kv_max": 128},
+            {"method": "bm", "batch_size": 4, "kv_max": 128}]
+    assert _load("run").main(["--config", _yaml(tmp_path, _nqa(out, runs=runs, memory_budget=limit))]) == 0
+    assert stack.calls == [("bm", 128, 2), ("bm", 128, 2), ("bm", 128, 4)]  # FKV never ran
+
+    fkv = json.loads((out / "fkv-b2" / "summary.json").read_text())
+    assert fkv["status"] == "oom" and fkv["oom_cause"] == "predicted" and fkv["num_samples"] == 0
+    assert fkv["predicted_peak_bytes"] > fkv["memory_budget_bytes"] == limit
+    assert "exceeds memory_budget" in fkv["error"] and not (out / "fkv-b2" / "samples.jsonl").exists()
+    for name, b in (("bm-b2-kv128", 2), ("bm-b4-kv128", 4)):
+        summary = json.loads((out / name / "summary.json").read_text())
+        assert summary["status"] == "done" and summary["num_samples"] == 4
+        assert summary["predicted_peak_bytes"] <= limit and summary["memory_budget_bytes"] == limit
+        # K/V and the score block are predicted exactly (BM's K/V does not depend on the prompt lengths)
+        assert summary["peak_kv_bytes"] == summary["predicted"]["kv"]
+        assert 0 < summary["peak_workspace_bytes"] <= summary["predicted"]["workspace"]
+        assert summary["cuda_max_memory_allocated"] is None  # CPU
+        assert summary["weights_bytes"] == summary["predicted"]["weights"]  # one process: every parameter
+        row = json.loads((out / name / "samples.jsonl").read_text().splitlines()[0])
+        assert row["batch_peak_workspace_bytes"] > 0 and row["batch_cuda_max_memory_allocated"] is None
+
+    text = (out / "report.md").read_text()
+    assert "| FKV | 2 | N/A | OOM | OOM | OOM | |" in text and "## Memory per rank (MiB)" in text
+    assert "| FKV | 2 | N/A | OOM (predicted) |" in text
+    memory = text[text.index("## Memory"):]
+    assert report.mask_timings(text).endswith(memory)  # no timing there: masking leaves the memory table alone
+    assert capsys.readouterr().out == text
+    rows = _csv(out)
+    assert [r["run"] for r in rows] == ["fkv-b2", "bm-b2-kv128", "bm-b4-kv128"]
+    assert rows[0]["status"] == "oom" and rows[0]["oom_cause"] == "predicted" and rows[0]["tokens_per_s"] == ""
+    assert float(rows[0]["predicted_peak_mib"]) > float(rows[0]["memory_budget_mib"])
+    assert rows[1]["status"] == "done" and float(rows[1]["peak_workspace_mib"]) > 0
+
+    # Resuming: nothing runs again, the OOM row stays.
+    stack.calls.clear()
+    assert _load("run").main(["--config", _yaml(tmp_path, _nqa(out, runs=runs, memory_budget=limit))]) == 0
+    assert stack.calls == [] and "| FKV | 2 | N/A | OOM | OOM | OOM | |" in (out / "report.md").read_text()
+
+
+def test_a_real_out_of_memory_is_recorded_and_memory_is_freed_after_the_handler(tmp_path, stack, monkeypatch):
+    freed = []
+    monkeypatch.setattr(evaluate, "_free_memory", lambda device: freed.append(sys.exc_info()[0]))
+    stack.fail = lambda method, b: method.name == "ed"  # CUDA OOM in ed's first batch
+    out = tmp_path / "res"
+    runs = [{"method": "ed", "batch_size": 2, "kv_max": 2}, {"method": "bm", "batch_size": 2, "kv_max": 128}]
+    assert _load("run").main(["--config", _yaml(tmp_path, _nqa(out, runs=runs, memory_budget="1GiB"))]) == 0
+    assert stack.calls == [("ed", 2, 2), ("bm", 128, 2), ("bm", 128, 2)]
+    assert freed == [None]  # called once, with the exception (and the frames holding its tensors) gone
+    ed = json.loads((out / "ed-b2-kv2" / "summary.json").read_text())
+    assert ed["status"] == "oom" and ed["oom_cause"] == "runtime" and "OutOfMemoryError" in ed["error"]
+    assert ed["predicted_peak_bytes"] <= ed["memory_budget_bytes"] == 2**30  # fitted on paper
+    assert json.loads((out / "bm-b2-kv128" / "summary.json").read_text())["status"] == "done"
+    assert "| ED | 2 | 2 | OOM | OOM | OOM | |" in (out / "report.md").read_text()
+    assert "OOM (runtime)" in (out / "report.md").read_text()
+
+
+def test_free_memory_empties_the_cuda_cache(monkeypatch):
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    evaluate._free_memory(torch.device("cpu"))
+    assert emptied == []
+    evaluate._free_memory(torch.device("cuda", 0))
+    assert emptied == [1]
+
+
+def test_single_method_summaries_report_memory(tmp_path, stack):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "prompt": f"Say the number {i} " * 10, "reference": str(i)}) + "\n"
+                            for i in range(3)))
+    out = tmp_path / "res"
+    rc = _load("run").main(["--data", str(data), "--method", "bm", "--kv-max", "24", "--p", "8", "--batch-size", "2",
+                            "--max-new-tokens", "3", "--device", "cpu", "--out", str(out), "--log-level", "WARNING"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())  # the plain per-method layout (no budget)
+    assert summary["peak_workspace_bytes"] > 0 and summary["cuda_max_memory_allocated"] is None
+    assert summary["peak_kv_bytes"] == summary["predicted"]["kv"] and summary["memory_budget_bytes"] is None
+    assert summary["predicted_peak_bytes"] == summary["predicted"]["total"] > 0
+
+
+# ---------------------------------------------------------------------- the paper's procedure
+def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_model, capsys):
+    s = _prompt_len(tokenizer)
+    ed2, fkv = Method("ed", kv_max=2), Method("fkv")
+    limit = max(_predict(tiny_model, ed2, 2, s), _predict(tiny_model, fkv, 2, s)) + 1
+    assert _predict(tiny_model, ed2, 3, s) > limit  # so b0 = 3
+    shape = ModelShape.from_config(tiny_model.config)
+    plan = paper_plan(limit, shape, s, 3, dtype="float32", p=32, num_samples=4, kv_values=[128, 256])
+    names = [evaluate.RunSpec(m, b).name for m, b in plan]
+    assert names[:4] == ["ed-b3-kv2", "ed-b2-kv2", "ed-b2-kv65", "fkv-b2"]
+    bm = [(m.kv_max, b) for m, b in plan[4:]]
+    assert [k for k, _ in bm] == [128, 256] and all(b in (2, 4) for _, b in bm)  # divisors of 4, >= b0 - 1
+
+    out = tmp_path / "res"
+    rc = _load("sweep").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit),
+                              "--kv-max", "128,256"])
+    assert rc == 0
+    # ED at b0 is the OOM row (never run); the rest ran in the plan's order.
+    assert stack.calls == [("ed", 2, 2)] * 2 + [("ed", 65, 2)] * 2 + [("fkv", None, 2)] * 2 + [
+        ("bm", k, b) for k, b in bm for _ in range(4 // b)]
+    planned = json.loads((out / "plan.json").read_text())
+    assert planned["b0"] == 3 and planned["prompt_len"] == s and [r["run"] for r in planned["runs"]] == names
+    assert [r["fits"] for r in planned["runs"]] == [False] + [True] * 5 and planned["adjusted"] is None
+    assert [r["run"] for r in _csv(out)] == names and set(report.REPORT_FILES) <= set(os.listdir(out))
+    text = (out / "report.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table[1] == "| ED | 3 | 2 | OOM | OOM | OOM | |"
+    assert [line.split("|")[1].strip() for line in table[1:7]] == ["ED", "ED", "ED", "FKV", "BM", "BM"]
+    assert "BM against the fastest ED run" in text and capsys.readouterr().out == text
+    summary = json.loads((out / "ed-b3-kv2" / "summary.json").read_text())
+    assert summary["status"] == "oom" and summary["oom_cause"] == "predicted"
+    # Resume: nothing runs again.
+    stack.calls.clear()
+    assert _load("sweep").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit),
+                                "--kv-max", "128,256"]) == 0
+    assert stack.calls == []
+
+
+def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
+    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                       params=134_515_008)
+    cfg = parse_args(["--memory-budget", "1", "--max-new-tokens", "512", "--kv-values", "512", "--device", "cpu"])
+    s, ed2 = 1024, Method("ed", kv_max=2)
+    cfg.memory_budget = predict(shape, ed2, 6, s, 512).total  # ED fits 6 exactly; FKV (+512 pairs) does not
+    assert predict(shape, Method("fkv"), 6, s, 512).total > cfg.budget_bytes()
+    specs, info = budget.paper_specs(cfg, shape, s, num_samples=960)
+    fit = max_batch(cfg.budget_bytes(), shape, Method("fkv"), s, 512)
+    assert 0 < fit < 6 and predict(shape, Method("fkv"), fit, s, 512).total <= cfg.budget_bytes()
+    assert [x.name for x in specs[:4]] == ["ed-b7-kv2", "ed-b6-kv2", "ed-b6-kv65", f"fkv-b{fit}"]
+    assert f"b = {fit}" in info["adjusted"] and [r["fits"] for r in info["runs"]] == [False, True, True, True, True]
+
+
+# ---------------------------------------------------------------------- the auto-tuner
+def test_tune_on_the_embedded_model_writes_a_usable_tuned_config(tmp_path, monkeypatch, capsys):
+    import batchmax_tp.engine as engine
+    import batchmax_tp.models as models
+
+    loaded = models.load_model()
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded)
+    real, timed = engine.generate, []
+
+    def counting(model, ids, mask, method, new, **kw):
+        if new > 2:
+            timed.append((method.name, ids.shape[0]))
+        return real(model, ids, mask, method, new, **kw)
+
+    monkeypatch.setattr(engine, "generate", counting)
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        json.dumps({"id": "a", "prompt": "Mara has a red kite, a blue ball and a green hat. The kite is her favourite "
+                    "toy and she flies it every Sunday with her brother Jonah. What colour is the kite?",
+                    "reference": "red"}) + "\n"
+        + json.dumps({"id": "b", "prompt": "Tom bought three apples, then two pears, then one more apple at the "
+                      "market near the old bridge. How many apples did Tom buy in all?", "reference": "four"}) + "\n")
+    shape = ModelShape.from_config(loaded[0].config)
+    samples = tasks.load_jsonl(data)
+    s = budget.longest_prompt(loaded[1], samples)
+    limit = predict(shape, Method("fkv"), 2, s, 4).total  # FKV fits both samples in one batch
+    out = tmp_path / "res"
+    args = ["--data", str(data), "--max-new-tokens", "4", "--p", "16", "--device", "cpu", "--out", str(out),
+            "--log-level", "WARNING", "--memory-budget", str(limit), "--kv-max", "24,40", "--target", "0.5"]
+    rc = _load("tune").main(args)
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    info = json.loads((out / "tune.json").read_text())
+    assert info["fkv"]["batch"] == 2 and info["kv_values"] == [24, 40] and info["prompt_len"] == s
+    assert info["best"]["method"] == "bm" and info["best"]["kv_max"] in (24, 40) and info["best"]["batch"] == 2
+    assert sorted(t["run"] for t in info["trials"]) == ["bm-b2-kv24", "bm-b2-kv40", "fkv-b2"]
+    for trial in info["trials"]:  # every trial is a saved run of the harness
+        assert json.loads((out / "tune" / trial["run"] / "summary.json").read_text())["status"] == "done"
+    assert len(timed) == 3 and (out / "tune" / "report.md").is_file() and "tuned.yaml" in printed
+
+    tuned = parse_args(["--config", str(out / "tuned.yaml")])
+    assert (tuned.methods, tuned.kv_max, tuned.batch_size) == (["bm"], info["best"]["kv_max"], 2)
+    assert tuned.procedure is None and tuned.out == str(out / "tuned") and tuned.budget_bytes() == limit
+
+    timed.clear()  # trials are resumable: a second tune runs nothing and chooses the same
+    assert _load("tune").main(args) == 0 and timed == []
+    assert json.loads((out / "tune.json").read_text())["best"] == info["best"]
+
+    assert _load("run").main(["--config", str(out / "tuned.yaml"), "--log-level", "WARNING"]) == 0
+    name = f"bm-b2-kv{info['best']['kv_max']}"
+    assert timed == [("bm", 2)] and json.loads((out / "tuned" / name / "summary.json").read_text())["status"] == "done"
+
+
+def test_tune_refuses_a_budget_without_fkv(tmp_path, stack, capsys):
+    out = tmp_path / "res"
+    rc = _load("tune").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", "1MiB"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: memory_budget: ") and err.count("\n") == 1, err
+    assert stack.calls == []
