@@ -137,21 +137,14 @@ def paper_specs(cfg: Any, shape: Any, prompt_len: int, *, num_samples: int, tp: 
     grid = list(cfg.kv_values) if cfg.kv_values else kv_grid(prompt_len, 128, cfg.p)
     plan = paper_plan(budget, shape, prompt_len, cfg.max_new_tokens, dtype=cfg.dtype, tp=tp, p=cfg.p,
                       num_samples=num_samples, kv_values=grid)
-    # paper_plan builds ED and FKV with the default p; every run of a sweep shares the config's p.
-    specs = [RunSpec(Method(m.name, kv_max=m.kv_max, p=cfg.p), b) for m, b in plan]
+    specs = [RunSpec(m, b) for m, b in plan]
     b0 = specs[0].batch_size
-    # FKV keeps the generated tokens' pairs too, so at b0 - 1 it can need more than ED: then it runs at its
-    # largest fitting batch instead (the paper takes only FKV's metric from it, which does not depend on b).
     adjusted = None
-    for i, spec in enumerate(specs):
-        if spec.method.name == "fkv":
-            if predict_spec(shape, spec.method, spec.batch_size, prompt_len, cfg, tp).total > budget:
-                fit = max_batch(budget, shape, spec.method, prompt_len, cfg.max_new_tokens, tp=tp, dtype=cfg.dtype)
-                if 0 < fit < spec.batch_size:
-                    adjusted = (f"FKV at b0 - 1 = {spec.batch_size} is predicted over the budget; it runs at "
-                                f"b = {fit}, the largest batch that fits (only its metric is used)")
-                    logger.warning("paper procedure: %s", adjusted)
-                    specs[i] = RunSpec(spec.method, fit)
+    for spec in specs:
+        if spec.method.name == "fkv" and spec.batch_size < b0 - 1:
+            adjusted = (f"FKV at b0 - 1 = {b0 - 1} is predicted over the budget; it runs at b = {spec.batch_size}, "
+                        f"the largest batch that fits (only its metric is used)")
+            logger.warning("paper procedure: %s", adjusted)
     rows = []
     for spec in specs:
         est = predict_spec(shape, spec.method, spec.batch_size, prompt_len, cfg, tp)

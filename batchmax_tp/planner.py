@@ -35,6 +35,7 @@ class ModelShape:
     head_dim: int
     vocab: int
     params: int
+    tied: bool = False  # input and output embeddings share one matrix
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -44,13 +45,39 @@ class ModelShape:
         h, i, v, L = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
         attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
         per_layer = attn + 3 * h * i + 2 * h
-        embed = v * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
-        return cls(L, h, i, heads, kv_heads, head_dim, v, L * per_layer + embed + h)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        embed = v * h * (1 if tied else 2)
+        return cls(L, h, i, heads, kv_heads, head_dim, v, L * per_layer + embed + h, tied)
+
+    def weights_per_rank(self, tp: int) -> int:
+        """Parameters on the fullest rank, split as DeepSpeed AutoTP splits them: attention by whole KV groups
+        (unevenly), MLP columns and the lm_head's input features in grains of 64 (the tail to the last rank);
+        the input embedding and the norms stay whole on every rank."""
+        if tp == 1:
+            return self.params
+        h, d = self.hidden, self.head_dim
+        per_rank = []
+        for rank in range(tp):
+            kv = self.kv_heads // tp + (1 if rank < self.kv_heads % tp else 0)
+            q = kv * (self.heads // self.kv_heads)
+            inter = _grain_shard(self.intermediate, tp, rank)
+            per_layer = 2 * h * q * d + 2 * h * kv * d + 3 * h * inter + 2 * h
+            per_rank.append(self.layers * per_layer + self.vocab * h + self.vocab * _grain_shard(h, tp, rank) + h)
+        return max(per_rank)
 
     def local_heads(self, tp: int) -> tuple[int, int]:
         """(query heads, KV heads) on the rank holding the most, as AutoTP splits whole KV groups."""
         kv = math.ceil(self.kv_heads / tp)
         return kv * (self.heads // self.kv_heads), kv
+
+
+def _grain_shard(total: int, tp: int, rank: int, grain: int = 64) -> int:
+    """AutoTP's share of ``total`` features for ``rank`` outside attention (DeepSpeed's ``get_shard_size``)."""
+    if total < grain:
+        return total // tp + (1 if rank < total % tp else 0)
+    grains, tail = divmod(total, grain)
+    share = (grains // tp + (1 if rank < grains % tp else 0)) * grain
+    return share + (tail if rank == tp - 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -59,10 +86,11 @@ class MemoryEstimate:
     workspace: int
     weights: int
     activations: int
+    slot_meta: int = 0  # the cache's per-slot position (int64) and attention sum (float32)
 
     @property
     def total(self) -> int:
-        return self.kv + self.workspace + self.weights + self.activations
+        return self.kv + self.workspace + self.weights + self.activations + self.slot_meta
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -101,6 +129,7 @@ def predict(
     q_heads, kv_heads = shape.local_heads(tp)
     cap = capacity(method, prompt_len, max_new_tokens)
     kv = 2 * batch * shape.layers * kv_heads * cap * shape.head_dim * nbytes
+    slot_meta = batch * shape.layers * kv_heads * cap * (8 + 4)
 
     # Score blocks: queries attend over the slots written so far (the cache's high-water mark): a prefill block
     # ending at ``end`` sees ``end`` slots until the first eviction, then all ``cap``; a decode step one query.
@@ -122,8 +151,8 @@ def predict(
     # the last position only (logits_to_keep=1) in float32.
     per_token = (3 * shape.hidden + (q_heads + 2 * kv_heads) * shape.head_dim + 3 * local_inter) * nbytes
     activations = batch * block * per_token + batch * shape.vocab * 4
-    weights = shape.params * nbytes // tp
-    return MemoryEstimate(kv, workspace, weights, activations)
+    weights = shape.weights_per_rank(tp) * nbytes
+    return MemoryEstimate(kv, workspace, weights, activations, slot_meta)
 
 
 def max_batch(
@@ -163,6 +192,10 @@ def parse_bytes(text: str | int) -> int:
     t = text.strip().lower().replace(" ", "")
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num):]
-    if unit not in units or not num:
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value < 0:
         raise ValueError(f"cannot read a byte size from {text!r} (examples: 24GiB, 512MiB, 1000000)")
-    return int(float(num) * units[unit])
+    return int(value * units[unit])

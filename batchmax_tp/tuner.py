@@ -75,11 +75,15 @@ def paper_plan(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dty
                p: int = 64, num_samples: int = 960, kv_values: list[int] | None = None) -> list[tuple[Method, int]]:
     """The runs of the paper's procedure: ED (kv_max 2) at b0 (the smallest batch that does not fit: an OOM row),
     ED (2 and 65) and FKV at b0 - 1, then BM at each kv_max's largest fitting divisor batch."""
-    ed2 = Method("ed", kv_max=2)
+    ed2 = Method("ed", kv_max=2, p=p)
     b0 = max_batch(budget, shape, ed2, prompt_len, new, tp=tp, dtype=dtype) + 1
     runs = [(ed2, b0)]
     if b0 > 1:
-        runs += [(ed2, b0 - 1), (Method("ed", kv_max=65), b0 - 1), (Method("fkv"), b0 - 1)]
+        # FKV also keeps the generated tokens' pairs, so b0 - 1 may not fit it: then it runs at its own largest
+        # batch (only its metric is compared, and that does not depend on b).
+        fkv = Method("fkv", p=p)
+        b_fkv = min(b0 - 1, max_batch(budget, shape, fkv, prompt_len, new, tp=tp, dtype=dtype)) or b0 - 1
+        runs += [(ed2, b0 - 1), (Method("ed", kv_max=65, p=p), b0 - 1), (fkv, b_fkv)]
     batches = divisor_batches(num_samples, 1 << 16)
     for k in kv_values or kv_grid(prompt_len, 128, p):
         bm = Method("bm", kv_max=k, p=p)
@@ -114,11 +118,13 @@ def tune(
             logger.info("trial %s b=%d -> %s", method.label(), batch, cache[key])
         return cache[key]
 
-    fkv_b = largest_batch(budget, shape, Method("fkv"), prompt_len, new, dtype=dtype, tp=tp, batches=batches)
+    fkv_b = largest_batch(budget, shape, Method("fkv", p=p), prompt_len, new, dtype=dtype, tp=tp, batches=batches)
     if fkv_b == 0:
         raise ValueError("the budget does not fit FKV at batch 1: the target metric cannot be measured")
-    fkv = run(Method("fkv"), fkv_b)
+    fkv = run(Method("fkv", p=p), fkv_b)
     goal = target * fkv.metric
+    if not fkv.metric:
+        logger.warning("FKV's metric is %s: every BM configuration meets the target; the fastest one wins", fkv.metric)
 
     grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p)) if k > p]
     fitting = []  # (kv_max, batch) that fit, ascending kv_max

@@ -79,6 +79,7 @@ def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
 
-def test_parse_bytes_rejects_garbage():
+@pytest.mark.parametrize("text", ["lots", "1.5.3GiB", "-2GiB", "GiB", "12 parsecs"])
+def test_parse_bytes_rejects_garbage(text):
     with pytest.raises(ValueError, match="byte size"):
-        parse_bytes("lots")
+        parse_bytes(text)

@@ -84,7 +84,7 @@ def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_col
         out = generate(model, ids, mask, m, new, ignore_eos=True, return_logits=True)
         results[m.name] = dict(tokens=out.tokens, logits=torch.stack(out.logits), kept=out.cache.kept_positions(),
                                local_kv_heads=out.cache.layers[0].keys.shape[1], collectives=dict(counts),
-                               forwards=len(out.phases))
+                               forwards=len(out.phases), params=sum(p.numel() for p in model.parameters()))
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -134,6 +134,11 @@ def test_tp_matches_single_process_through_evictions(tmp_path, tp_size):
     kept = single["bm"]["kept"]
     assert all(len(h) < 16 + 1 for layer in kept for sample in layer for h in sample)
     assert [r["bm"]["local_kv_heads"] for r in ranks] == ([2, 1] if tp_size == 2 else [1, 1, 1])
+    # The planner's weights on the largest rank: what AutoTP really left there.
+    from batchmax_tp.planner import ModelShape
+
+    shape = ModelShape.from_config(make_model(False).config)
+    assert ModelShape.weights_per_rank(shape, tp_size) == max(r["bm"]["params"] for r in ranks)
 
 
 def test_eviction_adds_no_collectives(tmp_path):

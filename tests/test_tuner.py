@@ -62,7 +62,10 @@ def test_paper_plan_follows_the_procedure():
     budget = predict(SHAPE, Method("ed", kv_max=2), 5, S, T).total + 1  # ED fits 5, not 6
     runs = paper_plan(budget, SHAPE, S, T, dtype="float32")
     head = [(m.name, m.kv_max, b) for m, b in runs[:4]]
-    assert head == [("ed", 2, 6), ("ed", 2, 5), ("ed", 65, 5), ("fkv", None, 5)]
+    # FKV also holds the generated tokens: at b0 - 1 = 5 it does not fit, so it runs at its own largest batch.
+    b_fkv = max_batch(budget, SHAPE, Method("fkv"), S, T)
+    assert b_fkv < 5
+    assert head == [("ed", 2, 6), ("ed", 2, 5), ("ed", 65, 5), ("fkv", None, b_fkv)]
     assert predict(SHAPE, Method("ed", kv_max=2), 6, S, T).total > budget  # the OOM row
     bm = [(m.kv_max, b) for m, b in runs[4:]]
     assert [k for k, _ in bm] == [k for k in kv_grid(S)]
