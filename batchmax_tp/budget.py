@@ -129,8 +129,6 @@ def paper_specs(cfg: Any, shape: Any, prompt_len: int, *, num_samples: int, tp: 
     """The runs of the paper's procedure (``tuner.paper_plan``) as ``RunSpec``s, and the plan as a dict
     (``OUT/plan.json``): b0, the prompt length, each run's predicted peak and whether it fits."""
     from .evaluate import RunSpec
-    from .planner import max_batch
-    from .policy import Method
     from .tuner import kv_grid, paper_plan
 
     budget = cfg.budget_bytes()

@@ -170,7 +170,7 @@ class BoundedLayer(CacheLayerMixin):
         if phase is None:  # driven by HF generate: infer the phase from the block itself
             first_decode = n == 1 and self.seen > 0 and not self.decoding
             self.decoding = self.decoding or first_decode
-            evict = self.cache.method.num_to_evict(self.filled, n, self.capacity_for(n), first_decode)
+            evict = self.cache.method.num_to_evict(self.filled, n, self.cache.method.kv_max, first_decode)
         else:
             evict = phase.evict
         if evict:
@@ -206,13 +206,6 @@ class BoundedLayer(CacheLayerMixin):
         self.new_slots = slots
         _handoff.layer = self
         return self.keys, self.values
-
-    def capacity_for(self, n: int) -> int:
-        """The slot budget that eviction decisions are made against (HF-generate path, no explicit phase)."""
-        m = self.cache.method
-        if m.name == "bm":
-            return m.kv_max
-        return max(self.capacity, self.filled + n)
 
     def mark_pads(self, token_mask: torch.Tensor) -> None:
         """Invalidate the slots just written for pad tokens. token_mask: [B, n] bool, True for real tokens."""

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import metrics, results
-from .runner import atomic_write_text, batched, cut_at_eos, utc_now
+from .runner import atomic_write_text, batched, generate_batch, utc_now
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,6 @@ def _free_memory(device: Any) -> None:
     gc.collect()
     if getattr(device, "type", None) == "cuda":
         torch.cuda.empty_cache()
-
-
-def _to_list(x: Any) -> list:
-    return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
 def _reference(sample: Any) -> Any:
@@ -153,7 +149,6 @@ def evaluate_run(
     ``prompt_len`` (the longest encoded prompt of ``samples``) and ``shape`` (``planner.ModelShape``) are
     computed when not given; a model without a config gets no prediction (and no budget check).
     """
-    import torch
     from tqdm.auto import tqdm
 
     tasks = importlib.import_module("batchmax_tp.tasks")
@@ -318,28 +313,16 @@ def _write_round(
 def _run_batch(model, tokenizer, batch, index, spec, cfg, generate_fn, encode_fn, metric, eos_token_id,
                pad_token_id, device, replica) -> dict[str, Any]:
     """Generate one batch and turn it into its per-sample records."""
-    import torch
-
-    input_ids, attention_mask = encode_fn(tokenizer, [s.prompt for s in batch])
-    if device is not None and hasattr(input_ids, "to"):
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    cuda = getattr(device, "type", None) == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    result = generate_fn(
-        model, input_ids, attention_mask, spec.method, cfg.max_new_tokens,
-        ignore_eos=cfg.ignore_eos, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        do_sample=cfg.do_sample, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-        seed=cfg.seed + index,
+    out = generate_batch(
+        model, tokenizer, [s.prompt for s in batch], spec.method, cfg, cfg.seed + index,
+        generate_fn=generate_fn, encode_fn=encode_fn, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        device=device,
     )
-    cuda_peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
+    result = out.result
     workspace = int(getattr(result, "peak_workspace_bytes", 0) or 0)
-    tokens = _to_list(result.tokens)
-    num_generated = _to_list(result.num_generated)
-    prompt_tokens = [int(sum(_to_list(row))) for row in _to_list(attention_mask)]
     records = []
     for i, sample in enumerate(batch):
-        output = tokenizer.decode(cut_at_eos(tokens[i], num_generated[i], eos_token_id), skip_special_tokens=True)
+        output = out.outputs[i]
         score = metrics.score(metric, output, sample.reference)
         records.append({
             "id": sample.id,
@@ -349,13 +332,13 @@ def _run_batch(model, tokenizer, batch, index, spec, cfg, generate_fn, encode_fn
             "reference": _reference(sample),
             "score": score,
             "correct": None if score is None or metric == "rouge2" else score == 1.0,
-            "prompt_tokens": prompt_tokens[i],
-            "generated_tokens": int(num_generated[i]),
+            "prompt_tokens": out.prompt_tokens[i],
+            "generated_tokens": out.num_generated[i],
             "tokens_cut": int(getattr(sample, "tokens_cut", 0)),
             "batch_prefill_s": float(result.prefill_s),
             "batch_decode_s": float(result.decode_s),
             "batch_peak_kv_bytes": int(result.peak_kv_bytes),
             "batch_peak_workspace_bytes": workspace,
-            "batch_cuda_max_memory_allocated": cuda_peak,
+            "batch_cuda_max_memory_allocated": out.cuda_max_memory_allocated,
         })
     return {"records": records, "peak": int(result.peak_kv_bytes)}

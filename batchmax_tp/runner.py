@@ -189,6 +189,66 @@ def _default_generate() -> Callable[..., Any]:
     return importlib.import_module("batchmax_tp.engine").generate
 
 
+@dataclass
+class BatchOutput:
+    """One generated batch: the engine result, the decoded outputs (cut at the first EOS) and token counts."""
+
+    result: Any
+    outputs: list[str]
+    prompt_tokens: list[int]
+    num_generated: list[int]
+    cuda_max_memory_allocated: int | None
+
+
+def generate_batch(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    method: Any,
+    cfg: Any,
+    seed: int,
+    *,
+    generate_fn: Callable[..., Any],
+    encode_fn: Callable[..., Any],
+    eos_token_id: Any,
+    pad_token_id: int | None,
+    device: Any,
+) -> BatchOutput:
+    """Encode ``prompts``, generate with ``cfg``'s settings and decode: the step every run mode shares."""
+    input_ids, attention_mask = encode_fn(tokenizer, list(prompts))
+    if device is not None and hasattr(input_ids, "to"):
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    cuda = getattr(device, "type", None) == "cuda"
+    if cuda:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+    result = generate_fn(
+        model,
+        input_ids,
+        attention_mask,
+        method,
+        cfg.max_new_tokens,
+        ignore_eos=cfg.ignore_eos,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        do_sample=cfg.do_sample,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        seed=seed,
+    )
+    cuda_peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
+    tokens = _to_list(result.tokens)
+    num_generated = [int(n) for n in _to_list(result.num_generated)]
+    outputs = [
+        tokenizer.decode(cut_at_eos(tokens[i], num_generated[i], eos_token_id), skip_special_tokens=True)
+        for i in range(len(prompts))
+    ]
+    prompt_tokens = [int(sum(_to_list(row))) for row in _to_list(attention_mask)]
+    return BatchOutput(result, outputs, prompt_tokens, num_generated, cuda_peak)
+
+
 def run_method(
     model: Any,
     tokenizer: Any,
@@ -237,50 +297,24 @@ def run_method(
     else:
         logger.info("running %s on %d samples, batch size %d", label, len(samples), cfg.batch_size)
     bar = tqdm(total=total, desc=method.name, unit="sample", disable=None if progress is None else not progress)
-    cuda = getattr(device, "type", None) == "cuda"
     try:
         for index, first, batch in mine:
-            input_ids, attention_mask = encode_fn(tokenizer, [s.prompt for s in batch])
-            if device is not None and hasattr(input_ids, "to"):
-                input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-            if cuda:
-                import torch
-
-                torch.cuda.reset_peak_memory_stats(device)
-            result = generate_fn(
-                model,
-                input_ids,
-                attention_mask,
-                method,
-                cfg.max_new_tokens,
-                ignore_eos=cfg.ignore_eos,
-                eos_token_id=eos_token_id,
-                pad_token_id=pad_token_id,
-                do_sample=cfg.do_sample,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                top_p=cfg.top_p,
-                seed=cfg.seed + index,
+            out = generate_batch(
+                model, tokenizer, [s.prompt for s in batch], method, cfg, cfg.seed + index,
+                generate_fn=generate_fn, encode_fn=encode_fn, eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id, device=device,
             )
-            if cuda:
-                run.add_batch(result, torch.cuda.max_memory_allocated(device))
-            else:
-                run.add_batch(result)
-            tokens = _to_list(result.tokens)
-            num_generated = _to_list(result.num_generated)
-            prompt_tokens = [int(sum(_to_list(row))) for row in _to_list(attention_mask)]
+            result = out.result
+            run.add_batch(result, out.cuda_max_memory_allocated)
             for i, sample in enumerate(batch):
-                kept = cut_at_eos(tokens[i], num_generated[i], eos_token_id)
-                output = tokenizer.decode(kept, skip_special_tokens=True)
-                correct = is_correct_fn(output, sample.reference)
                 run.records.append(
                     {
                         "id": sample.id,
-                        "prompt_tokens": prompt_tokens[i],
-                        "output": output,
+                        "prompt_tokens": out.prompt_tokens[i],
+                        "output": out.outputs[i],
                         "reference": sample.reference,
-                        "correct": correct,
-                        "generated_tokens": int(num_generated[i]),
+                        "correct": is_correct_fn(out.outputs[i], sample.reference),
+                        "generated_tokens": out.num_generated[i],
                     }
                 )
                 run.positions.append(first + i)
