@@ -39,7 +39,7 @@ __all__ = [
 
 #: Per-method cache size used when ``kv_max`` is null (fkv has none).
 DEFAULT_KV_MAX: dict[str, int | None] = {"bm": 512, "ed": 2, "fkv": None}
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")  #: auto: float32 on CPU, the checkpoint's own on CUDA
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 #: ``task`` values (``batchmax_tp.tasks.TASK_NAMES``; repeated here so that validation imports nothing heavy).
@@ -85,7 +85,8 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "top_k": ((int,), False),
     "top_p": ((int, float), False),
     "log_level": ((str,), False),
-    "tp_size": ((int,), False),
+    "tp_size": ((int,), True),  # null = the world size
+    "setup_timeout": ((int,), False),
     "task": ((str,), False),
     "num_shots": ((int,), True),  # null = the paper's count for the task
     "max_input_tokens": ((int,), True),
@@ -133,7 +134,7 @@ class RunConfig:
     data: str | None = None  #: JSONL path; null -> the embedded fixture
     num_samples: int | None = None  #: first N samples of the file; null -> all
     out: str = "results/default"
-    dtype: str = "float32"
+    dtype: str = "auto"  #: auto = float32 on CPU; on CUDA the checkpoint's dtype (float16 where bf16 is missing)
     device: str = "auto"  #: auto = cuda if available, else cpu
     seed: int = 0
     do_sample: bool = False
@@ -141,7 +142,8 @@ class RunConfig:
     top_k: int = 0  #: 0 = disabled
     top_p: float = 1.0
     log_level: str = "INFO"
-    tp_size: int = 1  #: ranks per tensor-parallel group; dp_size = world size / tp_size (derived at launch)
+    tp_size: int | None = None  #: ranks per tensor-parallel group; null = the world size; dp = world / tp_size
+    setup_timeout: int = 1800  #: seconds the ranks may wait for each other while loading and setting up
     task: str = "jsonl"  #: jsonl (``data`` = a JSONL file) or a paper task (``data`` = hub id or folder)
     num_shots: int | None = None  #: null = the paper's count (CNN/DM 1, NarrativeQA 2, GSM8K 16; jsonl 0)
     max_input_tokens: int | None = 3584  #: prompts of paper tasks are cut (in the document) to this many tokens
@@ -200,8 +202,10 @@ class RunConfig:
             raise ConfigError("top_k", f"must be >= 0 (0 = disabled), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.tp_size < 1:
-            raise ConfigError("tp_size", f"must be >= 1, got {self.tp_size}")
+        if self.tp_size is not None and self.tp_size < 1:
+            raise ConfigError("tp_size", f"must be >= 1 or null (the world size), got {self.tp_size}")
+        if self.setup_timeout < 1:
+            raise ConfigError("setup_timeout", f"must be >= 1 second, got {self.setup_timeout}")
         if not self.out.strip():
             raise ConfigError("out", "must not be empty")
         if os.path.exists(self.out) and not os.path.isdir(self.out):
@@ -521,17 +525,23 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=_int_or_null, metavar="N|null",
                    help="use the first N samples (default all)")
     p.add_argument("--out", metavar="DIR", help="output directory (default results/default)")
-    p.add_argument("--dtype", metavar="|".join(DTYPES), help="model dtype (default float32)")
-    p.add_argument("--device", metavar="auto|cpu|cuda", help="default auto = cuda if available")
+    p.add_argument("--dtype", metavar="|".join(DTYPES),
+                   help="model dtype (default auto: float32 on CPU; on CUDA the checkpoint's own, float16 on GPUs "
+                   "without bfloat16)")
+    p.add_argument("--device", metavar="auto|cpu|cuda|cuda:N",
+                   help="default auto = cuda if available (multi-process runs: the local rank's GPU)")
     p.add_argument("--seed", type=int, metavar="N", help="random seed (default 0)")
     _bool_flag(p, "do-sample", "sample instead of greedy decoding (default off)")
     p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default 1.0)")
     p.add_argument("--top-k", type=int, metavar="K", help="top-k sampling, 0 = off (default 0)")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, 1.0 = off (default 1.0)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ... (default INFO)")
-    p.add_argument("--tp-size", type=int, metavar="N",
-                   help="tensor-parallel ranks per model replica (default 1); data-parallel replicas = "
-                   "world size / N")
+    p.add_argument("--tp-size", type=_int_or_null, metavar="N|null",
+                   help="tensor-parallel ranks per model replica (default null: every process of the launch splits "
+                   "one model); data-parallel replicas = world size / N")
+    p.add_argument("--setup-timeout", type=int, metavar="S",
+                   help="seconds ranks wait for each other while loading (default 1800); generation collectives "
+                   "time out after 60 s")
     p.add_argument("--task", metavar="|".join(TASK_NAMES),
                    help="jsonl (--data = a JSONL file; default) or a paper task (--data = hub id or folder)")
     p.add_argument("--num-shots", type=_int_or_null, metavar="N|null",

@@ -31,7 +31,6 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -61,6 +60,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+#: ``auto`` is resolved by :func:`resolve_dtype`.
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -172,21 +172,66 @@ def _parse_dtype(dtype: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+def model_path(model_id: str) -> str:
+    """Where transformers reads ``model_id`` from: the embedded model's converted cache, else the id itself."""
+    return str(embedded_model_dir()) if model_id == EMBEDDED_MODEL else model_id
+
+
+def read_config(model_id: str):
+    """The (text) configuration of ``model_id`` alone, no weights: for checks before anything heavy is loaded.
+
+    Raises ``ValueError`` with one line when it cannot be read (no such folder, an unreachable hub id offline).
+    """
+    from transformers import AutoConfig
+
+    try:
+        if model_id.startswith(ARCH_PREFIX):
+            config = architecture_config(model_id)
+        else:
+            config = AutoConfig.from_pretrained(model_path(model_id))
+    except (OSError, ValueError, RuntimeError) as err:
+        first = " ".join(str(err).split())[:300]
+        raise ValueError(f"cannot read the configuration of {model_id!r}: {first}") from None
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def resolve_dtype(dtype: str, device: str, config=None) -> str:
+    """``auto``: float32 on CPU; on CUDA the checkpoint's own dtype (float16 when it names none), and float16 in
+    place of bfloat16 on GPUs without bfloat16 (V100, TITAN V). Any other value is returned as it is."""
+    if dtype != "auto":
+        _parse_dtype(dtype)
+        return dtype
+    if not device.startswith("cuda"):
+        return "float32"
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(own).removeprefix("torch.") if own is not None else "float16"
+    if name not in _DTYPES:
+        name = "float16"
+    if name == "bfloat16" and not torch.cuda.is_bf16_supported():
+        name = "float16"
+    return name
+
+
 def load_model(
     model_id: str = EMBEDDED_MODEL, *, dtype: str = "float32", device: str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
-    ``model_id`` is :data:`EMBEDDED_MODEL`, a Hugging Face hub id or a local checkpoint directory. The model
-    is returned in eval mode on ``device`` with ``attn_implementation="sdpa"`` (the engine switches it
-    itself); the tokenizer pads on the left and has a pad token (its own, else EOS).
+    ``model_id`` is :data:`EMBEDDED_MODEL`, a Hugging Face hub id or a local checkpoint directory. The weights
+    are read straight into ``dtype`` (``auto``: :func:`resolve_dtype`) on ``device`` — under tensor parallelism
+    pass ``device="cpu"`` and let :func:`batchmax_tp.tp.apply_tensor_parallel` move only this rank's shard to the
+    accelerator. Returned in eval mode with ``attn_implementation="sdpa"`` (the engine switches it itself); the
+    tokenizer pads on the left and has a pad token (its own, else EOS).
     """
-    torch_dtype = _parse_dtype(dtype)
     if model_id.startswith(ARCH_PREFIX):
-        return architecture_model(model_id, dtype=dtype, device=device), None
-    path = str(embedded_model_dir()) if model_id == EMBEDDED_MODEL else model_id
+        return architecture_model(model_id, dtype=resolve_dtype(dtype, device), device=device), None
+    path = model_path(model_id)
+    dtype = resolve_dtype(dtype, device, read_config(model_id) if dtype == "auto" else None)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    # On CUDA the weights go straight to the GPU (no full host copy); on CPU device_map is not needed.
+    placement = {"device_map": device} if device.startswith("cuda") else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_parse_dtype(dtype), attn_implementation="sdpa",
+                                                 **placement)
     model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     _prepare_tokenizer(tokenizer)
@@ -226,13 +271,23 @@ def architecture_model(spec: str, *, dtype: str = "float16", device: str = "cpu"
     return model.eval()
 
 
-def tiny_random_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
-    """A tiny random GQA Llama for tests, deterministic for a given seed (global RNG left untouched).
+#: Families of the tiny random test models (:func:`tiny_random_model`): the paper's Llama-2 and Phi-3/3.5 (fused
+#: ``qkv_proj`` and ``gate_up_proj``), plus Qwen2 (q/k/v biases) and Mistral.
+TINY_FAMILIES = ("llama", "phi3", "qwen2", "mistral")
+
+
+def tiny_random_model(family: str = "llama", seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A tiny random causal LM of ``family`` for tests, deterministic for a given seed (global RNG untouched).
 
     Defaults: vocab 128, hidden 64, 2 layers, 4 query heads, 2 KV heads, head_dim 16, intermediate 128,
-    max_position_embeddings 1024, pad/bos/eos ids 0/1/2; ``overrides`` replace any ``LlamaConfig`` field.
-    Returned in float32, eval mode, with ``attn_implementation="sdpa"``.
+    max_position_embeddings 1024, pad/bos/eos ids 0/1/2; ``overrides`` replace any config field. Returned in
+    float32, eval mode, with ``attn_implementation="sdpa"``.
     """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}: choose one of {', '.join(TINY_FAMILIES)}")
     params: dict[str, Any] = dict(
         vocab_size=128,
         hidden_size=64,
@@ -245,11 +300,19 @@ def tiny_random_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+        tie_word_embeddings=False,
     )
+    if family == "mistral":
+        params["sliding_window"] = None
     params.update(overrides)
-    config = LlamaConfig(**params)
+    config = AutoConfig.for_model(family, **params)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     model.set_attn_implementation("sdpa")
     return model.to(torch.float32).eval()
+
+
+def tiny_random_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
+    """A tiny random GQA Llama for tests (:func:`tiny_random_model` with ``family="llama"``)."""
+    return tiny_random_model("llama", seed=seed, **overrides)

@@ -22,8 +22,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# A rank that dies must not leave the others waiting forever in a collective.
-DEFAULT_TIMEOUT_S = 60
+# Collective timeouts by phase. Set-up (checkpoint loading, AutoTP slicing, the first meetings) may take many
+# minutes on shared storage, so the default group waits long; generation runs on the tensor-parallel groups, which
+# wait at most GENERATION_TIMEOUT_S, so a dead or stuck rank still ends the job within a minute.
+SETUP_TIMEOUT_S = 1800
+GENERATION_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,36 @@ def world_from_env() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
-def check_tp_size(tp: int, world: int, num_kv_heads: int) -> None:
-    """Reject layouts AutoTP cannot serve, before any weight is loaded."""
+def resolve_tp_size(tp_size: int | None, world: int) -> int:
+    """``tp_size`` null means every rank of the world splits one model (DeepSpeed inference's convention): heads
+    are divided over the processes ``deepspeed --num_gpus N`` or ``torchrun --nproc_per_node N`` starts."""
+    return world if tp_size is None else tp_size
+
+
+def check_tp_size(tp: int, world: int, num_kv_heads: int, *, explicit: bool = True) -> None:
+    """Reject layouts AutoTP cannot serve, before any weight is loaded (``explicit``: tp_size was given)."""
     if tp < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp}")
     if world % tp:
         raise ValueError(f"world size {world} is not a multiple of tp_size {tp}")
     if tp > num_kv_heads:
+        if not explicit:
+            raise ValueError(
+                f"{world} processes would split the model's {num_kv_heads} KV heads (tp_size defaults to the world "
+                f"size) but every rank needs one: pass --tp-size K with K <= {num_kv_heads} dividing {world} to run "
+                f"{world}/K data-parallel replicas of K ranks"
+            )
         raise ValueError(f"tp_size {tp} exceeds the model's {num_kv_heads} KV heads: every rank needs one")
+
+
+def local_device(device: str, local_rank: int) -> str:
+    """The device of this process: on CUDA the launcher's local rank picks the GPU, modulo the GPUs it can see
+    (one task may see all of a node's GPUs, or only its own under ``srun --gpus-per-task=1``)."""
+    if not device.startswith("cuda"):
+        return device
+    if ":" in device:
+        return device
+    return f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
 
 
 def _mpi_launch() -> bool:
@@ -92,10 +117,12 @@ def _mpi_launch() -> bool:
     )
 
 
-def init_distributed(tp: int, device: str = "cpu", timeout_s: int = DEFAULT_TIMEOUT_S) -> Layout:
+def init_distributed(tp: int, device: str = "cpu", timeout_s: int = SETUP_TIMEOUT_S) -> Layout:
     """Initialise torch.distributed (through DeepSpeed) from whichever launcher started us; returns the layout.
 
     World of one: nothing is initialised. CPU uses gloo, CUDA nccl; on CUDA the process binds to its local GPU.
+    ``timeout_s`` bounds the default group's collectives (set-up: loading, the meetings around it); the model's
+    tensor-parallel groups get ``GENERATION_TIMEOUT_S`` (:class:`ModelParallelUnit`).
     - deepspeed/torchrun: their RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* are used as they are;
     - MPI: DeepSpeed's MPI discovery (mpi4py) sets them, MASTER_ADDR being rank 0's address (multi-node safe);
       MASTER_PORT, if set, is kept;
@@ -120,8 +147,7 @@ def init_distributed(tp: int, device: str = "cpu", timeout_s: int = DEFAULT_TIME
             os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ.setdefault("MASTER_PORT", str(port))
     if device.startswith("cuda"):
-        # One task may see all of a node's GPUs or only its own (srun --gpus-per-task=1).
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(torch.device(local_device(device, local_rank)))
     if not dist.is_initialized():
         deepspeed.init_distributed(
             dist_backend="nccl" if device.startswith("cuda") else "gloo",
@@ -155,19 +181,21 @@ def route_inference_all_reduce_to_torch() -> None:
 class ModelParallelUnit:
     """The ``mpu`` DeepSpeed asks for: this rank's TP group (its replica) and DP group (same TP rank, all replicas).
 
-    Every rank must construct it (``new_group`` is collective); ranks of replica r are ``[r*tp, (r+1)*tp)``.
+    Every rank must construct it (``new_group`` is collective); ranks of replica r are ``[r*tp, (r+1)*tp)``. Both
+    groups carry the model's collectives during generation, so they wait at most ``timeout_s``.
     """
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, timeout_s: int = GENERATION_TIMEOUT_S):
         import torch.distributed as dist
 
         self.layout = layout
+        timeout = datetime.timedelta(seconds=timeout_s)
         for r in range(layout.dp):
-            group = dist.new_group(list(range(r * layout.tp, (r + 1) * layout.tp)))
+            group = dist.new_group(list(range(r * layout.tp, (r + 1) * layout.tp)), timeout=timeout)
             if r == layout.replica:
                 self.tp_group = group
         for t in range(layout.tp):
-            group = dist.new_group(list(range(t, layout.world, layout.tp)))
+            group = dist.new_group(list(range(t, layout.world, layout.tp)), timeout=timeout)
             if t == layout.tp_rank:
                 self.dp_group = group
 
@@ -190,14 +218,61 @@ class ModelParallelUnit:
         return self.layout.dp
 
 
-def apply_tensor_parallel(model: torch.nn.Module, layout: Layout, dtype: torch.dtype) -> torch.nn.Module:
-    """Split ``model``'s heads over this replica's TP group with AutoTP (no kernel injection); returns the model."""
+class LocalHeadsConfig:
+    """A model config seen through one rank's share of the heads: ``num_attention_heads`` and
+    ``num_key_value_heads`` are the rank's, everything else (``_attn_implementation`` included, which the engine
+    switches on the model's own config) reads through to the shared config."""
+
+    def __init__(self, base, num_attention_heads: int, num_key_value_heads: int, head_dim: int):
+        self.__dict__.update(_base=base, num_attention_heads=num_attention_heads,
+                             num_key_value_heads=num_key_value_heads, head_dim=head_dim)
+
+    def __getattr__(self, name: str):
+        if name == "_base":  # not set yet (copy/unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+
+def localise_head_counts(model: torch.nn.Module) -> int:
+    """Give every attention module whose forward reads the GLOBAL head count from ``self.config`` a config with its
+    rank-local counts; returns how many modules were changed.
+
+    AutoTP slices the projections and rewrites head-count attributes of the modules themselves
+    (``num_key_value_heads``), but ``Phi3Attention`` splits its fused ``qkv_proj`` output at
+    ``config.num_attention_heads * head_dim``: after sharding that offset runs past the local query width and the
+    value slice comes out empty. The local query heads follow from the local KV heads (AutoTP keeps whole GQA
+    groups on a rank). Llama, Mistral and Qwen2 read no head count from the config in their forward; they are
+    given the same view for consistency, which changes nothing for them.
+    """
+    changed = 0
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        local_kv = getattr(module, "num_key_value_heads", None)
+        if (config is not None and isinstance(local_kv, int) and hasattr(config, "num_attention_heads") and not isinstance(config, LocalHeadsConfig)
+                and local_kv < (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)):
+            total_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            groups = config.num_attention_heads // total_kv
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            module.config = LocalHeadsConfig(config, local_kv * groups, local_kv, head_dim)
+            changed += 1
+    return changed
+
+
+def apply_tensor_parallel(model: torch.nn.Module, layout: Layout, dtype: torch.dtype,
+                          device: str | None = None) -> torch.nn.Module:
+    """Split ``model``'s heads over this replica's TP group with AutoTP (no kernel injection); returns the model.
+
+    Under tensor parallelism the model should arrive on the host (CPU): AutoTP slices each weight there and moves
+    only this rank's shard to its accelerator, so no rank ever holds the whole model there; the rest (embeddings,
+    norms) follows to ``device``. With ``tp == 1`` the model is returned as it is.
+    """
     if layout.tp == 1:
         return model
     import deepspeed
 
-    check_tp_size(layout.tp, layout.world, model.config.num_key_value_heads)
-    if next(model.parameters()).device.type == "cpu":
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    check_tp_size(layout.tp, layout.world, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    if device is None or not device.startswith("cuda"):
         route_inference_all_reduce_to_torch()
     mpu = ModelParallelUnit(layout)
     # DeepSpeed reads the group from ``mpu`` in its engine and from ``tp_group`` when slicing layers: pass both.
@@ -207,4 +282,7 @@ def apply_tensor_parallel(model: torch.nn.Module, layout: Layout, dtype: torch.d
         dtype=dtype,
         replace_with_kernel_inject=False,
     )
-    return engine.module
+    model = engine.module
+    changed = localise_head_counts(model)
+    logger.debug("tensor parallel: %d attention modules given their local head counts", changed)
+    return model if device is None else model.to(device)

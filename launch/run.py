@@ -57,20 +57,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-def num_kv_heads(model_id: str) -> int:
-    """KV heads of ``model_id`` read from its configuration only (config.json; no weights are loaded)."""
-    from transformers import AutoConfig
-
-    models = importlib.import_module("batchmax_tp.models")
-    path = str(models.embedded_model_dir()) if model_id == models.EMBEDDED_MODEL else model_id
-    config = AutoConfig.from_pretrained(path)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
-    if not heads:
-        raise ValueError(f"the configuration of {model_id} names no num_key_value_heads/num_attention_heads")
-    return int(heads)
-
-
 def _quiet_libraries() -> None:
     """Ranks other than 0: no progress bars and only warnings from transformers and DeepSpeed."""
     import transformers
@@ -98,12 +84,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     tp = importlib.import_module("batchmax_tp.tp")
+    models = importlib.import_module("batchmax_tp.models")
     rank, world, local_rank = tp.world_from_env()
+    explicit_tp = cfg.tp_size is not None
+    cfg.tp_size = tp.resolve_tp_size(cfg.tp_size, world)
     if world % cfg.tp_size:
         return _fail(
             f"tp_size: world size {world} is not a multiple of tp_size {cfg.tp_size}; start dp_size x tp_size "
             f"processes, e.g. torchrun --nproc_per_node {cfg.tp_size} launch/run.py --tp-size {cfg.tp_size} ..."
         )
+    # The model's configuration alone (no weights): an unreadable model is one line here, and its KV heads and
+    # dtype settle the layout before anything heavy happens.
+    try:
+        model_config = models.read_config(cfg.model)
+    except ValueError as err:
+        return _fail(f"model: {err}")
+    heads = getattr(model_config, "num_key_value_heads", None) or getattr(model_config, "num_attention_heads", 1)
+    try:
+        tp.check_tp_size(cfg.tp_size, world, int(heads), explicit=explicit_tp)
+    except ValueError as err:
+        return _fail(f"tp_size: {err} ({cfg.model})")
+    device = tp.local_device(cfg.device, local_rank) if world > 1 else cfg.device
+    cfg.dtype = models.resolve_dtype(cfg.dtype, device, model_config)
 
     tasks = importlib.import_module("batchmax_tp.tasks")
     samples, task_data = None, None
@@ -141,14 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         methods = cfg.method_specs()
 
-    device = cfg.device
-    if world > 1 and device.startswith("cuda"):
-        device = f"cuda:{local_rank}"  # one GPU per process: the launcher's LOCAL_RANK picks it
-
     if rank != 0:
         _quiet_libraries()
     with _setup_stdout(rank == 0):  # DeepSpeed prints while it initialises: keep stdout for the table
-        layout = tp.init_distributed(cfg.tp_size, device)
+        layout = tp.init_distributed(cfg.tp_size, device, timeout_s=cfg.setup_timeout)
     import torch.distributed as dist
 
     if layout.world == 1:  # plain python (or an MPI world of one: then a group of one exists)
@@ -226,20 +224,16 @@ def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str
 
     tp = importlib.import_module("batchmax_tp.tp")
     models = importlib.import_module("batchmax_tp.models")
-    if layout.tp > 1:
-        try:
-            heads = num_kv_heads(cfg.model)
-        except (OSError, ValueError) as err:
-            return _fail(f"model: cannot read the configuration of {cfg.model}: {err}")
-        try:
-            tp.check_tp_size(layout.tp, layout.world, heads)
-        except ValueError as err:
-            return _fail(f"tp_size: {err} ({cfg.model})")
-
     torch.manual_seed(cfg.seed)
     with _setup_stdout(layout.is_main):
-        model, tokenizer = models.load_model(cfg.model, dtype=cfg.dtype, device=device)
-        model = tp.apply_tensor_parallel(model, layout, getattr(torch, cfg.dtype))
+        # Under tensor parallelism the checkpoint is read on the host and AutoTP moves only this rank's shard to
+        # the accelerator; a single process loads straight onto its device.
+        model, tokenizer = models.load_model(cfg.model, dtype=cfg.dtype, device="cpu" if layout.tp > 1 else device)
+        model = tp.apply_tensor_parallel(model, layout, getattr(torch, cfg.dtype), device=device)
+    if layout.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank has loaded (default group: the long set-up timeout) before generation starts
     results_group = None
     if layout.world > 1:
         import torch.distributed as dist

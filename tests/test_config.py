@@ -49,7 +49,7 @@ def test_defaults():
     assert cfg.ignore_eos is True and cfg.do_sample is False
     assert cfg.data is None and cfg.num_samples is None
     assert cfg.out == "results/default"
-    assert cfg.dtype == "float32" and cfg.device == "auto" and cfg.seed == 0
+    assert cfg.dtype == "auto" and cfg.device == "auto" and cfg.seed == 0
     assert parse_args([]) == cfg
     specs = cfg.method_specs()
     assert [(m.name, m.kv_max, m.p) for m in specs] == [("fkv", None, 64), ("ed", 2, 64), ("bm", 512, 64)]
@@ -195,7 +195,8 @@ def no_model_load(monkeypatch):
 @pytest.mark.parametrize(
     "bad",
     [["--bogus-flag"], ["--p", "0"], ["--method", "bm", "--kv-max", "10"], ["--batch-size", "x"],
-     ["--data", "/nonexistent.jsonl"]],
+     ["--data", "/nonexistent.jsonl"], ["--model", "/no/such/dir"], ["--model", "nobody/no-such-model"],
+     ["--dtype", "float8"], ["--setup-timeout", "0"]],
 )
 def test_run_py_bad_config_exits_2_before_loading(tmp_path, capsys, no_model_load, bad):
     out = tmp_path / "out"

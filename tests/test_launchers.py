@@ -165,7 +165,8 @@ def test_tp2_equals_single_process(tmp_path, single, launcher, small):
         pytest.skip(f"{launcher} is not installed")
     out = tmp_path / ("D1" if launcher == "deepspeed" else "D2")
     nproc = ["--num_gpus", "2"] if launcher == "deepspeed" else ["--nproc_per_node", "2"]
-    res = run([exe, *nproc, "--master_port", str(free_port()), RUN_PY, *small, "--tp-size", "2", "--out", str(out)])
+    # No --tp-size: the launch's two processes split the heads (tp_size defaults to the world size).
+    res = run([exe, *nproc, "--master_port", str(free_port()), RUN_PY, *small, "--out", str(out)])
     assert_ok(res)
     s = check_matches_single(out, single, tp_size=2, dp_size=1)
     # SmolLM2 has 3 KV heads: AutoTP gives rank 0 two of them and rank 1 one.
@@ -291,18 +292,27 @@ def test_check_tp_size():
 
 
 def test_tp_size_config_key():
-    assert parse_args([]).tp_size == 1
+    assert parse_args([]).tp_size is None  # null: the world size (DeepSpeed inference's convention)
     assert parse_args(["--tp-size", "2"]).tp_size == 2
+    assert parse_args(["--tp-size", "null"]).tp_size is None
+    assert tp.resolve_tp_size(None, 4) == 4 and tp.resolve_tp_size(2, 4) == 2 and tp.resolve_tp_size(None, 1) == 1
     for bad in (["--tp-size", "0"], ["--tp-size", "-1"]):
         with pytest.raises(ConfigError, match="^tp_size:"):
             parse_args(bad)
 
 
 def test_model_kv_heads_come_from_the_config():
-    spec = importlib.util.spec_from_file_location("batchmax_launch_run_l", RUN_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.num_kv_heads("embedded:smollm2-135m-instruct") == 3
+    from batchmax_tp.models import read_config
+
+    assert read_config("embedded:smollm2-135m-instruct").num_key_value_heads == 3
+    assert read_config("arch:llama-2-13b").num_key_value_heads == 40
+    with pytest.raises(ValueError, match="cannot read the configuration of '/no/such/dir'"):
+        read_config("/no/such/dir")
+
+
+def test_default_tp_larger_than_kv_heads_names_the_flag():
+    with pytest.raises(ValueError, match="--tp-size K with K <= 3 dividing 4"):
+        tp.check_tp_size(4, 4, 3, explicit=False)
 
 
 def test_single_process_tp4_fails_in_one_line(tmp_path, small):
@@ -316,21 +326,25 @@ def test_single_process_tp4_fails_in_one_line(tmp_path, small):
     assert not out.exists()
 
 
-def test_tp_larger_than_kv_heads_fails_before_loading_weights(tmp_path, small):
-    """4 ranks, tp_size 4, a model with 3 KV heads: every rank stops with one line before loading weights."""
+@pytest.mark.parametrize("explicit", [True, False])
+def test_tp_larger_than_kv_heads_fails_before_loading_weights(tmp_path, small, explicit):
+    """4 ranks, a model with 3 KV heads, tp_size 4 given or defaulted to the world: every rank stops with one line
+    before loading weights (the default's line names --tp-size)."""
     exe = tool("torchrun")
     if exe is None:
         pytest.skip("torchrun is not installed")
     out = tmp_path / "E2"
-    res = run([exe, "--nproc_per_node", "4", "--master_port", str(free_port()), RUN_PY, *small, "--tp-size", "4",
+    flags = ["--tp-size", "4"] if explicit else []
+    res = run([exe, "--nproc_per_node", "4", "--master_port", str(free_port()), RUN_PY, *small, *flags,
                "--out", str(out)], timeout=180)
     assert res.returncode != 0
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
     assert errors, res.stderr
-    assert all(line.startswith("error: tp_size: tp_size 4 exceeds the model's 3 KV heads") for line in errors), errors
-    assert "batchmax_tp.models: loaded" not in res.stderr and "Loading weights" not in res.stderr
-    assert 'launch/run.py", line' not in res.stderr, "a rank failed with a traceback instead of the one line"
-    assert not out.exists()
+    want = ("error: tp_size: tp_size 4 exceeds the model's 3 KV heads" if explicit
+            else "error: tp_size: 4 processes would split the model's 3 KV heads")
+    assert all(line.startswith(want) for line in errors), errors
+    if not explicit:
+        assert all("--tp-size" in line for line in errors)
 
 
 # ---------------------------------------------------------------------- a failing rank
