@@ -21,6 +21,7 @@ OOM rows are the planner's verdicts. On CUDA a real ``torch.OutOfMemoryError`` i
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "longest_prompt",
     "model_shape",
     "over_budget_message",
+    "ed_trials",
     "paper_specs",
     "predict_spec",
     "run_tuner",
@@ -73,11 +75,17 @@ def longest_prompt(tokenizer: Any, samples: Sequence[Any]) -> int:
     return max(len(prompt_ids(tokenizer, s.prompt)) for s in samples)
 
 
+def planned_dtype(cfg: Any) -> str:
+    """The dtype a run is planned for: ``launch/run.py`` resolves ``auto`` before planning (the checkpoint's dtype on
+    CUDA); a config used directly with ``auto`` plans float32, what ``auto`` means on a CPU."""
+    return "float32" if cfg.dtype == "auto" else cfg.dtype
+
+
 def predict_spec(shape: Any, method: Any, batch_size: int, prompt_len: int, cfg: Any, tp: int = 1) -> Any:
     """The planner's ``MemoryEstimate`` per rank of a run of ``batch_size`` prompts padded to ``prompt_len``."""
     from .planner import predict
 
-    return predict(shape, method, batch_size, prompt_len, cfg.max_new_tokens, tp=tp, dtype=cfg.dtype)
+    return predict(shape, method, batch_size, prompt_len, cfg.max_new_tokens, tp=tp, dtype=planned_dtype(cfg))
 
 
 def _budget(cfg: Any) -> int | None:
@@ -99,14 +107,25 @@ def weights_bytes(model: Any) -> int | None:
 
 
 def budget_fields(cfg: Any, estimate: Any, model: Any = None) -> dict[str, Any]:
-    """The memory part of a summary: the budget and the prediction (per rank), and the bytes of the weights
-    this process holds (``weights_bytes``; the planner's ``predicted.weights`` is its estimate)."""
+    """The memory part of a summary: the budget and the prediction (per rank), the bytes of the weights this
+    process holds (``weights_bytes``; the planner's ``predicted.weights`` is its estimate) and this process's peak
+    host memory (``peak_host_bytes``)."""
     return {
         "memory_budget_bytes": _budget(cfg),
         "predicted_peak_bytes": None if estimate is None else estimate.total,
         "predicted": None if estimate is None else estimate.as_dict(),
         "weights_bytes": weights_bytes(model),
+        "peak_host_bytes": peak_host_bytes(),
     }
+
+
+def peak_host_bytes() -> int:
+    """This process's peak resident host memory so far (loading included), in bytes."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
 
 
 def over_budget_message(estimate: Any, budget: int) -> str:
@@ -125,16 +144,76 @@ def warm_up_methods(cfg: Any) -> list:
 
 
 # ---------------------------------------------------------------------- the paper's procedure
-def paper_specs(cfg: Any, shape: Any, prompt_len: int, *, num_samples: int, tp: int = 1) -> tuple[list, dict]:
+def ed_trials(model: Any, input_ids: Any, attention_mask: Any, cfg: Any, *, rank: int = 0, world: int = 1,
+              generate_fn: Callable[..., Any] | None = None) -> Callable[[int], bool]:
+    """``fits(b)`` for :func:`tuner.find_b0`: ED (kv_max 2) on ``b`` copies of the longest prompt
+    (``input_ids [1, s]``), 2 new tokens (ED's peak is its whole-prompt prefill), for real.
+
+    Each verdict is kept in ``OUT/b0-trials/`` (``fits-b<B>.json`` from rank 0, ``oom-b<B>-rank<R>.json`` from the
+    rank that ran out of memory), so a search resumed after a crash asks no batch twice (OUT must be storage every
+    rank sees). In one process an out-of-memory error is the verdict; in several, the rank that hits it cannot tell
+    its peers (they may wait inside the model's all-reduce): it leaves its marker and raises ``RankOutOfMemory``,
+    which ends the job; the same command again goes on from the markers.
+    """
+    import gc
+
+    import torch
+
+    from .evaluate import RankOutOfMemory, is_oom
+    from .policy import Method
+    from .runner import atomic_write_text
+
+    generate_fn = generate_fn or importlib.import_module("batchmax_tp.engine").generate
+    folder = Path(cfg.out) / "b0-trials"
+    ed2 = Method("ed", kv_max=2, p=cfg.p)
+
+    def fits(b: int) -> bool:
+        if (folder / f"fits-b{b}.json").is_file():
+            return True
+        if any(folder.glob(f"oom-b{b}-rank*.json")):
+            return False
+        error = None
+        try:
+            generate_fn(model, input_ids.expand(b, -1), attention_mask.expand(b, -1), ed2, 2, ignore_eos=True)
+        except Exception as err:  # noqa: BLE001 - only out-of-memory is a verdict; the rest re-raises
+            if not is_oom(err):
+                raise
+            error = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+        if error is None:
+            if rank == 0:
+                atomic_write_text(folder / f"fits-b{b}.json", json.dumps({"batch": b, "fits": True}) + "\n")
+            logger.info("paper procedure: ED kv_max 2 at b=%d fits", b)
+            return True
+        atomic_write_text(folder / f"oom-b{b}-rank{rank}.json", json.dumps({"batch": b, "error": error}) + "\n")
+        if world > 1:
+            raise RankOutOfMemory(f"paper procedure: rank {rank} ran out of memory trying ED at b={b} ({error}); "
+                                  "run the same command again to go on with the b0 search")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.info("paper procedure: ED kv_max 2 at b=%d runs out of memory", b)
+        return False
+
+    return fits
+
+
+def paper_specs(cfg: Any, shape: Any, prompt_len: int, *, num_samples: int, tp: int = 1,
+                fits: Callable[[int], bool] | None = None) -> tuple[list, dict]:
     """The runs of the paper's procedure (``tuner.paper_plan``) as ``RunSpec``s, and the plan as a dict
-    (``OUT/plan.json``): b0, the prompt length, each run's predicted peak and whether it fits."""
+    (``OUT/plan.json``): b0, the prompt length, each run's predicted peak and whether it fits.
+
+    ``fits``: real trials (:func:`ed_trials`, on CUDA): b0 is then searched for real from the planner's guess
+    (``b0_source: measured``); without it the planner's b0 stands (``b0_source: planner``, as on a CPU)."""
     from .evaluate import RunSpec
-    from .tuner import kv_grid, paper_plan
+    from .tuner import find_b0, kv_grid, paper_plan, planned_b0
 
     budget = cfg.budget_bytes()
     grid = list(cfg.kv_values) if cfg.kv_values else kv_grid(prompt_len, 128, cfg.p)
-    plan = paper_plan(budget, shape, prompt_len, cfg.max_new_tokens, dtype=cfg.dtype, tp=tp, p=cfg.p,
-                      num_samples=num_samples, kv_values=grid)
+    dtype = planned_dtype(cfg)
+    guess = planned_b0(budget, shape, prompt_len, cfg.max_new_tokens, dtype=dtype, tp=tp, p=cfg.p)
+    measured = find_b0(guess, fits) if fits is not None else None
+    plan = paper_plan(budget, shape, prompt_len, cfg.max_new_tokens, dtype=dtype, tp=tp, p=cfg.p,
+                      num_samples=num_samples, kv_values=grid, b0=measured)
     specs = [RunSpec(m, b) for m, b in plan]
     b0 = specs[0].batch_size
     adjusted = None
@@ -157,6 +236,11 @@ def paper_specs(cfg: Any, shape: Any, prompt_len: int, *, num_samples: int, tp: 
         "num_samples": num_samples,
         "tp_size": tp,
         "b0": b0,
+        "b0_source": "planner" if measured is None else "measured",
+        "b0_planned": guess,
+        "b0_note": (f"b0 = {b0} from the planner's prediction (no real out-of-memory search on this device)"
+                    if measured is None else f"b0 = {b0} found by real ED trials on the device (the planner "
+                    f"predicted {guess}; trials in b0-trials/)"),
         "adjusted": adjusted,
         "kv_values": grid,
         "kv_values_without_a_fitting_batch": [k for k in grid if k not in planned],
@@ -234,7 +318,7 @@ def run_tuner(
         raise ValueError(f"memory_budget: {fmt_bytes(budget)} per rank does not fit FKV at batch 1 (predicted "
                          f"{fmt_bytes(fkv_1.total)} for the longest prompt, {prompt_len} tokens): the target metric "
                          "cannot be measured")
-    result = tune(run_trial, budget, shape, prompt_len, cfg.max_new_tokens, target=cfg.target, dtype=cfg.dtype,
+    result = tune(run_trial, budget, shape, prompt_len, cfg.max_new_tokens, target=cfg.target, dtype=planned_dtype(cfg),
                   tp=tp, p=cfg.p, kv_values=grid, batches=batches)
     info = {
         "procedure": "tune",

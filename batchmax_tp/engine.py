@@ -81,6 +81,11 @@ def generate(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     attention_mask = attention_mask.to(device=device, dtype=torch.long)
+    # One check per call (a host sync, never per step): pads must all sit on the left of each row, or the block
+    # schedule and the positions below would silently treat pads as the prompt's end.
+    if not bool((attention_mask[:, 1:] >= attention_mask[:, :-1]).all() and attention_mask[:, -1].all()):
+        raise ValueError("input_ids must be LEFT-padded (every pad before the first real token, the last position "
+                         "real): set tokenizer.padding_side = 'left' (batchmax_tp.tasks.encode_prompts does)")
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().view(-1)
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
 

@@ -15,8 +15,11 @@ what was measured (``peak_kv_bytes``, ``peak_workspace_bytes``, on CUDA ``cuda_m
 ``memory_budget`` a run whose prediction exceeds it is not run: its summary is an OOM row
 (``oom_cause: "predicted"``). A batch that raises an out-of-memory error ends the run with ``status: "oom"``
 (``oom_cause: "runtime"``; the paper's OOM rows); the caching allocator is emptied once the exception is gone,
-and the sweep goes on with the next run. (In a multi-process run every rank must hit it in the same batch, which holds
-for the identical ranks of tensor parallelism; a lone OOM in one replica stops the job instead.)
+and the sweep goes on with the next run. In a multi-process run the rank that runs out of memory cannot tell its
+peers (they may be waiting inside the model's all-reduce): it writes ``oom-rank<R>.json`` into the run's folder and
+raises :class:`RankOutOfMemory`, which ends the job at once (``launch/run.py``; peers stuck in a collective time
+out within ``tp.GENERATION_TIMEOUT_S`` if the launcher does not stop them first). Running the same command again
+turns the marker into the run's OOM row and goes on with the next run.
 """
 
 from __future__ import annotations
@@ -34,7 +37,11 @@ from .runner import atomic_write_text, batched, generate_batch, utc_now
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunSpec", "evaluate_run", "is_oom"]
+__all__ = ["RankOutOfMemory", "RunSpec", "evaluate_run", "is_oom"]
+
+
+class RankOutOfMemory(RuntimeError):
+    """One rank of a multi-process run ran out of memory; its marker is written and the job must end."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ def evaluate_run(
         if finished is not None:
             state = {"finished": finished}
         else:
-            state = {"done": sorted({r["batch"] for r in log.load(batch_ids)})}
+            state = {"done": sorted({r["batch"] for r in log.load(batch_ids)}), "oom": results.read_oom_marker(folder)}
     state = comm.broadcast(state)
     if "finished" in state:
         if is_main:
@@ -189,14 +196,15 @@ def evaluate_run(
         if not is_main:
             return None
         logger.warning("%s: %s", spec.name, message)
-        summary = run_settings(cfg, spec, tp_size=tp, dp_size=dp)
-        summary["status"] = "oom"
-        summary.update(results.summarise([]))
-        summary.update(budget_mod.budget_fields(cfg, estimate, model))
-        summary.update({"error": message, "oom_cause": "predicted", "started_at": utc_now(), "finished_at": utc_now(),
-                        "wall_s": 0.0})
-        atomic_write_text(folder / results.SUMMARY_FILE, _json(summary))
-        return summary
+        return _write_oom_row(folder, cfg, spec, tp, dp, estimate, model, [], message, "predicted", time.perf_counter())
+    if state["oom"] is not None:  # a rank of the last multi-process run ran out of memory here
+        if not is_main:
+            return None
+        marker = state["oom"]
+        message = f"rank {marker['rank']}, batch {marker['batch']}: {marker['error']}"
+        logger.warning("%s: out of memory in the last run (%s); recorded as an OOM row", spec.name, message)
+        return _write_oom_row(folder, cfg, spec, tp, dp, estimate, model, log.load(batch_ids), message, "runtime",
+                              time.perf_counter())
 
     todo = {r: [i for i in range(len(batches)) if i % dp == r and i not in done] for r in range(dp)}
     mine = todo[replica]
@@ -231,6 +239,14 @@ def evaluate_run(
                     if not is_oom(err):
                         raise
                     message["oom"] = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+                    if comm.world > 1:
+                        # Peers may wait inside the model's collectives: nothing can be gathered. Leave the marker
+                        # for the next run and end the job.
+                        path = results.write_oom_marker(folder, layout.rank, message["oom"], index)
+                        raise RankOutOfMemory(
+                            f"{spec.name}: rank {layout.rank} ran out of memory in batch {index} ({message['oom']}); "
+                            f"recorded in {path}: run the same command again to record the OOM row and go on"
+                        ) from None
                 if message["oom"]:
                     # Outside the handler: the exception (and the frames holding the batch's tensors) is gone,
                     # so the caching allocator can actually hand their memory back.
@@ -257,18 +273,29 @@ def evaluate_run(
     if not is_main:
         return None
     records = log.load(batch_ids)
+    if status == "oom":
+        return _write_oom_row(folder, cfg, spec, tp, dp, estimate, model, records, stop, "runtime", start, started_at)
     summary = run_settings(cfg, spec, tp_size=tp, dp_size=dp)
     summary["status"] = status
     summary.update(results.summarise(records))
     summary.update(budget_mod.budget_fields(cfg, estimate, model))
-    if status == "oom":
-        summary["error"] = stop
-        summary["oom_cause"] = "runtime"
     summary.update({"started_at": started_at, "finished_at": utc_now(), "wall_s": time.perf_counter() - start})
     atomic_write_text(folder / results.SUMMARY_FILE, _json(summary))
-    if status == "done":
-        logger.info("%s: %d samples, %s %.4f, %.2f tokens/s", spec.name, summary["num_samples"], metric,
+    logger.info("%s: %d samples, %s %.4f, %.2f tokens/s", spec.name, summary["num_samples"], metric,
                     summary["score"] or 0.0, summary["tokens_per_s"] or 0.0)
+    return summary
+
+
+def _write_oom_row(folder: Path, cfg: Any, spec: RunSpec, tp: int, dp: int, estimate: Any, model: Any,
+                   records: list, error: str, cause: str, start: float, started_at: str | None = None) -> dict[str, Any]:
+    """Rank 0: the run's summary as an OOM row (``cause``: predicted or runtime), written atomically."""
+    summary = run_settings(cfg, spec, tp_size=tp, dp_size=dp)
+    summary["status"] = "oom"
+    summary.update(results.summarise(records))
+    summary.update(importlib.import_module("batchmax_tp.budget").budget_fields(cfg, estimate, model))
+    summary.update({"error": error, "oom_cause": cause, "started_at": started_at or utc_now(),
+                    "finished_at": utc_now(), "wall_s": time.perf_counter() - start})
+    atomic_write_text(folder / results.SUMMARY_FILE, _json(summary))
     return summary
 
 

@@ -62,8 +62,11 @@ class Method:
         if self.name == "fkv":
             return 0
         if self.name == "ed":
-            # Algorithm 3: after the prompt and whenever |kv| reached kv_max, keep only the newest pair.
-            return filled - 1 if (first_decode or filled >= self.kv_max) and filled > 1 else 0
+            # Algorithm 3: the prompt is prefilled whole, then (before each single-token decode pass) the newest
+            # pair alone is kept after the prompt and whenever |kv| reached kv_max. A multi-token block is prefill
+            # (HF generate's chunked prefill feeds several), which never evicts.
+            decode = incoming == 1
+            return filled - 1 if decode and (first_decode or filled >= self.kv_max) and filled > 1 else 0
         # Algorithm 1: remove p pairs before a block or decode step that does not fit.
         if filled + incoming > capacity:
             if incoming > self.p:

@@ -333,13 +333,18 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
     fig.savefig(path, format="png")
 
 
-def write_report(out: str | os.PathLike[str], summaries: Sequence[dict[str, Any]]) -> dict[str, Path]:
-    """Write :data:`REPORT_FILES` into ``out`` (text files atomically) and return their paths."""
+def write_report(out: str | os.PathLike[str], summaries: Sequence[dict[str, Any]],
+                 notes: Sequence[str] = ()) -> dict[str, Path]:
+    """Write :data:`REPORT_FILES` into ``out`` (text files atomically) and return their paths; ``notes`` end
+    report.md (e.g. where the paper procedure's b0 came from)."""
     from .runner import atomic_write_text
 
     out = Path(out)
     paths = {name: out / name for name in REPORT_FILES}
-    atomic_write_text(paths["report.md"], format_report(summaries))
+    text = format_report(summaries)
+    if notes:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(f"Note: {n}" for n in notes) + "\n"
+    atomic_write_text(paths["report.md"], text)
     atomic_write_text(paths["results.csv"], format_csv(summaries))
     for name, plot in (("throughput.png", plot_throughput), ("metric_vs_kv.png", plot_metric_vs_kv)):
         tmp = out / f".{name}.tmp"

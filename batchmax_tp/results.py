@@ -7,6 +7,9 @@ Layout of one run's folder (``OUT/<run>/``):
   any moment (SIGKILL included) loses at most the batch in flight. A torn last line, and the lines of a batch
   that was only partly written, are dropped when the log is read again (:meth:`SampleLog.load`).
 - ``summary.json``: written (atomically) when the run is over; its ``status`` is ``done`` or ``oom``.
+- ``oom-rank<R>.json``: written by rank R of a multi-process run that ran out of memory, just before the job
+  ends (its tensor-parallel peers may be waiting inside the model's collectives, so nothing can be gathered);
+  the next run of the same configuration turns it into the run's OOM row and goes on (:func:`read_oom_marker`).
 
 Resuming: running the same configuration into the same ``out`` again skips every run whose ``summary.json``
 exists and, inside an unfinished run, every batch that is complete in ``samples.jsonl``; only the rest runs.
@@ -34,8 +37,10 @@ __all__ = [
     "SampleLog",
     "check_same_config",
     "comparable",
+    "read_oom_marker",
     "read_summary",
     "run_dir_name",
+    "write_oom_marker",
     "summarise",
 ]
 
@@ -50,18 +55,18 @@ RECORD_KEYS = (
     "batch_cuda_max_memory_allocated",
 )
 
-#: Wall-clock fields: they differ between two runs of the same configuration, and are all that may differ
-#: between a resumed run's files and an uninterrupted run's (:func:`comparable`).
+#: Wall-clock (and process-memory) fields: they differ between two runs of the same configuration, and are all
+#: that may differ between a resumed run's files and an uninterrupted run's (:func:`comparable`).
 TIMING_KEYS = frozenset({
     "batch_prefill_s", "batch_decode_s", "prefill_s", "decode_s", "total_s", "tokens_per_s",
-    "started_at", "finished_at", "wall_s",
+    "started_at", "finished_at", "wall_s", "peak_host_bytes",
 })
 
 #: Configuration keys that do not change any output (and so never block resuming). With a ``runs`` list (or a
 #: ``procedure``, which builds its own runs) each run's folder is named after its method, batch size and
 #: kv_max, so ``runs``, ``methods`` and ``batch_size`` do not matter either. ``target`` only steers which runs
 #: the tuner asks for.
-_NEUTRAL_KEYS = frozenset({"out", "log_level", "target"})
+_NEUTRAL_KEYS = frozenset({"out", "log_level", "target", "setup_timeout"})
 _NEUTRAL_KEYS_WITH_RUNS = _NEUTRAL_KEYS | {"runs", "methods", "batch_size"}
 
 
@@ -200,6 +205,22 @@ def read_summary(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_oom_marker(folder: str | os.PathLike[str], rank: int, error: str, batch: int) -> Path:
+    """Record, from the rank that hit it, that this run ran out of memory in ``batch`` (written atomically)."""
+    path = Path(folder) / f"oom-rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "batch": batch, "error": error}) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_oom_marker(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The first ``oom-rank<R>.json`` of a run (lowest rank), or None."""
+    found = sorted(Path(folder).glob("oom-rank*.json"), key=lambda p: int(p.stem.removeprefix("oom-rank") or 0))
+    return json.loads(found[0].read_text(encoding="utf-8")) if found else None
 
 
 # ---------------------------------------------------------------------- resuming and equality

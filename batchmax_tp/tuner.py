@@ -71,12 +71,42 @@ def largest_batch(budget: int, shape: ModelShape, method: Method, prompt_len: in
     return b
 
 
+def planned_b0(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dtype: str, tp: int = 1,
+               p: int = 64) -> int:
+    """The planner's b0: the smallest batch at which ED (kv_max 2) does not fit ``budget``."""
+    return max_batch(budget, shape, Method("ed", kv_max=2, p=p), prompt_len, new, tp=tp, dtype=dtype) + 1
+
+
+def find_b0(start: int, fits: Callable[[int], bool], limit: int = 1 << 16) -> int:
+    """The smallest batch for which ``fits`` (a real trial) is False, searched from the planner's guess ``start``:
+    up by doubling while trials fit, down by halving while they do not, then bisection. Assumes that a batch that
+    fits means every smaller one fits. Trials: about 2 log2 of the distance from ``start``."""
+    start = max(1, min(start, limit))
+    if fits(start):
+        lo, hi = start, min(2 * start, limit + 1)
+        while hi <= limit and fits(hi):
+            lo, hi = hi, min(2 * hi, limit + 1)
+    else:
+        lo, hi = start // 2, start
+        while lo >= 1 and not fits(lo):
+            lo, hi = lo // 2, lo
+        if lo < 1:
+            return 1
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return hi
+
+
 def paper_plan(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dtype: str, tp: int = 1,
-               p: int = 64, num_samples: int = 960, kv_values: list[int] | None = None) -> list[tuple[Method, int]]:
+               p: int = 64, num_samples: int = 960, kv_values: list[int] | None = None,
+               b0: int | None = None) -> list[tuple[Method, int]]:
     """The runs of the paper's procedure: ED (kv_max 2) at b0 (the smallest batch that does not fit: an OOM row),
-    ED (2 and 65) and FKV at b0 - 1, then BM at each kv_max's largest fitting divisor batch."""
+    ED (2 and 65) and FKV at b0 - 1, then BM at each kv_max's largest fitting divisor batch. ``b0``: measured by
+    real trials (:func:`find_b0`, on CUDA); None = the planner's (:func:`planned_b0`)."""
     ed2 = Method("ed", kv_max=2, p=p)
-    b0 = max_batch(budget, shape, ed2, prompt_len, new, tp=tp, dtype=dtype) + 1
+    if b0 is None:
+        b0 = planned_b0(budget, shape, prompt_len, new, dtype=dtype, tp=tp, p=p)
     runs = [(ed2, b0)]
     if b0 > 1:
         # FKV also keeps the generated tokens' pairs, so b0 - 1 may not fit it: then it runs at its own largest

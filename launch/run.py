@@ -156,8 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     try:
         rc = _run(cfg, layout, samples, methods, device, task_data)
-    except BaseException:  # noqa: BLE001 - any failure: tell, then leave at once (no collective may wait on us)
-        logger.exception("rank %d failed; exiting so that the launcher stops the other ranks", layout.rank)
+    except BaseException as err:  # noqa: BLE001 - any failure: tell, then leave at once (no collective may wait on us)
+        if isinstance(err, importlib.import_module("batchmax_tp.evaluate").RankOutOfMemory):
+            print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        else:
+            logger.exception("rank %d failed; exiting so that the launcher stops the other ranks", layout.rank)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -185,7 +188,9 @@ def _load_task(cfg: Any, tasks: Any) -> Any:
 def _report(cfg: Any, summaries: list[dict]) -> int:
     """Rank 0 after a sweep: OUT/report.md, results.csv and the plots; the report goes to stdout too."""
     report = importlib.import_module("batchmax_tp.report")
-    paths = report.write_report(cfg.out, summaries)
+    plan = os.path.join(cfg.out, "plan.json")
+    notes = [json.loads(open(plan, encoding="utf-8").read())["b0_note"]] if cfg.procedure == "paper" else []
+    paths = report.write_report(cfg.out, summaries, notes=notes)
     print(paths["report.md"].read_text(encoding="utf-8"), end="", flush=True)
     return 0
 
@@ -203,7 +208,14 @@ def _run_sweep(cfg: Any, layout: Any, model: Any, tokenizer: Any, samples: list,
             print(budget.write_tune_results(cfg, info), end="", flush=True)
         return 0 if info["best"] is not None else 1
     if cfg.procedure == "paper":
-        specs, plan = budget.paper_specs(cfg, shape, prompt_len, num_samples=len(samples), tp=layout.tp)
+        fits = None
+        if str(getattr(model, "device", "cpu")).startswith("cuda"):  # b0 by real trials; on CPU the planner's
+            tasks = importlib.import_module("batchmax_tp.tasks")
+            longest = max(samples, key=lambda s: len(tasks.prompt_ids(tokenizer, s.prompt)))
+            ids, mask = tasks.encode_prompts(tokenizer, [longest.prompt])
+            fits = budget.ed_trials(model, ids.to(model.device), mask.to(model.device), cfg, rank=layout.rank,
+                                    world=layout.world)
+        specs, plan = budget.paper_specs(cfg, shape, prompt_len, num_samples=len(samples), tp=layout.tp, fits=fits)
         if layout.is_main:
             runner.atomic_write_text(os.path.join(cfg.out, "plan.json"), json.dumps(plan, indent=2) + "\n")
     else:

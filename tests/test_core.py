@@ -165,6 +165,34 @@ def test_hf_generate_drop_in(arch):
         assert_kept_equal(cache.kept_positions(), ref.kept, what=f"{arch}: drop-in BM kept vs reference")
 
 
+@pytest.mark.parametrize("kv_max", [2, 5])
+def test_hf_generate_drop_in_ed_keeps_what_algorithm_3_keeps(kv_max):
+    """ED through HF generate with a chunked prefill: no eviction inside the prompt (Algorithm 3 prefills it
+    whole), then exactly the engine's (and the reference's) kept pairs, tokens and logits."""
+    model = tiny_arch("llama")
+    ids, mask = left_padded_batch([20, 33, 40], seed=0)
+    n = 12
+    ref = reference_generate(model, ids, mask, "ed", kv_max, 64, n)
+    cache = BatchMaxCache(Method("ed", kv_max=kv_max))
+    got, got_logits = hf_generate(model, ids, mask, n, cache, prefill_chunk_size=8)
+    assert_logits_close(got_logits, ref.logits, ATOL, what="drop-in ED vs reference")
+    assert_tokens_equal(got, ref.tokens, what="drop-in ED vs reference")
+    assert_kept_equal(cache.kept_positions(), ref.kept, what="drop-in ED kept vs reference")
+
+
+def test_right_padded_batch_is_rejected_in_one_line():
+    from batchmax_tp.engine import generate
+
+    model = tiny_arch("llama")
+    ids, mask = left_padded_batch([20, 33], seed=0)
+    right_ids, right_mask = ids.flip(1), mask.flip(1)  # the same samples, padded on the right
+    for bad_mask in (right_mask, torch.cat([mask[:, :5], torch.zeros_like(mask[:, :1]), mask[:, 6:]], dim=1)):
+        with pytest.raises(ValueError, match="LEFT-padded") as err:
+            generate(model, right_ids, bad_mask, Method("bm", kv_max=16, p=4), 2)
+        assert "\n" not in str(err.value)
+    generate(model, ids, mask, Method("bm", kv_max=16, p=4), 2)  # the left-padded batch runs
+
+
 # ------------------------------------------------------------------------------------------ KV memory
 def kv_buffer_bytes(cache):
     return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -372,6 +373,61 @@ def test_failing_rank_ends_the_job(tmp_path, small):
     assert "injected failure on rank 1" in res.stderr and "rank 1 failed" in res.stderr
     assert res.elapsed < 60, f"took {res.elapsed:.0f} s"
     assert not (out / "samples.jsonl").exists() and not (out / "summary.json").exists()
+
+
+def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path, small):
+    """Rank 1 of a tp=2 run raises out-of-memory in the middle of a forward (rank 0 waits in the model's
+    all-reduce): the job exits non-zero within 60 s with a one-line error and rank 1's marker; the same command
+    again records that run's OOM row, runs the next one and writes the report."""
+    import yaml
+
+    exe = tool("torchrun")
+    if exe is None:
+        pytest.skip("torchrun is not installed")
+    data = small[small.index("--data") + 1]
+    config = tmp_path / "sweep.yaml"
+    out = tmp_path / "O"
+    config.write_text(yaml.safe_dump(dict(
+        data=data, num_samples=2, max_new_tokens=4, p=32, out=str(out),
+        runs=[dict(method="bm", batch_size=1, kv_max=128), dict(method="ed", batch_size=1, kv_max=2)])))
+    wrapper = tmp_path / "oom_rank1.py"
+    wrapper.write_text(
+        "import os, runpy, sys, torch\n"
+        "from batchmax_tp import evaluate\n"
+        "from transformers.models.llama import modeling_llama\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    state = {'armed': False, 'calls': 0}\n"
+        "    run_batch, mlp_forward = evaluate._run_batch, modeling_llama.LlamaMLP.forward\n"
+        "    def arm(*a, **k):\n"
+        "        state['armed'] = True\n"
+        "        return run_batch(*a, **k)\n"
+        "    def forward(self, x):\n"
+        "        state['calls'] += state['armed']\n"
+        "        if state['calls'] == 40:  # layer 10 of the first prefill block of the first run\n"
+        "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB (injected)')\n"
+        "        return mlp_forward(self, x)\n"
+        "    evaluate._run_batch, modeling_llama.LlamaMLP.forward = arm, forward\n"
+        f"sys.argv = [{RUN_PY!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path({RUN_PY!r}, run_name='__main__')\n"
+    )
+    res = run([exe, "--nproc_per_node", "2", "--master_port", str(free_port()), str(wrapper), "--config",
+               str(config)], timeout=180)
+    assert res.returncode != 0
+    assert res.elapsed < 60, f"took {res.elapsed:.0f} s"
+    # rank 0's progress bar may precede the line on the terminal (\r, no newline)
+    errors = [line[line.index("error: "):] for line in re.split(r"[\r\n]", res.stderr) if "error: " in line]
+    assert any("rank 1 ran out of memory in batch 0" in line for line in errors), (errors, res.stderr[-3000:])
+    marker = json.loads((out / "bm-b1-kv128" / "oom-rank1.json").read_text())
+    assert marker["rank"] == 1 and marker["batch"] == 0 and "injected" in marker["error"]
+    assert not (out / "bm-b1-kv128" / "summary.json").exists()
+
+    res = run([exe, "--nproc_per_node", "2", "--master_port", str(free_port()), RUN_PY, "--config", str(config)],
+              timeout=240)
+    assert_ok(res)
+    bm, ed = summary(out / "bm-b1-kv128"), summary(out / "ed-b1-kv2")
+    assert bm["status"] == "oom" and bm["oom_cause"] == "runtime" and "injected" in bm["error"]
+    assert ed["status"] == "done" and ed["num_samples"] == 2 and ed["tp_size"] == 2
+    assert "OOM" in (out / "report.md").read_text()
 
 
 # ---------------------------------------------------------------------- data-parallel bookkeeping (no processes)

@@ -3,7 +3,9 @@ is added by eviction, and the results equal a single process."""
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -35,18 +37,36 @@ def batch(seed: int = 0):
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def make_model(embedded: bool):
-    if embedded:
+# Every family of the paper and two more: Phi-3 has a fused qkv_proj / gate_up_proj and no GQA (6 heads, 6 KV
+# heads); Qwen2 has q/k/v biases; Mistral is Llama-like with its own classes. 6 heads allow tp 2 and 3.
+FAMILIES = {
+    "llama": dict(family="llama", **GQA_9_3),
+    "phi3": dict(family="phi3", hidden_size=96, num_attention_heads=6, num_key_value_heads=6, head_dim=16,
+                 initializer_range=0.2),
+    "qwen2": dict(family="qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                  initializer_range=0.2),
+    "mistral": dict(family="mistral", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                    initializer_range=0.2),
+}
+
+
+def make_model(embedded: bool | str):
+    """``True``: the embedded model; ``False``: the 9/3 GQA Llama; a family name: that tiny model."""
+    if embedded is True:
         from batchmax_tp.models import load_model
 
         return load_model()[0]
-    from batchmax_tp.models import tiny_random_llama
+    if isinstance(embedded, str) and embedded.startswith("arch:"):
+        from batchmax_tp.models import load_model
 
-    return tiny_random_llama(seed=0, **GQA_9_3)
+        return load_model(embedded, dtype="float32", device="cpu")[0]
+    from batchmax_tp.models import tiny_random_model
+
+    return tiny_random_model(seed=0, **FAMILIES[embedded or "llama"])
 
 
-def prompt_batch(embedded: bool, replica: int = 0):
-    if not embedded:
+def prompt_batch(embedded: bool | str, replica: int = 0):
+    if embedded is not True:
         return batch(seed=replica)
     from batchmax_tp.models import load_model
     from batchmax_tp.tasks import encode_prompts, load_jsonl, default_fixture_path
@@ -84,7 +104,8 @@ def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_col
         out = generate(model, ids, mask, m, new, ignore_eos=True, return_logits=True)
         results[m.name] = dict(tokens=out.tokens, logits=torch.stack(out.logits), kept=out.cache.kept_positions(),
                                local_kv_heads=out.cache.layers[0].keys.shape[1], collectives=dict(counts),
-                               forwards=len(out.phases), params=sum(p.numel() for p in model.parameters()))
+                               forwards=len(out.phases), params=sum(p.numel() for p in model.parameters()),
+                               host_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -139,6 +160,41 @@ def test_tp_matches_single_process_through_evictions(tmp_path, tp_size):
 
     shape = ModelShape.from_config(make_model(False).config)
     assert ModelShape.weights_per_rank(shape, tp_size) == max(r["bm"]["params"] for r in ranks)
+
+
+@pytest.mark.parametrize("family, tp_size", [("phi3", 2), ("phi3", 3), ("qwen2", 2), ("mistral", 2)])
+def test_every_family_under_tp_matches_single_process(tmp_path, family, tp_size):
+    """Phi-3's fused qkv_proj is split at the rank's own query width (tp.localise_head_counts); every family's
+    logits, tokens and per-rank kept sets equal one process, through prefill and decode evictions."""
+    methods = [Method("bm", kv_max=16, p=4), Method("ed", kv_max=2), Method("fkv")]
+    ranks = run_tp(tmp_path, tp_size, tp_size, methods, embedded=family)
+    single = single_process(methods, embedded=family)
+    for m in methods:
+        assert_matches_single(ranks, single, m.name, tp_size)
+    heads = FAMILIES[family]["num_key_value_heads"]
+    assert sum(r["bm"]["local_kv_heads"] for r in ranks) == heads
+
+
+def test_architecture_model_loads_half_per_rank_under_tp2(tmp_path):
+    """An architecture-only model (random weights, no checkpoint) split over 2 ranks: each rank's parameters
+    outside the embeddings are half the model's, exactly as the planner predicts; peak host memory is reported."""
+    spec = tmp_path / "small-llama.json"
+    spec.write_text(json.dumps(dict(model_type="llama", vocab_size=1024, hidden_size=256, intermediate_size=768,
+                                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                                    max_position_embeddings=512, tie_word_embeddings=False)))
+    arch = f"arch:{spec}"
+    methods = [Method("bm", kv_max=16, p=4)]
+    ranks = run_tp(tmp_path, 2, 2, methods, new=4, embedded=arch)
+    from batchmax_tp.models import architecture_config
+    from batchmax_tp.planner import ModelShape
+
+    shape = ModelShape.from_config(architecture_config(arch))
+    embed = shape.vocab * shape.hidden  # the input embedding stays whole on every rank
+    per_rank = [r["bm"]["params"] for r in ranks]
+    assert all(abs((p - embed) - (shape.params - embed) / 2) <= 0.01 * shape.params for p in per_rank), (
+        per_rank, shape.params, embed)
+    assert max(per_rank) == shape.weights_per_rank(2)
+    assert all(r["bm"]["host_peak"] > 0 for r in ranks)
 
 
 def test_eviction_adds_no_collectives(tmp_path):

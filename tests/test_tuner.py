@@ -104,3 +104,34 @@ def test_tuner_on_the_embedded_model_with_a_small_budget():
     assert res.fkv.metric == 1.0
     assert res.best is not None and res.best.metric >= 0.5
     assert res.best.batch >= 2 and res.best.kv_max in (64, 128, 192)
+
+
+@pytest.mark.parametrize("true_b0, start", [(7, 7), (7, 3), (7, 20), (1, 5), (40, 1), (2, 2)])
+def test_find_b0_searches_real_trials_from_the_planners_guess(true_b0, start):
+    from batchmax_tp.tuner import find_b0
+
+    asked = []
+
+    def fits(b):
+        asked.append(b)
+        return b < true_b0
+
+    assert find_b0(start, fits) == true_b0
+    assert len(asked) == len(set(asked)) and len(asked) <= 2 * max(1, abs(true_b0 - start)).bit_length() + 2
+
+
+def test_paper_specs_use_a_measured_b0_and_say_so():
+    from batchmax_tp import budget
+    from batchmax_tp.config import parse_args
+
+    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                       params=134_515_008)
+    cfg = parse_args(["--memory-budget", "2GiB", "--max-new-tokens", "64", "--kv-values", "512", "--device", "cpu"])
+    planned, info = budget.paper_specs(cfg, shape, 1024, num_samples=960)
+    assert info["b0_source"] == "planner" and "planner" in info["b0_note"]
+    guess = info["b0_planned"]
+    assert planned[0].batch_size == guess
+    specs, info = budget.paper_specs(cfg, shape, 1024, num_samples=960, fits=lambda b: b < guess - 2)
+    assert info["b0_source"] == "measured" and info["b0"] == guess - 2 and "real ED trials" in info["b0_note"]
+    assert [(s.method.name, s.batch_size) for s in specs[:4]] == [("ed", guess - 2), ("ed", guess - 3),
+                                                                 ("ed", guess - 3), ("fkv", guess - 3)]

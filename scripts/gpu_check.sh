@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# GPU check: on a CUDA machine with NO network, run the tests marked `cuda` and the throughput benchmark on an
+# architecture-only Llama-2-7b in float16, and write one JSON report.
+#
+#   bash scripts/gpu_check.sh [OUT_DIR]          # default OUT_DIR: results/gpu_check
+#
+# The machine needs python3 with torch (CUDA), transformers, pytest, pyyaml, tqdm and matplotlib. Anything else
+# the project imports there comes from a local wheel folder `.whl/` in the repository root, installed with
+# `pip --no-index` into a private target (nothing system-wide changes). Prepare it on a machine WITH network,
+# for the GPU machine's Python (3.12 here):
+#
+#   mkdir -p .whl && echo /.whl/ >> .git/info/exclude
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#       rouge-score==0.1.2 nltk hjson pydantic pydantic-core annotated-types typing-inspection
+#   pip wheel --no-deps -w .whl deepspeed==0.19.8      # an sdist: built here into a pure-Python wheel
+#
+# (deepspeed is only needed for the multi-GPU tensor-parallel tests; one GPU runs without it.)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-results/gpu_check}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/batchmax_site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/batchmax_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+
+"$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu_check.sh: no CUDA device")' || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>/dev/null || true
+
+# 1. The tests marked for CUDA (they skip themselves without a GPU elsewhere).
+"$PY" -m pytest -q -m cuda tests --junitxml="$OUT/cuda_tests.xml" 2>&1 | tee "$OUT/cuda_tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+# 2. Throughput: FKV, ED (kv_max 2 and 65) and BM at their largest fitting batch under one budget, and FKV/ED
+#    against plain HF SDPA at the same batch.
+"$PY" launch/bench_throughput.py --model arch:llama-2-7b --dtype float16 --device cuda \
+  --memory-budget "${GPU_CHECK_BUDGET:-40GiB}" --prompt-len "${GPU_CHECK_PROMPT:-1536}" \
+  --new-tokens "${GPU_CHECK_NEW:-512}" --out "$OUT/bench_throughput.json" 2>&1 | tee "$OUT/bench_throughput.log"
+bench_rc=${PIPESTATUS[0]}
+
+"$PY" - "$OUT" "$tests_rc" "$bench_rc" <<'PYEOF'
+import json, os, sys, xml.etree.ElementTree as ET
+import torch, transformers
+
+out, tests_rc, bench_rc = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "transformers": transformers.__version__,
+          "cuda_tests_rc": tests_rc, "bench_rc": bench_rc}
+junit = os.path.join(out, "cuda_tests.xml")
+if os.path.exists(junit):
+    root = ET.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    report["cuda_tests"] = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+bench = os.path.join(out, "bench_throughput.json")
+if os.path.exists(bench):
+    report["bench_throughput"] = json.load(open(bench))
+with open(os.path.join(out, "gpu_check.json"), "w") as fh:
+    json.dump(report, fh, indent=2)
+print(json.dumps({k: v for k, v in report.items() if k != "bench_throughput"}, indent=2))
+PYEOF
+[ "$tests_rc" -eq 0 ] || [ "$tests_rc" -eq 5 ] || exit "$tests_rc"
+exit "$bench_rc"
