@@ -6,6 +6,10 @@ position is not after the query's (causal inside the block). Each query's attent
 the slots' running sums, which the eviction rule reads. GQA: queries are grouped per KV head, so one KV head's slot
 sums the probabilities of its whole query group, and no ``repeat_kv`` copy is made.
 
+Memory: long blocks run in query chunks (``SCORE_CHUNK_BYTES``), one chunk's tensors alive at a time; each call
+reports its peak allocation, counted by ``workspace_bytes`` (what the planner predicts, checked against measured
+allocations in ``tests/test_memory.py``).
+
 Nothing is registered at import time: call ``register()`` (or use ``use_batchmax_attention``).
 """
 

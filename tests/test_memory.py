@@ -164,9 +164,7 @@ def test_cuda_attention_calls_within_the_plan(monkeypatch, dtype, chunk_bytes, m
 
     monkeypatch.setattr(attention, "batchmax_attention", measuring)
     generate(model, ids, None, method, new, ignore_eos=True)
-    nbytes = torch.finfo(dtype).bits // 8
     est = predict(ModelShape.from_config(model.config), method, batch, prompt, new, dtype=str(dtype)[6:])
-    assert nbytes in (2, 4)
     assert max(measured) <= est.workspace + 32 * 512
     assert est.workspace <= 1.25 * max(measured)
 
