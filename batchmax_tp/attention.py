@@ -6,6 +6,10 @@ position is not after the query's (causal inside the block). Each query's attent
 the slots' running sums, which the eviction rule reads. GQA: queries are grouped per KV head, so one KV head's slot
 sums the probabilities of its whole query group, and no ``repeat_kv`` copy is made.
 
+Memory: long blocks run in query chunks (``SCORE_CHUNK_BYTES``), one chunk's tensors alive at a time; each call
+reports its peak allocation, counted by ``workspace_bytes`` (what the planner predicts, checked against measured
+allocations in ``tests/test_memory.py``).
+
 Nothing is registered at import time: call ``register()`` (or use ``use_batchmax_attention``).
 """
 
@@ -57,29 +61,35 @@ def batchmax_attention(
     else:  # empty and pad slots get a position after every query, so one comparison hides them too
         eff_pos = slot_pos.masked_fill(slot_pos < 0, torch.iinfo(slot_pos.dtype).max)  # [B, Hkv, hi]
     first = layer.seen - n  # padded position of the block's first query
-    q = (query * scaling).view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head
+    qg = query.view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head (a view)
 
-    # Before the first eviction slots hold positions in order and the block sits in [hi - n, hi), so a query
-    # chunk ending at block index b sees only slots [0, hi - n + b): causal work is skipped chunk by chunk.
+    # Memory: at most one chunk's tensors are alive at a time (each is dropped as soon as it is used), the
+    # scaling is folded into the chunk's own query copy, and chunk outputs go straight into the result's
+    # [B, n, Hq, D] layout. ``workspace_bytes`` counts what remains, allocation by allocation.
     ordered = layer.free is None
-    chunk = max(1, SCORE_CHUNK_BYTES // (4 * B * Hq * hi))  # queries per score block
-    if ordered and n > 1:
-        chunk = min(chunk, CAUSAL_CHUNK)
-    outputs = []
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
+    converted = 0 if attention_mask is None or attention_mask.dtype == torch.bool else B * n  # token_mask bytes
+    layer.cache.note_workspace(converted + workspace_bytes(B, Hq, Hkv, n, hi, D, ordered=ordered,
+                                                           padded=token_mask is not None, elem=query.element_size()))
+    out = None  # [B, n, Hkv, g, D]: allocated once when the block takes more than one chunk
+    for a, b, lim in query_chunks(B, Hq, n, hi, ordered):
         m = b - a
-        lim = hi - n + b if ordered else hi  # slots this chunk can see
-        qc = q[:, :, :, a:b].reshape(B, Hkv, g * m, D)  # [B, Hkv, g*m, D]
-        logits = torch.matmul(qc, keys_t[..., :lim]).float().view(B, Hkv, g, m, lim)  # [B, Hkv, g, m, lim]
+        if out is None and m < n:
+            out = torch.empty(B, n, Hkv, g, D, dtype=value.dtype, device=value.device)
+        # The chunk's scaled queries, copied contiguous (never a view: scaled in place) [B, Hkv, g, m, D]
+        qc = qg[:, :, :, a:b].clone(memory_format=torch.contiguous_format).mul_(scaling)
+        logits = torch.matmul(qc.view(B, Hkv, g * m, D), keys_t[..., :lim])  # [B, Hkv, g*m, lim]
+        del qc
+        logits = logits.float().view(B, Hkv, g, m, lim)  # [B, Hkv, g, m, lim]
         if n > 1:
             qpos = torch.arange(first + a, first + b, device=query.device)  # [m]
             hidden = (eff_pos[:, :, None, :lim] > qpos[:, None])[:, :, None]  # [B, Hkv, 1, m, lim]
+            del qpos
         # A pad query sees no slot at all; a finite fill keeps its row finite (its weights are dropped below).
         logits.masked_fill_(hidden, torch.finfo(torch.float32).min)
         probs = torch.softmax(logits, dim=-1).view(B, Hkv, g * m, lim)  # [B, Hkv, g*m, lim]
-        # Live score buffers at this point: the masked logits, the probabilities and the visibility mask.
-        layer.cache.note_workspace(2 * probs.numel() * probs.element_size() + hidden.numel() * hidden.element_size())
+        del logits
+        if n > 1:
+            del hidden
         # Attention received per slot, summed over the query group and the block's real queries.
         with torch.profiler.record_function("batchmax::score"):
             if token_mask is None:
@@ -87,10 +97,69 @@ def batchmax_attention(
             else:
                 real = token_mask[:, a:b].repeat(1, g).to(probs.dtype)  # [B, g*m], row order of probs
                 score[..., :lim] += torch.matmul(real[:, None, None, :], probs).view(B, Hkv, lim)  # pads add 0
-        out = torch.matmul(probs.to(value.dtype), values[:, :, :lim])  # [B, Hkv, g*m, D]
-        outputs.append(out.view(B, Hq, m, D))
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, n, D]
-    return out.transpose(1, 2).contiguous(), None  # [B, n, Hq, D]
+                del real
+        o = torch.matmul(probs.to(value.dtype), values[:, :, :lim]).view(B, Hkv, g, m, D)  # [B, Hkv, g, m, D]
+        del probs
+        if out is None:  # the whole block in one chunk
+            out = o.permute(0, 3, 1, 2, 4).contiguous()  # [B, n, Hkv, g, D]; no copy when n == 1
+        else:
+            out[:, a:b].copy_(o.permute(0, 3, 1, 2, 4))  # [B, m, Hkv, g, D]
+        del o
+    return out.view(B, n, Hq, D), None  # [B, n, Hq, D]
+
+
+def query_chunks(batch: int, q_heads: int, queries: int, slots: int, ordered: bool):
+    """(start, end, visible slots) of each query chunk of a block of ``queries`` over ``slots`` written slots.
+
+    A chunk holds as many queries as keep its float32 score block within ``SCORE_CHUNK_BYTES``. ``ordered``
+    (no eviction yet): slots hold positions in order and the block sits in [slots - queries, slots), so a chunk
+    ending at block index b sees only slots [0, slots - queries + b) and chunks of ``CAUSAL_CHUNK`` skip more of
+    the causal upper triangle; otherwise every chunk sees all slots.
+    """
+    chunk = max(1, SCORE_CHUNK_BYTES // (4 * batch * q_heads * slots))
+    if ordered and queries > 1:
+        chunk = min(chunk, CAUSAL_CHUNK)
+    for a in range(0, queries, chunk):
+        b = min(queries, a + chunk)
+        yield a, b, (slots - queries + b if ordered else slots)
+
+
+def workspace_bytes(batch: int, q_heads: int, kv_heads: int, queries: int, slots: int, head_dim: int, *,
+                    ordered: bool, padded: bool, elem: int = 4) -> int:
+    """Peak bytes one ``batchmax_attention`` call allocates above what it was given: every tensor it (and the
+    kernels it calls) holds at the worst moment, the returned output included.
+
+    ``queries`` x ``slots``: the block and the cache's high-water mark; ``padded``: a token mask came with the
+    block (the engine's prefill passes one, decode steps none); ``elem``: bytes per element of the model dtype.
+    Checked against measured allocations in ``tests/test_memory.py``.
+    """
+    B, Hq, Hkv, n, D, e = batch, q_heads, kv_heads, queries, head_dim, elem
+    g = Hq // Hkv
+    # Held through the loop: the slot positions with empty slots pushed last (int64; a prefill block), or the
+    # hidden-slot mask (bool; a decode step), plus the result buffer when the block takes several chunks.
+    held = 8 * B * Hkv * slots if n > 1 else B * Hkv * slots
+    peak = 0
+    for a, b, lim in query_chunks(B, Hq, n, slots, ordered):
+        m = b - a
+        if m < n and a == 0:
+            held += e * B * n * Hq * D  # the [B, n, Hq, D] result
+        q = e * B * Hq * m * D  # the chunk's scaled queries (and later its output)
+        logits = e * B * Hq * m * lim  # q @ k^T in the model dtype
+        p = 4 * B * Hq * m * lim  # float32 logits, and the probabilities
+        mask = B * Hkv * m * lim if n > 1 else 0  # the visibility mask
+        if padded:  # per-query weights [B, g*m], broadcast copy inside matmul, its [B, Hkv, lim] result
+            score = 4 * B * g * m + max(B * g * m, 4 * B * Hkv * g * m + 4 * B * Hkv * lim)
+        else:
+            score = 4 * B * Hkv * lim  # the probabilities summed over the query rows
+        steps = [
+            q + logits + (p if e != 4 else 0),  # q @ k^T and its float32 copy
+            p + mask + p,  # masked logits, mask and probabilities
+            p + score,  # score accumulation
+            p + (logits if e != 4 else 0) + q,  # probabilities (cast back) @ V
+            q + (q if m == n > 1 else 0),  # the output, and its [B, n, Hq, D] copy when one chunk did all
+        ]
+        peak = max(peak, held + max(steps))
+    return peak
 
 
 def padding_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:

@@ -241,7 +241,7 @@ class BatchMaxCache(Cache):
         self.reserve = reserve
         self.phase: Phase | None = None
         self.peak_kv_bytes = 0
-        self.peak_workspace_bytes = 0  # largest attention-score block (logits + probabilities + mask)
+        self.peak_workspace_bytes = 0  # largest peak of one attention call (attention.workspace_bytes)
         if num_layers is None:
             super().__init__(layers=None, layer_class_to_replicate=self._new_layer)
         else:

@@ -3,9 +3,12 @@
 Three parts are counted:
 - ``kv``: the K/V buffers (what ``BatchMaxCache.peak_kv_bytes`` measures): BM ``kv_max`` slots, ED the whole
   prompt during prefill, FKV prompt + generation, per (sample, local KV head, layer);
-- ``workspace``: the largest attention-score block the "batchmax" attention materialises (float32 logits and
-  probabilities plus the visibility mask; ``BatchMaxCache.peak_workspace_bytes`` measures it), bounded by the
-  query chunking of ``attention.SCORE_CHUNK_BYTES``;
+- ``workspace``: the peak of one "batchmax" attention call, every tensor it allocates at its worst moment
+  (``attention.workspace_bytes``: one query chunk's float32 logits and probabilities, visibility mask, scaled
+  queries and output, the slot positions, the [B, n, Hq, D] result), bounded by the query chunking of
+  ``attention.SCORE_CHUNK_BYTES``. The attention reports the same count (``BatchMaxCache.peak_workspace_bytes``),
+  and ``tests/test_memory.py`` holds both to the allocations measured on CPU (float32: equal, call by call) and,
+  on CUDA, to ``torch.cuda.max_memory_allocated``;
 - ``weights`` and ``activations``: the model's parameters (split by tensor parallelism) and an estimate of one
   forward's live activations; exact on no machine, checked against ``torch.cuda.max_memory_allocated`` on GPU.
 
@@ -96,24 +99,6 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def score_block_bytes(batch: int, q_heads: int, kv_heads: int, queries: int, slots: int,
-                      ordered: bool = False) -> int:
-    """Largest score block for ``queries`` queries over ``slots`` slots, chunked like the attention does.
-
-    ``ordered``: no eviction yet, so the block is the last ``queries`` slots and a chunk ending at block index b
-    sees ``slots - queries + b`` slots (causal skipping); otherwise every chunk sees all slots.
-    """
-    chunk = max(1, attention.SCORE_CHUNK_BYTES // (4 * batch * q_heads * slots))
-    if ordered and queries > 1:
-        chunk = min(chunk, attention.CAUSAL_CHUNK)
-    best = 0
-    for a in range(0, queries, chunk):
-        m = min(queries, a + chunk) - a
-        seen = slots - queries + a + m if ordered else slots
-        best = max(best, 2 * 4 * batch * q_heads * m * seen + batch * kv_heads * m * seen)
-    return best
-
-
 def predict(
     shape: ModelShape,
     method: Method,
@@ -131,19 +116,23 @@ def predict(
     kv = 2 * batch * shape.layers * kv_heads * cap * shape.head_dim * nbytes
     slot_meta = batch * shape.layers * kv_heads * cap * (8 + 4)
 
-    # Score blocks: queries attend over the slots written so far (the cache's high-water mark): a prefill block
-    # ending at ``end`` sees ``end`` slots until the first eviction, then all ``cap``; a decode step one query.
+    # Attention calls: queries attend over the slots written so far (the cache's high-water mark): a prefill
+    # block ending at ``end`` sees ``end`` slots in order until the first eviction, then all ``cap``; a decode
+    # step one query. The engine passes a token mask with prefill blocks, none with decode steps.
+    def call(queries: int, slots: int, ordered: bool, padded: bool) -> int:
+        return attention.workspace_bytes(batch, q_heads, kv_heads, queries, slots, shape.head_dim,
+                                         ordered=ordered, padded=padded, elem=nbytes)
+
     workspace, evicted = 0, False
     for start, end in prefill_blocks(method, prompt_len):
         evicted = evicted or end > cap
-        workspace = max(workspace, score_block_bytes(batch, q_heads, kv_heads, end - start,
-                                                     cap if evicted else end, ordered=not evicted))
+        workspace = max(workspace, call(end - start, cap if evicted else end, not evicted, True))
     if max_new_tokens > 1:
         if method.name == "ed":  # compacted to one pair at the first step, then never more than kv_max
             decode_slots = min(method.kv_max, max_new_tokens)
         else:
             decode_slots = min(cap, prompt_len + max_new_tokens - 1)
-        workspace = max(workspace, score_block_bytes(batch, q_heads, kv_heads, 1, decode_slots))
+        workspace = max(workspace, call(1, decode_slots, False, False))
 
     block = max(end - start for start, end in prefill_blocks(method, prompt_len))
     local_inter = math.ceil(shape.intermediate / tp)

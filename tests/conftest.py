@@ -102,3 +102,7 @@ def assert_kept_equal(got, want, what="kept positions"):
                     )
     if problems:
         raise AssertionError(f"{what}: {len(problems)} (layer, sample, head) differ; first: " + "; ".join(problems[:4]))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run with -m cuda on a GPU machine")
