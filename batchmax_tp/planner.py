@@ -5,7 +5,7 @@ Three parts are counted:
   prompt during prefill, FKV prompt + generation, per (sample, local KV head, layer);
 - ``workspace``: the largest attention-score block the "batchmax" attention materialises (float32 logits and
   probabilities plus the visibility mask; ``BatchMaxCache.peak_workspace_bytes`` measures it), bounded by the
-  query chunking of ``attention.SCORE_CHUNK_BYTES``;
+  query chunking of ``attention.SCORE_CHUNK_BYTES``; for FKV/ED (model's SDPA) ``baseline.sdpa_workspace_bytes``;
 - ``weights`` and ``activations``: the model's parameters (split by tensor parallelism) and an estimate of one
   forward's live activations; exact on no machine, checked against ``torch.cuda.max_memory_allocated`` on GPU.
 
@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from . import attention
+from .baseline import sdpa_workspace_bytes
 from .policy import Method
 from .schedule import capacity, prefill_blocks
 
@@ -144,6 +145,11 @@ def predict(
         else:
             decode_slots = min(cap, prompt_len + max_new_tokens - 1)
         workspace = max(workspace, score_block_bytes(batch, q_heads, kv_heads, 1, decode_slots))
+
+    if method.name != "bm":  # FKV/ED run on the model's SDPA with a DenseCache (batchmax_tp.baseline): no score
+        # blocks, no per-slot bookkeeping; worst case a padded batch (HF's prefill mask, FKV's decode mask).
+        workspace = sdpa_workspace_bytes(batch, q_heads, kv_heads, shape.head_dim, prompt_len, nbytes, padded=True)
+        slot_meta = batch * cap if method.name == "fkv" and max_new_tokens > 1 else 0
 
     block = max(end - start for start, end in prefill_blocks(method, prompt_len))
     local_inter = math.ceil(shape.intermediate / tp)
