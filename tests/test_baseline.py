@@ -162,3 +162,18 @@ def test_dense_cache_refuses_bm_and_hf_generate():
     cache = DenseCache(Method("fkv"), 2, 16, torch.ones(1, 4, dtype=torch.long))
     with pytest.raises(RuntimeError, match="engine.generate"):
         model.generate(torch.randint(3, 100, (1, 4)), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+
+
+@pytest.mark.parametrize("method", [Method("fkv"), Method("ed", kv_max=2), Method("ed", kv_max=4)],
+                         ids=["fkv", "ed2", "ed4"])
+def test_plain_hf_references_give_the_engines_tokens(method):
+    """The benchmark's plain-HF versions (HF generate; DynamicCache cut to its newest pair) agree with the engine."""
+    from batchmax_tp.baseline import hf_reference_generate
+
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch(LENGTHS, seed=3)
+    tokens, prefill_s, decode_s = hf_reference_generate(model, ids, mask, method, 11)
+    assert prefill_s > 0 and decode_s > 0
+    assert_tokens_equal(tokens, run(model, ids, mask, method, 11).tokens, what=f"plain HF {method.label()}")
+    if method.name == "ed":  # and the cut really changes the result (the reference is not a full cache)
+        assert not torch.equal(tokens, run(model, ids, mask, Method("fkv"), 11).tokens)
