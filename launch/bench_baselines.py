@@ -2,8 +2,8 @@
 
     python launch/bench_baselines.py                       # embedded model, batch 4, prompt 512, 32 new tokens
 
-For FKV, ED (kv_max 2) and ED (kv_max 65): one untimed warm-up, then --repeats timed generations per path
-(``engine.generate(..., fast_baselines=False)``, ``engine.generate`` and ``baseline.hf_reference_generate``);
+For FKV, ED (kv_max 2) and ED (kv_max 65): one untimed warm-up, then --repeats timed generations per path,
+interleaved (``engine.generate(..., fast_baselines=False)``, ``engine.generate``, ``baseline.hf_reference_generate``);
 the best decode seconds / (new - 1) is the step time. Tokens of the three paths are compared. Results: --out.
 """
 
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="results/bench_baselines.json")
     a = ap.parse_args(argv)
     if a.new < 2 or a.repeats < 1:
@@ -49,16 +49,16 @@ def main(argv=None) -> int:
     }
     rows = []
     for method in (Method("fkv"), Method("ed", kv_max=2), Method("ed", kv_max=65)):
-        row, tokens = {"method": method.name, "kv_max": method.kv_max}, {}
-        for name, fn in paths.items():
+        row, tokens, best = {"method": method.name, "kv_max": method.kv_max}, {}, {}
+        for fn in paths.values():
             fn(method)  # warm-up
-            best = None
-            for _ in range(a.repeats):
+        for _ in range(a.repeats):  # interleaved, so slow drifts of the machine hit every path alike
+            for name, fn in paths.items():
                 res = fn(method)
-                toks, prefill_s, decode_s = (res.tokens, res.prefill_s, res.decode_s) if name != "hf" else res
-                best = decode_s if best is None else min(best, decode_s)
-            tokens[name] = toks
-            row[f"{name}_step_ms"] = 1e3 * best / (a.new - 1)
+                tokens[name], _, decode_s = res if name == "hf" else (res.tokens, res.prefill_s, res.decode_s)
+                best[name] = min(best.get(name, decode_s), decode_s)
+        for name in paths:
+            row[f"{name}_step_ms"] = 1e3 * best[name] / (a.new - 1)
         row["tokens_equal"] = all(torch.equal(tokens["new"], t) for t in tokens.values())
         row["new_over_old"] = row["new_step_ms"] / row["old_step_ms"]
         row["new_over_hf"] = row["new_step_ms"] / row["hf_step_ms"]
