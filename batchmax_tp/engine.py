@@ -15,6 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from .attention import use_batchmax_attention
+from .baseline import DenseCache, fastest_attention, use_attention
 from .cache import BatchMaxCache
 from .policy import Method
 from .schedule import Phase, capacity, plan
@@ -33,7 +34,7 @@ class GenerationOutput:
     decode_s: float
     peak_kv_bytes: int
     peak_workspace_bytes: int
-    cache: BatchMaxCache
+    cache: BatchMaxCache | DenseCache
     phases: list[Phase]
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # per generated token, float32 [B, V]
 
@@ -68,11 +69,15 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     return_logits: bool = False,
+    fast_baselines: bool = True,
 ) -> GenerationOutput:
     """Generate ``max_new_tokens`` tokens for a LEFT-padded batch ``input_ids [B, s]``.
 
     Prefill runs in the method's blocks (BM: ``min(s, kv_max)`` then ``p`` at a time), decoding one token per
-    step; before each pass the cache evicts what the schedule says. Greedy unless ``do_sample``.
+    step; before each pass the cache evicts what the schedule says. Greedy unless ``do_sample``. BM runs on the
+    score-collecting "batchmax" attention; the baselines FKV and ED on the model's fastest kernel with a
+    ``DenseCache`` (``batchmax_tp.baseline``); ``fast_baselines=False`` runs them through the "batchmax" attention
+    too (the slower path they used before, kept for comparisons).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -90,7 +95,15 @@ def generate(
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
 
     phases = plan(method, s, max_new_tokens)
-    cache = BatchMaxCache(method, num_layers=model.config.num_hidden_layers, reserve=capacity(method, s, max_new_tokens))
+    num_layers, reserve = model.config.num_hidden_layers, capacity(method, s, max_new_tokens)
+    dense = fast_baselines and method.name != "bm"
+    if dense:
+        impl = fastest_attention(model)
+        cache = DenseCache(method, num_layers, reserve, attention_mask, impl)
+        attention = use_attention(model, impl)
+    else:
+        cache = BatchMaxCache(method, num_layers=num_layers, reserve=reserve)
+        attention = use_batchmax_attention(model)
     real_pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, s] RoPE positions (pads counted out)
     token_mask = attention_mask.bool()  # [B, s]
 
@@ -125,19 +138,21 @@ def generate(
         tokens[:, t] = tok
         return tok[:, None]
 
-    with use_batchmax_attention(model):
+    with attention:
         t0 = time.perf_counter()
         for phase in (ph for ph in phases if ph.kind == "prefill"):
             cache.begin(phase)
             a, b = phase.start, phase.end
             out = model(
                 input_ids=input_ids[:, a:b],
-                attention_mask=token_mask[:, a:b],
+                attention_mask=cache.attention_mask() if dense else token_mask[:, a:b],
                 position_ids=real_pos[:, a:b],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
+        if dense:
+            cache.note_workspace(model.config)
         next_input = emit(0, out.logits[:, -1])
         next_pos = real_pos[:, -1:] + 1  # [B, 1]
         _sync(device)
@@ -148,7 +163,8 @@ def generate(
             cache.begin(phase)
             out = model(
                 input_ids=next_input,
-                attention_mask=None,  # generated tokens are never pads
+                # generated tokens are never pads; the baselines mask prompt pads they still hold
+                attention_mask=cache.attention_mask() if dense else None,
                 position_ids=next_pos,
                 past_key_values=cache,
                 use_cache=True,

@@ -8,7 +8,8 @@ Three parts are counted:
   queries and output, the slot positions, the [B, n, Hq, D] result), bounded by the query chunking of
   ``attention.SCORE_CHUNK_BYTES``. The attention reports the same count (``BatchMaxCache.peak_workspace_bytes``),
   and ``tests/test_memory.py`` holds both to the allocations measured on CPU (float32: equal, call by call) and,
-  on CUDA, to ``torch.cuda.max_memory_allocated``;
+  on CUDA, to ``torch.cuda.max_memory_allocated``; for FKV/ED, which run on the model's SDPA
+  (``batchmax_tp.baseline``), ``baseline.sdpa_workspace_bytes``;
 - ``weights`` and ``activations``: the model's parameters (split by tensor parallelism) and an estimate of one
   forward's live activations; exact on no machine, checked against ``torch.cuda.max_memory_allocated`` on GPU.
 
@@ -22,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from . import attention
+from .baseline import sdpa_workspace_bytes
 from .policy import Method
 from .schedule import capacity, prefill_blocks
 
@@ -133,6 +135,11 @@ def predict(
         else:
             decode_slots = min(cap, prompt_len + max_new_tokens - 1)
         workspace = max(workspace, call(1, decode_slots, False, False))
+
+    if method.name != "bm":  # FKV/ED run on the model's SDPA with a DenseCache (batchmax_tp.baseline): no score
+        # blocks, no per-slot bookkeeping; worst case a padded batch (HF's prefill mask, FKV's decode mask).
+        workspace = sdpa_workspace_bytes(batch, q_heads, kv_heads, shape.head_dim, prompt_len, nbytes, padded=True)
+        slot_meta = batch * cap if method.name == "fkv" and max_new_tokens > 1 else 0
 
     block = max(end - start for start, end in prefill_blocks(method, prompt_len))
     local_inter = math.ceil(shape.intermediate / tp)

@@ -5,10 +5,14 @@
 
 One run: (1) the budget (given, or the planner's peak of FKV at --fkv-batch, so FKV fits exactly that many);
 (2) for each method the largest fitting batch (planner), one timed generation of --new tokens ignoring EOS
-from prompts of --prompt-len tokens, tokens/s = generated tokens / (prefill + decode) seconds; (3) the ratios
-BM/ED and BM/FKV; (4) measured peak K/V + score-block bytes of BM and FKV for prompt lengths 512..4096 at a
-fixed batch. Prefill and decode seconds and the per-step decode time are printed too, to show where time goes.
-Results: --out (JSON).
+from prompts of --prompt-len tokens, tokens/s = generated tokens / (prefill + decode) seconds; FKV and ED run as
+the fair baselines (the model's SDPA / FlashAttention-2, no score bookkeeping, ``batchmax_tp.baseline``), BM on
+its own attention; (3) FKV and ED again as plain HF at the same batch (``baseline.hf_reference_generate``: HF
+generate with its default cache; a DynamicCache cut to its newest pair), ratio ours/HF (target >= 0.95) and
+whether the tokens are identical; (4) the ratios BM/ED and BM/FKV next to the figures measured before the fair
+baselines; (5) measured peak K/V + workspace bytes of BM and FKV for prompt lengths 512..4096 at a fixed batch.
+Prefill and decode seconds and the per-step decode time are printed too, to show where time goes.
+Results: --out (JSON) and Markdown tables on stdout.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from batchmax_tp.baseline import fastest_attention, hf_reference_generate  # noqa: E402
 from batchmax_tp.engine import generate  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 from batchmax_tp.planner import ModelShape, max_batch, parse_bytes, predict  # noqa: E402
@@ -34,7 +39,17 @@ def prompts(vocab: int, batch: int, length: int, device: str, seed: int = 0) -> 
     return torch.randint(100, vocab, (batch, length), generator=g).to(device)
 
 
-def timed(model, method: Method, batch: int, length: int, new: int, device: str) -> dict:
+# BM/ED and BM/FKV measured with FKV and ED on the score-collecting attention (README, before the fair baselines).
+OLD_RATIOS = {"bm_over_ed": 2.06, "bm_over_fkv": 2.55}
+HF_TARGET = 0.95  # ours / plain HF tokens/s the fair baselines should reach
+BM_OVER_ED_FLOOR = 1.6  # below this the report says so
+
+
+def label(method: str, kv_max) -> str:
+    return method.upper() + ("" if kv_max is None else f" (kv_max {kv_max})")
+
+
+def timed(model, method: Method, batch: int, length: int, new: int, device: str, hf: bool = False) -> dict:
     ids = prompts(model.config.vocab_size, batch, length, device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -50,6 +65,16 @@ def timed(model, method: Method, batch: int, length: int, new: int, device: str)
     }
     if device.startswith("cuda"):
         row["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+    if hf and method.name != "bm":  # the same prompts through plain HF on the model's own attention
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        tokens, prefill_s, decode_s = hf_reference_generate(model, ids, None, method, new)
+        row["hf"] = {"prefill_s": prefill_s, "decode_s": decode_s, "decode_step_ms": 1e3 * decode_s / max(new - 1, 1),
+                     "tokens_per_s": batch * new / (prefill_s + decode_s),
+                     "tokens_equal": torch.equal(tokens, out.tokens)}
+        if device.startswith("cuda"):
+            row["hf"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+        row["ours_over_hf"] = row["tokens_per_s"] / row["hf"]["tokens_per_s"]
     return row
 
 
@@ -67,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=64, help="cap on any batch (time on a CPU)")
     ap.add_argument("--lengths", default="512,1024,2048,4096")
     ap.add_argument("--length-batch", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true", help="skip the plain-HF runs of FKV and ED")
     ap.add_argument("--out", default="results/bench_throughput.json")
     a = ap.parse_args(argv)
 
@@ -78,7 +104,11 @@ def main(argv=None) -> int:
     methods = [fkv, Method("ed", kv_max=2), Method("ed", kv_max=65)]
     methods += [Method("bm", kv_max=int(k), p=a.p) for k in a.kv_max.split(",")]
 
-    generate(model, prompts(model.config.vocab_size, 1, 16, a.device), None, Method("bm", kv_max=8, p=4), 4)  # warm-up
+    warm = prompts(model.config.vocab_size, 1, 16, a.device)
+    for m in (Method("bm", kv_max=8, p=4), fkv, Method("ed", kv_max=2)):  # warm-up, every path
+        generate(model, warm, None, m, 4)
+        if m.name != "bm" and not a.no_hf:
+            hf_reference_generate(model, warm, None, m, 4)
     rows = []
     for m in methods:
         fit = max_batch(budget, shape, m, s, T, dtype=a.dtype)
@@ -88,11 +118,14 @@ def main(argv=None) -> int:
             continue
         t = time.perf_counter()
         row = {"method": m.name, "kv_max": m.kv_max, "largest_fitting_batch": fit, "status": "ok",
-               "predicted": predict(shape, m, b, s, T, dtype=a.dtype).as_dict(), **timed(model, m, b, s, T, a.device)}
+               "predicted": predict(shape, m, b, s, T, dtype=a.dtype).as_dict(),
+               **timed(model, m, b, s, T, a.device, hf=not a.no_hf)}
         row["wall_s"] = time.perf_counter() - t
         rows.append(row)
+        hf = "" if "hf" not in row else (
+            f"  plain HF {row['hf']['tokens_per_s']:7.1f} tok/s (ours/HF {row['ours_over_hf']:.3f})")
         print(f"{m.label():<28} b={b:<3} {row['tokens_per_s']:7.1f} tok/s  prefill {row['prefill_s']:7.1f}s  "
-              f"decode {row['decode_s']:7.1f}s ({row['decode_step_ms']:.0f} ms/step)", flush=True)
+              f"decode {row['decode_s']:7.1f}s ({row['decode_step_ms']:.0f} ms/step){hf}", flush=True)
 
     def best(name):
         ok = [r for r in rows if r["method"] == name and r["status"] == "ok"]
@@ -120,19 +153,31 @@ def main(argv=None) -> int:
     growth = bm_at[max(lengths)] / bm_at[1024] if 1024 in bm_at else None
 
     print(f"\nmodel={a.model} device={a.device} dtype={a.dtype} threads={torch.get_num_threads()} prompt={s} new={T} "
-          f"budget={budget / 2**30:.3f} GiB (planner total: weights + activations + K/V + score block)")
-    print(f"{'method':<6}{'kv_max':>7}{'batch':>7}{'tokens/s':>10}{'prefill s':>11}{'decode s':>10}{'ms/step':>9}"
-          f"{'peak KV MiB':>13}")
+          f"budget={budget / 2**30:.3f} GiB (planner total: weights + activations + K/V + workspace)")
+    attn = fastest_attention(model)
+    print(f"FKV/ED attention: {attn} (no score bookkeeping); BM: batchmax\n")
+    print("| method | batch | tokens/s | prefill s | decode s | ms/step | peak KV MiB | plain HF tokens/s | HF ms/step "
+          "| ours/HF | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["status"] != "ok":
-            print(f"{r['method']:<6}{str(r['kv_max']):>7}{'OOM':>7}")
+            print(f"| {label(r['method'], r['kv_max'])} | OOM | | | | | | | | | |")
             continue
-        print(f"{r['method']:<6}{str(r['kv_max'] or '-'):>7}{r['batch']:>7}{r['tokens_per_s']:>10.1f}"
-              f"{r['prefill_s']:>11.1f}{r['decode_s']:>10.1f}{r['decode_step_ms']:>9.0f}"
-              f"{r['peak_kv_bytes'] / 2**20:>13.1f}")
+        h = r.get("hf")
+        hf_cols = (f"{h['tokens_per_s']:.1f} | {h['decode_step_ms']:.0f} | {r['ours_over_hf']:.3f} | "
+                   f"{'yes' if h['tokens_equal'] else 'NO'}") if h else " | | |"
+        print(f"| {label(r['method'], r['kv_max'])} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['prefill_s']:.1f} | "
+              f"{r['decode_s']:.1f} | {r['decode_step_ms']:.0f} | {r['peak_kv_bytes'] / 2**20:.1f} | {hf_cols} |")
     fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
-    print(f"BM/ED = {fmt(ratios['bm_over_ed'])}   BM/FKV = {fmt(ratios['bm_over_fkv'])}")
-    print(f"\npeak K/V + score block (MiB) at batch {a.length_batch}:")
+    print("\n| ratio | now (fair baselines) | before (score-collecting baselines) |\n|---|---|---|")
+    print(f"| BM/ED | {fmt(ratios['bm_over_ed'])} | {OLD_RATIOS['bm_over_ed']:.2f} |")
+    print(f"| BM/FKV | {fmt(ratios['bm_over_fkv'])} | {OLD_RATIOS['bm_over_fkv']:.2f} |")
+    below = [label(r["method"], r["kv_max"]) for r in rows if r.get("ours_over_hf", HF_TARGET) < HF_TARGET]
+    if below:
+        print(f"ours/HF below {HF_TARGET}: {', '.join(below)}")
+    if ratios["bm_over_ed"] is not None and ratios["bm_over_ed"] < BM_OVER_ED_FLOOR:
+        print(f"BM/ED = {ratios['bm_over_ed']:.2f} is below {BM_OVER_ED_FLOOR}")
+    print(f"\npeak K/V + workspace (MiB) at batch {a.length_batch}:")
     print("prompt " + " ".join(f"{L:>8}" for L in lengths))
     for name in ("bm", "fkv"):
         vals = [r["measured_kv_plus_workspace"] / 2**20 for r in memory if r["method"] == name]
@@ -141,8 +186,9 @@ def main(argv=None) -> int:
 
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".tmp", "w") as f:
-        json.dump({"args": vars(a), "budget_bytes": budget, "runs": rows, "ratios": ratios, "memory": memory,
-                   "bm_peak_growth_4096_over_1024": growth}, f, indent=2)
+        json.dump({"args": vars(a), "budget_bytes": budget, "attention": {"fkv_ed": attn, "bm": "batchmax"},
+                   "threads": torch.get_num_threads(), "runs": rows, "ratios": ratios, "ratios_before": OLD_RATIOS,
+                   "memory": memory, "bm_peak_growth_4096_over_1024": growth}, f, indent=2)
     os.replace(a.out + ".tmp", a.out)
     return 0
 

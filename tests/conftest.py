@@ -15,10 +15,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # so tests can `
 # 2-core box (where 2 spinning OpenMP threads made the embedded-model test ~20x slower).
 torch.set_num_threads(int(os.environ.get("BATCHMAX_TEST_THREADS", "1")))
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA device (scripts/gpu_check.sh runs them: pytest -m cuda)")
-
-
 # The tiny model's default init (initializer_range=0.02) gives near-uniform attention, whose average-attention
 # ranking has near-ties (relative gaps ~1e-5); a larger init gives peaked attention and clear decisions.
 PEAKED = dict(initializer_range=0.2)

@@ -146,18 +146,18 @@ def test_budget_values_and_flags(tmp_path, capsys):
 def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, tokenizer, tiny_model, capsys):
     s = _prompt_len(tokenizer)
     bm = Method("bm", kv_max=128, p=32)
-    limit = _predict(tiny_model, bm, 4, s) + 1  # both BM runs fit, FKV at b=2 does not
-    assert _predict(tiny_model, Method("fkv"), 2, s) > limit
+    limit = _predict(tiny_model, bm, 4, s) + 1  # both BM runs fit, FKV at b=4 does not (no score block: b=2 fits)
+    assert _predict(tiny_model, Method("fkv"), 4, s) > limit
     out = tmp_path / "res"
-    runs = [{"method": "fkv", "batch_size": 2}, {"method": "bm", "batch_size": 2, "kv_max": 128},
+    runs = [{"method": "fkv", "batch_size": 4}, {"method": "bm", "batch_size": 2, "kv_max": 128},
             {"method": "bm", "batch_size": 4, "kv_max": 128}]
     assert _load("run").main(["--config", _yaml(tmp_path, _nqa(out, runs=runs, memory_budget=limit))]) == 0
     assert stack.calls == [("bm", 128, 2), ("bm", 128, 2), ("bm", 128, 4)]  # FKV never ran
 
-    fkv = json.loads((out / "fkv-b2" / "summary.json").read_text())
+    fkv = json.loads((out / "fkv-b4" / "summary.json").read_text())
     assert fkv["status"] == "oom" and fkv["oom_cause"] == "predicted" and fkv["num_samples"] == 0
     assert fkv["predicted_peak_bytes"] > fkv["memory_budget_bytes"] == limit
-    assert "exceeds memory_budget" in fkv["error"] and not (out / "fkv-b2" / "samples.jsonl").exists()
+    assert "exceeds memory_budget" in fkv["error"] and not (out / "fkv-b4" / "samples.jsonl").exists()
     for name, b in (("bm-b2-kv128", 2), ("bm-b4-kv128", 4)):
         summary = json.loads((out / name / "summary.json").read_text())
         assert summary["status"] == "done" and summary["num_samples"] == 4
@@ -171,13 +171,13 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
         assert row["batch_peak_workspace_bytes"] > 0 and row["batch_cuda_max_memory_allocated"] is None
 
     text = (out / "report.md").read_text()
-    assert "| FKV | 2 | N/A | OOM | OOM | OOM | |" in text and "## Memory per rank (MiB)" in text
-    assert "| FKV | 2 | N/A | OOM (predicted) |" in text
+    assert "| FKV | 4 | N/A | OOM | OOM | OOM | |" in text and "## Memory per rank (MiB)" in text
+    assert "| FKV | 4 | N/A | OOM (predicted) |" in text
     memory = text[text.index("## Memory"):]
     assert report.mask_timings(text).endswith(memory)  # no timing there: masking leaves the memory table alone
     assert capsys.readouterr().out == text
     rows = _csv(out)
-    assert [r["run"] for r in rows] == ["fkv-b2", "bm-b2-kv128", "bm-b4-kv128"]
+    assert [r["run"] for r in rows] == ["fkv-b4", "bm-b2-kv128", "bm-b4-kv128"]
     assert rows[0]["status"] == "oom" and rows[0]["oom_cause"] == "predicted" and rows[0]["tokens_per_s"] == ""
     assert float(rows[0]["predicted_peak_mib"]) > float(rows[0]["memory_budget_mib"])
     assert rows[1]["status"] == "done" and float(rows[1]["peak_workspace_mib"]) > 0
@@ -185,7 +185,7 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
     # Resuming: nothing runs again, the OOM row stays.
     stack.calls.clear()
     assert _load("run").main(["--config", _yaml(tmp_path, _nqa(out, runs=runs, memory_budget=limit))]) == 0
-    assert stack.calls == [] and "| FKV | 2 | N/A | OOM | OOM | OOM | |" in (out / "report.md").read_text()
+    assert stack.calls == [] and "| FKV | 4 | N/A | OOM | OOM | OOM | |" in (out / "report.md").read_text()
 
 
 def test_a_real_out_of_memory_is_recorded_and_memory_is_freed_after_the_handler(tmp_path, stack, monkeypatch):
@@ -235,15 +235,15 @@ def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_mo
     limit = max(_predict(tiny_model, ed2, 2, s), _predict(tiny_model, fkv, 2, s)) + 1
     assert _predict(tiny_model, ed2, 3, s) > limit  # so b0 = 3
     shape = ModelShape.from_config(tiny_model.config)
-    plan = paper_plan(limit, shape, s, 3, dtype="float32", p=32, num_samples=4, kv_values=[128, 256])
+    plan = paper_plan(limit, shape, s, 3, dtype="float32", p=32, num_samples=4, kv_values=[128, 192])
     names = [evaluate.RunSpec(m, b).name for m, b in plan]
     assert names[:4] == ["ed-b3-kv2", "ed-b2-kv2", "ed-b2-kv65", "fkv-b2"]
     bm = [(m.kv_max, b) for m, b in plan[4:]]
-    assert [k for k, _ in bm] == [128, 256] and all(b in (2, 4) for _, b in bm)  # divisors of 4, >= b0 - 1
+    assert [k for k, _ in bm] == [128, 192] and all(b in (2, 4) for _, b in bm)  # divisors of 4, >= b0 - 1
 
     out = tmp_path / "res"
     rc = _load("sweep").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit),
-                              "--kv-max", "128,256"])
+                              "--kv-max", "128,192"])
     assert rc == 0
     # ED at b0 is the OOM row (never run); the rest ran in the plan's order.
     assert stack.calls == [("ed", 2, 2)] * 2 + [("ed", 65, 2)] * 2 + [("fkv", None, 2)] * 2 + [
@@ -262,7 +262,7 @@ def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_mo
     # Resume: nothing runs again.
     stack.calls.clear()
     assert _load("sweep").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit),
-                                "--kv-max", "128,256"]) == 0
+                                "--kv-max", "128,192"]) == 0
     assert stack.calls == []
 
 

@@ -30,10 +30,15 @@ def model():
 def test_prediction_equals_measured_peaks(model, monkeypatch, chunk_bytes, method, batch, prompt, new):
     monkeypatch.setattr(attention, "SCORE_CHUNK_BYTES", chunk_bytes)  # 4096: prefill runs in query chunks
     ids = torch.randint(3, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
-    out = generate(model, ids, None, method, new, ignore_eos=True)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # a padded batch: the baselines' worst case (HF's prefill mask), the planner's assumption
+    out = generate(model, ids.masked_fill(mask == 0, 0), mask, method, new, ignore_eos=True)
     est = predict(ModelShape.from_config(model.config), method, batch, prompt, new)
     assert est.kv == out.peak_kv_bytes
     assert est.workspace == out.peak_workspace_bytes
+    if method.name != "bm":  # unpadded, SDPA runs is_causal without a mask: less than planned, never more
+        unpadded = generate(model, ids, None, method, new, ignore_eos=True)
+        assert unpadded.peak_kv_bytes == est.kv and unpadded.peak_workspace_bytes == 0 < est.workspace
 
 
 def test_bm_peak_does_not_grow_with_the_prompt():

@@ -1,0 +1,320 @@
+"""Fair baselines: FKV and ED on the model's own fastest attention, with no score bookkeeping.
+
+FKV (full cache) and ED (Algorithm 3: prefill the whole prompt in one pass, then keep only the newest pair, and
+again whenever the cache reaches ``kv_max`` pairs) never read attention weights, so they run on the attention
+kernel the model offers -- FlashAttention-2 where installed on CUDA with a half dtype, else PyTorch SDPA -- through
+``DenseCache``: per layer one preallocated K/V buffer written by index (gpt-fast style). Which slots are held is
+a host integer range ``[0, length)``: FKV appends; ED copies the newest pair to slot 0 (no sort, no gather).
+
+Pads: left padding occupies the first slots of the prompt. Prefill passes the 2D padding mask (HF builds the
+causal mask); a decode step passes a mask only while padded slots are still held (FKV always, ED never after
+its first eviction): with SDPA a view of a preallocated 4D boolean mask, with other kernels a view of the 2D one.
+
+The kept positions (per layer, sample, KV head) follow from host integers and the padding mask, so nothing is
+tracked per step on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .policy import Method
+from .schedule import Phase
+
+logger = logging.getLogger(__name__)
+
+SDPA = "sdpa"
+FLASH = "flash_attention_2"
+
+
+def fastest_attention(model: torch.nn.Module) -> str:
+    """The fastest attention implementation ``model`` offers here: FlashAttention-2 when the package is installed,
+    the model is on CUDA in float16/bfloat16 and supports it; otherwise SDPA (if supported); else its current one."""
+    from transformers.utils import is_flash_attn_2_available
+
+    param = next(model.parameters())
+    if (
+        param.device.type == "cuda"
+        and param.dtype in (torch.float16, torch.bfloat16)
+        and getattr(model, "_supports_flash_attn", False)
+        and is_flash_attn_2_available()
+    ):
+        return FLASH
+    if getattr(model, "_supports_sdpa", False):
+        return SDPA
+    return model.config._attn_implementation
+
+
+@contextlib.contextmanager
+def use_attention(model: torch.nn.Module, name: str):
+    """Run ``model`` with attention implementation ``name`` inside the block, restoring its own after."""
+    previous = model.config._attn_implementation
+    if name != previous:
+        model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        if name != previous:
+            model.set_attn_implementation(previous)
+
+
+def sdpa_workspace_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int, prompt_len: int,
+                         dtype_bytes: int, padded: bool, impl: str = SDPA) -> int:
+    """Largest attention temporaries HF's SDPA path materialises beyond Q/K/V and the cache (an estimate).
+
+    Only a padded prompt's prefill allocates any: HF's boolean 4D mask ``[B, 1, s, s]`` and, since SDPA then
+    gets a mask, ``repeat_kv`` copies of one layer's keys and values for GQA. Unpadded prefill runs ``is_causal``
+    with ``enable_gqa``; decode steps use views (mask) and ``pack_gqa`` (no copy). The kernel's own scratch
+    (blockwise on the CPU flash, memory-efficient and FlashAttention kernels) is not counted; with
+    FlashAttention-2 (unpadded inputs) this returns 0.
+    """
+    if impl != SDPA or not padded or prompt_len < 2:
+        return 0
+    mask = batch * prompt_len * prompt_len  # [B, 1, s, s] bool
+    repeat = 2 * batch * q_heads * prompt_len * head_dim * dtype_bytes if q_heads != kv_heads else 0
+    return mask + repeat
+
+
+class DenseLayer(CacheLayerMixin):
+    """One decoder layer: keys/values [B, H, C, D]; slots [0, cache.length) hold pairs, in position order."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: DenseCache, layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._allocate(key_states.shape[0], key_states.shape[1], key_states.shape[-1], value_states.shape[-1],
+                       self.cache.reserve)
+        self.is_initialized = True
+
+    def _allocate(self, batch: int, heads: int, k_dim: int, v_dim: int, capacity: int) -> None:
+        kw = dict(dtype=self.dtype, device=self.device)
+        self.keys = torch.zeros(batch, heads, capacity, k_dim, **kw)
+        self.values = torch.zeros(batch, heads, capacity, v_dim, **kw)
+        self.cache.note_capacity()
+
+    def get_seq_length(self) -> int:
+        return self.cache.start
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.start + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1 if self.cache.method.name == "fkv" else self.cache.method.kv_max
+
+    def kv_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the pass's pairs [B, H, n, D] (RoPE applied) at slots [start, start + n); return the held slots
+        [B, H, start + n, D] as views. ED first moves its newest pair to slot 0 when the phase evicts."""
+        cache = self.cache
+        if cache.phase is None:
+            raise RuntimeError("DenseCache is driven by batchmax_tp.engine.generate (cache.begin(phase) per pass)")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if cache.keep_newest:
+            newest = cache.held_before - 1
+            if self.keys.shape[2] > cache.method.kv_max:  # the prompt-sized buffer is no longer needed
+                k_old, v_old = self.keys, self.values
+                B, H, _, Dk = k_old.shape
+                self._allocate(B, H, Dk, v_old.shape[-1], cache.method.kv_max)
+                self.keys[:, :, 0] = k_old[:, :, newest]
+                self.values[:, :, 0] = v_old[:, :, newest]
+            else:
+                self.keys[:, :, 0] = self.keys[:, :, newest]
+                self.values[:, :, 0] = self.values[:, :, newest]
+        a, b = cache.start, cache.length
+        self.keys[:, :, a:b] = key_states
+        self.values[:, :, a:b] = value_states
+        return self.keys[:, :, :b], self.values[:, :, :b]  # [B, H, b, D] views
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def kept_positions(self) -> list[list[list[int]]]:
+        """Sorted real positions held, per sample and local KV head (host integers; for tests and inspection)."""
+        if self.keys is None:
+            return []
+        held = self.cache.held_positions()
+        return [[list(row)] * self.keys.shape[1] for row in held]
+
+
+class DenseCache(Cache):
+    """Preallocated K/V cache for FKV and ED, driven by the engine's phases (``begin`` before each pass).
+
+    ``reserve``: slots per (sample, head) allocated at prefill (FKV: prompt + generation; ED: max(kv_max, prompt),
+    shrunk to ``kv_max`` at the first eviction). ``attention_mask``: the batch's [B, s] left-padding mask.
+    """
+
+    def __init__(self, method: Method, num_layers: int, reserve: int, attention_mask: torch.Tensor,
+                 impl: str = SDPA):
+        if method.name not in ("fkv", "ed"):
+            raise ValueError(f"DenseCache serves the baselines fkv and ed, not {method.name!r}")
+        super().__init__(layers=[DenseLayer(self, i) for i in range(num_layers)])
+        self.method = method
+        self.reserve = reserve
+        self.impl = impl
+        self.phase: Phase | None = None
+        self.peak_kv_bytes = 0
+        self.peak_workspace_bytes = 0
+        self.prompt_mask = attention_mask.bool()  # [B, s]
+        self.prompt_len = attention_mask.shape[1]
+        self._host_mask = self.prompt_mask.cpu()  # one host copy, before any timing
+        pads = (~self._host_mask).sum(-1)  # [B] left pads per row
+        self.max_pads = int(pads.max()) if pads.numel() else 0  # slots [0, max_pads) may hold a pad
+        self._mask2d = self._mask4d = None
+        if method.name == "fkv" and self.max_pads and reserve > self.prompt_len:
+            full = torch.ones(attention_mask.shape[0], reserve, dtype=torch.bool, device=attention_mask.device)
+            full[:, : self.prompt_len] = self.prompt_mask
+            self._mask2d = full  # [B, C]
+            self._mask4d = full[:, None, None, :]  # [B, 1, 1, C]: a view, sliced per decode step
+        # Host integers shared by every layer (and every tensor-parallel rank):
+        self.seen = 0  # padded position of the next token
+        self.held_before = 0  # slots held before this pass (before its eviction)
+        self.start = 0  # slot where this pass writes (= pairs held after its eviction)
+        self.length = 0  # slots held after this pass
+        self.keep_newest = False
+
+    def begin(self, phase: Phase | None) -> None:
+        """State the next forward pass: ED keeps only its newest pair first when ``phase.evict``."""
+        self.phase = phase
+        if phase is None:
+            return
+        self.held_before = self.length
+        self.keep_newest = self.method.name == "ed" and phase.evict > 0
+        self.start = 1 if self.keep_newest else self.length
+        self.length = self.start + phase.size
+        self.seen = phase.end
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """The mask to hand the model for the pass stated by ``begin``: None when no held slot can be a pad."""
+        first_held = self.seen - self.length  # padded position of slot 0
+        if first_held >= self.max_pads:
+            return None
+        if self.phase.kind == "prefill":
+            return self.prompt_mask[:, self.phase.start : self.phase.end]  # [B, s]: HF builds the causal mask
+        if self.impl == SDPA:
+            return self._mask4d[..., : self.length]  # [B, 1, 1, L] view
+        return self._mask2d[:, : self.length]  # [B, L] view
+
+    def note_capacity(self) -> None:
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
+
+    def note_workspace(self, config) -> None:
+        """Record the attention temporaries' estimate (``sdpa_workspace_bytes``) once the prefill has shown the
+        local shapes (``config``: the model's, for the query heads per KV head)."""
+        heads = config.num_attention_heads
+        groups = heads // (getattr(config, "num_key_value_heads", None) or heads)
+        layer = self.layers[0]
+        if layer.keys is None:
+            return
+        B, H, _, D = layer.keys.shape
+        est = sdpa_workspace_bytes(B, groups * H, H, D, self.prompt_len, layer.keys.element_size(),
+                                   self.max_pads > 0, self.impl)
+        self.peak_workspace_bytes = max(self.peak_workspace_bytes, est)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the K/V buffers allocated now (all layers)."""
+        return sum(layer.kv_bytes() for layer in self.layers)
+
+    def meta_bytes(self) -> int:
+        """No per-slot bookkeeping; the 2D decode mask (FKV with padding) is the only extra buffer."""
+        return 0 if self._mask2d is None else self._mask2d.numel()
+
+    def held_positions(self) -> list[list[int]]:
+        """Per sample: the real positions in slots [0, length), i.e. padded positions [seen - length, seen)."""
+        first = self.seen - self.length
+        rows = []
+        for mask_row in self._host_mask.tolist():
+            rows.append([p for p in range(first, self.seen) if p >= self.prompt_len or mask_row[p]])
+        return rows
+
+    def kept_positions(self) -> list[list[list[list[int]]]]:
+        """Per layer, sample and local KV head: the sorted positions of the pairs held."""
+        return [layer.kept_positions() for layer in self.layers]
+
+
+# -- Plain HF references (benchmarks): the simplest HF-SDPA versions of the same algorithms ----------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def hf_reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                          method: Method, max_new_tokens: int) -> tuple[torch.Tensor, float, float]:
+    """Greedy ``max_new_tokens`` (EOS ignored) by plain HF on the model's current attention, for benchmarks.
+
+    FKV: ``model.generate`` with its default cache (``min_new_tokens`` ignores EOS). ED: a loop over a
+    ``DynamicCache`` prefilled with the whole prompt and cut to its newest pair at the first step and whenever it
+    holds ``kv_max`` pairs (Algorithm 3). Returns (tokens [B, T], prefill seconds, decode seconds).
+    """
+    from transformers import DynamicCache
+    from transformers.generation.streamers import BaseStreamer
+
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    padded = not bool(attention_mask.all())
+    s, T = input_ids.shape[1], max_new_tokens
+    if method.name == "fkv":
+
+        class Clock(BaseStreamer):  # put() gets the prompt first, then each new token
+            def __init__(self):
+                self.times = []
+
+            def put(self, value):
+                _sync(device)
+                self.times.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        clock = Clock()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=T, min_new_tokens=T,
+                             do_sample=False, pad_token_id=0, streamer=clock)
+        _sync(device)
+        t2 = time.perf_counter()
+        t1 = clock.times[1] if len(clock.times) > 1 else t2
+        return out[:, s:], t1 - t0, t2 - t1
+    if method.name != "ed":
+        raise ValueError(f"no plain HF reference for method {method.name!r}")
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, s]
+    tokens = torch.empty(input_ids.shape[0], T, dtype=torch.long, device=device)  # [B, T]
+    cache = DynamicCache(config=model.config)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model(input_ids=input_ids, attention_mask=attention_mask if padded else None, position_ids=pos,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tokens[:, 0] = out.logits[:, -1].argmax(-1)
+    _sync(device)
+    t1 = time.perf_counter()
+    held, next_pos = s, pos[:, -1:] + 1  # [B, 1]
+    for t in range(1, T):
+        if t == 1 or held >= method.kv_max:  # keep only the newest pair
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, -1:], layer.values[:, :, -1:]
+            held = 1
+        out = model(input_ids=tokens[:, t - 1 : t], position_ids=next_pos, past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        tokens[:, t] = out.logits[:, -1].argmax(-1)
+        held, next_pos = held + 1, next_pos + 1
+    _sync(device)
+    return tokens, t1 - t0, time.perf_counter() - t1

@@ -1,0 +1,179 @@
+"""The fair baselines (batchmax_tp.baseline): FKV and ED on the model's own SDPA with a DenseCache.
+
+They must give what the score-collecting path gave (tokens identical, logits within 1e-4), what HF's own
+full-cache forward gives (FKV), keep exactly Algorithm 3's pairs (ED, naive reference), and never run the
+"batchmax" attention or hold per-slot score/position buffers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    PEAKED,
+    assert_kept_equal,
+    assert_logits_close,
+    assert_tokens_equal,
+    hf_full_cache_logits,
+    left_padded_batch,
+    tiny_llama,
+)
+from reference import reference_generate
+from transformers import MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from batchmax_tp import attention
+from batchmax_tp.baseline import SDPA, DenseCache, fastest_attention, sdpa_workspace_bytes
+from batchmax_tp.cache import BatchMaxCache
+from batchmax_tp.engine import generate
+from batchmax_tp.policy import Method
+
+ATOL = 1e-4
+LENGTHS = [37, 52, 60]  # three different left paddings (23, 8, 0)
+METHODS = [Method("fkv"), Method("ed", kv_max=2), Method("ed", kv_max=5), Method("ed", kv_max=65)]
+IDS = ["fkv", "ed2", "ed5", "ed65"]  # ed65: kv_max above the prompt length
+
+
+def run(model, ids, mask, method, n, fast=True):
+    return generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True, fast_baselines=fast)
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """Counts calls of the "batchmax" attention function (each one starts by taking the updated layer)."""
+    calls = []
+    original = attention.take_updated_layer
+
+    def counting(key):
+        calls.append(key.shape)
+        return original(key)
+
+    monkeypatch.setattr(attention, "take_updated_layer", counting)
+    return calls
+
+
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
+def test_fast_baseline_equals_batchmax_path_and_reference(method, attention_calls):
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch(LENGTHS, seed=1)
+    n = 12
+    old = run(model, ids, mask, method, n, fast=False)
+    assert isinstance(old.cache, BatchMaxCache) and len(attention_calls) > 0  # the counter sees the old path
+    attention_calls.clear()
+    new = run(model, ids, mask, method, n)
+    assert attention_calls == [], "a baseline ran the score-collecting attention"
+    assert isinstance(new.cache, DenseCache)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    assert_tokens_equal(new.tokens, old.tokens, what=f"{method.label()}: fast vs batchmax path")
+    assert_logits_close(new.logits, old.logits, ATOL, what=f"{method.label()}: fast vs batchmax path")
+    assert_kept_equal(new.cache.kept_positions(), old.cache.kept_positions(), what=f"{method.label()} kept")
+    ref = reference_generate(model, ids, mask, method.name, method.kv_max, None, n)
+    assert_tokens_equal(new.tokens, ref.tokens, what=f"{method.label()}: fast vs reference")
+    assert_kept_equal(new.cache.kept_positions(), ref.kept, what=f"{method.label()}: fast vs Algorithm 3")
+    assert_logits_close(new.logits, hf_full_cache_logits(model, ids, mask, new.tokens) if method.name == "fkv"
+                        else ref.logits, ATOL, what=f"{method.label()}: fast vs HF full forward / reference")
+    # Same K/V memory as before (ED: the prompt during prefill), and no per-slot score or position buffers.
+    assert new.peak_kv_bytes == old.peak_kv_bytes > 0
+    assert new.cache.kv_bytes() == old.cache.kv_bytes()
+    for layer in new.cache.layers:
+        assert not hasattr(layer, "score") and not hasattr(layer, "pos")
+        assert [k for k, v in vars(layer).items() if isinstance(v, torch.Tensor)] == ["keys", "values"]
+    assert old.cache.meta_bytes() > 0
+    assert new.cache.meta_bytes() == (3 * (60 + n - 1) if method.name == "fkv" else 0)  # FKV's bool decode mask
+
+
+@pytest.mark.parametrize("kv_max", [2, 3, 5])
+def test_ed_kept_sets_follow_algorithm_3_step_by_step(kv_max):
+    model = tiny_llama(1, **PEAKED)
+    ids, mask = left_padded_batch([5, 60, 45], seed=4)  # a 5-token row: 55 pads before its prompt
+    s, n = ids.shape[1], 3 * kv_max + 2
+    ref = reference_generate(model, ids, mask, "ed", kv_max, None, n)
+    for steps in range(1, n + 1):
+        out = run(model, ids, mask, Method("ed", kv_max=kv_max), steps)
+        assert_kept_equal(out.cache.kept_positions(), ref.kept_history[steps - 1],
+                          what=f"[ed kv_max={kv_max}] kept after {steps} token(s)")
+        assert_tokens_equal(out.tokens, ref.tokens[:, :steps])
+        held = out.cache.kept_positions()[0][0][0]
+        if steps == 1:  # prefill only: the whole (real) prompt
+            assert held == list(range(s - 5, s))
+        else:  # bounded by kv_max, newest token included, contiguous
+            assert 2 <= len(held) <= kv_max and held[-1] == s + steps - 2
+            assert held == list(range(held[0], held[-1] + 1))
+    assert out.cache.layers[0].keys.shape[2] == kv_max  # the prompt-sized buffer was released
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_fkv_equals_hf_generate(padded):
+    """FKV = HF's own generate with its default cache (greedy), padded or not (unpadded: no mask at all)."""
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch(LENGTHS if padded else [60, 60, 60], seed=2)
+    n = 10
+    out = run(model, ids, mask, Method("fkv"), n)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=0)[:, ids.shape[1]:]
+    assert_tokens_equal(out.tokens, want, what="fkv vs HF generate")
+    assert_logits_close(out.logits, hf_full_cache_logits(model, ids, mask, out.tokens), ATOL, what="fkv vs HF")
+    assert (out.cache.max_pads > 0) == padded
+    # workspace: HF's 4D prefill mask + GQA repeat_kv copies when padded, nothing otherwise
+    cfg = model.config
+    want_ws = 3 * 60 * 60 + 2 * 3 * cfg.num_attention_heads * 60 * cfg.head_dim * 4 if padded else 0
+    assert out.peak_workspace_bytes == want_ws
+
+
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=128, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              initializer_range=0.2)
+ARCHS = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"num_key_value_heads": 4}),  # fused qkv, no GQA
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_other_families_fast_equals_batchmax_path(arch):
+    config_cls, model_cls, extra = ARCHS[arch]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**{**COMMON, **extra})).float().eval()
+    model.set_attn_implementation("sdpa")
+    ids, mask = left_padded_batch([20, 33, 40], seed=0)
+    for method in (Method("fkv"), Method("ed", kv_max=3)):
+        old, new = run(model, ids, mask, method, 9, fast=False), run(model, ids, mask, method, 9)
+        assert_tokens_equal(new.tokens, old.tokens, what=f"{arch} {method.label()}")
+        assert_logits_close(new.logits, old.logits, ATOL, what=f"{arch} {method.label()}")
+        assert_kept_equal(new.cache.kept_positions(), old.cache.kept_positions(), what=f"{arch} {method.label()}")
+
+
+def test_fastest_attention_on_cpu_is_sdpa_and_workspace_estimate():
+    model = tiny_llama(0)
+    assert fastest_attention(model) == SDPA
+    # only a padded SDPA prefill allocates: mask [B,1,s,s] bool + repeat_kv of K and V for GQA
+    assert sdpa_workspace_bytes(2, 4, 2, 16, 10, 4, padded=True) == 2 * 100 + 2 * 2 * 4 * 10 * 16 * 4
+    assert sdpa_workspace_bytes(2, 4, 4, 16, 10, 4, padded=True) == 2 * 100  # MHA: no copies
+    assert sdpa_workspace_bytes(2, 4, 2, 16, 10, 4, padded=False) == 0
+    assert sdpa_workspace_bytes(2, 4, 2, 16, 10, 2, padded=True, impl="flash_attention_2") == 0
+
+
+def test_dense_cache_refuses_bm_and_hf_generate():
+    with pytest.raises(ValueError, match="fkv and ed"):
+        DenseCache(Method("bm", kv_max=16, p=4), 2, 16, torch.ones(1, 4, dtype=torch.long))
+    model = tiny_llama(0)
+    cache = DenseCache(Method("fkv"), 2, 16, torch.ones(1, 4, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="engine.generate"):
+        model.generate(torch.randint(3, 100, (1, 4)), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+
+
+@pytest.mark.parametrize("method", [Method("fkv"), Method("ed", kv_max=2), Method("ed", kv_max=4)],
+                         ids=["fkv", "ed2", "ed4"])
+def test_plain_hf_references_give_the_engines_tokens(method):
+    """The benchmark's plain-HF versions (HF generate; DynamicCache cut to its newest pair) agree with the engine."""
+    from batchmax_tp.baseline import hf_reference_generate
+
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch(LENGTHS, seed=3)
+    tokens, prefill_s, decode_s = hf_reference_generate(model, ids, mask, method, 11)
+    assert prefill_s > 0 and decode_s > 0
+    assert_tokens_equal(tokens, run(model, ids, mask, method, 11).tokens, what=f"plain HF {method.label()}")
+    if method.name == "ed":  # and the cut really changes the result (the reference is not a full cache)
+        assert not torch.equal(tokens, run(model, ids, mask, Method("fkv"), 11).tokens)
