@@ -129,15 +129,20 @@ def predict(
     q_heads, kv_heads = shape.local_heads(tp)
     cap = capacity(method, prompt_len, max_new_tokens)
     kv = 2 * batch * shape.layers * kv_heads * cap * shape.head_dim * nbytes
-    slot_meta = batch * shape.layers * kv_heads * cap * (8 + 4)
+    window = method.lookahead  # look-ahead probe tokens per prefill block (rules.py); 0 for the paper's rule
+    slot_meta = batch * shape.layers * kv_heads * cap * (8 + 4 + (4 if window else 0))
 
     # Score blocks: queries attend over the slots written so far (the cache's high-water mark): a prefill block
     # ending at ``end`` sees ``end`` slots until the first eviction, then all ``cap``; a decode step one query.
     workspace, evicted = 0, False
     for start, end in prefill_blocks(method, prompt_len):
         evicted = evicted or end > cap
-        workspace = max(workspace, score_block_bytes(batch, q_heads, kv_heads, end - start,
-                                                     cap if evicted else end, ordered=not evicted))
+        block_ws = score_block_bytes(batch, q_heads, kv_heads, end - start, cap if evicted else end,
+                                     ordered=not evicted)
+        w = prompt_len - max(end, prompt_len - window) if window else 0
+        if w:  # the probe's queries over the slots and its own keys, while the block's last chunk is still live
+            block_ws += 2 * 4 * batch * q_heads * w * (min(cap, end) + w)
+        workspace = max(workspace, block_ws)
     if max_new_tokens > 1:
         if method.name == "ed":  # compacted to one pair at the first step, then never more than kv_max
             decode_slots = min(method.kv_max, max_new_tokens)
@@ -145,7 +150,7 @@ def predict(
             decode_slots = min(cap, prompt_len + max_new_tokens - 1)
         workspace = max(workspace, score_block_bytes(batch, q_heads, kv_heads, 1, decode_slots))
 
-    block = max(end - start for start, end in prefill_blocks(method, prompt_len))
+    block = max(end - start for start, end in prefill_blocks(method, prompt_len)) + window
     local_inter = math.ceil(shape.intermediate / tp)
     # Live in one decoder layer: residual + normed hidden, q/k/v/out projections, 3 MLP intermediates; logits of
     # the last position only (logits_to_keep=1) in float32.

@@ -254,3 +254,54 @@ def test_probe_adds_no_collective_under_tp2(tmp_path):
         assert probe["kept"] == want  # rank-local eviction = the single process's, head by head
         offset += h
     assert offset == 3
+
+
+# ------------------------------------------------------------------------------------------- configuration
+def test_run_config_rule(tmp_path):
+    from batchmax_tp.config import ConfigError, RunConfig, build_parser, parse_args
+    from batchmax_tp.evaluate import RunSpec, run_settings
+
+    cfg = parse_args([])
+    assert cfg.rule == "paper" and [m.rule for m in cfg.method_specs()] == ["paper"] * 3
+    assert [s.name for s in cfg.run_specs()] == ["fkv-b4", "ed-b4-kv2", "bm-b4-kv512"]  # paper names unchanged
+    cfg = parse_args(["--rule", "snapkv:window=64", "--kv-max", "256"])
+    assert [(m.name, m.rule) for m in cfg.method_specs()] == [("fkv", "paper"), ("ed", "paper"),
+                                                              ("bm", "snapkv:window=64")]
+    spec = cfg.run_specs()[2]
+    assert spec.name == "bm-snapkv-window64-b4-kv256"
+    assert run_settings(cfg, spec)["rule"] == "snapkv:window=64"
+    assert run_settings(cfg, RunSpec(Method("fkv"), 4))["rule"] == "paper"
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("rule: pooled\nruns:\n  - {method: bm, batch_size: 8, kv_max: 256}\n"
+                         "  - {method: bm, batch_size: 8, kv_max: 256, rule: paper}\n")
+    assert [s.name for s in parse_args(["--config", str(yaml_file)]).run_specs()] == [
+        "bm-pooled-b8-kv256", "bm-b8-kv256"]
+    for argv, start in [(["--rule", "nope"], "rule: unknown rule 'nope': choose one of paper, pooled"),
+                        (["--rule", "pooled:kernel=2"], "rule: rule 'pooled': kernel must be odd"),
+                        (["--rule", "sinks", "--kv-max", "80", "--p", "64"], "kv_max: rule 'sinks' protects 36")]:
+        with pytest.raises(ConfigError) as err:
+            parse_args(argv)
+        assert str(err.value).startswith(start) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match=r"runs\[0\].rule: rule 'probe' applies to method bm only"):
+        RunConfig(runs=[{"method": "ed", "batch_size": 2, "rule": "probe"}])
+    with pytest.raises(ConfigError, match="rule: must be a string"):
+        RunConfig(rule=3)
+    assert "--rule" in build_parser().format_help() and "--list-rules" in build_parser().format_help()
+
+
+def test_list_rules_prints_names_and_exits_0(capsys):
+    from batchmax_tp.config import parse_args
+
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--list-rules"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.split("\n") == rule_names() + [""]
+
+
+def test_reports_name_the_rule():
+    from batchmax_tp.report import format_csv
+
+    rows = format_csv([dict(method="bm", rule="snapkv", batch_size=4, kv_max=256, status="done"),
+                       dict(method="bm", batch_size=4, kv_max=256, status="done")]).splitlines()
+    rule_col = rows[0].split(",").index("rule")
+    assert [r.split(",")[rule_col] for r in rows[1:]] == ["snapkv", "paper"]
