@@ -180,3 +180,66 @@ def test_cli_rejects_bad_settings(capsys):
     assert "unknown rule" in capsys.readouterr().err
     a = br.parse_args(["--quick", "--rules", "paper"])
     assert a.kv_max == [256] and a.rules == ["paper"] and a.lengths == [768]
+
+
+# ---------------------------------------------------------------------- the main job's same-memory run (runner)
+SMOL = dict(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+            params=134_515_008, tied=True)
+
+
+def test_same_memory_plan_gives_bm_the_larger_batch():
+    from batchmax_tp import planner, runner
+    from batchmax_tp.policy import Method
+
+    shape = planner.ModelShape(**SMOL)
+    methods = [Method("fkv"), Method("ed", kv_max=2), Method("bm", kv_max=512), Method("bm", kv_max=512, rule="probe")]
+    budget, plan = runner.same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, cap=64)
+    assert budget == planner.predict(shape, Method("fkv"), 4, 1800, 64).total
+    fkv, ed, bm, probe = plan
+    assert fkv.batch == 4 and ed.batch <= 5  # ED prefills the whole prompt: the same peak as FKV
+    assert bm.batch > 2 * fkv.batch
+    # same K/V per kv_max; the probe's extra queries only add to a prefill block's activations and score block
+    assert 2 * fkv.batch < probe.batch <= bm.batch
+    for run in plan:
+        assert run.predicted_peak_bytes <= budget
+        assert planner.predict(shape, run.method, run.batch + 1, 1800, 64).total > budget  # the largest that fits
+    _, capped = runner.same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, cap=6)
+    assert [r.batch for r in capped] == [4, ed.batch, 6, 6] and capped[2].largest_fitting == bm.batch
+    _, none = runner.same_memory_plan(shape, methods, 1800, 64, budget_bytes=1000)
+    assert [r.batch for r in none] == [0, 0, 0, 0]
+
+
+def test_fill_samples_and_story_table():
+    from batchmax_tp import runner
+    from batchmax_tp.tasks import Sample
+
+    base = [Sample("a", "p1", "r1"), Sample("b", "p2", "r2")]
+    filled = runner.fill_samples(base, 5)
+    assert [s.id for s in filled] == ["a", "b", "a~2", "b~2", "a~3"]
+    assert [s.prompt for s in filled] == ["p1", "p2", "p1", "p2", "p1"] and filled[4].reference == "r1"
+    assert runner.fill_samples(base, 1) == base
+    table = runner.format_story_table([
+        {"method": "fkv", "rule": "-", "batch_size": 4, "kv_max": None, "tokens_per_s": 10.0,
+         "peak_kv_bytes": 2**20, "predicted_peak_bytes": 2**30, "num_correct": 3, "num_checked": 4},
+        {"method": "bm", "rule": "probe", "batch_size": 14, "kv_max": 512, "tokens_per_s": 12.5,
+         "peak_kv_bytes": 2**20, "predicted_peak_bytes": 2**30, "num_correct": 4, "num_checked": 4},
+        {"method": "ed", "rule": "-", "status": "OOM", "batch_size": 0, "kv_max": 2, "predicted_peak_bytes": 2**31},
+    ], budget_bytes=2**30).splitlines()
+    assert table[0].startswith("Memory budget 1024.0 MiB")
+    head = table.index("| method | rule | batch | kv_max | tokens/s | peak KV MiB | predicted peak MiB | correct (k/n) |")
+    assert table[head + 2] == "| fkv | - | 4 | - | 10.00 | 1.0 | 1024.0 | 3/4 |"
+    assert table[head + 3] == "| bm | probe | 14 | 512 | 12.50 | 1.0 | 1024.0 | 4/4 |"
+    assert table[head + 4].startswith("| ed | - | OOM | 2 |")
+
+
+def test_story_requested_only_for_plain_runs():
+    from types import SimpleNamespace
+
+    from batchmax_tp import runner
+
+    plain = SimpleNamespace(sweep=False)
+    assert runner.story_requested(plain, [])
+    assert not runner.story_requested(plain, ["--method", "bm"])
+    assert not runner.story_requested(SimpleNamespace(sweep=True), [])
+    assert runner.story_requested(SimpleNamespace(sweep=False, same_memory=True), ["--out", "x"])
+    assert not runner.story_requested(SimpleNamespace(sweep=False, same_memory=False), [])
