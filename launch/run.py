@@ -87,14 +87,7 @@ def _setup_stdout(is_main: bool):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else list(argv)
-    if "--list-rules" in args:  # the eviction rules BM can run with (batchmax_tp.rules), one per line
-        try:
-            names = importlib.import_module("batchmax_tp.rules").rule_names()
-        except ImportError:
-            names = ["paper"]
-        print("\n".join(names), flush=True)
-        return 0
+    args = sys.argv[1:] if argv is None else list(argv)  # none at all: the same-memory run (runner.story_requested)
     try:
         cfg = parse_args(argv)
         cfg.device = resolve_device(cfg.device)
