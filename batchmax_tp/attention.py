@@ -10,6 +10,12 @@ Memory: long blocks run in query chunks (``SCORE_CHUNK_BYTES``), one chunk's ten
 reports its peak allocation, counted by ``workspace_bytes`` (what the planner predicts, checked against measured
 allocations in ``tests/test_memory.py``).
 
+Look-ahead probe (rules ``probe``/``snapkv``): when the cache layer holds probe keys/values for this pass, the
+last ``w`` queries are the probe's. Each attends to every valid slot (all precede it) and causally to the probe
+keys up to itself (pad probe tokens hidden); its output goes on through the layer, its attention to the slots,
+summed over the query group and averaged over the sample's real probe queries, becomes the slots' ``probe``
+values (overwritten each probed pass); the paper's sums get nothing from it.
+
 Nothing is registered at import time: call ``register()`` (or use ``use_batchmax_attention``).
 """
 
@@ -44,12 +50,16 @@ def batchmax_attention(
     """query [B, Hq, n, D]; key/value: the cache layer's buffers [B, Hkv, C, D]; attention_mask: the block's
     padding mask (last n columns of a 2D [B, *] mask, True for real tokens) or None. Returns [B, n, Hq, D]."""
     layer = take_updated_layer(key)
-    B, Hq, n, D = query.shape
+    probe_kv, layer.probe_kv = layer.probe_kv, None
+    wp = 0 if probe_kv is None else probe_kv[0].shape[2]  # look-ahead probe queries at the end of the block
+    B, Hq, n_all, D = query.shape
+    n = n_all - wp
     Hkv = key.shape[1]
     g = Hq // Hkv
     scaling = D**-0.5 if scaling is None else scaling
 
-    token_mask = None if attention_mask is None else attention_mask[:, -n:].bool()  # [B, n]
+    all_mask = None if attention_mask is None else attention_mask[:, -n_all:].bool()  # [B, n + wp]
+    token_mask = None if all_mask is None else all_mask[:, :n]  # [B, n]
     layer.mark_pads(token_mask)
     hi = layer.high  # slots [hi, C) were never written: leave them out of every product
     keys_t = key[:, :, :hi].transpose(2, 3)  # [B, Hkv, D, hi]
@@ -61,7 +71,7 @@ def batchmax_attention(
     else:  # empty and pad slots get a position after every query, so one comparison hides them too
         eff_pos = slot_pos.masked_fill(slot_pos < 0, torch.iinfo(slot_pos.dtype).max)  # [B, Hkv, hi]
     first = layer.seen - n  # padded position of the block's first query
-    qg = query.view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head (a view)
+    qg = query[:, :, :n].view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head (a view)
 
     # Memory: at most one chunk's tensors are alive at a time (each is dropped as soon as it is used), the
     # scaling is folded into the chunk's own query copy, and chunk outputs go straight into the result's
@@ -73,8 +83,8 @@ def batchmax_attention(
     out = None  # [B, n, Hkv, g, D]: allocated once when the block takes more than one chunk
     for a, b, lim in query_chunks(B, Hq, n, hi, ordered):
         m = b - a
-        if out is None and m < n:
-            out = torch.empty(B, n, Hkv, g, D, dtype=value.dtype, device=value.device)
+        if out is None and (m < n or wp):
+            out = torch.empty(B, n_all, Hkv, g, D, dtype=value.dtype, device=value.device)
         # The chunk's scaled queries, copied contiguous (never a view: scaled in place) [B, Hkv, g, m, D]
         qc = qg[:, :, :, a:b].clone(memory_format=torch.contiguous_format).mul_(scaling)
         logits = torch.matmul(qc.view(B, Hkv, g * m, D), keys_t[..., :lim])  # [B, Hkv, g*m, lim]
@@ -105,7 +115,11 @@ def batchmax_attention(
         else:
             out[:, a:b].copy_(o.permute(0, 3, 1, 2, 4))  # [B, m, Hkv, g, D]
         del o
-    return out.view(B, n, Hq, D), None  # [B, n, Hq, D]
+    if wp:  # the look-ahead probe's queries: their outputs go on through the layer (and are dropped at the end)
+        probe_mask = None if all_mask is None else all_mask[:, n:]  # [B, wp]
+        probe_out = _probe_attention(layer, query[:, :, n:], probe_kv, probe_mask, scaling, hi)  # [B, Hq, wp, D]
+        out[:, n:].copy_(probe_out.view(B, Hkv, g, wp, D).permute(0, 3, 1, 2, 4))  # [B, wp, Hkv, g, D]
+    return out.view(B, n_all, Hq, D), None  # [B, n + wp, Hq, D]
 
 
 def query_chunks(batch: int, q_heads: int, queries: int, slots: int, ordered: bool):
@@ -160,6 +174,38 @@ def workspace_bytes(batch: int, q_heads: int, kv_heads: int, queries: int, slots
         ]
         peak = max(peak, held + max(steps))
     return peak
+
+
+def _probe_attention(layer, query: torch.Tensor, probe_kv: tuple[torch.Tensor, torch.Tensor],
+                     probe_mask: torch.Tensor | None, scaling: float, hi: int) -> torch.Tensor:
+    """The look-ahead probe's queries [B, Hq, w, D] over the slots [0, hi) and the probe's own keys (causal).
+
+    Writes the probe's attention per slot into ``layer.probe`` and returns the probe outputs [B, Hq, w, D]."""
+    pk, pv = probe_kv  # [B, Hkv, w, D] each
+    B, Hq, w, D = query.shape
+    Hkv = pk.shape[1]
+    g = Hq // Hkv
+    q = (query * scaling).reshape(B, Hkv, g * w, D)  # [B, Hkv, g*w, D]
+    neg = torch.finfo(torch.float32).min
+    slot_logits = torch.matmul(q, layer.keys[:, :, :hi].transpose(2, 3)).float()  # [B, Hkv, g*w, hi]
+    slot_logits.masked_fill_((layer.pos[:, :, :hi] < 0)[:, :, None, :], neg)
+    own = torch.matmul(q, pk.transpose(2, 3)).float().view(B, Hkv, g, w, w)  # [B, Hkv, g, w, w]
+    hidden = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)  # [w, w] later probe tokens
+    if probe_mask is not None:
+        hidden = hidden | ~probe_mask[:, None, None, None, :]  # [B, 1, 1, w, w] pad probe keys too
+    own.masked_fill_(hidden, neg)
+    probs = torch.softmax(torch.cat([slot_logits, own.view(B, Hkv, g * w, w)], dim=-1), dim=-1)  # [B, Hkv, g*w, hi+w]
+    layer.cache.note_workspace(2 * probs.numel() * probs.element_size())
+    to_slots, to_own = probs[..., :hi], probs[..., hi:]  # [B, Hkv, g*w, hi], [B, Hkv, g*w, w]
+    # Mean over the sample's real probe queries, summed over the query group: rows of probs are (g, w).
+    if probe_mask is None:
+        weights = torch.full((B, w), 1.0 / w, device=q.device)  # [B, w]
+    else:
+        real = probe_mask.float()  # [B, w]
+        weights = real / real.sum(-1, keepdim=True).clamp(min=1)  # [B, w]
+    layer.probe[:, :, :hi] = torch.matmul(weights.repeat(1, g)[:, None, None, :], to_slots).view(B, Hkv, hi)
+    out = torch.matmul(to_slots.to(pv.dtype), layer.values[:, :, :hi]) + torch.matmul(to_own.to(pv.dtype), pv)
+    return out.view(B, Hq, w, D)  # [B, Hq, w, D]
 
 
 def padding_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:

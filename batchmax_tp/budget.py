@@ -140,7 +140,7 @@ def warm_up_methods(cfg: Any) -> list:
     from .policy import Method
 
     kv = cfg.kv_values[0] if cfg.kv_values else max(128, cfg.p + 64)
-    return [Method("fkv", p=cfg.p), Method("ed", kv_max=2, p=cfg.p), Method("bm", kv_max=kv, p=cfg.p)]
+    return [Method("fkv", p=cfg.p), Method("ed", kv_max=2, p=cfg.p), Method("bm", kv_max=kv, p=cfg.p, rule=cfg.rule)]
 
 
 # ---------------------------------------------------------------------- the paper's procedure
@@ -214,7 +214,7 @@ def paper_specs(cfg: Any, shape: Any, prompt_len: int, *, num_samples: int, tp: 
     measured = find_b0(guess, fits) if fits is not None else None
     plan = paper_plan(budget, shape, prompt_len, cfg.max_new_tokens, dtype=dtype, tp=tp, p=cfg.p,
                       num_samples=num_samples, kv_values=grid, b0=measured)
-    specs = [RunSpec(m, b) for m, b in plan]
+    specs = [RunSpec(dataclasses.replace(m, rule=cfg.rule_for(m.name)), b) for m, b in plan]
     b0 = specs[0].batch_size
     adjusted = None
     for spec in specs:
@@ -225,7 +225,8 @@ def paper_specs(cfg: Any, shape: Any, prompt_len: int, *, num_samples: int, tp: 
     rows = []
     for spec in specs:
         est = predict_spec(shape, spec.method, spec.batch_size, prompt_len, cfg, tp)
-        rows.append({"run": spec.name, "method": spec.method.name, "batch_size": spec.batch_size,
+        rows.append({"run": spec.name, "method": spec.method.name, "rule": spec.method.rule,
+                     "batch_size": spec.batch_size,
                      "kv_max": spec.kv_max, "predicted_peak_bytes": est.total, "fits": est.total <= budget})
     planned = {s.kv_max for s in specs if s.method.name == "bm"}
     info = {
@@ -296,7 +297,8 @@ def run_tuner(
     summaries: dict[str, dict] = {}
 
     def run_trial(method: Any, batch: int) -> Trial:
-        spec = evaluate.RunSpec(Method(method.name, kv_max=method.kv_max, p=cfg.p), batch)
+        spec = evaluate.RunSpec(Method(method.name, kv_max=method.kv_max, p=cfg.p, rule=cfg.rule_for(method.name)),
+                                batch)
         summary = evaluate.evaluate_run(model, tokenizer, samples, spec, trial_cfg, layout=layout, group=group,
                                         prompt_len=prompt_len, shape=shape, generate_fn=generate_fn,
                                         encode_fn=encode_fn)

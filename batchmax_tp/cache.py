@@ -8,6 +8,10 @@ RoPE, so nothing is compacted or re-rotated (ED compacts its single kept pair, o
 Head counts come from the tensors the model hands to ``update`` (under tensor parallelism they are the rank's
 local heads). The cache works only with the "batchmax" attention function (``batchmax_tp.attention``), which
 reads the layer's slot state and adds each query's attention probabilities to the slots it attended.
+
+Rules with a look-ahead probe (``batchmax_tp.rules``) get the probe tokens appended to a prefill block (the
+phase says how many): ``update`` writes only the block's pairs into slots and hands the probe's keys/values to
+the attention call aside (never stored); the attention writes the probe's attention per slot into ``probe``.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ def take_updated_layer(key: torch.Tensor) -> BoundedLayer:
 
 
 class BoundedLayer(CacheLayerMixin):
-    """One decoder layer's slots: keys/values [B, H, C, D], pos [B, H, C] (int64), score [B, H, C] (float32)."""
+    """One decoder layer's slots: keys/values [B, H, C, D], pos [B, H, C] (int64), score [B, H, C] (float32);
+    probe [B, H, C] (float32) only for rules with a look-ahead probe."""
 
     is_sliding = False
     is_compileable = False
@@ -52,6 +57,8 @@ class BoundedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.pos: torch.Tensor | None = None
         self.score: torch.Tensor | None = None
+        self.probe: torch.Tensor | None = None  # look-ahead attention per slot of the last probed pass
+        self.probe_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # this pass's probe keys/values, transient
         self.filled = 0  # occupied slots per (sample, head), pads included: the same host int for all of them
         self.seen = 0  # tokens processed so far = padded position of the next token
         self.high = 0  # slots [0, high) have been written at least once; the rest are empty
@@ -78,13 +85,14 @@ class BoundedLayer(CacheLayerMixin):
         return -1 if self.cache.method.name == "fkv" else self.cache.method.kv_max
 
     def reset(self) -> None:
-        self.keys = self.values = self.pos = self.score = None
+        self.keys = self.values = self.pos = self.score = self.probe = None
+        self.probe_kv = None
         self.is_initialized = False
         self.filled = self.seen = self.free_ptr = self.high = 0
         self.free, self.decoding, self.new_slots = None, False, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for name in ("keys", "values", "pos", "score", "free"):
+        for name in ("keys", "values", "pos", "score", "probe", "free"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
@@ -102,6 +110,8 @@ class BoundedLayer(CacheLayerMixin):
         self.values = torch.zeros(batch, heads, capacity, v_dim, **kw)
         self.pos = torch.full((batch, heads, capacity), -1, dtype=torch.long, device=self.device)
         self.score = torch.zeros(batch, heads, capacity, dtype=torch.float32, device=self.device)
+        if self.cache.method.lookahead:
+            self.probe = torch.zeros(batch, heads, capacity, dtype=torch.float32, device=self.device)
         self.cache.note_capacity()
 
     def _resize(self, capacity: int) -> None:
@@ -120,15 +130,17 @@ class BoundedLayer(CacheLayerMixin):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     # -- eviction -----------------------------------------------------------------------------------------------
-    def evict(self, n: int, curr_id: int) -> None:
-        """Drop ``n`` occupied pairs per (sample, head) by the method's rule; pads and empty slots go first."""
+    def evict(self, n: int, curr_id: int, prefill: bool = False) -> None:
+        """Drop ``n`` occupied pairs per (sample, head) by the method's rule; pads and empty slots go first.
+        ``prefill``: a prefill eviction (the look-ahead probe's attention joins the rule's score)."""
         with torch.profiler.record_function("batchmax::evict"):
-            self._evict(n, curr_id)
+            self._evict(n, curr_id, prefill)
 
-    def _evict(self, n: int, curr_id: int) -> None:
+    def _evict(self, n: int, curr_id: int, prefill: bool = False) -> None:
         method = self.cache.method
         empty = self.capacity - self.filled
-        priority = eviction_priority(method, self.score, self.pos, curr_id)  # [B, H, C]
+        probe = self.probe if prefill else None
+        priority = eviction_priority(method, self.score, self.pos, curr_id, probe)  # [B, H, C]
         if method.name == "ed":
             # Keep only the newest pair: move it to slot 0 and make the rest of the buffer free again.
             kept = slots_to_evict(-priority, self.pos, self.filled - n)  # [B, H, filled - n]
@@ -165,8 +177,13 @@ class BoundedLayer(CacheLayerMixin):
                 "BatchMaxCache was updated twice without the 'batchmax' attention in between: load the model with "
                 "attn_implementation='batchmax' (batchmax_tp.attention.use_batchmax_attention(model))"
             )
-        n = key_states.shape[2]
         phase = self.cache.phase
+        if phase is not None and phase.probe:
+            # Look-ahead probe tokens ride at the end of the block: handed to the attention, never stored.
+            w = phase.probe
+            self.probe_kv = (key_states[:, :, -w:], value_states[:, :, -w:])  # [B, H, w, D] each
+            key_states, value_states = key_states[:, :, :-w], value_states[:, :, :-w]  # [B, H, n, D]
+        n = key_states.shape[2]
         if phase is None:  # driven by HF generate: infer the phase from the block itself
             first_decode = n == 1 and self.seen > 0 and not self.decoding
             self.decoding = self.decoding or first_decode
@@ -174,7 +191,7 @@ class BoundedLayer(CacheLayerMixin):
         else:
             evict = phase.evict
         if evict:
-            self.evict(evict, curr_id=self.seen - 1)
+            self.evict(evict, curr_id=self.seen - 1, prefill=phase is not None and phase.kind == "prefill")
 
         if self.free is None:
             needed = self.filled + n
@@ -265,11 +282,12 @@ class BatchMaxCache(Cache):
         return sum(layer.kv_bytes() for layer in self.layers)
 
     def meta_bytes(self) -> int:
-        """Bytes of the per-slot bookkeeping (positions and attention sums)."""
+        """Bytes of the per-slot bookkeeping (positions, attention sums and, with a probe, look-ahead sums)."""
         return sum(
-            layer.pos.numel() * layer.pos.element_size() + layer.score.numel() * layer.score.element_size()
+            t.numel() * t.element_size()
             for layer in self.layers
-            if layer.pos is not None
+            for t in (layer.pos, layer.score, layer.probe)
+            if t is not None
         )
 
     def kept_positions(self) -> list[list[list[list[int]]]]:

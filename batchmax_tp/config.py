@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -45,8 +46,8 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 #: ``task`` values (``batchmax_tp.tasks.TASK_NAMES``; repeated here so that validation imports nothing heavy).
 TASK_NAMES = ("jsonl", "cnn_dailymail", "narrativeqa", "gsm8k")
 METRICS = ("rouge2", "accuracy", "exact", "contains")  #: ``batchmax_tp.metrics.METRICS``
-#: Keys of one entry of ``runs``.
-RUN_KEYS = ("method", "batch_size", "kv_max")
+#: Keys of one entry of ``runs`` (``rule``: BM's eviction rule for that run; default the config's ``rule``).
+RUN_KEYS = ("method", "batch_size", "kv_max", "rule")
 #: ``procedure`` values: the paper's batch-size procedure (section 4.1) and the auto-tuner (``batchmax_tp.budget``).
 PROCEDURES = ("paper", "tune")
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -69,6 +70,7 @@ def _embedded_model() -> str:
 _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "model": ((str,), True),  # null = the embedded model
     "methods": ((list,), False),
+    "rule": ((str,), False),
     "kv_max": ((int,), True),
     "p": ((int,), False),
     "batch_size": ((int,), False),
@@ -87,6 +89,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     "log_level": ((str,), False),
     "tp_size": ((int,), True),  # null = the world size
     "setup_timeout": ((int,), False),
+    "same_memory": ((bool,), True),  # null = only a plain `python launch/run.py` (no arguments)
     "task": ((str,), False),
     "num_shots": ((int,), True),  # null = the paper's count for the task
     "max_input_tokens": ((int,), True),
@@ -126,6 +129,7 @@ class RunConfig:
 
     model: str | None = None  #: HF model id or local path; null -> ``batchmax_tp.models.EMBEDDED_MODEL``
     methods: list[str] = field(default_factory=lambda: ["fkv", "ed", "bm"])
+    rule: str = "paper"  #: BM's eviction rule (``batchmax_tp.rules``; ``name`` or ``name:key=value,...``)
     kv_max: int | None = None  #: bm/ed cache size per (sample, KV head); null -> DEFAULT_KV_MAX
     p: int = 64  #: BM eviction amount / prefill block size
     batch_size: int = 4
@@ -144,6 +148,9 @@ class RunConfig:
     log_level: str = "INFO"
     tp_size: int | None = None  #: ranks per tensor-parallel group; null = the world size; dp = world / tp_size
     setup_timeout: int = 1800  #: seconds the ranks may wait for each other while loading and setting up
+    #: FKV, ED, BM and BM with the best rule, each at its largest batch within FKV's memory at batch 4 (not for
+    #: sweeps); null = only for a plain ``python launch/run.py`` without arguments
+    same_memory: bool | None = None
     task: str = "jsonl"  #: jsonl (``data`` = a JSONL file) or a paper task (``data`` = hub id or folder)
     num_shots: int | None = None  #: null = the paper's count (CNN/DM 1, NarrativeQA 2, GSM8K 16; jsonl 0)
     max_input_tokens: int | None = 3584  #: prompts of paper tasks are cut (in the document) to this many tokens
@@ -182,6 +189,7 @@ class RunConfig:
         dup = sorted({m for m in self.methods if self.methods.count(m) > 1})
         if dup:
             raise ConfigError("methods", f"duplicate method(s) {', '.join(dup)}")
+        self._validate_rule(self.rule, "rule")
         if self.batch_size < 1:
             raise ConfigError("batch_size", f"must be >= 1, got {self.batch_size}")
         if self.max_new_tokens < 1:
@@ -216,6 +224,17 @@ class RunConfig:
             self.method_specs()  # the method rules live in policy.Method; check them now, before any model loads
         else:
             self.run_specs()
+
+    @staticmethod
+    def _validate_rule(rule: str, key: str) -> None:
+        try:
+            importlib.import_module("batchmax_tp.rules").get_rule(rule)
+        except ValueError as err:
+            raise ConfigError(key, str(err)) from None
+
+    def rule_for(self, method: str) -> str:
+        """The eviction rule ``method`` runs with: ``rule`` for bm, the paper's (the only one) for ed/fkv."""
+        return self.rule if method == "bm" else "paper"
 
     def _validate_task(self) -> None:
         if self.task not in TASK_NAMES:
@@ -320,6 +339,15 @@ class RunConfig:
                 if key not in entry:
                     raise ConfigError(f"{where}.{key}", "missing")
             method, batch_size, kv_max = entry["method"], entry["batch_size"], entry.get("kv_max")
+            rule = entry.get("rule")
+            if rule is not None:
+                if not isinstance(rule, str):
+                    raise ConfigError(f"{where}.rule", f"must be a string, got {rule!r}")
+                self._validate_rule(rule, f"{where}.rule")
+                if method != "bm" and rule != "paper":
+                    raise ConfigError(f"{where}.rule", f"rule {rule!r} applies to method bm only, not {method!r}")
+            else:
+                rule = self.rule_for(method)
             if not isinstance(method, str):
                 raise ConfigError(f"{where}.method", f"must be a string, got {method!r}")
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -329,9 +357,10 @@ class RunConfig:
             if kv_max is None:
                 kv_max = self.kv_max_for(method)
             try:
-                spec = RunSpec(Method(method, kv_max=kv_max, p=self.p), batch_size)
+                spec = RunSpec(Method(method, kv_max=kv_max, p=self.p, rule=rule), batch_size)
             except ValueError as err:
-                key = "method" if "unknown method" in str(err) else "p" if str(err).startswith("p ") else "kv_max"
+                key = ("method" if "unknown method" in str(err) else "p" if str(err).startswith("p ")
+                       else "rule" if "rule" in str(err) and "protects" not in str(err) else "kv_max")
                 raise ConfigError(f"{where}.{key}", str(err)) from None
             if spec.name in names:
                 raise ConfigError(where, f"the same run as runs[{names[spec.name]}] ({spec.name})")
@@ -352,7 +381,7 @@ class RunConfig:
         specs = []
         for name in self.methods:
             try:
-                specs.append(Method(name, kv_max=self.kv_max_for(name), p=self.p))
+                specs.append(Method(name, kv_max=self.kv_max_for(name), p=self.p, rule=self.rule_for(name)))
             except ValueError as err:
                 hint = ""
                 if self.kv_max is None and DEFAULT_KV_MAX.get(name) is not None and self._p_alone_ok(Method):
@@ -497,6 +526,15 @@ def _int_list(text: str) -> list[int] | None:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 896,1024, got {text!r}") from None
 
 
+class _ListRules(argparse.Action):
+    """``--list-rules``: print the rule names (one per line) and exit 0, like ``--help``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = importlib.import_module("batchmax_tp.rules").rule_names()
+        parser._print_message("\n".join(names) + "\n", sys.stdout)
+        parser.exit(0)
+
+
 def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     S = argparse.SUPPRESS  # only flags actually given override the YAML / defaults
     p = _Parser(
@@ -515,6 +553,10 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
         metavar="{bm,ed,fkv}",
         help="method to run; repeat (or comma-separate) for several (default: fkv, ed, bm)",
     )
+    p.add_argument("--rule", metavar="NAME",
+                   help="BM's eviction rule (default paper; --list-rules names them; parameters as "
+                   "NAME:key=value,..., e.g. snapkv:window=64)")
+    p.add_argument("--list-rules", nargs=0, action=_ListRules, help="print the eviction rule names and exit")
     p.add_argument("--kv-max", type=_int_or_null, metavar="N|null",
                    help="bm/ed KV pairs per (sample, KV head) (default null: bm 512, ed 2)")
     p.add_argument("--p", type=int, metavar="N", help="BM eviction amount / prefill block (default 64)")
@@ -531,7 +573,10 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     p.add_argument("--device", metavar="auto|cpu|cuda|cuda:N",
                    help="default auto = cuda if available (multi-process runs: the local rank's GPU)")
     p.add_argument("--seed", type=int, metavar="N", help="random seed (default 0)")
-    _bool_flag(p, "do-sample", "sample instead of greedy decoding (default off)")
+    _bool_flag(p, "do-sample", "sample instead of greedy decoding (default off; --no-do-sample: greedy)")
+    _bool_flag(p, "same-memory", "run FKV, ED, BM and BM with the best rule each at its largest batch within FKV's "
+               "memory at batch 4 (default: only a plain run without arguments; --no-same-memory: the methods at "
+               "batch_size)")
     p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default 1.0)")
     p.add_argument("--top-k", type=int, metavar="K", help="top-k sampling, 0 = off (default 0)")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, 1.0 = off (default 1.0)")

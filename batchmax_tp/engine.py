@@ -143,10 +143,16 @@ def generate(
         for phase in (ph for ph in phases if ph.kind == "prefill"):
             cache.begin(phase)
             a, b = phase.start, phase.end
+            ids, mask, pos = input_ids[:, a:b], token_mask[:, a:b], real_pos[:, a:b]  # [B, n]
+            if phase.probe:  # look-ahead probe: the prompt's last tokens ride along, never cached (rules.py)
+                w = phase.probe
+                ids = torch.cat([ids, input_ids[:, s - w:]], dim=1)  # [B, n + w]
+                mask = torch.cat([mask, token_mask[:, s - w:]], dim=1)  # [B, n + w]
+                pos = torch.cat([pos, real_pos[:, s - w:]], dim=1)  # [B, n + w]
             out = model(
-                input_ids=input_ids[:, a:b],
-                attention_mask=cache.attention_mask() if dense else token_mask[:, a:b],
-                position_ids=real_pos[:, a:b],
+                input_ids=ids,
+                attention_mask=cache.attention_mask() if dense else mask,
+                position_ids=pos,
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,

@@ -57,8 +57,12 @@ class RunSpec:
 
     @property
     def name(self) -> str:
-        """The run's folder: ``fkv-b4``, ``bm-b32-kv1024``."""
-        return results.run_dir_name(self.method.name, self.batch_size, self.kv_max)
+        """The run's folder: ``fkv-b4``, ``bm-b32-kv1024``, ``bm-snapkv-b32-kv1024`` (a rule other than the paper's)."""
+        return results.run_dir_name(self.method.name, self.batch_size, self.kv_max, self.rule)
+
+    @property
+    def rule(self) -> str:
+        return getattr(self.method, "rule", "paper")
 
 
 def is_oom(err: BaseException) -> bool:
@@ -88,6 +92,7 @@ def run_settings(cfg: Any, spec: RunSpec, *, tp_size: int = 1, dp_size: int = 1)
     return {
         "run": spec.name,
         "method": spec.method.name,
+        "rule": spec.rule,
         "batch_size": spec.batch_size,
         "kv_max": spec.kv_max,
         "p": spec.method.p,

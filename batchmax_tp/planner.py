@@ -116,7 +116,8 @@ def predict(
     q_heads, kv_heads = shape.local_heads(tp)
     cap = capacity(method, prompt_len, max_new_tokens)
     kv = 2 * batch * shape.layers * kv_heads * cap * shape.head_dim * nbytes
-    slot_meta = batch * shape.layers * kv_heads * cap * (8 + 4)
+    window = method.lookahead  # look-ahead probe tokens per prefill block (rules.py); 0 for the paper's rule
+    slot_meta = batch * shape.layers * kv_heads * cap * (8 + 4 + (4 if window else 0))
 
     # Attention calls: queries attend over the slots written so far (the cache's high-water mark): a prefill
     # block ending at ``end`` sees ``end`` slots in order until the first eviction, then all ``cap``; a decode
@@ -128,7 +129,11 @@ def predict(
     workspace, evicted = 0, False
     for start, end in prefill_blocks(method, prompt_len):
         evicted = evicted or end > cap
-        workspace = max(workspace, call(end - start, cap if evicted else end, not evicted, True))
+        block_ws = call(end - start, cap if evicted else end, not evicted, True)
+        w = prompt_len - max(end, prompt_len - window) if window else 0
+        if w:  # the probe's float32 logits and probabilities over the slots and its own keys, and its outputs
+            block_ws += 2 * 4 * batch * q_heads * w * (min(cap, end) + w) + nbytes * batch * w * q_heads * shape.head_dim
+        workspace = max(workspace, block_ws)
     if max_new_tokens > 1:
         if method.name == "ed":  # compacted to one pair at the first step, then never more than kv_max
             decode_slots = min(method.kv_max, max_new_tokens)
@@ -141,7 +146,7 @@ def predict(
         workspace = sdpa_workspace_bytes(batch, q_heads, kv_heads, shape.head_dim, prompt_len, nbytes, padded=True)
         slot_meta = batch * cap if method.name == "fkv" and max_new_tokens > 1 else 0
 
-    block = max(end - start for start, end in prefill_blocks(method, prompt_len))
+    block = max(end - start for start, end in prefill_blocks(method, prompt_len)) + window
     local_inter = math.ceil(shape.intermediate / tp)
     # Live in one decoder layer: residual + normed hidden, q/k/v/out projections, 3 MLP intermediates; logits of
     # the last position only (logits_to_keep=1) in float32.

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .rules import Rule, average_attention, get_rule  # noqa: F401 (average_attention re-exported)
+
 METHODS = ("bm", "ed", "fkv")
 
 
@@ -24,23 +26,33 @@ class Method:
     - ``ed``: extreme decoding-only eviction (Algorithm 3): the whole prompt is prefilled at once, then only
       the newest pair is kept, and again whenever the cache reaches ``kv_max`` pairs.
     - ``fkv``: full cache, never evicts (``kv_max`` is ignored).
+
+    ``rule`` names BM's eviction rule (``batchmax_tp.rules``; default the paper's average attention); ED and FKV
+    take only the default.
     """
 
     name: str
     kv_max: int | None = None
     p: int = 64
+    rule: str = "paper"
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
             raise ValueError(f"unknown method {self.name!r}: choose one of {', '.join(METHODS)}")
         if not isinstance(self.p, int) or self.p < 1:
             raise ValueError(f"p must be an integer >= 1, got {self.p!r}")
+        rule = get_rule(self.rule)  # ValueError naming the rules for an unknown one
+        if self.name != "bm" and self.rule != "paper":
+            raise ValueError(f"rule {self.rule!r} applies to method 'bm' only, not {self.name!r}")
         if self.name == "fkv":
             return
         if not isinstance(self.kv_max, int):
             raise ValueError(f"kv_max must be an integer for method {self.name!r}, got {self.kv_max!r}")
         if self.name == "bm" and self.kv_max <= self.p:
             raise ValueError(f"kv_max must be > p for method 'bm', got kv_max={self.kv_max} p={self.p}")
+        if self.name == "bm" and rule.protected() > self.kv_max - self.p:
+            raise ValueError(f"rule {self.rule!r} protects {rule.protected()} pairs: kv_max must be >= p + "
+                             f"{rule.protected()}, got kv_max={self.kv_max} p={self.p}")
         if self.name == "ed" and self.kv_max < 2:
             raise ValueError(f"kv_max must be >= 2 for method 'ed', got {self.kv_max}")
 
@@ -49,8 +61,21 @@ class Method:
         """Whether the prefill itself is bounded by ``kv_max`` (only BM)."""
         return self.name == "bm"
 
+    @property
+    def scorer(self) -> Rule:
+        """The eviction rule's dataclass (``rules.get_rule(self.rule)``)."""
+        return get_rule(self.rule)
+
+    @property
+    def lookahead(self) -> int:
+        """Look-ahead probe tokens appended to BM's prefill blocks (0 for rules without a probe)."""
+        return self.scorer.lookahead() if self.name == "bm" else 0
+
     def label(self) -> str:
-        return self.name if self.name == "fkv" else f"{self.name}(kv_max={self.kv_max}, p={self.p})"
+        if self.name == "fkv":
+            return self.name
+        rule = "" if self.rule == "paper" else f", rule={self.rule}"
+        return f"{self.name}(kv_max={self.kv_max}, p={self.p}{rule})"
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
         """How many pairs to evict before writing ``incoming`` new pairs into a cache holding ``filled``.
@@ -79,17 +104,6 @@ class Method:
         return 0
 
 
-def average_attention(score: torch.Tensor, pos: torch.Tensor, curr_id: int) -> torch.Tensor:
-    """The paper's eviction score: attention received / number of queries that could attend to the pair.
-
-    score: [B, H, C] float32 summed attention weights; pos: [B, H, C] padded-sequence positions, -1 for empty
-    or pad slots; curr_id: the last position already processed. Returns [B, H, C], ``-inf`` for empty slots.
-    """
-    valid = pos >= 0
-    count = (curr_id + 1 - pos).clamp(min=1).to(score.dtype)
-    return torch.where(valid, score / count, float("-inf"))
-
-
 def newest_first(score: torch.Tensor, pos: torch.Tensor, curr_id: int) -> torch.Tensor:
     """ED's rule: keep the most recent pair; the score is the position itself (empty slots -1)."""
     return pos.to(torch.float32)
@@ -106,6 +120,10 @@ def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.T
     return by_pos.gather(-1, order[..., :n])  # [B, H, n]
 
 
-def eviction_priority(method: Method, score: torch.Tensor, pos: torch.Tensor, curr_id: int) -> torch.Tensor:
-    rule = newest_first if method.name == "ed" else average_attention
-    return rule(score, pos, curr_id)
+def eviction_priority(method: Method, score: torch.Tensor, pos: torch.Tensor, curr_id: int,
+                      probe: torch.Tensor | None = None) -> torch.Tensor:
+    """Priority [B, H, C] of each slot (lower evicted first): ED newest-first, BM its rule (``probe``: the
+    look-ahead attention of the last prefill pass, or None)."""
+    if method.name == "ed":
+        return newest_first(score, pos, curr_id)
+    return method.scorer.score(score, pos, curr_id, probe)

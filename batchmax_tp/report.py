@@ -46,7 +46,7 @@ CSV_COLUMNS = (
     "tokens_cut", "max_new_tokens", "tp_size", "dp_size", "run",
     # memory (per rank except peak_kv_mib, which is the replica's K/V over its tensor-parallel ranks)
     "peak_workspace_mib", "cuda_max_memory_allocated_mib", "predicted_peak_mib", "memory_budget_mib", "oom_cause",
-    "weights_mib",
+    "weights_mib", "rule",
 )
 _MIB_OF = {"peak_workspace_mib": "peak_workspace_bytes", "cuda_max_memory_allocated_mib": "cuda_max_memory_allocated",
            "predicted_peak_mib": "predicted_peak_bytes", "memory_budget_mib": "memory_budget_bytes",
@@ -107,7 +107,7 @@ def format_report(summaries: Sequence[dict[str, Any]], *, title: str | None = No
     lines += ["", f"| Method | b | kv_max | {label} | tokens/s | peak KV MiB | prompts cut |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for s in summaries:
-        method = _NAMES.get(s["method"], s["method"])
+        method = _method_label(s)
         kv = "N/A" if s.get("kv_max") is None else str(s["kv_max"])
         if _is_oom(s):
             lines.append(f"| {method} | {s['batch_size']} | {kv} | OOM | OOM | OOM | |")
@@ -148,7 +148,7 @@ def _memory(summaries: Sequence[dict[str, Any]]) -> list[str]:
               "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in rows:
         p = s["predicted"]
-        method = _NAMES.get(s["method"], s["method"])
+        method = _method_label(s)
         kv = "N/A" if s.get("kv_max") is None else str(s["kv_max"])
         status = f"OOM ({s.get('oom_cause', 'runtime')})" if _is_oom(s) else "done"
         measured = ["", "", _mib(s.get("weights_bytes")), ""] if _is_oom(s) else [
@@ -210,6 +210,13 @@ def mask_timings(report: str) -> str:
 
 
 # ---------------------------------------------------------------------- CSV
+def _method_label(s: dict) -> str:
+    """``BM``, or ``BM (snapkv)`` for a rule other than the paper's."""
+    method = _NAMES.get(s["method"], s["method"])
+    rule = s.get("rule", "paper")
+    return method if rule == "paper" else f"{method} ({rule})"
+
+
 def format_csv(summaries: Sequence[dict[str, Any]]) -> str:
     """One row per run with :data:`CSV_COLUMNS` (empty cells for OOM runs' measurements)."""
     buffer = io.StringIO()
@@ -220,6 +227,7 @@ def format_csv(summaries: Sequence[dict[str, Any]]) -> str:
         for column, key in _MIB_OF.items():
             row[column] = None if s.get(key) is None else s[key] / 2**20
         row["status"] = s.get("status", "done")
+        row["rule"] = s.get("rule", "paper")  # summaries written before rules existed ran the paper's
         if _is_oom(s):
             row.update({key: None for key in _MEASURED})
         writer.writerow({k: "" if v is None else v for k, v in row.items()})

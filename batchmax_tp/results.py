@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -70,9 +71,17 @@ _NEUTRAL_KEYS = frozenset({"out", "log_level", "target", "setup_timeout"})
 _NEUTRAL_KEYS_WITH_RUNS = _NEUTRAL_KEYS | {"runs", "methods", "batch_size"}
 
 
-def run_dir_name(method: str, batch_size: int, kv_max: int | None) -> str:
-    """Folder of one entry of a ``runs`` list: ``fkv-b4``, ``ed-b4-kv2``, ``bm-b32-kv1024``."""
+def run_dir_name(method: str, batch_size: int, kv_max: int | None, rule: str = "paper") -> str:
+    """Folder of one entry of a ``runs`` list: ``fkv-b4``, ``ed-b4-kv2``, ``bm-b32-kv1024``; a rule other than
+    the paper's is named after the method: ``bm-snapkv-b32-kv1024``, ``bm-snapkv-window64-b32-kv1024``."""
+    if rule != "paper":
+        method = f"{method}-{rule_slug(rule)}"
     return f"{method}-b{batch_size}" if kv_max is None or method == "fkv" else f"{method}-b{batch_size}-kv{kv_max}"
+
+
+def rule_slug(rule: str) -> str:
+    """A rule spelled for a folder name: ``snapkv:window=64,pool=avg`` -> ``snapkv-window64-poolavg``."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", rule.replace("=", "")).strip("-")
 
 
 # ---------------------------------------------------------------------- the per-sample log

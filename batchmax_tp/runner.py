@@ -29,6 +29,14 @@ __all__ = [
     "merge_replica_runs",
     "replica_batches",
     "cut_at_eos",
+    "StoryRun",
+    "STORY_BEST_RULE",
+    "STORY_MAX_BATCH",
+    "fill_samples",
+    "format_story_table",
+    "same_memory_plan",
+    "story_methods",
+    "story_requested",
     "format_table",
     "method_out_dir",
     "run_method",
@@ -508,8 +516,14 @@ def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _method_cell(summary: dict[str, Any]) -> str:
+    rule = summary.get("rule")
+    return summary["method"] if rule in (None, "-", "paper") else f"{summary['method']} ({rule})"
+
+
 def format_table(summaries: Sequence[dict[str, Any]]) -> str:
-    """Markdown table: method | batch | kv_max | tokens/s | peak KV MiB | correct (k/n)."""
+    """Markdown table: method | batch | kv_max | tokens/s | peak KV MiB | correct (k/n). A BM row with a rule other
+    than the paper's names it in the method cell, e.g. ``bm (probe)``."""
     lines = [
         "| method | batch | kv_max | tokens/s | peak KV MiB | correct (k/n) |",
         "|---|---:|---:|---:|---:|---:|",
@@ -518,7 +532,7 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
         kv = "-" if s.get("kv_max") is None else str(s["kv_max"])
         correct = f"{s['num_correct']}/{s['num_checked']}" if s.get("num_checked") else "n/a"
         lines.append(
-            f"| {s['method']} | {s['batch_size']} | {kv} | {_fmt(s.get('tokens_per_s'), '.2f')} | "
+            f"| {_method_cell(s)} | {s['batch_size']} | {kv} | {_fmt(s.get('tokens_per_s'), '.2f')} | "
             f"{_fmt(s['peak_kv_bytes'] / 2**20, '.2f')} | {correct} |"
         )
     return "\n".join(lines) + "\n"
@@ -528,3 +542,135 @@ def write_table(out: str | os.PathLike, summaries: Sequence[dict[str, Any]]) -> 
     table = format_table(summaries)
     atomic_write_text(os.path.join(os.fspath(out), "table.md"), table)
     return table
+
+
+# ---------------------------------------------------------------------- the paper's story: same memory, larger batch
+#: The rule the plain run shows beside the paper's: the best of ``launch/bench_retention.py`` (README: Retention).
+STORY_BEST_RULE = "probe"
+#: Largest batch the plain run uses for any method (CPU time); the planner's largest fitting batch is reported too.
+STORY_MAX_BATCH = 16
+#: FKV's batch whose predicted peak sets the default memory budget of the plain run.
+STORY_FKV_BATCH = 4
+
+
+def story_requested(cfg: Any, argv: Sequence[str] | None) -> bool:
+    """Whether ``launch/run.py`` runs the same-memory comparison (:func:`same_memory_plan`).
+
+    With a ``same_memory`` config key, that key decides (it is ignored for sweeps: ``runs``, a paper task, a
+    budget or a procedure). Without one, only a plain ``python launch/run.py`` (no arguments at all) does.
+    """
+    if getattr(cfg, "sweep", False):
+        return False
+    flag = getattr(cfg, "same_memory", None)
+    if flag is not None:
+        return bool(flag)
+    return argv is not None and len(argv) == 0
+
+
+def story_methods(cfg: Any, best_rule: str | None = None) -> list[Any]:
+    """FKV, ED, the paper's BM and BM with ``best_rule`` (default: ``cfg.rule`` when it is not the paper's, else
+    :data:`STORY_BEST_RULE`; left out when the library has no such rule), with ``cfg``'s kv_max and p."""
+    policy = importlib.import_module("batchmax_tp.policy")
+    kv = cfg.kv_max_for if hasattr(cfg, "kv_max_for") else (lambda name: {"bm": 512, "ed": 2}.get(name))
+    methods = [policy.Method("fkv", p=cfg.p), policy.Method("ed", kv_max=kv("ed"), p=cfg.p),
+               policy.Method("bm", kv_max=kv("bm"), p=cfg.p)]
+    chosen = getattr(cfg, "rule", None)
+    rule = best_rule or (chosen if chosen and chosen != "paper" else STORY_BEST_RULE)
+    try:
+        methods.append(policy.Method("bm", kv_max=kv("bm"), p=cfg.p, rule=rule))
+    except (TypeError, ValueError) as err:  # a library without named rules, or without this one
+        logger.warning("same-memory run without a second BM rule: %s", err)
+    return methods
+
+
+def method_rule(method: Any) -> str:
+    """The eviction rule a method runs with: BM's ``rule`` (default the paper's), '-' for FKV and ED."""
+    return getattr(method, "rule", "paper") if getattr(method, "name", None) == "bm" else "-"
+
+
+def method_key(method: Any) -> str:
+    """A folder name per method of the same-memory run: ``fkv``, ``ed``, ``bm``, ``bm-<rule>``."""
+    rule = method_rule(method)
+    return method.name if rule in ("-", "paper") else f"{method.name}-{rule.split(':')[0]}"
+
+
+@dataclass
+class StoryRun:
+    """One method of the same-memory run: the batch it runs at and the planner's numbers behind it."""
+
+    method: Any
+    batch: int  #: min(largest fitting batch, cap)
+    largest_fitting: int  #: the planner's largest batch within the budget
+    predicted_peak_bytes: int  #: the planner's peak per rank at ``batch``
+
+
+def same_memory_plan(
+    shape: Any,
+    methods: Sequence[Any],
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    budget_bytes: int | None = None,
+    fkv_batch: int = STORY_FKV_BATCH,
+    cap: int = STORY_MAX_BATCH,
+    tp: int = 1,
+    dtype: str = "float32",
+) -> tuple[int, list[StoryRun]]:
+    """(budget, runs): every method at its largest batch whose predicted peak per rank fits one memory budget.
+
+    ``budget_bytes`` None = the planner's peak of FKV at ``fkv_batch`` for prompts of ``prompt_len`` tokens (so
+    FKV runs at exactly that batch). Batches are capped at ``cap``; a method that does not fit even one sample
+    gets batch 0 (reported as OOM, not run).
+    """
+    planner = importlib.import_module("batchmax_tp.planner")
+    policy = importlib.import_module("batchmax_tp.policy")
+    if budget_bytes is None:
+        budget_bytes = planner.predict(shape, policy.Method("fkv"), fkv_batch, prompt_len, max_new_tokens,
+                                       tp=tp, dtype=dtype).total
+    runs = []
+    for method in methods:
+        fit = planner.max_batch(budget_bytes, shape, method, prompt_len, max_new_tokens, tp=tp, dtype=dtype,
+                                limit=max(cap, 1) * 4)
+        batch = min(fit, cap)
+        peak = planner.predict(shape, method, max(batch, 1), prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
+        runs.append(StoryRun(method, batch, fit, peak))
+    return budget_bytes, runs
+
+
+def fill_samples(samples: Sequence[Any], n: int) -> list[Any]:
+    """``samples`` repeated in order up to ``n`` (at least all of them); repeats get ids ``<id>~2``, ``~3``, ...
+    so that every batch of the largest batch size is full."""
+    import dataclasses as _dc
+
+    out = list(samples)
+    k = 0
+    while len(out) < n:
+        s = samples[k % len(samples)]
+        out.append(_dc.replace(s, id=f"{s.id}~{k // len(samples) + 2}"))
+        k += 1
+    return out
+
+
+def format_story_table(summaries: Sequence[dict[str, Any]], budget_bytes: int | None = None) -> str:
+    """method | rule | batch | kv_max | tokens/s | peak KV MiB | predicted peak MiB | correct (k/n): each method at
+    its largest batch within one memory budget (the paper's claim on one screen)."""
+    lines = []
+    if budget_bytes is not None:
+        lines.append(f"Memory budget {budget_bytes / 2**20:.1f} MiB per rank (planner: weights + activations + K/V "
+                     "+ score block); every method at its largest batch that fits.\n")
+    lines += [
+        "| method | rule | batch | kv_max | tokens/s | peak KV MiB | predicted peak MiB | correct (k/n) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries:
+        kv = "-" if s.get("kv_max") is None else str(s["kv_max"])
+        pred = s.get("predicted_peak_bytes")
+        if s.get("status") == "OOM":
+            lines.append(f"| {s['method']} | {s.get('rule', '-')} | OOM | {kv} | - | - | {_fmt(pred and pred / 2**20, '.1f')} | - |")
+            continue
+        correct = f"{s['num_correct']}/{s['num_checked']}" if s.get("num_checked") else "n/a"
+        lines.append(
+            f"| {s['method']} | {s.get('rule', '-')} | {s['batch_size']} | {kv} | {_fmt(s.get('tokens_per_s'), '.2f')} | "
+            f"{s['peak_kv_bytes'] / 2**20:.1f} | {_fmt(pred and pred / 2**20, '.1f')} | {correct} |"
+        )
+    return "\n".join(lines) + "\n"

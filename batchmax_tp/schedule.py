@@ -19,6 +19,8 @@ class Phase:
 
     ``start``/``end`` are padded-sequence positions ``[start, end)`` fed in this pass; ``evict`` is how many
     pairs each (sample, KV head) drops before the pass; ``step`` is the decode step t (1-based, 0 in prefill).
+    ``probe``: look-ahead probe tokens appended to this prefill block (``batchmax_tp.rules``): the prompt's
+    positions ``[s - probe, s)``; never written to the cache.
     """
 
     kind: Literal["prefill", "decode"]
@@ -26,6 +28,7 @@ class Phase:
     end: int
     evict: int
     step: int = 0
+    probe: int = 0
 
     @property
     def size(self) -> int:
@@ -68,10 +71,13 @@ def plan(method: Method, prompt_len: int, max_new_tokens: int) -> list[Phase]:
         raise ValueError("prompt must have at least one token")
     cap = capacity(method, prompt_len, max_new_tokens)
     phases, filled = [], 0
+    window = method.lookahead
     for start, end in prefill_blocks(method, prompt_len):
         evict = method.num_to_evict(filled, end - start, cap, first_decode=False)
         filled += end - start - evict
-        phases.append(Phase("prefill", start, end, evict))
+        # Look-ahead probe: the prompt's positions [max(end, s - window), s), for every block but the last.
+        probe = prompt_len - max(end, prompt_len - window) if window else 0
+        phases.append(Phase("prefill", start, end, evict, probe=probe))
     for t in range(1, max_new_tokens):
         pos = prompt_len + t - 1
         evict = method.num_to_evict(filled, 1, cap, first_decode=t == 1)

@@ -32,6 +32,7 @@ ranks instead of leaving them waiting in a collective.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib
 import io
@@ -72,6 +73,7 @@ def _setup_stdout(is_main: bool):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)  # none at all: the same-memory run (runner.story_requested)
     try:
         cfg = parse_args(argv)
         cfg.device = resolve_device(cfg.device)
@@ -140,8 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logger.info("every run in %s has finished: writing the report only", cfg.out)
                 return _report(cfg, [results.read_summary(os.path.join(cfg.out, s.name)) for s in specs])
             methods = list({s.method: None for s in specs})  # for the warm-up: each distinct method once
-    else:
-        methods = cfg.method_specs()
+    story = runner.story_requested(cfg, args)
+    if not cfg.sweep:
+        methods = runner.story_methods(cfg) if story else cfg.method_specs()
 
     if rank != 0:
         _quiet_libraries()
@@ -150,12 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as dist
 
     if layout.world == 1:  # plain python (or an MPI world of one: then a group of one exists)
-        rc = _run(cfg, layout, samples, methods, device, task_data)
+        rc = _run(cfg, layout, samples, methods, device, task_data, story)
         if dist.is_initialized():
             dist.destroy_process_group()
         return rc
     try:
-        rc = _run(cfg, layout, samples, methods, device, task_data)
+        rc = _run(cfg, layout, samples, methods, device, task_data, story)
     except BaseException as err:  # noqa: BLE001 - any failure: tell, then leave at once (no collective may wait on us)
         if isinstance(err, importlib.import_module("batchmax_tp.evaluate").RankOutOfMemory):
             print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
@@ -231,7 +234,8 @@ def _run_sweep(cfg: Any, layout: Any, model: Any, tokenizer: Any, samples: list,
     return 0
 
 
-def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str, task_data: Any = None) -> int:
+def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str, task_data: Any = None,
+         story: bool = False) -> int:
     import torch
 
     tp = importlib.import_module("batchmax_tp.tp")
@@ -267,6 +271,17 @@ def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str
         return _fail(f"model: procedure {cfg.procedure} needs the model's configuration to plan memory ({cfg.model})")
     prompt_len = budget.longest_prompt(tokenizer, samples) if shape is not None else None
 
+    batches = {id(m): cfg.batch_size for m in methods}
+    budget_bytes = None
+    if story and shape is not None:  # same memory: each method at its largest fitting batch (runner.same_memory_plan)
+        budget_bytes, plan = runner.same_memory_plan(shape, methods, prompt_len, cfg.max_new_tokens,
+                                                     budget_bytes=cfg.budget_bytes(), tp=layout.tp, dtype=cfg.dtype)
+        batches = {id(r.method): r.batch for r in plan}
+        samples = runner.fill_samples(samples, max(batches.values()))
+        logger.info("same-memory run: budget %.1f MiB per rank; batches %s; %d samples", budget_bytes / 2**20,
+                    ", ".join(f"{runner.method_key(r.method)} {r.batch} (fits {r.largest_fitting})" for r in plan),
+                    len(samples))
+
     if layout.is_main:
         runner.write_config(cfg.out, cfg)
     runner.warm_up(model, tokenizer, samples, methods, cfg)
@@ -282,8 +297,16 @@ def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str
     several = len(methods) > 1
     summaries = []
     for method in methods:
+        mcfg = cfg if batches[id(method)] == cfg.batch_size else dataclasses.replace(cfg, batch_size=batches[id(method)])
+        if mcfg.batch_size < 1:  # same-memory run: not even one sample fits the budget
+            if layout.is_main:
+                estimate = budget.predict_spec(shape, method, 1, prompt_len, cfg, layout.tp)
+                summaries.append({"method": method.name, "rule": runner.method_rule(method), "status": "OOM",
+                                  "kv_max": None if method.name == "fkv" else method.kv_max, "batch_size": 0,
+                                  "predicted_peak_bytes": estimate.total})
+            continue
         run = runner.run_method(
-            model, tokenizer, samples, method, cfg,
+            model, tokenizer, samples, method, mcfg,
             progress=None if layout.is_main else False, replica=layout.replica, num_replicas=layout.dp,
         )
         per_replica = None
@@ -292,18 +315,25 @@ def _run(cfg: Any, layout: Any, samples: list | None, methods: list, device: str
             if gathered is None:  # not rank 0
                 continue
             run, per_replica = gathered
-        estimate = None if shape is None else budget.predict_spec(shape, method, cfg.batch_size, prompt_len, cfg,
+        estimate = None if shape is None else budget.predict_spec(shape, method, mcfg.batch_size, prompt_len, cfg,
                                                                   layout.tp)
-        summary = runner.summary_row(run, cfg, tp_size=layout.tp, dp_size=layout.dp, per_replica=per_replica,
+        summary = runner.summary_row(run, mcfg, tp_size=layout.tp, dp_size=layout.dp, per_replica=per_replica,
                                      memory=budget.budget_fields(cfg, estimate, model))
-        folder = runner.method_out_dir(cfg.out, method.name, several)
+        summary.setdefault("rule", runner.method_rule(method))
+        if budget_bytes is not None:
+            summary["same_memory_budget_bytes"] = budget_bytes
+        folder = runner.method_out_dir(cfg.out, runner.method_key(method) if story else method.name, several)
         runner.write_method_results(folder, summary, run.records)
         logger.info(
             "%s: %d tokens in %.2f s (%.2f tokens/s) -> %s",
             method.name, summary["generated_tokens"], summary["total_s"], summary["tokens_per_s"] or 0.0, folder,
         )
         summaries.append(summary)
-    if layout.is_main and summaries:
+    if layout.is_main and summaries and story:
+        table = runner.format_story_table(summaries, budget_bytes)
+        runner.atomic_write_text(os.path.join(cfg.out, "table.md"), table)
+        print(table, end="", flush=True)
+    elif layout.is_main and summaries:
         table = runner.write_table(cfg.out, summaries) if several else runner.format_table(summaries)
         print(table, end="", flush=True)
     if results_group is not None:

@@ -24,6 +24,23 @@ vectorised beyond single dot products, so that every rule is visible in a few li
   (an eviction with no later step to serve is not applied -- BM is reported the same way).
 * "fkv": the prompt is one block, nothing is ever evicted.
 
+Eviction rules beside the paper's (``rule``, BM only; every parameter must be given in ``rule_params``, so the
+reference has no defaults of its own):
+
+* "paper": ``(ave, position)`` as above.
+* "pooled" (kernel, pool): an entry's priority is the max ("max") or mean ("avg") of ``ave`` over the real kept
+  entries whose position is within kernel // 2 of its own (itself included).
+* "sinks" (sinks, recent): ``ave``, but +inf (never evicted) for real entries with real index
+  (position - number of pads) < sinks or position > curr_id - recent.
+* "probe" (window, weight): look-ahead probe. Every prefill block [t0, t1) with t1 < s is followed, in the same
+  forward, by the prompt tokens at padded positions [max(t1, s - window), s) (their real RoPE positions); pads
+  among them are dropped. A probe token's query attends to every real kept entry (the block included) and to
+  the probe tokens up to itself; its key/value is never kept and its logits are not used. ``probe`` of each kept
+  entry of that (layer, KV head) is then the probability it got from the probe queries, summed over the group's
+  query heads and divided by the number of real probe tokens (0 if none). Prefill evictions use
+  ``ave + weight * probe`` (the probe of the pass just before), decode evictions plain ``ave``.
+* "snapkv" (window, weight, kernel, pool): the probe's score, then pooled as in "pooled".
+
 Positions (``kept`` and ``curr_id``) are indices in the padded sequence: prompt 0..s-1, the token fed at
 decode step t is s+t-1.  RoPE uses the sample's real position ids (cumsum(mask)-1), like HF ``generate``.
 """
@@ -46,6 +63,7 @@ class Entry:
     key: torch.Tensor | None = None  # [head_dim], post-RoPE (None for pads)
     value: torch.Tensor | None = None  # [head_dim]
     sum: float = 0.0  # summed attention weight received (python float = float64)
+    probe: float = 0.0  # look-ahead probe attention of the last probed pass (probe rules)
 
 
 @dataclass
@@ -85,33 +103,34 @@ class _SampleState:
         self.kv = [[[] for _ in range(self.n_kv)] for _ in range(self.n_layers)]
 
     # ------------------------------------------------------------------ forward of one block
-    def process(self, block):
-        """block: list of (padded position, token id). Returns the float32 logits of its last token
-        (None if the block holds only pads)."""
+    def process(self, block, probe=()):
+        """block: list of (padded position, token id); probe: the look-ahead probe tokens (same form) that ride
+        along (never kept). Returns the float32 logits of the block's last token (None if it holds only pads)."""
         embed, layers, rotary, norm, lm_head = _decoder_modules(self.model)
         real = [(pos, tok) for pos, tok in block if pos >= self.npad]
         pads = [pos for pos, _ in block if pos < self.npad]
+        probe = [(pos, tok) for pos, tok in probe if pos >= self.npad]  # pad probe tokens do not exist
         assert [pos for pos, _ in block] == sorted(pos for pos, _ in block)
-        if not real:  # only pads: they just occupy slots
+        if not real:  # only pads: they just occupy slots (and everything kept is a pad: nothing to probe)
             for layer in range(self.n_layers):
                 for h in range(self.n_kv):
                     self.kv[layer][h].extend(Entry(pos, True) for pos in pads)
             return None
         positions = [pos for pos, _ in real]
-        n = len(real)
-        ids = torch.tensor([[tok for _, tok in real]])
-        pos_ids = torch.tensor([[pos - self.npad for pos in positions]])  # real RoPE positions
-        hidden = embed(ids)  # [1, n, hidden]
+        n, m = len(real), len(probe)
+        ids = torch.tensor([[tok for _, tok in real + probe]])
+        pos_ids = torch.tensor([[pos - self.npad for pos, _ in real + probe]])  # real RoPE positions
+        hidden = embed(ids)  # [1, n + m, hidden]
         cos, sin = rotary(hidden, pos_ids)
         for layer, dec in enumerate(layers):
             attn = dec.self_attn
             residual = hidden
             x = dec.input_layernorm(hidden)
-            q = attn.q_proj(x).view(1, n, self.n_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(1, n, self.n_kv, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(1, n, self.n_kv, self.head_dim).transpose(1, 2)
+            q = attn.q_proj(x).view(1, n + m, self.n_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(1, n + m, self.n_kv, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(1, n + m, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            out = torch.zeros(n, self.n_heads, self.head_dim, dtype=hidden.dtype)
+            out = torch.zeros(n + m, self.n_heads, self.head_dim, dtype=hidden.dtype)
             for h in range(self.n_kv):
                 entries = self.kv[layer][h]
                 entries.extend(Entry(pos, True) for pos in pads)
@@ -128,11 +147,24 @@ class _SampleState:
                         out[i, qh] = (probs.to(values.dtype) @ values)
                         for e, pr in zip(visible, probs.tolist()):
                             e.sum += pr
-            hidden = residual + attn.o_proj(out.reshape(1, n, self.n_heads * self.head_dim))
+                if probe:  # probe queries: all real kept entries, then the probe tokens up to themselves
+                    kept = [e for e in entries if not e.is_pad]
+                    for e in entries:
+                        e.probe = 0.0
+                    for qh in range(h * self.group, (h + 1) * self.group):
+                        for i in range(m):
+                            own = range(n, n + i + 1)
+                            keys = torch.stack([e.key for e in kept] + [k[0, h, j] for j in own])
+                            values = torch.stack([e.value for e in kept] + [v[0, h, j] for j in own])
+                            probs = torch.softmax(((keys @ q[0, qh, n + i]) * self.scaling).float(), dim=-1)
+                            out[n + i, qh] = probs.to(values.dtype) @ values
+                            for e, pr in zip(kept, probs.tolist()):
+                                e.probe += pr / m
+            hidden = residual + attn.o_proj(out.reshape(1, n + m, self.n_heads * self.head_dim))
             residual = hidden
             hidden = residual + dec.mlp(dec.post_attention_layernorm(hidden))
         hidden = norm(hidden)
-        return lm_head(hidden[:, -1]).float()[0]
+        return lm_head(hidden[:, n - 1]).float()[0]
 
     # ------------------------------------------------------------------ evictions
     def size(self) -> int:
@@ -140,21 +172,41 @@ class _SampleState:
         assert len(sizes) == 1, sizes
         return sizes.pop()
 
-    def evict_bm(self, p: int, curr_id: int, result: RefResult, sample: int):
+    def evict_bm(self, p: int, curr_id: int, result: RefResult, sample: int, rule: str = "paper",
+                 params: dict | None = None, prefill: bool = False):
+        params = params or {}
         for layer in range(self.n_layers):
             for h in range(self.n_kv):
                 entries = self.kv[layer][h]
                 assert len(entries) >= p
 
-                def ave(e):
+                def average(e):
                     assert e.pos <= curr_id
                     return -math.inf if e.is_pad else e.sum / (curr_id + 1 - e.pos)
+
+                def base(e):
+                    if rule in ("probe", "snapkv") and prefill and not e.is_pad:
+                        return average(e) + params["weight"] * e.probe
+                    return average(e)
+
+                def ave(e):  # the rule's priority
+                    if e.is_pad or rule in ("paper", "probe"):
+                        return base(e)
+                    if rule in ("pooled", "snapkv"):
+                        r = params["kernel"] // 2
+                        near = [base(o) for o in entries if not o.is_pad and abs(o.pos - e.pos) <= r]
+                        return max(near) if params["pool"] == "max" else sum(near) / len(near)
+                    assert rule == "sinks", rule
+                    if e.pos - self.npad < params["sinks"] or e.pos > curr_id - params["recent"]:
+                        return math.inf
+                    return average(e)
 
                 order = sorted(entries, key=lambda e: (ave(e), e.pos))
                 evicted, kept = order[:p], order[p:]
                 real_ev = [e for e in evicted if not e.is_pad]
-                if real_ev and kept:  # how close the decision was (for test robustness)
+                if real_ev and kept and math.isfinite(ave(kept[0])):  # how close the decision was
                     a, b = ave(real_ev[-1]), ave(kept[0])
+                    assert math.isfinite(a), "a protected entry was evicted"
                     if a == b:  # an exact tie at the boundary: decided by position (older evicted)
                         result.tie_decisions += 1
                     else:  # a near tie would be decided by rounding noise
@@ -182,8 +234,9 @@ class _SampleState:
 
 
 @torch.no_grad()
-def reference_generate(model, input_ids, attention_mask, method_name, kv_max=None, p=None, max_new_tokens=1):
-    """Greedy generation with the paper's cache policy, naively.
+def reference_generate(model, input_ids, attention_mask, method_name, kv_max=None, p=None, max_new_tokens=1,
+                       rule="paper", rule_params=None):
+    """Greedy generation with the paper's cache policy (or one of the rules above, BM only), naively.
 
     Returns a :class:`RefResult`, which also unpacks as ``(logits_per_step, kept, tokens)``:
     ``logits_per_step`` a list of float32 ``[B, V]`` (one per generated token), ``kept[layer][sample][kv_head]``
@@ -193,6 +246,12 @@ def reference_generate(model, input_ids, attention_mask, method_name, kv_max=Non
         raise ValueError(f"unknown method {method_name!r}")
     if method_name == "bm":
         assert p is not None and p >= 1 and kv_max is not None and kv_max > p
+    need = {"paper": set(), "pooled": {"kernel", "pool"}, "sinks": {"sinks", "recent"},
+            "probe": {"window", "weight"}, "snapkv": {"window", "weight", "kernel", "pool"}}
+    rule_params = dict(rule_params or {})
+    assert rule in need and set(rule_params) == need[rule], (rule, rule_params)
+    assert rule == "paper" or method_name == "bm"
+    window = rule_params.get("window", 0)
     if method_name == "ed":
         assert kv_max is not None and kv_max >= 2
     assert max_new_tokens >= 1
@@ -211,14 +270,15 @@ def reference_generate(model, input_ids, attention_mask, method_name, kv_max=Non
         logits = []
 
         def block(t0, t1):
-            return st.process([(pos, ids[pos]) for pos in range(t0, t1)])
+            probe = range(max(t1, s - window), s) if window and t1 < s else ()
+            return st.process([(pos, ids[pos]) for pos in range(t0, t1)], [(pos, ids[pos]) for pos in probe])
 
         # ---------------- prefill
         if method_name == "bm":
             t1 = min(s, kv_max)
             last = block(0, t1)
             while t1 < s:
-                st.evict_bm(p, curr_id=t1 - 1, result=result, sample=j)
+                st.evict_bm(p, curr_id=t1 - 1, result=result, sample=j, rule=rule, params=rule_params, prefill=True)
                 t0, t1 = t1, min(s, t1 + p)
                 last = block(t0, t1)
         else:
@@ -232,7 +292,7 @@ def reference_generate(model, input_ids, attention_mask, method_name, kv_max=Non
         for t in range(1, max_new_tokens):
             pos = s + t - 1
             if method_name == "bm" and st.size() == kv_max:
-                st.evict_bm(p, curr_id=pos - 1, result=result, sample=j)
+                st.evict_bm(p, curr_id=pos - 1, result=result, sample=j, rule=rule, params=rule_params)
             if method_name == "ed" and (t == 1 or st.size() == kv_max):
                 # Algorithm 3 removes all but the most recent pair right after the prompt and after a step
                 # that fills the cache; doing it just before the next step is the same computation.

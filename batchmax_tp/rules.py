@@ -1,0 +1,280 @@
+"""Eviction rules for Batch-Max: which ``p`` pairs of a full (sample, KV head) go, under Algorithm 1's schedule.
+
+Every rule runs under the same schedule and the same ``kv_max`` pairs per (sample, KV head) as the paper; only
+the ranking differs. A rule is a small frozen, validated dataclass whose ``score()`` turns one cache layer's slot
+state into a priority per slot (kvpress style: ``score -> sort -> the lowest p are evicted``). Ties evict the
+older pair first (``policy.slots_to_evict``); empty, evicted and pad slots always score ``-inf``.
+
+Slot state handed to ``score``, all ``[B, H, C]`` (H: the rank's local KV heads, C: slots):
+
+- ``attn``: the attention weight each slot received (summed over the query group and the queries since it
+  was written; the paper's sum);
+- ``pos``: the slot's padded-sequence position, ``-1`` for empty/evicted/pad slots;
+- ``curr_id``: the last position already processed (host int);
+- ``probe``: for rules with ``window > 0``, the look-ahead attention (below) of the last prefill pass, or
+  ``None`` during decoding (decode evictions then rank by the rule's other terms).
+
+Rules (``rule_names()``):
+
+- ``paper``: the paper's average attention ``attn / (curr_id + 1 - pos)`` -- exact and the default.
+- ``pooled``: average attention pooled (``max`` or ``avg``) over the kept pairs whose positions lie within
+  ``kernel // 2`` of the slot's own (SnapKV's pooling; a fact's span is kept or dropped together). Neighbours
+  are found in position space, never in slot order (slots are unordered); evicted positions simply are absent.
+- ``sinks``: average attention, but the sample's first ``sinks`` real tokens (StreamingLLM's attention sinks)
+  and the ``recent`` newest positions (``pos > curr_id - recent``) are never evicted.
+- ``probe``: look-ahead probe. The whole prompt is known before prefill, so its last ``window`` tokens (the
+  question and the assistant header in a chat prompt) are appended as extra queries to every prefill block but
+  the last: block ``[a, b)`` of a prompt of padded length ``s`` is followed by the probe tokens at padded
+  positions ``[max(b, s - window), s)``, at their own RoPE positions (the sample's real position ids, as if the
+  prompt between ``b`` and the probe were already evicted). Each probe query attends to every kept slot (the
+  current block included: all of them precede it) and causally to the probe tokens up to itself; pad probe
+  tokens are neither queries nor keys. The probe's keys/values are never written to the cache and its outputs
+  are dropped (its hidden states only feed its own later layers). A slot's ``probe`` value is the attention it
+  got from the probe queries of the last prefill pass, summed over the query group and averaged over the
+  sample's real probe queries (the same scale as average attention); the priority is
+  ``average attention + weight * probe`` at prefill evictions and plain average attention at decode evictions.
+  Under tensor parallelism the probe is a few more tokens in the same forward: no collective is added and
+  eviction stays rank-local.
+- ``snapkv``: ``probe`` and ``pooled`` together (SnapKV's observation window and pooling at every eviction):
+  ``pool(average attention + weight * probe)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+
+__all__ = ["RULES", "Rule", "PaperRule", "PooledRule", "SinksRule", "ProbeRule", "SnapKVRule", "get_rule",
+           "rule_names", "average_attention", "pool_by_position", "protect"]
+
+POOLS = ("max", "avg")
+
+
+# ---------------------------------------------------------------------------------------------- building blocks
+def average_attention(attn: torch.Tensor, pos: torch.Tensor, curr_id: int) -> torch.Tensor:
+    """The paper's eviction score: attention received / number of queries that could attend to the pair.
+
+    attn: [B, H, C] float32 summed attention weights; pos: [B, H, C] padded-sequence positions, -1 for empty
+    or pad slots; curr_id: the last position already processed. Returns [B, H, C], ``-inf`` for empty slots.
+    """
+    valid = pos >= 0
+    count = (curr_id + 1 - pos).clamp(min=1).to(attn.dtype)
+    return torch.where(valid, attn / count, float("-inf"))
+
+
+def pool_by_position(x: torch.Tensor, pos: torch.Tensor, kernel: int, pool: str) -> torch.Tensor:
+    """Pool ``x`` [B, H, C] over the valid slots whose positions are within ``kernel // 2`` of each slot's.
+
+    Positions are unique per (sample, head), so such neighbours are at most ``kernel // 2`` places away in
+    position order: sort once, compare ``2 * (kernel // 2)`` shifted copies (a loop over the kernel only), scatter
+    back. ``max`` takes the largest, ``avg`` the mean over the neighbours present. Invalid slots stay ``-inf``.
+    """
+    r = kernel // 2
+    valid = pos >= 0
+    if r == 0:
+        return torch.where(valid, x, float("-inf"))
+    order = pos.argsort(dim=-1)  # [B, H, C]; invalid (-1) slots first
+    ps = pos.gather(-1, order)  # [B, H, C] sorted positions
+    xs = x.gather(-1, order)  # [B, H, C]
+    vs = ps >= 0  # [B, H, C]
+    acc = torch.where(vs, xs, float("-inf") if pool == "max" else 0.0)  # [B, H, C]
+    cnt = vs.to(x.dtype)  # [B, H, C]
+    C = x.shape[-1]
+    for d in range(1, min(r, C - 1) + 1):
+        for lo, hi, olo, ohi in ((d, C, 0, C - d), (0, C - d, d, C)):  # neighbour after / before
+            near = vs[..., lo:hi] & vs[..., olo:ohi] & ((ps[..., lo:hi] - ps[..., olo:ohi]).abs() <= r)  # [B, H, C-d]
+            if pool == "max":
+                acc[..., olo:ohi] = torch.where(near, torch.maximum(acc[..., olo:ohi], xs[..., lo:hi]),
+                                                acc[..., olo:ohi])
+            else:
+                acc[..., olo:ohi] += torch.where(near, xs[..., lo:hi], 0.0)
+                cnt[..., olo:ohi] += near.to(x.dtype)
+    if pool == "avg":
+        acc = acc / cnt.clamp(min=1)
+    out = torch.empty_like(x).scatter_(-1, order, acc)  # [B, H, C] back in slot order
+    return torch.where(valid, out, float("-inf"))
+
+
+def protect(priority: torch.Tensor, pos: torch.Tensor, curr_id: int, sinks: int, recent: int) -> torch.Tensor:
+    """``+inf`` for the first ``sinks`` real positions held and the ``recent`` newest positions (<= curr_id).
+
+    The sample's first real token is the smallest position held: sinks are protected from the first eviction
+    on (``Method`` checks ``sinks + recent <= kv_max - p``), so it is never evicted.
+    """
+    valid = pos >= 0
+    keep = valid & (pos > curr_id - recent)  # [B, H, C]
+    if sinks:
+        first = pos.masked_fill(~valid, torch.iinfo(pos.dtype).max).amin(dim=-1, keepdim=True)  # [B, H, 1]
+        keep |= valid & (pos < first + sinks)
+    return priority.masked_fill(keep, float("inf"))
+
+
+def _check_int(rule: str, name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"rule {rule!r}: {name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_pool(rule: str, kernel: object, pool: object) -> None:
+    _check_int(rule, "kernel", kernel, 1)
+    if kernel % 2 == 0:
+        raise ValueError(f"rule {rule!r}: kernel must be odd (centred on the slot), got {kernel}")
+    if pool not in POOLS:
+        raise ValueError(f"rule {rule!r}: pool must be one of {', '.join(POOLS)}, got {pool!r}")
+
+
+def _check_weight(rule: str, weight: object) -> None:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0 or weight == float("inf"):
+        raise ValueError(f"rule {rule!r}: weight must be a finite number >= 0, got {weight!r}")
+
+
+# ------------------------------------------------------------------------------------------------------- rules
+@dataclass(frozen=True)
+class Rule:
+    """Base of all rules: ``score(attn, pos, curr_id, probe) -> priority [B, H, C]`` (lower evicted first)."""
+
+    name: ClassVar[str] = ""
+
+    def score(self, attn: torch.Tensor, pos: torch.Tensor, curr_id: int,
+              probe: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lookahead(self) -> int:
+        """Look-ahead probe tokens appended to each prefill block but the last (0: no probe)."""
+        return 0
+
+    def protected(self) -> int:
+        """Most pairs per (sample, head) the rule never evicts (``Method`` checks it against kv_max - p)."""
+        return 0
+
+    def describe(self) -> str:
+        """``name`` or ``name(k=v, ...)`` with the parameters that differ from the defaults."""
+        cls = type(self)
+        diff = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                if getattr(self, f.name) != getattr(cls, f.name, None)]
+        return f"{self.name}({', '.join(diff)})" if diff else self.name
+
+
+@dataclass(frozen=True)
+class PaperRule(Rule):
+    """The paper's average attention (exact; the default)."""
+
+    name: ClassVar[str] = "paper"
+
+    def score(self, attn, pos, curr_id, probe=None):
+        return average_attention(attn, pos, curr_id)
+
+
+@dataclass(frozen=True)
+class PooledRule(Rule):
+    """Average attention pooled over neighbouring positions (``kernel`` odd, ``pool`` max or avg)."""
+
+    name: ClassVar[str] = "pooled"
+    kernel: int = 7
+    pool: str = "max"
+
+    def __post_init__(self):
+        _check_pool(self.name, self.kernel, self.pool)
+
+    def score(self, attn, pos, curr_id, probe=None):
+        return pool_by_position(average_attention(attn, pos, curr_id), pos, self.kernel, self.pool)
+
+
+@dataclass(frozen=True)
+class SinksRule(Rule):
+    """Average attention with the first ``sinks`` real tokens and the ``recent`` newest positions protected."""
+
+    name: ClassVar[str] = "sinks"
+    sinks: int = 4
+    recent: int = 32
+
+    def __post_init__(self):
+        _check_int(self.name, "sinks", self.sinks, 0)
+        _check_int(self.name, "recent", self.recent, 0)
+
+    def protected(self) -> int:
+        return self.sinks + self.recent
+
+    def score(self, attn, pos, curr_id, probe=None):
+        return protect(average_attention(attn, pos, curr_id), pos, curr_id, self.sinks, self.recent)
+
+
+@dataclass(frozen=True)
+class ProbeRule(Rule):
+    """Average attention + ``weight`` x the look-ahead attention of the prompt's last ``window`` tokens."""
+
+    name: ClassVar[str] = "probe"
+    window: int = 32
+    weight: float = 1.0
+
+    def __post_init__(self):
+        _check_int(self.name, "window", self.window, 1)
+        _check_weight(self.name, self.weight)
+
+    def lookahead(self) -> int:
+        return self.window
+
+    def score(self, attn, pos, curr_id, probe=None):
+        ave = average_attention(attn, pos, curr_id)
+        return ave if probe is None else ave + self.weight * probe
+
+
+@dataclass(frozen=True)
+class SnapKVRule(Rule):
+    """SnapKV at every eviction: ``pool(average attention + weight x look-ahead attention)``."""
+
+    name: ClassVar[str] = "snapkv"
+    window: int = 32
+    weight: float = 1.0
+    kernel: int = 7
+    pool: str = "max"
+
+    def __post_init__(self):
+        _check_int(self.name, "window", self.window, 1)
+        _check_weight(self.name, self.weight)
+        _check_pool(self.name, self.kernel, self.pool)
+
+    def lookahead(self) -> int:
+        return self.window
+
+    def score(self, attn, pos, curr_id, probe=None):
+        ave = average_attention(attn, pos, curr_id)
+        if probe is not None:
+            ave = ave + self.weight * probe
+        return pool_by_position(ave, pos, self.kernel, self.pool)
+
+
+RULES: dict[str, type] = {cls.name: cls for cls in (PaperRule, PooledRule, SinksRule, ProbeRule, SnapKVRule)}
+
+
+def rule_names() -> list[str]:
+    """The registered rule names, the paper's first."""
+    return list(RULES)
+
+
+@functools.lru_cache(maxsize=None)
+def get_rule(name: str) -> Rule:
+    """The rule ``name`` with its default parameters, or ``name:key=value,...`` with some set, e.g.
+    ``snapkv:window=64,kernel=5``. Unknown names, keys or bad values: a one-line ValueError."""
+    if not isinstance(name, str):
+        raise ValueError(f"rule must be a string, got {name!r}")
+    base, _, params = name.partition(":")
+    base = base.strip()
+    if base not in RULES:
+        raise ValueError(f"unknown rule {base!r}: choose one of {', '.join(RULES)}")
+    cls = RULES[base]
+    types = {f.name: f.type for f in fields(cls)}
+    kwargs: dict[str, object] = {}
+    for item in filter(None, (x.strip() for x in params.split(","))):
+        key, eq, text = (x.strip() for x in item.partition("="))
+        if key not in types or not eq:
+            known = ", ".join(types) or "none"
+            raise ValueError(f"rule {base!r}: cannot read {item!r}; parameters are key=value with keys: {known}")
+        kind = types[key] if isinstance(types[key], str) else types[key].__name__
+        try:
+            kwargs[key] = int(text) if kind == "int" else float(text) if kind == "float" else text
+        except ValueError:
+            raise ValueError(f"rule {base!r}: {key} must be {kind}, got {text!r}") from None
+    return cls(**kwargs)

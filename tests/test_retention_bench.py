@@ -1,0 +1,245 @@
+"""launch/bench_retention.py: prompt building, needle scoring, batching and the table/CSV (behaviour only).
+
+Prompts are measured with the embedded model's tokenizer; one end-to-end test runs the embedded model on two
+~200-token prompts (FKV and the paper's BM at kv_max 96, p 32, so BM evicts during prefill).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_retention", ROOT / "launch" / "bench_retention.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+br = _load_bench()
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from batchmax_tp.models import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def count(embedded):
+    return br.token_counter(embedded[1])
+
+
+def test_fixture_is_small_and_complete():
+    folder = br.FIXTURE_DIR
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 200_000
+    fx = br.load_fixture()
+    assert len(fx.documents) >= 3 and len(fx.facts) >= 6 and len(fx.topics) >= 5
+    assert "{key}" in fx.passkey["statement"]
+    for fact in fx.facts:  # every answer is stated in its sentence, so a model that keeps the sentence can answer
+        assert fact["answer"] in fact["statement"]
+
+
+def test_suite_lengths_depths_and_determinism(count):
+    suite = br.build_suite(count, lengths=[600, 900], summaries=[260], seed=3)
+    assert [s.kind for s in suite] == ["needle"] * 3 + ["multi"] + ["needle"] * 3 + ["multi"] + ["summary"]
+    assert len({s.id for s in suite}) == len(suite)
+    for s in suite:
+        assert s.prompt_tokens == count(s.prompt)
+        if s.kind != "summary":  # a summary holds a whole hand-written document, longer than these targets
+            assert abs(s.prompt_tokens - s.length) <= 0.2 * s.length, (s.id, s.prompt_tokens)
+        for needle in s.needles:
+            assert s.prompt.count(needle.statement) == 1
+    multi = next(s for s in suite if s.kind == "multi")
+    assert len(multi.needles) == 3 and sorted(multi.depths) == ["early", "late", "middle"]
+    assert sum(n.kind == "passkey" for n in multi.needles) == 1
+    at = {d: multi.prompt.index(n.statement) for d, n in zip(multi.depths, multi.needles)}
+    assert at["early"] < at["middle"] < at["late"]
+    for n in multi.needles:  # every question is asked, after the text
+        assert multi.prompt.index(n.question) > at["late"]
+    again = br.build_suite(count, lengths=[600, 900], summaries=[260], seed=3)
+    assert [s.prompt for s in again] == [s.prompt for s in suite]
+    other = br.build_suite(count, lengths=[600, 900], summaries=[260], seed=4)
+    assert [s.prompt for s in other] != [s.prompt for s in suite]
+
+
+def test_needle_scoring():
+    assert br.passkey_hit("The secret passkey is 48213.", "48213")
+    assert br.passkey_hit("passkey: 48,213", "48213")
+    assert br.passkey_hit("1. 48213\n2. 7", "48213")  # a list's next number is not glued on
+    assert not br.passkey_hit("The passkey is 482135.", "48213")
+    assert not br.passkey_hit("The passkey is 4821.", "48213")
+    assert not br.passkey_hit("The passkey is 148213", "48213")
+    key = br.Needle("passkey", "", "", "48213")
+    city = br.Needle("fact", "", "", "Lyon")
+    name = br.Needle("fact", "", "", "Northern Wren")
+    assert br.needle_hits("1. 48213\n2. lyon.\n3. The northern wren!", [key, city, name]) == [True, True, True]
+    assert br.needle_hits("Lyons, the Northern Wrens, 48214", [key, city, name]) == [False, False, False]
+
+
+def _sample(id_, kind, length, needles=()):
+    return br.RetentionSample(id_, kind, length, f"prompt {id_}", list(needles), [], length)
+
+
+def test_batches_keep_kinds_apart_and_lengths_together():
+    samples = [_sample(f"n{i}", "needle", 1000 * (1 + i % 3)) for i in range(7)]
+    samples += [_sample(f"s{i}", "summary", 2000) for i in range(3)]
+    groups = br.batches(samples, 4)
+    assert sorted(s.id for g in groups for s in g) == sorted(s.id for s in samples)
+    for g in groups:
+        assert 1 <= len(g) <= 4
+        assert len({s.kind == "summary" for s in g}) == 1
+    lengths = [s.length for g in groups for s in g if s.kind != "summary"]
+    assert lengths == sorted(lengths)
+
+
+def _fake_runs():
+    key = br.Needle("passkey", "", "", "11111")
+    city = br.Needle("fact", "", "", "Lyon")
+    samples = [_sample("a", "needle", 2048, [key]), _sample("b", "multi", 2048, [key, city]),
+               _sample("c", "needle", 1024, [city]), _sample("s", "summary", 2048)]
+    summary = "the harbour wall was repaired after the storm and the boats came back"
+    rows = {
+        br.Row("fkv", None, None, 64): {"outputs": {"a": "11111", "b": "11111 Lyon", "c": "Lyon", "s": summary},
+                                        "generated_tokens": 100, "prefill_s": 1.0, "decode_s": 1.0,
+                                        "peak_kv_bytes": 4 * 2**20},
+        br.Row("bm", "paper", 512, 64): {"outputs": {"a": "no", "b": "11111", "c": "Lyon", "s": "nothing alike"},
+                                         "generated_tokens": 100, "prefill_s": 0.5, "decode_s": 0.5,
+                                         "peak_kv_bytes": 2**20},
+        br.Row("bm", "other", 512, 64): {"outputs": {"a": "11111", "b": "11111 Lyon", "c": "Paris", "s": summary},
+                                         "generated_tokens": 100, "prefill_s": 1.0, "decode_s": 1.0,
+                                         "peak_kv_bytes": 2**20},
+    }
+    return samples, rows
+
+
+def test_score_rows_table_and_csv():
+    samples, runs = _fake_runs()
+    table, records = br.score_rows(samples, runs, target_length=2048)
+    fkv, paper, other = table
+    assert (fkv["needle_hits"], fkv["needle_total"], fkv["hits_2k"], fkv["total_2k"]) == (4, 4, 3, 3)
+    assert (paper["needle_hits"], paper["hits_2k"]) == (2, 1)
+    assert paper["hits_vs_fkv"] == pytest.approx(0.5) and paper["hits_2k_vs_fkv"] == pytest.approx(1 / 3)
+    assert (other["needle_hits"], other["hits_2k"]) == (3, 3)
+    assert fkv["fidelity_rouge2"] == 1.0 and other["fidelity_rouge2"] == pytest.approx(1.0)
+    assert paper["fidelity_rouge2"] == 0.0
+    assert paper["tokens_per_s"] == pytest.approx(100.0) and other["speed_vs_paper"] == pytest.approx(0.5)
+    assert fkv["meets_targets"] is None and paper["meets_targets"] is False
+    assert other["meets_targets"] is False  # hits and fidelity met, but half the paper rule's speed
+    assert len(records) == len(samples) * len(runs)
+    assert {r["id"]: r["hits"] for r in records if r["row"] == "bm/paper@512" and "hits" in r} == {
+        "a": [False], "b": [True, False], "c": [True]}
+
+    rows = list(csv.DictReader(io.StringIO(br.format_csv(table))))
+    assert list(rows[0]) == list(br.CSV_COLUMNS) and len(rows) == 3
+    assert [r["rule"] for r in rows] == ["-", "paper", "other"]
+    assert float(rows[1]["hits_vs_fkv"]) == pytest.approx(0.5)
+    md = br.format_markdown(table, 2048).splitlines()
+    assert md[0].startswith("| method | rule | kv_max | needle hits") and len(md) >= 5
+    assert "| bm | paper | 512 | 2/4 | 0.50 | 1/3 | 0.33 |" in md[3]
+
+
+def test_end_to_end_tiny(embedded, count, tmp_path):
+    model, tokenizer = embedded
+    samples = br.build_suite(count, lengths=[200], depths=("early", "late"), summaries=[200], seed=1)
+    groups = br.batches(samples, 4)
+    runs = {}
+    for row in (br.Row("fkv", None, None, 32), br.Row("bm", "paper", 96, 32)):
+        runs[row] = br.run_row(model, tokenizer, row, groups, needle_tokens=3, summary_tokens=4)
+        assert set(runs[row]["outputs"]) == {s.id for s in samples}
+        assert runs[row]["generated_tokens"] == 3 * 3 + 4
+    bm = runs[br.Row("bm", "paper", 96, 32)]
+    fkv = runs[br.Row("fkv", None, None, 32)]
+    assert bm["peak_kv_bytes"] < fkv["peak_kv_bytes"]  # bounded at 96 pairs per (sample, KV head)
+    table, records = br.score_rows(samples, runs, target_length=200)
+    paths = br.write_outputs(tmp_path / "out", table, records, {"target_length": 200})
+    for path in paths.values():
+        assert path.is_file() and path.stat().st_size > 0
+    assert paths["retention.png"].read_bytes()[:4] == b"\x89PNG"
+    assert len(paths["samples.jsonl"].read_text().splitlines()) == 2 * len(samples)
+    assert json.loads(paths["settings.json"].read_text()) == {"target_length": 200}
+
+
+def test_cli_rejects_bad_settings(capsys):
+    with pytest.raises(SystemExit):
+        br.parse_args(["--kv-max", "64", "--p", "64"])
+    assert "kv_max must be > p" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        br.parse_args(["--rules", "no-such-rule"])
+    assert "unknown rule" in capsys.readouterr().err
+    a = br.parse_args(["--quick", "--rules", "paper"])
+    assert a.kv_max == [256] and a.rules == ["paper"] and a.lengths == [768]
+
+
+# ---------------------------------------------------------------------- the main job's same-memory run (runner)
+SMOL = dict(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+            params=134_515_008, tied=True)
+
+
+def test_same_memory_plan_gives_bm_the_larger_batch():
+    from batchmax_tp import planner, runner
+    from batchmax_tp.policy import Method
+
+    shape = planner.ModelShape(**SMOL)
+    methods = [Method("fkv"), Method("ed", kv_max=2), Method("bm", kv_max=512), Method("bm", kv_max=512, rule="probe")]
+    budget, plan = runner.same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, cap=64)
+    assert budget == planner.predict(shape, Method("fkv"), 4, 1800, 64).total
+    fkv, ed, bm, probe = plan
+    assert fkv.batch == 4 and ed.batch <= 5  # ED prefills the whole prompt: the same peak as FKV
+    assert bm.batch > 2 * fkv.batch
+    # same K/V per kv_max; the probe's extra queries only add to a prefill block's activations and score block
+    assert 2 * fkv.batch < probe.batch <= bm.batch
+    for run in plan:
+        assert run.predicted_peak_bytes <= budget
+        assert planner.predict(shape, run.method, run.batch + 1, 1800, 64).total > budget  # the largest that fits
+    _, capped = runner.same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, cap=6)
+    assert [r.batch for r in capped] == [4, ed.batch, 6, 6] and capped[2].largest_fitting == bm.batch
+    _, none = runner.same_memory_plan(shape, methods, 1800, 64, budget_bytes=1000)
+    assert [r.batch for r in none] == [0, 0, 0, 0]
+
+
+def test_fill_samples_and_story_table():
+    from batchmax_tp import runner
+    from batchmax_tp.tasks import Sample
+
+    base = [Sample("a", "p1", "r1"), Sample("b", "p2", "r2")]
+    filled = runner.fill_samples(base, 5)
+    assert [s.id for s in filled] == ["a", "b", "a~2", "b~2", "a~3"]
+    assert [s.prompt for s in filled] == ["p1", "p2", "p1", "p2", "p1"] and filled[4].reference == "r1"
+    assert runner.fill_samples(base, 1) == base
+    table = runner.format_story_table([
+        {"method": "fkv", "rule": "-", "batch_size": 4, "kv_max": None, "tokens_per_s": 10.0,
+         "peak_kv_bytes": 2**20, "predicted_peak_bytes": 2**30, "num_correct": 3, "num_checked": 4},
+        {"method": "bm", "rule": "probe", "batch_size": 14, "kv_max": 512, "tokens_per_s": 12.5,
+         "peak_kv_bytes": 2**20, "predicted_peak_bytes": 2**30, "num_correct": 4, "num_checked": 4},
+        {"method": "ed", "rule": "-", "status": "OOM", "batch_size": 0, "kv_max": 2, "predicted_peak_bytes": 2**31},
+    ], budget_bytes=2**30).splitlines()
+    assert table[0].startswith("Memory budget 1024.0 MiB")
+    head = table.index("| method | rule | batch | kv_max | tokens/s | peak KV MiB | predicted peak MiB | correct (k/n) |")
+    assert table[head + 2] == "| fkv | - | 4 | - | 10.00 | 1.0 | 1024.0 | 3/4 |"
+    assert table[head + 3] == "| bm | probe | 14 | 512 | 12.50 | 1.0 | 1024.0 | 4/4 |"
+    assert table[head + 4].startswith("| ed | - | OOM | 2 |")
+
+
+def test_story_requested_only_for_plain_runs():
+    from types import SimpleNamespace
+
+    from batchmax_tp import runner
+
+    plain = SimpleNamespace(sweep=False)
+    assert runner.story_requested(plain, [])
+    assert not runner.story_requested(plain, ["--method", "bm"])
+    assert not runner.story_requested(SimpleNamespace(sweep=True), [])
+    assert runner.story_requested(SimpleNamespace(sweep=False, same_memory=True), ["--out", "x"])
+    assert not runner.story_requested(SimpleNamespace(sweep=False, same_memory=False), [])

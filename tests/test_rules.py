@@ -1,0 +1,307 @@
+"""Eviction rules beside the paper's (batchmax_tp.rules): the registry and its validation, each rule held to the
+naive reference (exact kept positions per (layer, sample, KV head), logits, tokens), the look-ahead probe never
+entering the cache, memory equal to the paper rule's, and no collective added by the probe under tp=2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import (
+    PEAKED,
+    assert_kept_equal,
+    assert_logits_close,
+    assert_tokens_equal,
+    left_padded_batch,
+    tiny_llama,
+)
+from reference import reference_generate
+
+from batchmax_tp.engine import generate
+from batchmax_tp.policy import Method
+from batchmax_tp.rules import RULES, get_rule, rule_names
+from batchmax_tp.schedule import plan
+
+ATOL = 1e-4
+LENGTHS = [37, 52, 60]  # s = 60, left paddings 23, 8, 0
+
+# (rule, its parameters): every parameter is spelled out for the reference, which has no defaults of its own.
+CASES = [
+    ("paper", {}),
+    ("pooled", dict(kernel=3, pool="max")),
+    ("pooled", dict(kernel=5, pool="avg")),
+    ("sinks", dict(sinks=2, recent=4)),
+    ("probe", dict(window=8, weight=1.0)),  # window > p: the second-to-last block gets a shorter probe
+    ("probe", dict(window=3, weight=4.0)),
+    ("snapkv", dict(window=8, weight=2.0, kernel=3, pool="max")),
+]
+
+
+def rule_string(rule: str, params: dict) -> str:
+    return rule if not params else rule + ":" + ",".join(f"{k}={v}" for k, v in params.items())
+
+
+def case_id(case) -> str:
+    return rule_string(*case).replace(":", "-").replace(",", "-")
+
+
+def run_engine(model, ids, mask, rule, kv_max, p, n):
+    return generate(model, ids, mask, Method("bm", kv_max=kv_max, p=p, rule=rule), n, ignore_eos=True,
+                    return_logits=True)
+
+
+# ------------------------------------------------------------------------------------------- registry / API
+def test_registry_names_and_defaults():
+    assert rule_names()[0] == "paper" and set(rule_names()) == set(RULES)
+    assert {"paper", "pooled", "sinks", "probe", "snapkv"} <= set(rule_names())
+    assert Method("bm", kv_max=512).rule == "paper"
+    assert get_rule("snapkv") == RULES["snapkv"]()
+    assert get_rule("probe:window=64,weight=0.5") == RULES["probe"](window=64, weight=0.5)
+    for name in rule_names():  # every rule is a frozen dataclass with a score()
+        rule = get_rule(name)
+        with pytest.raises(Exception):
+            rule.x = 1
+        assert callable(rule.score)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("nope", "unknown rule 'nope': choose one of paper, pooled"),
+    ("pooled:kernel=4", "kernel must be odd"),
+    ("pooled:kernel=0", "kernel must be an integer >= 1"),
+    ("pooled:pool=min", "pool must be one of max, avg"),
+    ("pooled:size=3", "keys: kernel, pool"),
+    ("probe:window=0", "window must be an integer >= 1"),
+    ("probe:weight=-1", "weight must be a finite number >= 0"),
+    ("sinks:recent=x", "recent must be int"),
+    ("paper:kernel=3", "keys: none"),
+])
+def test_rule_validation(text, match):
+    with pytest.raises(ValueError, match=match):
+        get_rule(text)
+
+
+def test_method_rule_field():
+    assert Method("bm", kv_max=512).label() == "bm(kv_max=512, p=64)"  # the paper's label is unchanged
+    assert Method("bm", kv_max=512, rule="snapkv").label() == "bm(kv_max=512, p=64, rule=snapkv)"
+    with pytest.raises(ValueError, match="unknown rule 'x'"):
+        Method("bm", kv_max=512, rule="x")
+    with pytest.raises(ValueError, match="applies to method 'bm' only"):
+        Method("ed", kv_max=2, rule="pooled")
+    with pytest.raises(ValueError, match="kv_max must be >= p \\+ 36"):
+        Method("bm", kv_max=64, p=32, rule="sinks")  # 4 sinks + 32 recent leave < p evictable pairs
+    Method("bm", kv_max=68, p=32, rule="sinks")
+
+
+def test_probe_schedule():
+    """The probe rides on every prefill block but the last, as the prompt's positions [max(end, s-w), s)."""
+    m = Method("bm", kv_max=16, p=4, rule="probe:window=6")
+    phases = plan(m, 30, 5)
+    pre = [ph for ph in phases if ph.kind == "prefill"]
+    assert [(ph.start, ph.end, ph.probe) for ph in pre] == [
+        (0, 16, 6), (16, 20, 6), (20, 24, 6), (24, 28, 2), (28, 30, 0)]
+    assert all(ph.probe == 0 for ph in phases if ph.kind == "decode")
+    paper = plan(Method("bm", kv_max=16, p=4), 30, 5)
+    assert [(ph.start, ph.end, ph.evict) for ph in phases] == [(ph.start, ph.end, ph.evict) for ph in paper]
+
+
+# ---------------------------------------------------------------------------------------- fast vs reference
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_rule_matches_reference(case):
+    rule, params = case
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch(LENGTHS, seed=1)
+    s, kv_max, p, n = ids.shape[1], 16, 4, 14
+    ref = reference_generate(model, ids, mask, "bm", kv_max, p, n, rule=rule, rule_params=params)
+    assert ref.min_margin > 1e-4, f"near tie in the reference ranking ({ref.min_margin:.2g}); pick another seed"
+    out = run_engine(model, ids, mask, rule_string(rule, params), kv_max, p, n)
+    tag = rule_string(rule, params)
+    assert_logits_close(out.logits, ref.logits, ATOL, what=f"[{tag}] logits")
+    assert_tokens_equal(out.tokens, ref.tokens, what=f"[{tag}] tokens")
+    assert_kept_equal(out.cache.kept_positions(), ref.kept, what=f"[{tag}] kept positions")
+    # evictions in prefill and in decoding
+    assert any(e[3] < s - 1 for e in ref.events) and any(e[3] >= s - 1 for e in ref.events)
+    # right after prefill (the probe acts there) and after a decode eviction
+    for steps in (1, 2 * p + 2):
+        out_k = run_engine(model, ids, mask, rule_string(rule, params), kv_max, p, steps)
+        assert_kept_equal(out_k.cache.kept_positions(), ref.kept_history[steps - 1],
+                          what=f"[{tag}] kept positions after {steps} token(s)")
+    if rule != "paper":  # the rule really decides differently from the paper's (the test is not vacuous)
+        paper = reference_generate(model, ids, mask, "bm", kv_max, p, n)
+        assert ref.kept_history[0] != paper.kept_history[0] or ref.kept != paper.kept
+
+
+@pytest.mark.parametrize("case", [("probe", dict(window=8, weight=1.0)),
+                                  ("snapkv", dict(window=8, weight=1.0, kernel=3, pool="avg")),
+                                  ("sinks", dict(sinks=3, recent=2))], ids=case_id)
+def test_rule_matches_reference_short_samples(case):
+    """A 5-token sample padded to 60: its blocks are pads while its probe is partly pads, partly real."""
+    rule, params = case
+    model = tiny_llama(1, **PEAKED)
+    ids, mask = left_padded_batch([5, 60, 45], seed=4)
+    kv_max, p, n = 16, 4, 12
+    ref = reference_generate(model, ids, mask, "bm", kv_max, p, n, rule=rule, rule_params=params)
+    assert ref.min_margin > 1e-4, ref.min_margin
+    out = run_engine(model, ids, mask, rule_string(rule, params), kv_max, p, n)
+    assert_logits_close(out.logits, ref.logits, ATOL, what="logits")
+    assert_tokens_equal(out.tokens, ref.tokens)
+    assert_kept_equal(out.cache.kept_positions(), ref.kept)
+
+
+def test_sinks_are_kept():
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch(LENGTHS, seed=1)
+    s, n = ids.shape[1], 14
+    out = run_engine(model, ids, mask, "sinks:sinks=3,recent=5", 16, 4, n)
+    for layer in out.cache.kept_positions():
+        for j, heads in enumerate(layer):
+            first = s - LENGTHS[j]
+            for positions in heads:
+                assert set(range(first, first + 3)) <= set(positions)
+                assert set(range(s + n - 2 - 4, s + n - 1)) <= set(positions)  # the 5 newest
+
+
+# ------------------------------------------------------------------------------------- probe and memory
+@pytest.mark.parametrize("rule", ["probe:window=8", "snapkv:window=8,kernel=3"])
+def test_probe_never_enters_the_cache(rule):
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch(LENGTHS, seed=1)
+    s, kv_max, p = ids.shape[1], 16, 4
+    paper = run_engine(model, ids, mask, "paper", kv_max, p, 1)
+    out = run_engine(model, ids, mask, rule, kv_max, p, 1)
+    assert any(ph.probe for ph in out.phases)
+    for layer in out.cache.kept_positions():
+        for j, heads in enumerate(layer):
+            for positions in heads:
+                assert positions == sorted(set(positions)) and len(positions) <= kv_max
+                assert all(s - LENGTHS[j] <= q <= s - 1 for q in positions)  # real prompt tokens only
+    for a, b in zip(out.cache.layers, paper.cache.layers):
+        assert a.keys.shape == b.keys.shape and a.keys.shape[2] == kv_max
+        assert a.probe_kv is None  # nothing of the probe stays behind
+    assert out.cache.kv_bytes() == paper.cache.kv_bytes()
+    assert out.peak_kv_bytes == paper.peak_kv_bytes
+
+
+@pytest.mark.parametrize("rule", [rule_string(*c) for c in CASES])
+def test_memory_equals_paper_rule(rule):
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch(LENGTHS, seed=1)
+    paper = run_engine(model, ids, mask, "paper", 16, 4, 10)
+    out = run_engine(model, ids, mask, rule, 16, 4, 10)
+    assert out.peak_kv_bytes == paper.peak_kv_bytes
+    assert out.cache.kv_bytes() == paper.cache.kv_bytes()
+    # bookkeeping: a probe rule keeps one more float32 per slot (its look-ahead attention), the others nothing
+    extra = sum(layer.pos.numel() * 4 for layer in out.cache.layers) if get_rule(rule).lookahead() else 0
+    assert out.cache.meta_bytes() == paper.cache.meta_bytes() + extra
+
+
+# ------------------------------------------------------------------------------------------ tensor parallel
+RULE_TP = "snapkv:window=8,kernel=3"
+
+
+def _tp_worker(rank, world, port, outdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from test_tp import batch, make_model
+
+    from batchmax_tp import tp
+
+    layout = tp.init_distributed(world)
+    model = tp.apply_tensor_parallel(make_model(False), layout, torch.float32)
+    ids, mask = batch(0)
+    counts = {}
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter", "barrier"):
+        orig = getattr(dist, name)
+
+        def wrapped(*a, _orig=orig, _name=name, **k):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _orig(*a, **k)
+
+        setattr(dist, name, wrapped)
+    res = {}
+    for rule in ("paper", RULE_TP):
+        counts.clear()
+        out = generate(model, ids, mask, Method("bm", kv_max=16, p=4, rule=rule), 12, ignore_eos=True,
+                       return_logits=True)
+        res[rule] = dict(tokens=out.tokens, logits=torch.stack(out.logits), kept=out.cache.kept_positions(),
+                         heads=out.cache.layers[0].keys.shape[1], collectives=dict(counts))
+    torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_probe_adds_no_collective_under_tp2(tmp_path):
+    from test_tp import batch, free_port, make_model
+
+    mp.spawn(_tp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model = make_model(False)
+    ids, mask = batch(0)
+    single = generate(model, ids, mask, Method("bm", kv_max=16, p=4, rule=RULE_TP), 12, ignore_eos=True,
+                      return_logits=True)
+    offset = 0
+    for res in ranks:
+        paper, probe = res["paper"], res[RULE_TP]
+        assert paper["collectives"].get("all_reduce", 0) > 0, "the wrapper saw no all-reduce: it cannot count"
+        assert probe["collectives"] == paper["collectives"]  # same forwards, same collectives
+        torch.testing.assert_close(probe["logits"], torch.stack(single.logits), atol=ATOL, rtol=0)
+        assert torch.equal(probe["tokens"], single.tokens)
+        h = probe["heads"]
+        want = [[heads[offset:offset + h] for heads in layer] for layer in single.cache.kept_positions()]
+        assert probe["kept"] == want  # rank-local eviction = the single process's, head by head
+        offset += h
+    assert offset == 3
+
+
+# ------------------------------------------------------------------------------------------- configuration
+def test_run_config_rule(tmp_path):
+    from batchmax_tp.config import ConfigError, RunConfig, build_parser, parse_args
+    from batchmax_tp.evaluate import RunSpec, run_settings
+
+    cfg = parse_args([])
+    assert cfg.rule == "paper" and [m.rule for m in cfg.method_specs()] == ["paper"] * 3
+    assert [s.name for s in cfg.run_specs()] == ["fkv-b4", "ed-b4-kv2", "bm-b4-kv512"]  # paper names unchanged
+    cfg = parse_args(["--rule", "snapkv:window=64", "--kv-max", "256"])
+    assert [(m.name, m.rule) for m in cfg.method_specs()] == [("fkv", "paper"), ("ed", "paper"),
+                                                              ("bm", "snapkv:window=64")]
+    spec = cfg.run_specs()[2]
+    assert spec.name == "bm-snapkv-window64-b4-kv256"
+    assert run_settings(cfg, spec)["rule"] == "snapkv:window=64"
+    assert run_settings(cfg, RunSpec(Method("fkv"), 4))["rule"] == "paper"
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("rule: pooled\nruns:\n  - {method: bm, batch_size: 8, kv_max: 256}\n"
+                         "  - {method: bm, batch_size: 8, kv_max: 256, rule: paper}\n")
+    assert [s.name for s in parse_args(["--config", str(yaml_file)]).run_specs()] == [
+        "bm-pooled-b8-kv256", "bm-b8-kv256"]
+    for argv, start in [(["--rule", "nope"], "rule: unknown rule 'nope': choose one of paper, pooled"),
+                        (["--rule", "pooled:kernel=2"], "rule: rule 'pooled': kernel must be odd"),
+                        (["--rule", "sinks", "--kv-max", "80", "--p", "64"], "kv_max: rule 'sinks' protects 36")]:
+        with pytest.raises(ConfigError) as err:
+            parse_args(argv)
+        assert str(err.value).startswith(start) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match=r"runs\[0\].rule: rule 'probe' applies to method bm only"):
+        RunConfig(runs=[{"method": "ed", "batch_size": 2, "rule": "probe"}])
+    with pytest.raises(ConfigError, match="rule: must be a string"):
+        RunConfig(rule=3)
+    assert "--rule" in build_parser().format_help() and "--list-rules" in build_parser().format_help()
+
+
+def test_list_rules_prints_names_and_exits_0(capsys):
+    from batchmax_tp.config import parse_args
+
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--list-rules"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.split("\n") == rule_names() + [""]
+
+
+def test_reports_name_the_rule():
+    from batchmax_tp.report import format_csv
+
+    rows = format_csv([dict(method="bm", rule="snapkv", batch_size=4, kv_max=256, status="done"),
+                       dict(method="bm", batch_size=4, kv_max=256, status="done")]).splitlines()
+    rule_col = rows[0].split(",").index("rule")
+    assert [r.split(",")[rule_col] for r in rows[1:]] == ["snapkv", "paper"]
