@@ -40,7 +40,7 @@ tests_rc=${PIPESTATUS[0]}
 #    against plain HF SDPA at the same batch.
 "$PY" launch/bench_throughput.py --model arch:llama-2-7b --dtype float16 --device cuda \
   --memory-budget "${GPU_CHECK_BUDGET:-40GiB}" --prompt-len "${GPU_CHECK_PROMPT:-1536}" \
-  --new-tokens "${GPU_CHECK_NEW:-512}" --out "$OUT/bench_throughput.json" 2>&1 | tee "$OUT/bench_throughput.log"
+  --new "${GPU_CHECK_NEW:-512}" --out "$OUT/bench_throughput.json" 2>&1 | tee "$OUT/bench_throughput.log"
 bench_rc=${PIPESTATUS[0]}
 
 "$PY" - "$OUT" "$tests_rc" "$bench_rc" <<'PYEOF'
