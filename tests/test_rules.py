@@ -205,22 +205,14 @@ def _tp_worker(rank, world, port, outdir):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from test_tp import batch, make_model
+    from test_tp import batch, count_collectives, make_model
 
     from batchmax_tp import tp
 
     layout = tp.init_distributed(world)
     model = tp.apply_tensor_parallel(make_model(False), layout, torch.float32)
     ids, mask = batch(0)
-    counts = {}
-    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter", "barrier"):
-        orig = getattr(dist, name)
-
-        def wrapped(*a, _orig=orig, _name=name, **k):
-            counts[_name] = counts.get(_name, 0) + 1
-            return _orig(*a, **k)
-
-        setattr(dist, name, wrapped)
+    counts = count_collectives()
     res = {}
     for rule in ("paper", RULE_TP):
         counts.clear()

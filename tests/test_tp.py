@@ -76,7 +76,23 @@ def prompt_batch(embedded: bool | str, replica: int = 0):
     return encode_prompts(tok, texts)
 
 
-def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_collectives):
+def count_collectives() -> dict[str, int]:
+    """Wrap torch.distributed's collectives in this process; returns the live call counts by name."""
+    import torch.distributed as dist
+
+    counts: dict[str, int] = {}
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter", "barrier"):
+        orig = getattr(dist, name)
+
+        def wrapped(*a, _orig=orig, _name=name, **k):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _orig(*a, **k)
+
+        setattr(dist, name, wrapped)
+    return counts
+
+
+def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_collectives_):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -88,16 +104,7 @@ def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_col
     layout = tp.init_distributed(tp_size)
     model = tp.apply_tensor_parallel(make_model(embedded), layout, torch.float32)
     ids, mask = prompt_batch(embedded, layout.replica)
-    counts = {}
-    if count_collectives:
-        for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter", "barrier"):
-            orig = getattr(dist, name)
-
-            def wrapped(*a, _orig=orig, _name=name, **k):
-                counts[_name] = counts.get(_name, 0) + 1
-                return _orig(*a, **k)
-
-            setattr(dist, name, wrapped)
+    counts = count_collectives() if count_collectives_ else {}
     results = {}
     for m in method:
         counts.clear()
