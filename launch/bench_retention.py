@@ -488,7 +488,8 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF id or local checkpoint (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--rules", default=None, help="comma-separated rule names (default: every registered rule)")
+    ap.add_argument("--rules", default=None, help="comma-separated rule names (default: every registered rule); rules with parameters, e.g. "
+                    "'paper;snapkv:window=64,kernel=5', are separated by ';'")
     ap.add_argument("--kv-max", type=_ints, default=None, help="comma-separated kv_max values (default 512,256)")
     ap.add_argument("--p", type=int, default=64)
     ap.add_argument("--lengths", type=_ints, default=None, help="prompt lengths in tokens (default 1024,2048,3072)")
@@ -514,10 +515,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1")
     known = available_rules()
-    a.rules = [r.strip() for r in a.rules.split(",") if r.strip()] if a.rules else known
-    unknown = [r for r in a.rules if r not in known]
+    # Rules with parameters ("snapkv:window=64,kernel=5") hold commas themselves: then separate rules with ";".
+    sep = ";" if a.rules and (";" in a.rules or ":" in a.rules) else ","
+    a.rules = [r.strip() for r in a.rules.split(sep) if r.strip()] if a.rules else known
+    unknown = [r for r in a.rules if r.partition(":")[0] not in known]
     if unknown or not a.rules:
         ap.error(f"--rules: unknown rule(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
+    from batchmax_tp.rules import get_rule
+
+    for r in a.rules:
+        try:
+            get_rule(r)
+        except ValueError as err:
+            ap.error(f"--rules: {err}")
     return a
 
 
