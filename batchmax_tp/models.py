@@ -184,6 +184,8 @@ def read_config(model_id: str):
     """
     from transformers import AutoConfig
 
+    if model_id.startswith(("/", "./", "../", "~")) and not Path(model_id).expanduser().is_dir():
+        raise ValueError(f"cannot read the configuration of {model_id!r}: no such directory")
     try:
         if model_id.startswith(ARCH_PREFIX):
             config = architecture_config(model_id)
