@@ -9,6 +9,7 @@ identical on every tensor-parallel rank that holds the same head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -61,9 +62,9 @@ class Method:
         """Whether the prefill itself is bounded by ``kv_max`` (only BM)."""
         return self.name == "bm"
 
-    @property
+    @cached_property
     def scorer(self) -> Rule:
-        """The eviction rule's dataclass (``rules.get_rule(self.rule)``)."""
+        """The eviction rule's dataclass (``rules.get_rule(self.rule)``), parsed once per Method."""
         return get_rule(self.rule)
 
     @property

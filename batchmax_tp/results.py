@@ -218,11 +218,10 @@ def read_summary(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def write_oom_marker(folder: str | os.PathLike[str], rank: int, error: str, batch: int) -> Path:
     """Record, from the rank that hit it, that this run ran out of memory in ``batch`` (written atomically)."""
+    from .runner import atomic_write_text
+
     path = Path(folder) / f"oom-rank{rank}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"rank": rank, "batch": batch, "error": error}) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({"rank": rank, "batch": batch, "error": error}) + "\n")
     return path
 
 

@@ -569,18 +569,12 @@ def story_requested(cfg: Any, argv: Sequence[str] | None) -> bool:
 
 def story_methods(cfg: Any, best_rule: str | None = None) -> list[Any]:
     """FKV, ED, the paper's BM and BM with ``best_rule`` (default: ``cfg.rule`` when it is not the paper's, else
-    :data:`STORY_BEST_RULE`; left out when the library has no such rule), with ``cfg``'s kv_max and p."""
+    :data:`STORY_BEST_RULE`), with ``cfg``'s kv_max and p."""
     policy = importlib.import_module("batchmax_tp.policy")
-    kv = cfg.kv_max_for if hasattr(cfg, "kv_max_for") else (lambda name: {"bm": 512, "ed": 2}.get(name))
-    methods = [policy.Method("fkv", p=cfg.p), policy.Method("ed", kv_max=kv("ed"), p=cfg.p),
-               policy.Method("bm", kv_max=kv("bm"), p=cfg.p)]
-    chosen = getattr(cfg, "rule", None)
-    rule = best_rule or (chosen if chosen and chosen != "paper" else STORY_BEST_RULE)
-    try:
-        methods.append(policy.Method("bm", kv_max=kv("bm"), p=cfg.p, rule=rule))
-    except (TypeError, ValueError) as err:  # a library without named rules, or without this one
-        logger.warning("same-memory run without a second BM rule: %s", err)
-    return methods
+    rule = best_rule or (cfg.rule if cfg.rule != "paper" else STORY_BEST_RULE)
+    kv = cfg.kv_max_for
+    return [policy.Method("fkv", p=cfg.p), policy.Method("ed", kv_max=kv("ed"), p=cfg.p),
+            policy.Method("bm", kv_max=kv("bm"), p=cfg.p), policy.Method("bm", kv_max=kv("bm"), p=cfg.p, rule=rule)]
 
 
 def method_rule(method: Any) -> str:

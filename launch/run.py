@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 try:  # a source checkout run without `pip install -e .`
@@ -191,8 +192,8 @@ def _load_task(cfg: Any, tasks: Any) -> Any:
 def _report(cfg: Any, summaries: list[dict]) -> int:
     """Rank 0 after a sweep: OUT/report.md, results.csv and the plots; the report goes to stdout too."""
     report = importlib.import_module("batchmax_tp.report")
-    plan = os.path.join(cfg.out, "plan.json")
-    notes = [json.loads(open(plan, encoding="utf-8").read())["b0_note"]] if cfg.procedure == "paper" else []
+    plan = Path(cfg.out) / "plan.json"
+    notes = [json.loads(plan.read_text(encoding="utf-8"))["b0_note"]] if cfg.procedure == "paper" else []
     paths = report.write_report(cfg.out, summaries, notes=notes)
     print(paths["report.md"].read_text(encoding="utf-8"), end="", flush=True)
     return 0
