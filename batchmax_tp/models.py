@@ -29,16 +29,19 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from .config import EMBEDDED_MODEL
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 # "arch:NAME" (configs/models/NAME.json) or "arch:PATH.json": the architecture with random weights, for throughput
 # measurements where real weights cannot be fetched. Speed depends on shapes, not on weight values.
 ARCH_PREFIX = "arch:"
@@ -182,8 +185,6 @@ def read_config(model_id: str):
 
     Raises ``ValueError`` with one line when it cannot be read (no such folder, an unreachable hub id offline).
     """
-    from transformers import AutoConfig
-
     if model_id.startswith(("/", "./", "../", "~")) and not Path(model_id).expanduser().is_dir():
         raise ValueError(f"cannot read the configuration of {model_id!r}: no such directory")
     try:
@@ -221,7 +222,7 @@ def load_model(
 
     ``model_id`` is :data:`EMBEDDED_MODEL`, a Hugging Face hub id or a local checkpoint directory. The weights
     are read straight into ``dtype`` (``auto``: :func:`resolve_dtype`) on ``device`` — under tensor parallelism
-    pass ``device="cpu"`` and let :func:`batchmax_tp.tp.apply_tensor_parallel` move only this rank's shard to the
+    pass ``device="cpu"`` and let :func:`batchmax_tp.parallel.apply_tensor_parallel` move only this rank's shard to the
     accelerator. Returned in eval mode with ``attn_implementation="sdpa"`` (the engine switches it itself); the
     tokenizer pads on the left and has a pad token (its own, else EOS).
     """
@@ -245,8 +246,6 @@ def load_model(
 
 def architecture_config(spec: str, **overrides: Any):
     """The transformers config of ``arch:NAME`` (``configs/models/NAME.json``) or ``arch:PATH.json``."""
-    from transformers import AutoConfig
-
     name = spec.removeprefix(ARCH_PREFIX)
     path = Path(name) if name.endswith(".json") else ARCH_DIR / f"{name}.json"
     if not path.is_file():
@@ -285,8 +284,6 @@ def tiny_random_model(family: str = "llama", seed: int = 0, **overrides: Any) ->
     max_position_embeddings 1024, pad/bos/eos ids 0/1/2; ``overrides`` replace any config field. Returned in
     float32, eval mode, with ``attn_implementation="sdpa"``.
     """
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}: choose one of {', '.join(TINY_FAMILIES)}")

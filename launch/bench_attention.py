@@ -23,10 +23,11 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from batchmax_tp import attention, cache  # noqa: E402
-from batchmax_tp.engine import generate  # noqa: E402
+from batchmax_tp.core import attention  # noqa: E402
+from batchmax_tp.core import cache  # noqa: E402
+from batchmax_tp.core.engine import generate  # noqa: E402
 from batchmax_tp.models import load_model  # noqa: E402
-from batchmax_tp.policy import Method  # noqa: E402
+from batchmax_tp.core.method import Method  # noqa: E402
 from memtrack import AllocationTracker  # noqa: E402
 
 METHODS = {"fkv": Method("fkv"), "bm": Method("bm", kv_max=256, p=64)}
@@ -34,9 +35,9 @@ METHODS = {"fkv": Method("fkv"), "bm": Method("bm", kv_max=256, p=64)}
 
 def load_attention(path: str):
     """The ``batchmax_attention`` of another attention.py, importing the current package's cache."""
-    spec = importlib.util.spec_from_file_location("batchmax_tp._baseline_attention", path)
+    spec = importlib.util.spec_from_file_location("batchmax_tp.core._baseline_attention", path)
     module = importlib.util.module_from_spec(spec)
-    module.__package__ = "batchmax_tp"
+    module.__package__ = "batchmax_tp.core"  # its relative imports (.cache, .workspace) resolve in core/
     spec.loader.exec_module(module)
     return module.batchmax_attention
 

@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from batchmax_tp.engine import generate  # noqa: E402
+from batchmax_tp.core.engine import generate  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
-from batchmax_tp.policy import Method  # noqa: E402
+from batchmax_tp.core.method import Method  # noqa: E402
 
 
 def batch_of(vocab: int, batch: int, length: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:

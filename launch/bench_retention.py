@@ -214,8 +214,8 @@ def build_suite(
 
 
 def token_counter(tokenizer: Any) -> Callable[[str], int]:
-    """Tokens of a user message with the chat template (what ``tasks.encode_prompts`` feeds the model)."""
-    from batchmax_tp.tasks import prompt_ids
+    """Tokens of a user message with the chat template (what ``eval.run.encode_prompts`` feeds the model)."""
+    from batchmax_tp.eval.tasks import prompt_ids
 
     return lambda text: len(prompt_ids(tokenizer, text))
 
@@ -228,7 +228,7 @@ def passkey_hit(output: str, key: str) -> bool:
 
 
 def needle_hits(output: str, needles: Sequence[Needle]) -> list[bool]:
-    from batchmax_tp.tasks import is_correct
+    from batchmax_tp.eval.metrics import is_correct
 
     return [passkey_hit(output, n.answer) if n.kind == "passkey" else bool(is_correct(output, n.answer))
             for n in needles]
@@ -263,7 +263,7 @@ class Row:
 
 
 def make_method(row: Row) -> Any:
-    from batchmax_tp.policy import Method
+    from batchmax_tp.core.method import Method
 
     if row.method == "fkv":
         return Method("fkv")
@@ -277,7 +277,7 @@ def make_method(row: Row) -> Any:
 
 def available_rules() -> list[str]:
     try:
-        from batchmax_tp.rules import rule_names
+        from batchmax_tp.core.rules import rule_names
     except ImportError:
         return ["paper"]
     return list(rule_names())
@@ -287,11 +287,11 @@ def run_row(model: Any, tokenizer: Any, row: Row, groups: Sequence[list[Retentio
             needle_tokens: int, summary_tokens: int, generate_fn: Callable[..., Any] | None = None,
             on_batch: Callable[[], None] | None = None) -> dict[str, Any]:
     """Generate every batch with one configuration: outputs per sample id, timings and the peak K/V bytes."""
-    from batchmax_tp.runner import cut_at_eos
-    from batchmax_tp.tasks import encode_prompts
+    from batchmax_tp.eval.run import cut_at_eos
+    from batchmax_tp.eval.run import encode_prompts
 
     if generate_fn is None:
-        from batchmax_tp.engine import generate as generate_fn
+        from batchmax_tp.core.engine import generate as generate_fn
     method = make_method(row)
     outputs: dict[str, str] = {}
     gen_tokens, prefill_s, decode_s, peak = 0, 0.0, 0.0, 0
@@ -325,7 +325,7 @@ def score_rows(samples: Sequence[RetentionSample], runs: dict[Row, dict[str, Any
     mean ROUGE-2 F of each summary against FKV's summary of the same prompt (all, and at ``target_length``);
     tokens/s and its ratio to the paper rule's at the same kv_max.
     """
-    from batchmax_tp.metrics import rouge2
+    from batchmax_tp.eval.metrics import rouge2
 
     fkv_row = next(r for r in runs if r.method == "fkv")
     fkv_out = runs[fkv_row]["outputs"]
@@ -453,7 +453,7 @@ def plot(table: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
 
 
 def _atomic(path: Path, text: str) -> None:
-    from batchmax_tp.runner import atomic_write_text
+    from batchmax_tp.eval.files import atomic_write_text
 
     atomic_write_text(path, text)
 
@@ -521,7 +521,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     unknown = [r for r in a.rules if r.partition(":")[0] not in known]
     if unknown or not a.rules:
         ap.error(f"--rules: unknown rule(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(known)}")
-    from batchmax_tp.rules import get_rule
+    from batchmax_tp.core.rules import get_rule
 
     for r in a.rules:
         try:
@@ -558,8 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ", ".join(r.label for r in rows))
 
     # untimed warm-up of every code path: FKV and each rule once, on the last 128 tokens of one prompt
-    from batchmax_tp.engine import generate
-    from batchmax_tp.tasks import encode_prompts
+    from batchmax_tp.core.engine import generate
+    from batchmax_tp.eval.run import encode_prompts
 
     ids, mask = encode_prompts(tokenizer, [samples[0].prompt])
     for r in [rows[0]] + [Row("bm", rule, 96, 32) for rule in a.rules]:

@@ -6,7 +6,7 @@
 One run: (1) the budget (given, or the planner's peak of FKV at --fkv-batch, so FKV fits exactly that many);
 (2) for each method the largest fitting batch (planner), one timed generation of --new tokens ignoring EOS
 from prompts of --prompt-len tokens, tokens/s = generated tokens / (prefill + decode) seconds; FKV and ED run as
-the fair baselines (the model's SDPA / FlashAttention-2, no score bookkeeping, ``batchmax_tp.baseline``), BM on
+the fair baselines (the model's SDPA / FlashAttention-2, no score bookkeeping, ``batchmax_tp.core.baseline``), BM on
 its own attention; (3) FKV and ED again as plain HF at the same batch (``baseline.hf_reference_generate``: HF
 generate with its default cache; a DynamicCache cut to its newest pair), ratio ours/HF (target >= 0.95) and
 whether the tokens are identical; (4) the ratios BM/ED and BM/FKV next to the figures measured before the fair
@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from batchmax_tp.baseline import fastest_attention, hf_reference_generate  # noqa: E402
-from batchmax_tp.engine import generate  # noqa: E402
+from batchmax_tp.core.baseline import fastest_attention, hf_reference_generate  # noqa: E402
+from batchmax_tp.core.engine import generate  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
-from batchmax_tp.planner import ModelShape, max_batch, parse_bytes, predict  # noqa: E402
-from batchmax_tp.policy import Method  # noqa: E402
+from batchmax_tp.plan.planner import ModelShape, max_batch, parse_bytes, predict  # noqa: E402
+from batchmax_tp.core.method import Method  # noqa: E402
 
 
 def prompts(vocab: int, batch: int, length: int, device: str, seed: int = 0) -> torch.Tensor:

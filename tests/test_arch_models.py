@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchmax_tp.engine import generate
+from batchmax_tp.core.engine import generate
 from batchmax_tp.models import architecture_config, architecture_model
-from batchmax_tp.planner import ModelShape
-from batchmax_tp.policy import Method
+from batchmax_tp.plan.planner import ModelShape
+from batchmax_tp.core.method import Method
 
 
 @pytest.mark.parametrize("name,params", [("llama-2-7b", 6_738_415_616), ("llama-2-13b", 13_015_864_320),

@@ -1,4 +1,4 @@
-"""The fair baselines (batchmax_tp.baseline): FKV and ED on the model's own SDPA with a DenseCache.
+"""The fair baselines (batchmax_tp.core.baseline): FKV and ED on the model's own SDPA with a DenseCache.
 
 They must give what the score-collecting path gave (tokens identical, logits within 1e-4), what HF's own
 full-cache forward gives (FKV), keep exactly Algorithm 3's pairs (ED, naive reference), and never run the
@@ -21,11 +21,12 @@ from conftest import (
 from reference import reference_generate
 from transformers import MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from batchmax_tp import attention
-from batchmax_tp.baseline import SDPA, DenseCache, fastest_attention, sdpa_workspace_bytes
-from batchmax_tp.cache import BatchMaxCache
-from batchmax_tp.engine import generate
-from batchmax_tp.policy import Method
+from batchmax_tp.core import attention
+from batchmax_tp.core.baseline import DenseCache, fastest_attention
+from batchmax_tp.core.workspace import SDPA, sdpa_workspace_bytes
+from batchmax_tp.core.cache import BatchMaxCache
+from batchmax_tp.core.engine import generate
+from batchmax_tp.core.method import Method
 
 ATOL = 1e-4
 LENGTHS = [37, 52, 60]  # three different left paddings (23, 8, 0)
@@ -168,7 +169,7 @@ def test_dense_cache_refuses_bm_and_hf_generate():
                          ids=["fkv", "ed2", "ed4"])
 def test_plain_hf_references_give_the_engines_tokens(method):
     """The benchmark's plain-HF versions (HF generate; DynamicCache cut to its newest pair) agree with the engine."""
-    from batchmax_tp.baseline import hf_reference_generate
+    from batchmax_tp.core.baseline import hf_reference_generate
 
     model = tiny_llama(0, **PEAKED)
     ids, mask = left_padded_batch(LENGTHS, seed=3)

@@ -23,21 +23,32 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
-from batchmax_tp import budget, evaluate, report, tasks
+from batchmax_tp import cli
+from batchmax_tp.plan import budget
+from batchmax_tp.eval import run as evaluate
+from batchmax_tp.eval import report
+from batchmax_tp.eval import tasks
 from batchmax_tp.config import ConfigError, parse_args
 from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
-from batchmax_tp.planner import ModelShape, max_batch, predict
-from batchmax_tp.policy import Method
-from batchmax_tp.tuner import paper_plan
+from batchmax_tp.plan.planner import ModelShape, max_batch, predict
+from batchmax_tp.core.method import Method
+from batchmax_tp.plan.tuner import paper_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"batchmax_test_{name}", ROOT / "launch" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+class _Entry:
+    """``launch/<name>.py``: ``batchmax_tp.cli.main`` with the entry point's procedure."""
+
+    def __init__(self, procedure: str | None):
+        self.procedure = procedure
+
+    def main(self, argv):
+        return cli.main(argv, procedure=self.procedure)
+
+
+def _load(name: str) -> _Entry:
+    return _Entry({"run": None, "sweep": "paper", "tune": "tune"}[name])
 
 
 def _yaml(tmp_path, data, name="cfg.yaml") -> str:
@@ -64,7 +75,7 @@ def tiny_model(tokenizer):
 def stack(monkeypatch, tokenizer, tiny_model):
     """The main job with the tiny model; records each timed generate call as (method, kv_max, batch) and can
     raise an error for the calls that ``stack.fail`` selects."""
-    import batchmax_tp.engine as engine
+    import batchmax_tp.eval.run as engine  # the run path looks its ``generate`` up here at call time
     import batchmax_tp.models as models
 
     real = engine.generate
@@ -92,7 +103,7 @@ def _nqa(out, **extra):
 
 def _prompt_len(tokenizer, num_samples=4) -> int:
     data = tasks.load_task("narrativeqa", num_samples=num_samples, seed=0)
-    return budget.longest_prompt(tokenizer, tasks.build_samples(tokenizer, data, 420))
+    return evaluate.longest_prompt(tokenizer, tasks.build_samples(tokenizer, data, 420))
 
 
 def _predict(model, method, b, prompt_len, new=3):
@@ -130,15 +141,15 @@ def test_budget_values_and_flags(tmp_path, capsys):
     assert parse_args(["--memory-budget", "2GiB"]).budget_bytes() == 2 * 2**30
     assert parse_args(["--memory-budget", "1000"]).budget_bytes() == 1000
     cfg = parse_args(["--config", _yaml(tmp_path, {"memory_budget": "512MiB", "kv_values": [128, 256]})])
-    assert cfg.budget_bytes() == 512 * 2**20 and cfg.sweep and cfg.kv_values == [128, 256]
-    assert parse_args([]).budget_bytes() is None and not parse_args([]).sweep
+    assert cfg.budget_bytes() == 512 * 2**20 and cfg.kv_values == [128, 256]
+    assert parse_args([]).budget_bytes() is None
     assert parse_args(["--config", _yaml(tmp_path, cfg.to_dict())]) == cfg  # config.yaml loads back
     # launch scripts: one line on stderr, exit 2, before any model is loaded or file written
     rc = _load("sweep").main(["--memory-budget", "lots", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: memory_budget: ") and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
-    assert _load("sweep").procedure_argv(["--kv-max", "896,1024", "--kv-max=5"], "paper") == [
+    assert cli.procedure_argv(["--kv-max", "896,1024", "--kv-max=5"], "paper") == [
         "--kv-values", "896,1024", "--kv-values=5", "--procedure", "paper"]
 
 
@@ -167,11 +178,11 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
         assert 0 < summary["peak_workspace_bytes"] <= summary["predicted"]["workspace"]
         assert summary["cuda_max_memory_allocated"] is None  # CPU
         assert summary["weights_bytes"] == summary["predicted"]["weights"]  # one process: every parameter
-        row = json.loads((out / name / "samples.jsonl").read_text().splitlines()[0])
-        assert row["batch_peak_workspace_bytes"] > 0 and row["batch_cuda_max_memory_allocated"] is None
+        row = json.loads((out / name / "batches.jsonl").read_text().splitlines()[0])
+        assert row["peak_workspace_bytes"] > 0 and row["cuda_max_memory_allocated"] is None
 
     text = (out / "report.md").read_text()
-    assert "| FKV | 4 | N/A | OOM | OOM | OOM | |" in text and "## Memory per rank (MiB)" in text
+    assert "| FKV | 4 | N/A | OOM | - | OOM | OOM |" in text and "## Memory per rank (MiB)" in text
     assert "| FKV | 4 | N/A | OOM (predicted) |" in text
     memory = text[text.index("## Memory"):]
     assert report.mask_timings(text).endswith(memory)  # no timing there: masking leaves the memory table alone
@@ -185,12 +196,12 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
     # Resuming: nothing runs again, the OOM row stays.
     stack.calls.clear()
     assert _load("run").main(["--config", _yaml(tmp_path, _nqa(out, runs=runs, memory_budget=limit))]) == 0
-    assert stack.calls == [] and "| FKV | 4 | N/A | OOM | OOM | OOM | |" in (out / "report.md").read_text()
+    assert stack.calls == [] and "| FKV | 4 | N/A | OOM | - | OOM | OOM |" in (out / "report.md").read_text()
 
 
 def test_a_real_out_of_memory_is_recorded_and_memory_is_freed_after_the_handler(tmp_path, stack, monkeypatch):
     freed = []
-    monkeypatch.setattr(evaluate, "_free_memory", lambda device: freed.append(sys.exc_info()[0]))
+    monkeypatch.setattr(evaluate, "free_memory", lambda device: freed.append(sys.exc_info()[0]))
     stack.fail = lambda method, b: method.name == "ed"  # CUDA OOM in ed's first batch
     out = tmp_path / "res"
     runs = [{"method": "ed", "batch_size": 2, "kv_max": 2}, {"method": "bm", "batch_size": 2, "kv_max": 128}]
@@ -201,16 +212,16 @@ def test_a_real_out_of_memory_is_recorded_and_memory_is_freed_after_the_handler(
     assert ed["status"] == "oom" and ed["oom_cause"] == "runtime" and "OutOfMemoryError" in ed["error"]
     assert ed["predicted_peak_bytes"] <= ed["memory_budget_bytes"] == 2**30  # fitted on paper
     assert json.loads((out / "bm-b2-kv128" / "summary.json").read_text())["status"] == "done"
-    assert "| ED | 2 | 2 | OOM | OOM | OOM | |" in (out / "report.md").read_text()
+    assert "| ED | 2 | 2 | OOM | - | OOM | OOM |" in (out / "report.md").read_text()
     assert "OOM (runtime)" in (out / "report.md").read_text()
 
 
 def test_free_memory_empties_the_cuda_cache(monkeypatch):
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
-    evaluate._free_memory(torch.device("cpu"))
+    evaluate.free_memory(torch.device("cpu"))
     assert emptied == []
-    evaluate._free_memory(torch.device("cuda", 0))
+    evaluate.free_memory(torch.device("cuda", 0))
     assert emptied == [1]
 
 
@@ -222,7 +233,7 @@ def test_single_method_summaries_report_memory(tmp_path, stack):
     rc = _load("run").main(["--data", str(data), "--method", "bm", "--kv-max", "24", "--p", "8", "--batch-size", "2",
                             "--max-new-tokens", "3", "--device", "cpu", "--out", str(out), "--log-level", "WARNING"])
     assert rc == 0
-    summary = json.loads((out / "summary.json").read_text())  # the plain per-method layout (no budget)
+    summary = json.loads((out / "bm-b2-kv24" / "summary.json").read_text())  # the one layout (no budget)
     assert summary["peak_workspace_bytes"] > 0 and summary["cuda_max_memory_allocated"] is None
     assert summary["peak_kv_bytes"] == summary["predicted"]["kv"] and summary["memory_budget_bytes"] is None
     assert summary["predicted_peak_bytes"] == summary["predicted"]["total"] > 0
@@ -236,7 +247,7 @@ def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_mo
     assert _predict(tiny_model, ed2, 3, s) > limit  # so b0 = 3
     shape = ModelShape.from_config(tiny_model.config)
     plan = paper_plan(limit, shape, s, 3, dtype="float32", p=32, num_samples=4, kv_values=[128, 192])
-    names = [evaluate.RunSpec(m, b).name for m, b in plan]
+    names = [budget.RunSpec(m, b).name for m, b in plan]
     assert names[:4] == ["ed-b3-kv2", "ed-b2-kv2", "ed-b2-kv65", "fkv-b2"]
     bm = [(m.kv_max, b) for m, b in plan[4:]]
     assert [k for k, _ in bm] == [128, 192] and all(b in (2, 4) for _, b in bm)  # divisors of 4, >= b0 - 1
@@ -254,7 +265,7 @@ def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_mo
     assert [r["run"] for r in _csv(out)] == names and set(report.REPORT_FILES) <= set(os.listdir(out))
     text = (out / "report.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert table[1] == "| ED | 3 | 2 | OOM | OOM | OOM | |"
+    assert table[1].startswith("| ED | 3 | 2 | OOM | - | OOM | OOM |")
     assert [line.split("|")[1].strip() for line in table[1:7]] == ["ED", "ED", "ED", "FKV", "BM", "BM"]
     assert "BM against the fastest ED run" in text and capsys.readouterr().out == text
     summary = json.loads((out / "ed-b3-kv2" / "summary.json").read_text())
@@ -273,7 +284,8 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
     s, ed2 = 1024, Method("ed", kv_max=2)
     cfg.memory_budget = predict(shape, ed2, 6, s, 512).total  # ED fits 6 exactly; FKV (+512 pairs) does not
     assert predict(shape, Method("fkv"), 6, s, 512).total > cfg.budget_bytes()
-    specs, info = budget.paper_specs(cfg, shape, s, num_samples=960)
+    specs, info = budget.paper_specs(shape, s, budget=cfg.budget_bytes(), max_new_tokens=512, dtype="float32", p=64,
+                                      rule="paper", kv_values=[512], num_samples=960)
     fit = max_batch(cfg.budget_bytes(), shape, Method("fkv"), s, 512)
     assert 0 < fit < 6 and predict(shape, Method("fkv"), fit, s, 512).total <= cfg.budget_bytes()
     assert [x.name for x in specs[:4]] == ["ed-b7-kv2", "ed-b6-kv2", "ed-b6-kv65", f"fkv-b{fit}"]
@@ -282,7 +294,7 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
 
 # ---------------------------------------------------------------------- the auto-tuner
 def test_tune_on_the_embedded_model_writes_a_usable_tuned_config(tmp_path, monkeypatch, capsys):
-    import batchmax_tp.engine as engine
+    import batchmax_tp.eval.run as engine  # the run path looks its ``generate`` up here at call time
     import batchmax_tp.models as models
 
     loaded = models.load_model()
@@ -304,7 +316,7 @@ def test_tune_on_the_embedded_model_writes_a_usable_tuned_config(tmp_path, monke
                       "market near the old bridge. How many apples did Tom buy in all?", "reference": "four"}) + "\n")
     shape = ModelShape.from_config(loaded[0].config)
     samples = tasks.load_jsonl(data)
-    s = budget.longest_prompt(loaded[1], samples)
+    s = evaluate.longest_prompt(loaded[1], samples)
     limit = predict(shape, Method("fkv"), 2, s, 4).total  # FKV fits both samples in one batch
     out = tmp_path / "res"
     args = ["--data", str(data), "--max-new-tokens", "4", "--p", "16", "--device", "cpu", "--out", str(out),

@@ -1,11 +1,10 @@
-"""RunConfig layering/validation, launch/run.py's early exits, and the runner's batching/aggregation/files.
+"""RunConfig layering/validation, launch/run.py's early exits, and the run path's batching/summaries/files.
 
 Everything here is offline and model-free: the engine, the model loader and the prompt encoder are faked.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,20 +16,16 @@ import pytest
 import torch
 import yaml
 
-from batchmax_tp import runner
-from batchmax_tp.config import DEFAULT_KV_MAX, ConfigError, RunConfig, parse_args
-from batchmax_tp.models import EMBEDDED_MODEL
-from batchmax_tp.policy import Method
+from batchmax_tp import cli
+from batchmax_tp.config import DEFAULT_KV_MAX, EMBEDDED_MODEL, ConfigError, RunConfig, parse_args
+from batchmax_tp.core.method import Method
+from batchmax_tp.eval import results
+from batchmax_tp.eval import run as runner
+from batchmax_tp.eval.files import atomic_write_text
+from batchmax_tp.plan.budget import RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PY = ROOT / "launch" / "run.py"
-
-
-def _load_run_module():
-    spec = importlib.util.spec_from_file_location("batchmax_launch_run", RUN_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _write_yaml(tmp_path: Path, data, name: str = "cfg.yaml") -> str:
@@ -48,7 +43,7 @@ def test_defaults():
     assert cfg.batch_size == 4 and cfg.max_new_tokens == 64
     assert cfg.ignore_eos is True and cfg.do_sample is False
     assert cfg.data is None and cfg.num_samples is None
-    assert cfg.out == "results/default"
+    assert cfg.out == "results/main"  # configs/default.yaml writes results/default: the two never collide
     assert cfg.dtype == "auto" and cfg.device == "auto" and cfg.seed == 0
     assert parse_args([]) == cfg
     specs = cfg.method_specs()
@@ -200,7 +195,7 @@ def no_model_load(monkeypatch):
 )
 def test_run_py_bad_config_exits_2_before_loading(tmp_path, capsys, no_model_load, bad):
     out = tmp_path / "out"
-    rc = _load_run_module().main(["--out", str(out), *bad])
+    rc = cli.main(["--out", str(out), *bad])
     assert rc == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -247,21 +242,29 @@ def test_cut_at_eos():
     assert runner.cut_at_eos([2, 5], 2, None) == [2, 5]
 
 
-def test_aggregation_with_fake_engine_results():
-    run = runner.MethodRun(method="bm", kv_max=128, p=16)
-    run.add_batch(_fake_result([8, 8], prefill_s=1.0, decode_s=3.0, peak=1000))
-    run.add_batch(_fake_result([8, 5], prefill_s=0.5, decode_s=1.5, peak=3000))
-    run.add_batch(_fake_result([2], prefill_s=0.25, decode_s=0.75, peak=500))
-    run.records = [{"correct": True}, {"correct": False}, {"correct": None}, {"correct": True}, {"correct": None}]
-    agg = runner.aggregate(run)
+def test_summary_with_fake_batches():
+    batches = [{"batch": 0, "replica": 0, "ids": ["a", "b"], "tokens_cut": [0, 3], "generated_tokens": 16,
+                "prefill_s": 1.0, "decode_s": 3.0, "peak_kv_bytes": 1000},
+               {"batch": 1, "replica": 0, "ids": ["c", "d"], "tokens_cut": [0, 0], "generated_tokens": 13,
+                "prefill_s": 0.5, "decode_s": 1.5, "peak_kv_bytes": 3000},
+               {"batch": 2, "replica": 0, "ids": ["e"], "tokens_cut": [0], "generated_tokens": 2,
+                "prefill_s": 0.25, "decode_s": 0.75, "peak_kv_bytes": 500}]
+    outputs = {"a": ("the w10 x", "w10"), "b": ("w11", "w10"), "c": ("x", None), "d": ("w10", "w10"), "e": ("y", None)}
+    samples = [{"id": k, "output": o, "reference": r, "correct": None if r is None else "w10" in o.split(),
+                "generated_tokens": n} for (k, (o, r)), n in zip(outputs.items(), [8, 8, 8, 5, 2])]
+    agg = results.summarise(samples, batches, "contains")
     assert agg["generated_tokens"] == 31
     assert agg["prefill_s"] == pytest.approx(1.75) and agg["decode_s"] == pytest.approx(5.25)
     assert agg["tokens_per_s"] == pytest.approx(31 / 7.0)
+    # The full batches ran at 16/4 and 13/2 tokens/s: half their range over their mean.
+    assert agg["tokens_per_s_spread"] == pytest.approx((6.5 - 4.0) / 2 / 5.25)
     assert agg["peak_kv_bytes"] == 3000 and agg["num_batches"] == 3 and agg["num_samples"] == 5
     assert (agg["num_correct"], agg["num_checked"]) == (2, 3) and agg["accuracy"] == pytest.approx(2 / 3)
+    assert agg["score"] == pytest.approx(2 / 3) and agg["num_scored"] == 3
+    assert (agg["samples_cut"], agg["tokens_cut"]) == (1, 3)
 
-    empty = runner.aggregate(runner.MethodRun(method="fkv", kv_max=None, p=64))
-    assert empty["tokens_per_s"] is None and empty["accuracy"] is None
+    empty = results.summarise([], [], "contains")
+    assert empty["tokens_per_s"] is None and empty["accuracy"] is None and empty["tokens_per_s_spread"] is None
 
 
 class _FakeTokenizer:
@@ -294,55 +297,47 @@ def _make_fake_generate(calls):
     return fake_generate
 
 
-def test_run_method_with_fake_engine():
-    samples = [SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference=ref)
+def test_evaluate_run_with_fake_engine(tmp_path):
+    samples = [SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference=ref, tokens_cut=0)
                for i, ref in enumerate(["w10 w11", "w99", None])]
-    cfg = RunConfig(methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, seed=5)
+    cfg = RunConfig(methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, seed=5, out=str(tmp_path))
     calls = []
-    run = runner.run_method(
-        SimpleNamespace(), _FakeTokenizer(), samples, cfg.method_specs()[0], cfg,
-        generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False,
-    )
+    spec = cfg.run_specs()[0]
+    summary = runner.evaluate_run(SimpleNamespace(), _FakeTokenizer(), samples, spec, cfg,
+                                  generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False)
     assert [c["batch"] for c in calls] == [2, 1]
     assert [c["seed"] for c in calls] == [5, 6]
     assert all(c["ignore_eos"] is True and c["eos_token_id"] == 2 and c["max_new_tokens"] == 4 for c in calls)
-    assert [r["id"] for r in run.records] == ["0", "1", "2"]
-    assert [r["prompt_tokens"] for r in run.records] == [1, 2, 3]
-    assert run.records[0]["output"] == "w10 w11"  # cut at the first EOS (id 2)
-    assert [r["correct"] for r in run.records] == [True, False, None]
-    assert [r["generated_tokens"] for r in run.records] == [4, 4, 4]
-    summary = runner.summary_row(run, cfg)
+    folder = tmp_path / spec.name
+    assert spec.name == "bm-b2-kv128" and sorted(os.listdir(folder)) == ["batches.jsonl", "samples.jsonl",
+                                                                         "summary.json"]
+    records = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+    assert [tuple(r) for r in records] == [results.SAMPLE_KEYS] * 3
+    assert [r["id"] for r in records] == ["0", "1", "2"]
+    assert [r["prompt_tokens"] for r in records] == [1, 2, 3]
+    assert records[0]["output"] == "w10 w11"  # cut at the first EOS (id 2)
+    assert [r["correct"] for r in records] == [True, False, None]
+    assert [r["generated_tokens"] for r in records] == [4, 4, 4]
+    batches = [json.loads(line) for line in (folder / "batches.jsonl").read_text().splitlines()]
+    assert [(b["batch"], b["ids"], b["peak_kv_bytes"]) for b in batches] == [(0, ["0", "1"], 2048), (1, ["2"], 1024)]
+    assert summary == json.loads((folder / "summary.json").read_text())
     assert summary["generated_tokens"] == 12 and summary["tokens_per_s"] == pytest.approx(12 / 4.0)
     assert summary["peak_kv_bytes"] == 2048 and summary["kv_max"] == 128 and summary["tp_size"] == 1
-    assert summary["accuracy"] == pytest.approx(0.5)
+    assert summary["accuracy"] == pytest.approx(0.5) and summary["status"] == "done"
 
 
 def test_atomic_write_leaves_no_temp_files(tmp_path):
     target = tmp_path / "sub" / "x.json"
-    runner.atomic_write_text(target, "one")
-    runner.atomic_write_text(target, "two")
+    atomic_write_text(target, "one")
+    atomic_write_text(target, "two")
     assert target.read_text() == "two"
     assert os.listdir(target.parent) == ["x.json"]
-
-
-def test_format_table():
-    table = runner.format_table([
-        {"method": "fkv", "batch_size": 4, "kv_max": None, "tokens_per_s": 12.345, "peak_kv_bytes": 3 * 2**20,
-         "num_correct": 2, "num_checked": 3},
-        {"method": "bm", "batch_size": 8, "kv_max": 512, "tokens_per_s": None, "peak_kv_bytes": 0,
-         "num_correct": 0, "num_checked": 0},
-    ])
-    lines = table.strip().splitlines()
-    assert lines[0] == "| method | batch | kv_max | tokens/s | peak KV MiB | correct (k/n) |"
-    assert lines[2] == "| fkv | 4 | - | 12.35 | 3.00 | 2/3 |"
-    assert lines[3] == "| bm | 8 | 512 | n/a | 0.00 | n/a |"
 
 
 # ---------------------------------------------------------------------- run.py end to end with fakes
 @pytest.fixture
 def fake_stack(monkeypatch, tmp_path):
     import batchmax_tp.models as models
-    import batchmax_tp.tasks as tasks
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(
@@ -351,36 +346,38 @@ def fake_stack(monkeypatch, tmp_path):
     ))
     calls = []
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (SimpleNamespace(), _FakeTokenizer()))
-    monkeypatch.setattr(tasks, "encode_prompts", _fake_encode)
-    # A stand-in engine module (importing the real one costs seconds; runner looks it up at call time).
-    monkeypatch.setitem(sys.modules, "batchmax_tp.engine", SimpleNamespace(generate=_make_fake_generate(calls)))
+    # The run path looks its engine and encoder up at call time.
+    monkeypatch.setattr(runner, "encode_prompts", _fake_encode)
+    monkeypatch.setattr(runner, "generate", _make_fake_generate(calls))
     return SimpleNamespace(data=str(data), calls=calls)
 
 
 def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
     out = tmp_path / "res"
-    rc = _load_run_module().main([
+    rc = cli.main([
         "--data", fake_stack.data, "--out", str(out), "--batch-size", "2", "--max-new-tokens", "3",
         "--device", "cpu", "--log-level", "WARNING",
     ])
     assert rc == 0
-    assert sorted(os.listdir(out)) == ["bm", "config.yaml", "ed", "fkv", "table.md"]
-    for name in ("fkv", "ed", "bm"):
-        assert sorted(os.listdir(out / name)) == ["samples.jsonl", "summary.json"]
+    runs = ["fkv-b2", "ed-b2-kv2", "bm-b2-kv512"]
+    assert sorted(os.listdir(out)) == sorted([*runs, "config.yaml", "metric_vs_kv.png", "report.md", "results.csv",
+                                              "throughput.png"])
+    for name, method in zip(runs, ("fkv", "ed", "bm")):
+        assert sorted(os.listdir(out / name)) == ["batches.jsonl", "samples.jsonl", "summary.json"]
         summary = json.loads((out / name / "summary.json").read_text())
         for key in ("method", "batch_size", "kv_max", "p", "tp_size", "num_samples", "generated_tokens",
                     "tokens_per_s", "prefill_s", "decode_s", "peak_kv_bytes", "accuracy", "model",
                     "started_at", "finished_at"):
             assert key in summary, key
-        assert summary["method"] == name and summary["num_samples"] == 5 and summary["generated_tokens"] == 15
-        assert summary["kv_max"] == {"fkv": None, "ed": 2, "bm": 512}[name]
+        assert summary["method"] == method and summary["num_samples"] == 5 and summary["generated_tokens"] == 15
+        assert summary["kv_max"] == {"fkv": None, "ed": 2, "bm": 512}[method]
         assert summary["accuracy"] == pytest.approx(3 / 5)
         rows = [json.loads(line) for line in (out / name / "samples.jsonl").read_text().splitlines()]
         assert [r["id"] for r in rows] == ["0", "1", "2", "3", "4"]
-        assert set(rows[0]) >= {"id", "prompt_tokens", "output", "reference", "correct", "generated_tokens"}
+        assert tuple(rows[0]) == ("id", "prompt_tokens", "output", "reference", "correct", "generated_tokens")
     printed = capsys.readouterr().out
-    assert printed == (out / "table.md").read_text()
-    assert printed.count("\n") == 5 and "| bm | 2 | 512 |" in printed and "3/5" in printed
+    assert printed == (out / "report.md").read_text()
+    assert "| BM | 2 | 512 | 0.600 | 3/5 |" in printed
     resolved = parse_args(["--config", str(out / "config.yaml")])
     assert resolved.device == "cpu" and resolved.batch_size == 2 and resolved.data == fake_stack.data
     # One untimed warm-up per method (2 new tokens, at most 8 prompt tokens), then 3 methods x 3 batches.
@@ -388,16 +385,20 @@ def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
     assert [c["method"].name for c in warm] == ["fkv", "ed", "bm"]
     assert all(c["max_new_tokens"] == 2 and c["batch"] == 1 for c in warm)
     assert len(timed) == 9 and all(c["max_new_tokens"] == 3 for c in timed)
+    # The same command again: every run is finished, nothing is generated, the same report is printed.
+    assert cli.main(["--data", fake_stack.data, "--out", str(out), "--batch-size", "2", "--max-new-tokens", "3",
+                     "--device", "cpu", "--log-level", "WARNING"]) == 0
+    assert len(fake_stack.calls) == 12 and capsys.readouterr().out == printed
 
 
 def test_run_py_single_method_layout(tmp_path, capsys, fake_stack):
     out = tmp_path / "res"
-    rc = _load_run_module().main([
+    rc = cli.main([
         "--data", fake_stack.data, "--out", str(out), "--method", "ed", "--kv-max", "8",
         "--num-samples", "3", "--device", "cpu", "--log-level", "WARNING",
     ])
     assert rc == 0
-    assert sorted(os.listdir(out)) == ["config.yaml", "samples.jsonl", "summary.json"]
-    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(os.listdir(out / "ed-b4-kv8")) == ["batches.jsonl", "samples.jsonl", "summary.json"]
+    summary = json.loads((out / "ed-b4-kv8" / "summary.json").read_text())
     assert summary["method"] == "ed" and summary["kv_max"] == 8 and summary["num_samples"] == 3
-    assert capsys.readouterr().out.startswith("| method |")
+    assert capsys.readouterr().out.startswith("# Batch-Max results: jsonl")

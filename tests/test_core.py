@@ -26,9 +26,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from batchmax_tp.cache import BatchMaxCache
-from batchmax_tp.engine import generate
-from batchmax_tp.policy import Method
+from batchmax_tp.core.cache import BatchMaxCache
+from batchmax_tp.core.engine import generate
+from batchmax_tp.core.method import Method
 
 ATOL = 1e-4
 
@@ -72,7 +72,7 @@ PROMPTS = [
 
 
 def test_embedded_model_greedy_equals_hf_generate(embedded):
-    from batchmax_tp.tasks import encode_prompts
+    from batchmax_tp.eval.run import encode_prompts
 
     model, tok = embedded
     ids, mask = encode_prompts(tok, PROMPTS)
@@ -117,7 +117,7 @@ def tiny_arch(name, seed=0):
 
 
 def hf_generate(model, ids, mask, n, cache=None, **kw):
-    from batchmax_tp.attention import use_batchmax_attention
+    from batchmax_tp.core.attention import use_batchmax_attention
 
     args = dict(attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
                 return_dict_in_generate=True, output_logits=True, **kw)
@@ -181,7 +181,7 @@ def test_hf_generate_drop_in_ed_keeps_what_algorithm_3_keeps(kv_max):
 
 
 def test_right_padded_batch_is_rejected_in_one_line():
-    from batchmax_tp.engine import generate
+    from batchmax_tp.core.engine import generate
 
     model = tiny_arch("llama")
     ids, mask = left_padded_batch([20, 33], seed=0)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchmax_tp.engine import generate
-from batchmax_tp.planner import ModelShape, predict
-from batchmax_tp.policy import Method
+from batchmax_tp.core.engine import generate
+from batchmax_tp.plan.planner import ModelShape, predict
+from batchmax_tp.core.method import Method
 
 from conftest import PEAKED, left_padded_batch, tiny_llama
 

@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from batchmax_tp import metrics, report, results, tasks
+from batchmax_tp.eval import metrics, report, results, tasks
+from batchmax_tp import cli
+from batchmax_tp.eval.run import encode_prompts
+from batchmax_tp.plan.budget import run_dir_name
 from batchmax_tp.config import ConfigError, RunConfig, parse_args
 from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
 
@@ -125,7 +128,7 @@ def test_cut_counts_are_recorded(tokenizer):
 def test_encode_prompts_accepts_chats_and_strings(tokenizer):
     chat = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
             {"role": "user", "content": "Q2"}]
-    ids, mask = tasks.encode_prompts(tokenizer, [chat, "Q2"])
+    ids, mask = encode_prompts(tokenizer, [chat, "Q2"])
     text = tokenizer.decode(ids[0][mask[0].bool()])
     assert "<|im_start|>assistant\nA1<|im_end|>" in text and text.endswith("user\nQ2<|im_end|>\n<|im_start|>assistant\n")
     assert int(mask[1].sum()) < int(mask[0].sum())
@@ -209,49 +212,58 @@ def test_exact_and_contains():
         metrics.score("bleu", "a", "a")
 
 
-# ---------------------------------------------------------------------- crash-safe sample log
-def _records(batch, ids):
-    return [{"id": i, "batch": batch, "output": f"out {i}", "score": 0.5, "generated_tokens": 3,
-             "batch_prefill_s": 0.1, "batch_decode_s": 0.2, "batch_peak_kv_bytes": 64} for i in ids]
+# ---------------------------------------------------------------------- crash-safe run log
+def _samples(ids):
+    return [{"id": i, "prompt_tokens": 5, "output": f"out {i}", "reference": "out", "correct": True,
+             "generated_tokens": 3} for i in ids]
 
 
-def test_sample_log_drops_a_torn_line_and_an_incomplete_batch(tmp_path):
-    log = results.SampleLog(tmp_path / "samples.jsonl")
+def _batch(index, ids, decode_s=0.2):
+    return {"batch": index, "replica": 0, "ids": list(ids), "tokens_cut": [0] * len(ids),
+            "generated_tokens": 3 * len(ids), "prefill_s": 0.1, "decode_s": decode_s, "peak_kv_bytes": 64}
+
+
+def test_run_log_drops_a_torn_line_and_an_incomplete_batch(tmp_path):
+    log = results.RunLog(tmp_path)
     batches = [["0", "1"], ["2", "3"], ["4"]]
-    assert log.load(batches) == []
-    log.append(_records(0, ["0", "1"]))
-    log.append(_records(1, ["2"]))  # batch 1 half written...
-    with open(log.path, "a", encoding="utf-8") as fh:
-        fh.write('{"id": "3", "batch": 1, "outp')  # ...and its last line torn by a SIGKILL
-    kept = log.load(batches)
-    assert [r["id"] for r in kept] == ["0", "1"]
-    assert log.path.read_text().count("\n") == 2  # the file was repaired: appends continue cleanly
-    log.append(_records(1, ["2", "3"]))
-    assert [r["id"] for r in log.load(batches)] == ["0", "1", "2", "3"]
+    assert log.load(batches) == ([], [])
+    log.append(_samples(["0", "1"]), [_batch(0, ["0", "1"])])
+    log.append(_samples(["2"]), [])  # batch 1 half written...
+    with open(log.samples_path, "a", encoding="utf-8") as fh:
+        fh.write('{"id": "3", "outp')  # ...and its last line torn by a SIGKILL
+    samples, done = log.load(batches)
+    assert [r["id"] for r in samples] == ["0", "1"] and [b["batch"] for b in done] == [0]
+    assert log.samples_path.read_text().count("\n") == 2  # the file was repaired: appends continue cleanly
+    log.append(_samples(["2", "3"]), [_batch(1, ["2", "3"])])
+    assert [r["id"] for r in log.load(batches)[0]] == ["0", "1", "2", "3"]
+    # A batch line whose samples never made it (not possible in order, but a foreign edit) does not count.
+    with open(log.batches_path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(_batch(2, ["4"])) + "\n")
+    assert [b["batch"] for b in log.load(batches)[1]] == [0, 1]
     assert not list(tmp_path.glob(".*tmp"))
 
 
-def test_sample_log_rejects_a_foreign_file(tmp_path):
-    path = tmp_path / "samples.jsonl"
-    path.write_text('{"id": "0", "output": "legacy line without a batch"}\n')
+def test_run_log_rejects_a_foreign_file(tmp_path):
+    (tmp_path / "samples.jsonl").write_text('{"output": "a line without an id"}\n')
     with pytest.raises(ValueError, match="not a batchmax_tp sample log"):
-        results.SampleLog(path).load([["0"]])
+        results.RunLog(tmp_path).load([["0"]])
 
 
 def test_summarise_counts_batches_once():
-    recs = _records(0, ["0", "1"]) + _records(1, ["2"])
-    recs[2]["score"] = None
-    s = results.summarise(recs)
+    samples = _samples(["0", "1", "2"])
+    samples[2]["reference"] = None
+    s = results.summarise(samples, [_batch(0, ["0", "1"]), _batch(1, ["2"])], "contains")
     assert s["num_samples"] == 3 and s["num_batches"] == 2 and s["generated_tokens"] == 9
     assert s["prefill_s"] == pytest.approx(0.2) and s["decode_s"] == pytest.approx(0.4)
-    assert s["tokens_per_s"] == pytest.approx(9 / 0.6) and s["score"] == pytest.approx(0.5)
+    assert s["tokens_per_s"] == pytest.approx(9 / 0.6) and s["score"] == pytest.approx(1.0)
     assert s["num_scored"] == 2 and s["peak_kv_bytes"] == 64
 
 
 def test_run_dir_names():
-    assert results.run_dir_name("fkv", 4, None) == "fkv-b4"
-    assert results.run_dir_name("fkv", 4, 512) == "fkv-b4"
-    assert results.run_dir_name("bm", 32, 1024) == "bm-b32-kv1024"
+    assert run_dir_name("fkv", 4, None) == "fkv-b4"
+    assert run_dir_name("fkv", 4, 512) == "fkv-b4"
+    assert run_dir_name("bm", 32, 1024) == "bm-b32-kv1024"
+    assert run_dir_name("bm", 32, 1024, "snapkv:window=64") == "bm-snapkv-window64-b32-kv1024"
 
 
 # ---------------------------------------------------------------------- report
@@ -267,14 +279,20 @@ def test_report_is_laid_out_like_the_paper(tmp_path):
     summaries = _paper_table1_cnn()
     text = report.format_report(summaries)
     lines = text.splitlines()
-    head = lines.index("| Method | b | kv_max | rouge-2 | tokens/s | peak KV MiB | prompts cut |")
-    assert lines[head + 2] == "| ED | 5 | 2 | OOM | OOM | OOM | |"
-    assert lines[head + 4] == "| ED | 4 | 65 | 0.003 | 41.5 | 1.0 | 3/960 |"
-    assert lines[head + 5] == "| FKV | 4 | N/A | 0.145 | 30.3 | 1.0 | 3/960 |"
-    # The paper: BM b=32 is 75.7% faster than ED (73.8 / 42.0) at 100.7% of FKV's rouge-2.
-    assert "- BM b=32 kv_max=1024: throughput +75.7% vs ED, rouge-2 100.7% of FKV" in lines
+    head = lines.index("| Method | b | kv_max | rouge-2 | correct | tokens/s | peak KV MiB | predicted peak MiB | "
+                       "prompts cut |")
+    assert lines[head + 2] == "| ED | 5 | 2 | OOM | - | OOM | OOM | n/a | |"
+    assert lines[head + 4] == "| ED | 4 | 65 | 0.003 | - | 41.5 | 1.0 | n/a | 3/960 |"
+    assert lines[head + 5] == "| FKV | 4 | N/A | 0.145 | - | 30.3 | 1.0 | n/a | 3/960 |"
+    # The paper: BM b=32 is 75.7% faster than ED (73.8 / 42.0) at 100.7% of FKV's rouge-2; the spread of each run's
+    # own batches is shown next to the ratio (one batch each here: none measured).
+    assert ("- BM b=32 kv_max=1024: throughput +75.7% vs ED (spread BM 1 full batch, ED 1 full batch), rouge-2 "
+            "100.7% of FKV") in lines
     masked = report.mask_timings(text)
     assert "41.5" not in masked and "+75.7%" not in masked and "0.003" in masked and "OOM | OOM" in masked
+    noisy = report.format_report([dict(s, tokens_per_s_spread=0.8, num_batches=4) for s in summaries]).splitlines()
+    assert ("- BM b=32 kv_max=1024: throughput +75.7% vs ED (spread BM +/-80% over 4 batches, ED +/-80% over 4 "
+            "batches -- within that noise), rouge-2 100.7% of FKV") in noisy
 
     paths = report.write_report(tmp_path, summaries)
     assert sorted(os.listdir(tmp_path)) == sorted(report.REPORT_FILES)
@@ -293,14 +311,10 @@ def test_comparable_ignores_only_timings(tmp_path):
             s["tokens_per_s"] = None if s["status"] == "oom" else s["tokens_per_s"] * seconds
             s["wall_s"] = seconds
         report.write_report(folder, summaries)
-        log = results.SampleLog(folder / "run" / "samples.jsonl")
-        recs = _records(0, ["0"])
-        recs[0]["batch_decode_s"] = seconds
-        log.append(recs)
+        results.RunLog(folder / "run").append(_samples(["0"]), [_batch(0, ["0"], decode_s=seconds)])
     assert results.comparable(a) == results.comparable(b)
-    assert set(results.comparable(a)) == {"report.md", "results.csv", "run/samples.jsonl"}
-    log = results.SampleLog(b / "run" / "samples.jsonl")
-    log.append(_records(1, ["1"]))
+    assert set(results.comparable(a)) == {"report.md", "results.csv", "run/samples.jsonl", "run/batches.jsonl"}
+    results.RunLog(b / "run").append(_samples(["1"]), [_batch(1, ["1"])])
     assert results.comparable(a) != results.comparable(b)
 
 
@@ -350,8 +364,8 @@ def test_good_task_configs(tmp_path):
         "runs": [{"method": "ed", "batch_size": 5, "kv_max": 2}, {"method": "fkv", "batch_size": 4},
                  {"method": "bm", "batch_size": 16}]})])
     assert [s.name for s in cfg.run_specs()] == ["ed-b5-kv2", "fkv-b4", "bm-b16-kv512"]
-    assert cfg.sweep and cfg.shots_for_task() == 2 and cfg.metric_for_task() == "rouge2"
-    assert cfg.max_input_tokens == 3584 and RunConfig().task == "jsonl" and not RunConfig().sweep
+    assert cfg.shots_for_task() == 2 and cfg.metric_for_task() == "rouge2" and not cfg.same_memory_for([])
+    assert cfg.max_input_tokens == 3584 and RunConfig().task == "jsonl" and RunConfig().same_memory_for([])
     assert parse_args(["--task", "gsm8k", "--data", str(tasks.fixture_dir("gsm8k"))]).metric_for_task() == "accuracy"
     resolved = _yaml(tmp_path, cfg.to_dict())
     assert parse_args(["--config", resolved]) == cfg  # the written config.yaml loads back
@@ -361,8 +375,9 @@ def test_default_yaml_is_the_builtin_defaults_plus_the_default_sweep():
     import dataclasses
 
     cfg = RunConfig.from_yaml(ROOT / "configs" / "default.yaml")
-    assert cfg == dataclasses.replace(RunConfig(), max_new_tokens=24, device="cpu", runs=cfg.runs)
-    assert cfg.sweep and [s.name for s in cfg.run_specs()] == [
+    # ... and its own out: the plain run (results/main) and this sweep never write into one folder.
+    assert cfg == dataclasses.replace(RunConfig(), max_new_tokens=24, device="cpu", runs=cfg.runs, out="results/default")
+    assert RunConfig().out != cfg.out and [s.name for s in cfg.run_specs()] == [
         "fkv-b3", "ed-b1-kv2", "ed-b3-kv2", "bm-b3-kv256", "bm-b3-kv512", "bm-b6-kv512"]
 
 
@@ -396,17 +411,10 @@ def test_paper_configs_match_the_paper_tables():
 RUN_PY = ROOT / "launch" / "run.py"
 
 
-def _run_module():
-    spec = importlib.util.spec_from_file_location("batchmax_launch_run_eval", RUN_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def tiny_stack(monkeypatch, tokenizer):
     """launch/run.py with a tiny random Llama (the embedded tokenizer's vocabulary) and a counting engine."""
-    import batchmax_tp.engine as engine
+    import batchmax_tp.eval.run as engine  # the run path looks its ``generate`` up here at call time
     import batchmax_tp.models as models
     from batchmax_tp.models import tiny_random_llama
 
@@ -438,21 +446,24 @@ def _sweep_args(out, **extra):
 
 def test_sweep_writes_results_report_and_plots(tmp_path, tiny_stack, capsys):
     out = tmp_path / "res"
-    rc = _run_module().main(["--config", _yaml(tmp_path, _sweep_args(out))])
+    rc = cli.main(["--config", _yaml(tmp_path, _sweep_args(out))])
     assert rc == 0
     runs = ["fkv-b2", "ed-b2-kv2", "bm-b2-kv128", "bm-b5-kv128"]
     assert sorted(os.listdir(out)) == sorted(["config.yaml", *report.REPORT_FILES, *runs])
     printed = capsys.readouterr().out
-    assert printed == (out / "report.md").read_text() and "| Method | b | kv_max | rouge-2 | tokens/s |" in printed
+    assert printed == (out / "report.md").read_text() and "| Method | b | kv_max | rouge-2 | correct | tokens/s |" in printed
     ids = None
     for name in runs:
-        assert sorted(os.listdir(out / name)) == ["samples.jsonl", "summary.json"]
+        assert sorted(os.listdir(out / name)) == ["batches.jsonl", "samples.jsonl", "summary.json"]
         rows = [json.loads(line) for line in (out / name / "samples.jsonl").read_text().splitlines()]
-        assert set(rows[0]) == set(results.RECORD_KEYS)
+        assert all(tuple(r) == results.SAMPLE_KEYS for r in rows)
         # The same seeded samples, in the same order, whatever the method and batch size.
         assert ids is None or [r["id"] for r in rows] == ids
         ids = [r["id"] for r in rows]
-        assert all(r["tokens_cut"] > 0 and r["prompt_tokens"] <= 420 and isinstance(r["reference"], list) for r in rows)
+        assert all(r["prompt_tokens"] <= 420 and isinstance(r["reference"], list) for r in rows)
+        batches = [json.loads(line) for line in (out / name / "batches.jsonl").read_text().splitlines()]
+        assert all(tuple(b) == results.BATCH_KEYS and all(n > 0 for n in b["tokens_cut"]) for b in batches)
+        assert [i for b in batches for i in b["ids"]] == ids
         summary = json.loads((out / name / "summary.json").read_text())
         assert summary["status"] == "done" and summary["num_samples"] == 5 and summary["samples_cut"] == 5
         assert summary["metric"] == "rouge2" and summary["num_shots"] == 2 and 0.0 <= summary["score"] <= 1.0
@@ -463,7 +474,7 @@ def test_sweep_writes_results_report_and_plots(tmp_path, tiny_stack, capsys):
 
 def test_resume_after_a_crash_gives_the_same_files(tmp_path, tiny_stack):
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
-    run_py = _run_module()
+    run_py = cli
     assert run_py.main(["--config", _yaml(tmp_path, _sweep_args(whole))]) == 0
     timed_whole = [c for c in tiny_stack.calls if c]
     tiny_stack.calls.clear()
@@ -483,7 +494,7 @@ def test_resume_after_a_crash_gives_the_same_files(tmp_path, tiny_stack):
     # Only what was missing ran: ed's batches 1 and 2, then the two bm runs.
     assert [c for c in tiny_stack.calls if c] == [2, 1, 2, 2, 1, 5] and len(timed_whole) == 10
     assert results.comparable(crashed) == results.comparable(whole)
-    assert len(results.comparable(whole)) == 10  # 4 x (samples.jsonl, summary.json), report.md, results.csv
+    assert len(results.comparable(whole)) == 14  # 4 x (samples.jsonl, batches.jsonl, summary.json), report, csv
 
     # A finished sweep run again: nothing is generated, the report is rewritten.
     tiny_stack.calls.clear()
@@ -494,7 +505,7 @@ def test_resume_after_a_crash_gives_the_same_files(tmp_path, tiny_stack):
 
 def test_resume_refuses_another_configuration(tmp_path, tiny_stack, capsys, monkeypatch):
     out = tmp_path / "res"
-    run_py = _run_module()
+    run_py = cli
     assert run_py.main(["--config", _yaml(tmp_path, _sweep_args(out))]) == 0
     capsys.readouterr()
     import batchmax_tp.models as models
@@ -510,10 +521,10 @@ def test_out_of_memory_is_an_oom_row_and_the_sweep_goes_on(tmp_path, tiny_stack,
 
     out = tmp_path / "res"
     tiny_stack.fail_at, tiny_stack.error = 10, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
-    assert _run_module().main(["--config", _yaml(tmp_path, _sweep_args(out))]) == 0
+    assert cli.main(["--config", _yaml(tmp_path, _sweep_args(out))]) == 0
     summary = json.loads((out / "bm-b5-kv128" / "summary.json").read_text())
     assert summary["status"] == "oom" and "out of memory" in summary["error"] and summary["num_samples"] == 0
-    assert "| BM | 5 | 128 | OOM | OOM | OOM | |" in (out / "report.md").read_text()
+    assert "| BM | 5 | 128 | OOM | - | OOM | OOM |" in (out / "report.md").read_text()
     assert "bm,5,128,32,oom" in (out / "results.csv").read_text()
 
 
@@ -525,7 +536,7 @@ def test_data_errors_stop_before_the_model(tmp_path, tiny_stack, capsys, monkeyp
     bad.mkdir()
     (bad / "train.jsonl").write_text('{"question": "q", "answer": "a #### 1"}\n' * 16)
     (bad / "test.jsonl").write_text('{"text": "wrong schema"}\n')
-    rc = _run_module().main(["--config", _yaml(tmp_path, _sweep_args(tmp_path / "o", task="gsm8k", data=str(bad)))])
+    rc = cli.main(["--config", _yaml(tmp_path, _sweep_args(tmp_path / "o", task="gsm8k", data=str(bad)))])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: data: cannot load task gsm8k") and "\n" not in err
     assert not (tmp_path / "o").exists()
@@ -553,7 +564,7 @@ def test_sigkill_loses_at_most_the_batch_in_flight(tmp_path, tokenizer):
             "log_level": "WARNING", "runs": [{"method": "bm", "batch_size": 1, "kv_max": 8}]})]
 
     def batches_done(out):
-        log = out / "bm-b1-kv8" / "samples.jsonl"
+        log = out / "bm-b1-kv8" / "batches.jsonl"
         return log.read_text().count("\n") if log.exists() else 0
 
     killed = tmp_path / "killed"

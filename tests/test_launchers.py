@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchmax_tp import tp
+from batchmax_tp import parallel as tp
 from batchmax_tp.config import ConfigError, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,17 +76,22 @@ def assert_ok(res: SimpleNamespace) -> None:
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr[-8000:]}"
 
 
+RUN = "bm-b1-kv128"  #: SMALL's one run: its folder
+
+
 def samples(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    folder = out / RUN if (out / RUN).is_dir() else out
+    return [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
 
 
 def summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
+    folder = out / RUN if (out / RUN).is_dir() else out
+    return json.loads((folder / "summary.json").read_text())
 
 
 def _short_data(folder: Path) -> Path:
     """The fixture's first two samples, each document cut to its first 1400 characters + its question."""
-    from batchmax_tp.tasks import default_fixture_path
+    from batchmax_tp.eval.tasks import default_fixture_path
 
     path = folder / "short.jsonl"
     lines = []
@@ -142,9 +147,9 @@ def check_matches_single(out: Path, single, tp_size: int, dp_size: int) -> dict:
 
 
 def check_stdout_is_one_table(stdout: str) -> None:
-    """Only rank 0 prints, and only the table, on stdout (launcher chatter aside)."""
-    assert stdout.count("| method | batch |") == 1, stdout
-    assert stdout.count("| bm | 1 | 128 |") == 1, stdout
+    """Only rank 0 prints, and only the report, on stdout (launcher chatter aside)."""
+    assert stdout.count("# Batch-Max results") == 1, stdout
+    assert stdout.count("| Method | b | kv_max | contains |") == 1 and stdout.count("| BM | 1 | 128 | 0.") == 1, stdout
     assert "AutoTP" not in stdout and "built successfully" not in stdout, stdout
 
 
@@ -154,8 +159,8 @@ def test_single_process_summary(single):
     assert (s["tp_size"], s["dp_size"]) == (1, 1) and "per_replica" not in s
     assert [r["id"] for r in single.samples] == ["lighthouse_dog", "harwick_bridge"]
     assert all(r["generated_tokens"] == 4 and r["output"] for r in single.samples)
-    assert single.stdout.splitlines()[0] == "| method | batch | kv_max | tokens/s | peak KV MiB | correct (k/n) |"
-    assert len(single.stdout.splitlines()) == 3
+    assert single.stdout == (single.out / "report.md").read_text()
+    check_stdout_is_one_table(single.stdout)
 
 
 # ---------------------------------------------------------------------- tensor parallel, 2 ranks
@@ -173,7 +178,7 @@ def test_tp2_equals_single_process(tmp_path, single, launcher, small):
     # SmolLM2 has 3 KV heads: AutoTP gives rank 0 two of them and rank 1 one.
     assert s["per_replica"][0]["peak_kv_bytes_per_rank"] == [2 * s["peak_kv_bytes"] // 3, s["peak_kv_bytes"] // 3]
     check_stdout_is_one_table(res.stdout)
-    assert sorted(os.listdir(out)) == ["config.yaml", "samples.jsonl", "summary.json"]
+    assert sorted(os.listdir(out / RUN)) == ["batches.jsonl", "samples.jsonl", "summary.json"]
     assert parse_args(["--config", str(out / "config.yaml")]).tp_size == 2
 
 
@@ -214,7 +219,7 @@ def test_mpiexec_tp2_equals_single_process(tmp_path, single, small):
 # launcher variables and reports tp.world_from_env().
 _WORLD_CHECK = """
 import json, os, sys
-from batchmax_tp import tp
+from batchmax_tp import parallel as tp
 base = {k: v for k, v in os.environ.items()}
 results = []
 for case in json.loads(sys.argv[1]):
@@ -355,11 +360,11 @@ def test_failing_rank_ends_the_job(tmp_path, small):
     wrapper = tmp_path / "fail_rank1.py"
     wrapper.write_text(
         "import os, runpy, sys\n"
-        "from batchmax_tp import runner\n"
+        "from batchmax_tp import job\n"
         "if os.environ.get('RANK') == '1':\n"
         "    def boom(*args, **kwargs):\n"
         "        raise RuntimeError('injected failure on rank 1')\n"
-        "    runner.run_method = boom\n"
+        "    job.evaluate_run = boom\n"
         f"sys.argv = [{RUN_PY!r}, *sys.argv[1:]]\n"
         f"runpy.run_path({RUN_PY!r}, run_name='__main__')\n"
     )
@@ -372,7 +377,7 @@ def test_failing_rank_ends_the_job(tmp_path, small):
     assert res.returncode != 0
     assert "injected failure on rank 1" in res.stderr and "rank 1 failed" in res.stderr
     assert res.elapsed < 60, f"took {res.elapsed:.0f} s"
-    assert not (out / "samples.jsonl").exists() and not (out / "summary.json").exists()
+    assert not (out / RUN / "samples.jsonl").exists() and not (out / RUN / "summary.json").exists()
 
 
 def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path, small):
@@ -393,7 +398,7 @@ def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path,
     wrapper = tmp_path / "oom_rank1.py"
     wrapper.write_text(
         "import os, runpy, sys, torch\n"
-        "from batchmax_tp import evaluate\n"
+        "from batchmax_tp.eval import run as evaluate\n"
         "from transformers.models.llama import modeling_llama\n"
         "if os.environ.get('RANK') == '1':\n"
         "    state = {'armed': False, 'calls': 0}\n"
@@ -431,44 +436,22 @@ def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path,
 
 
 # ---------------------------------------------------------------------- data-parallel bookkeeping (no processes)
-def test_replica_batches_round_robin():
-    from batchmax_tp.runner import replica_batches
+def test_per_replica_uses_each_replicas_batches_and_ranks():
+    from batchmax_tp.eval.results import per_replica, summarise
 
-    items = list("abcdefg")
-    dealt = {r: list(replica_batches(items, 2, r, 3)) for r in range(3)}
-    assert dealt[0] == [(0, 0, ["a", "b"]), (3, 6, ["g"])]
-    assert dealt[1] == [(1, 2, ["c", "d"])]
-    assert dealt[2] == [(2, 4, ["e", "f"])]
-    assert [b for _, _, b in replica_batches(items, 3)] == [["a", "b", "c"], ["d", "e", "f"], ["g"]]
-    assert list(replica_batches(items[:1], 4, 1, 2)) == []  # more replicas than batches: nothing to do
-    with pytest.raises(ValueError):
-        list(replica_batches(items, 2, 2, 2))
+    def batch(index, replica, ids, tokens, prefill, decode, ranks):
+        return {"batch": index, "replica": replica, "ids": ids, "tokens_cut": [0] * len(ids), "generated_tokens": tokens,
+                "prefill_s": prefill, "decode_s": decode, "peak_kv_bytes": sum(ranks), "peak_kv_bytes_per_rank": ranks}
 
-
-def test_merge_replica_runs_restores_file_order_and_uses_the_slowest_replica():
-    from batchmax_tp.runner import MethodRun, merge_replica_runs, summary_row
-
-    def replica_run(positions, tokens, prefill, decode, peak, started, finished):
-        run = MethodRun(method="bm", kv_max=128, p=32, generated_tokens=tokens, prefill_s=prefill, decode_s=decode,
-                        peak_kv_bytes=peak, num_batches=len(positions), started_at=started, finished_at=finished,
-                        wall_s=prefill + decode)
-        run.records = [{"id": f"s{p}", "correct": p % 2 == 0} for p in positions]
-        run.positions = list(positions)
-        return run
-
-    runs = [replica_run([0, 1, 4], 12, 1.0, 2.0, 500, "2026-01-01T00:00:01", "2026-01-01T00:00:05"),
-            replica_run([2, 3], 8, 3.0, 1.5, 700, "2026-01-01T00:00:00", "2026-01-01T00:00:06"),
-            replica_run([], 0, 0.0, 0.0, 0, "2026-01-01T00:00:02", "2026-01-01T00:00:02")]
-    merged, per_replica = merge_replica_runs(runs)
-    assert [r["id"] for r in merged.records] == ["s0", "s1", "s2", "s3", "s4"] and merged.positions == [0, 1, 2, 3, 4]
-    assert merged.generated_tokens == 20 and merged.num_batches == 5 and merged.peak_kv_bytes == 700
-    assert (merged.prefill_s, merged.decode_s) == (3.0, 1.5)  # replica 1 took longest (4.5 s)
-    assert (merged.started_at, merged.finished_at) == ("2026-01-01T00:00:00", "2026-01-01T00:00:06")
-    assert [r["num_samples"] for r in per_replica] == [3, 2, 0]
-    assert per_replica[0]["tokens_per_s"] == pytest.approx(12 / 3.0) and per_replica[2]["tokens_per_s"] is None
-    cfg = parse_args(["--method", "bm", "--kv-max", "128", "--p", "32"])
-    s = summary_row(merged, cfg, tp_size=2, dp_size=3, per_replica=per_replica)
-    assert s["tokens_per_s"] == pytest.approx(20 / 4.5) and (s["tp_size"], s["dp_size"]) == (2, 3)
-    assert s["num_samples"] == 5 and s["num_correct"] == 3 and len(s["per_replica"]) == 3
-    with pytest.raises(ValueError, match="more than one replica"):
-        merge_replica_runs([runs[0], replica_run([1], 4, 1.0, 1.0, 1, "", "")])
+    batches = [batch(0, 0, ["s0", "s1"], 8, 0.5, 1.0, [300, 200]), batch(1, 1, ["s2", "s3"], 8, 3.0, 1.5, [400, 300]),
+               batch(2, 0, ["s4"], 4, 0.5, 1.0, [100, 50])]
+    reps = per_replica(batches, dp=3, tp=2)
+    assert [r["ranks"] for r in reps] == [[0, 1], [2, 3], [4, 5]]
+    assert [r["num_samples"] for r in reps] == [3, 2, 0] and [r["num_batches"] for r in reps] == [2, 1, 0]
+    assert reps[0]["peak_kv_bytes_per_rank"] == [300, 200] and reps[0]["peak_kv_bytes"] == 500
+    assert reps[0]["tokens_per_s"] == pytest.approx(12 / 3.0) and reps[2]["tokens_per_s"] is None
+    samples = [{"id": f"s{i}", "output": "x", "reference": None, "correct": None, "generated_tokens": 4}
+               for i in range(5)]
+    s = summarise(samples, batches, "contains")
+    assert (s["prefill_s"], s["decode_s"]) == (3.0, 1.5)  # replica 1 took longest (4.5 s)
+    assert s["tokens_per_s"] == pytest.approx(20 / 4.5) and s["peak_kv_bytes"] == 700

@@ -11,11 +11,12 @@ import pytest
 import torch
 from memtrack import AllocationTracker
 
-from batchmax_tp import attention, cache
-from batchmax_tp.engine import generate
+from batchmax_tp.core import attention, workspace
+from batchmax_tp.core import cache
+from batchmax_tp.core.engine import generate
 from batchmax_tp.models import tiny_random_llama
-from batchmax_tp.planner import ModelShape, predict
-from batchmax_tp.policy import Method
+from batchmax_tp.plan.planner import ModelShape, predict
+from batchmax_tp.core.method import Method
 
 CASES = [
     (Method("bm", kv_max=24, p=8), 3, 70, 12),  # prefill and decode evictions
@@ -24,7 +25,7 @@ CASES = [
     (Method("ed", kv_max=65), 2, 30, 8),  # prompt shorter than kv_max
     (Method("fkv"), 2, 40, 9),
 ]
-CHUNKS = [attention.SCORE_CHUNK_BYTES, 4096]  # 4096: prefill and even some decode steps run in query chunks
+CHUNKS = [workspace.SCORE_CHUNK_BYTES, 4096]  # 4096: prefill and even some decode steps run in query chunks
 LABEL = "test::attention_call"
 
 
@@ -90,7 +91,7 @@ def test_tracker_sees_temporaries_inside_kernels():
 @pytest.mark.parametrize("method,batch,prompt,new", CASES)
 def test_attention_calls_hold_what_they_report_and_the_planner_predicts(
         model, monkeypatch, per_call, chunk_bytes, method, batch, prompt, new):
-    monkeypatch.setattr(attention, "SCORE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(workspace, "SCORE_CHUNK_BYTES", chunk_bytes)
     # FKV/ED run on SDPA by default; their score-collecting path (fast_baselines=False, also HF's drop-in) is the
     # same "batchmax" attention call and must hold what it reports too.
     with AllocationTracker() as t:
@@ -133,7 +134,7 @@ WHOLE_CASES = CASES + [(Method("bm", kv_max=256, p=64), 4, 600, 8), (Method("fkv
 @pytest.mark.parametrize("chunk_bytes", CHUNKS)
 @pytest.mark.parametrize("method,batch,prompt,new", WHOLE_CASES)
 def test_planner_total_covers_a_whole_generation(model, monkeypatch, chunk_bytes, method, batch, prompt, new):
-    monkeypatch.setattr(attention, "SCORE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(workspace, "SCORE_CHUNK_BYTES", chunk_bytes)
     with AllocationTracker() as t:  # the weights exist before: the baseline
         out = generate(model, _ids(batch, prompt), None, method, new, ignore_eos=True)
     del out
@@ -151,7 +152,7 @@ def test_planner_total_covers_a_whole_generation(model, monkeypatch, chunk_bytes
 def test_cuda_attention_calls_within_the_plan(monkeypatch, dtype, chunk_bytes, method, batch, prompt, new):
     """Each call's ``max_memory_allocated`` above its entry: within the planner's workspace plus the caching
     allocator's rounding (512 bytes per block, a few dozen blocks per call), and at least 80% of it."""
-    monkeypatch.setattr(attention, "SCORE_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(workspace, "SCORE_CHUNK_BYTES", chunk_bytes)
     model = tiny_random_llama(seed=0).to(device="cuda", dtype=dtype)
     ids = _ids(batch, prompt).cuda()
     fast = method.name == "bm"  # FKV/ED: their "batchmax" attention path (the default is SDPA, baseline.py)

@@ -1,4 +1,4 @@
-"""Tests for batchmax_tp.models and batchmax_tp.tasks (offline; the first run converts the GGUF, ~20 s)."""
+"""Tests for batchmax_tp.models and batchmax_tp.eval.tasks (offline; the first run converts the GGUF, ~20 s)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from batchmax_tp import models
 from batchmax_tp.models import EMBEDDED_MODEL, embedded_model_dir, load_model, tiny_random_llama
-from batchmax_tp.tasks import Sample, default_fixture_path, encode_prompts, is_correct, load_jsonl
+from batchmax_tp.eval.metrics import is_correct
+from batchmax_tp.eval.run import encode_prompts
+from batchmax_tp.eval.tasks import Sample, default_fixture_path, load_jsonl
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:

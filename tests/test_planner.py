@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchmax_tp import attention
-from batchmax_tp.engine import generate
+from batchmax_tp.core import attention, workspace
+from batchmax_tp.core.engine import generate
 from batchmax_tp.models import tiny_random_llama
-from batchmax_tp.planner import ModelShape, max_batch, parse_bytes, predict
-from batchmax_tp.policy import Method
+from batchmax_tp.plan.planner import ModelShape, max_batch, parse_bytes, predict
+from batchmax_tp.core.method import Method
 
 CASES = [
     (Method("bm", kv_max=24, p=8), 3, 70, 12),
@@ -25,10 +25,10 @@ def model():
     return tiny_random_llama(seed=0)
 
 
-@pytest.mark.parametrize("chunk_bytes", [attention.SCORE_CHUNK_BYTES, 4096])
+@pytest.mark.parametrize("chunk_bytes", [workspace.SCORE_CHUNK_BYTES, 4096])
 @pytest.mark.parametrize("method,batch,prompt,new", CASES)
 def test_prediction_equals_measured_peaks(model, monkeypatch, chunk_bytes, method, batch, prompt, new):
-    monkeypatch.setattr(attention, "SCORE_CHUNK_BYTES", chunk_bytes)  # 4096: prefill runs in query chunks
+    monkeypatch.setattr(workspace, "SCORE_CHUNK_BYTES", chunk_bytes)  # 4096: prefill runs in query chunks
     ids = torch.randint(3, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # a padded batch: the baselines' worst case (HF's prefill mask), the planner's assumption

@@ -25,8 +25,8 @@ ATOL = 1e-4
 
 
 def engine_generate(model, ids, mask, method_name, kv_max=None, p=None, max_new_tokens=1):
-    from batchmax_tp.engine import generate
-    from batchmax_tp.policy import Method
+    from batchmax_tp.core.engine import generate
+    from batchmax_tp.core.method import Method
 
     if method_name == "bm":
         method = Method("bm", kv_max=kv_max, p=p)

@@ -188,58 +188,97 @@ SMOL = dict(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_
 
 
 def test_same_memory_plan_gives_bm_the_larger_batch():
-    from batchmax_tp import planner, runner
-    from batchmax_tp.policy import Method
+    from batchmax_tp.core.method import Method
+    from batchmax_tp.plan import planner
+    from batchmax_tp.plan.budget import same_memory_plan
 
     shape = planner.ModelShape(**SMOL)
     methods = [Method("fkv"), Method("ed", kv_max=2), Method("bm", kv_max=512), Method("bm", kv_max=512, rule="probe")]
-    budget, plan = runner.same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, cap=64)
+    budget, plan = same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, cap=64)
     assert budget == planner.predict(shape, Method("fkv"), 4, 1800, 64).total
-    fkv, ed, bm, probe = plan
-    assert fkv.batch == 4 and ed.batch <= 5  # ED prefills the whole prompt: the same peak as FKV
-    assert bm.batch > 2 * fkv.batch
+    fkv, ed, bm, probe = (r.spec.batch_size for r in plan)
+    assert fkv == 4 and ed <= 5  # ED prefills the whole prompt: the same peak as FKV
+    assert bm > 2 * fkv
     # same K/V per kv_max; the probe's extra queries only add to a prefill block's activations and score block
-    assert 2 * fkv.batch < probe.batch <= bm.batch
+    assert 2 * fkv < probe <= bm
+    assert [r.spec.name for r in plan] == [f"fkv-b{fkv}", f"ed-b{ed}-kv2", f"bm-b{bm}-kv512", f"bm-probe-b{probe}-kv512"]
     for run in plan:
         assert run.predicted_peak_bytes <= budget
-        assert planner.predict(shape, run.method, run.batch + 1, 1800, 64).total > budget  # the largest that fits
-    _, capped = runner.same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, cap=6)
-    assert [r.batch for r in capped] == [4, ed.batch, 6, 6] and capped[2].largest_fitting == bm.batch
-    _, none = runner.same_memory_plan(shape, methods, 1800, 64, budget_bytes=1000)
-    assert [r.batch for r in none] == [0, 0, 0, 0]
+        assert planner.predict(shape, run.spec.method, run.spec.batch_size + 1, 1800, 64).total > budget  # the largest
+    _, capped = same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, cap=6)
+    assert [r.spec.batch_size for r in capped] == [4, ed, 6, 6] and capped[2].largest_fitting == bm
+    _, none = same_memory_plan(shape, methods, 1800, 64, budget_bytes=1000)
+    assert [r.spec.batch_size for r in none] == [0, 0, 0, 0]
 
 
-def test_fill_samples_and_story_table():
-    from batchmax_tp import runner
-    from batchmax_tp.tasks import Sample
+def test_fill_samples():
+    from batchmax_tp.eval import run as runner
+    from batchmax_tp.eval.tasks import Sample
 
     base = [Sample("a", "p1", "r1"), Sample("b", "p2", "r2")]
     filled = runner.fill_samples(base, 5)
     assert [s.id for s in filled] == ["a", "b", "a~2", "b~2", "a~3"]
     assert [s.prompt for s in filled] == ["p1", "p2", "p1", "p2", "p1"] and filled[4].reference == "r1"
     assert runner.fill_samples(base, 1) == base
-    table = runner.format_story_table([
-        {"method": "fkv", "rule": "-", "batch_size": 4, "kv_max": None, "tokens_per_s": 10.0,
-         "peak_kv_bytes": 2**20, "predicted_peak_bytes": 2**30, "num_correct": 3, "num_checked": 4},
-        {"method": "bm", "rule": "probe", "batch_size": 14, "kv_max": 512, "tokens_per_s": 12.5,
-         "peak_kv_bytes": 2**20, "predicted_peak_bytes": 2**30, "num_correct": 4, "num_checked": 4},
-        {"method": "ed", "rule": "-", "status": "OOM", "batch_size": 0, "kv_max": 2, "predicted_peak_bytes": 2**31},
-    ], budget_bytes=2**30).splitlines()
-    assert table[0].startswith("Memory budget 1024.0 MiB")
-    head = table.index("| method | rule | batch | kv_max | tokens/s | peak KV MiB | predicted peak MiB | correct (k/n) |")
-    assert table[head + 2] == "| fkv | - | 4 | - | 10.00 | 1.0 | 1024.0 | 3/4 |"
-    assert table[head + 3] == "| bm | probe | 14 | 512 | 12.50 | 1.0 | 1024.0 | 4/4 |"
-    assert table[head + 4].startswith("| ed | - | OOM | 2 |")
 
 
-def test_story_requested_only_for_plain_runs():
+def test_same_memory_only_for_plain_runs():
+    from batchmax_tp.config import RunConfig
+
+    plain = RunConfig()
+    assert plain.same_memory_for([])
+    assert not plain.same_memory_for(["--method", "bm"])
+    assert not RunConfig(runs=[{"method": "fkv", "batch_size": 1}]).same_memory_for([])
+    assert not RunConfig(memory_budget="1GiB", procedure="paper").same_memory_for([])
+    assert RunConfig(same_memory=True).same_memory_for(["--out", "x"])
+    assert not RunConfig(same_memory=False).same_memory_for([])
+
+
+def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
+    """A plain run (same memory) goes through the run path every run takes: run folders named by method, rule,
+    batch and kv_max, an OOM row for a method that does not fit, and the report (budget note included)."""
+    import json
     from types import SimpleNamespace
 
-    from batchmax_tp import runner
+    import torch
 
-    plain = SimpleNamespace(sweep=False)
-    assert runner.story_requested(plain, [])
-    assert not runner.story_requested(plain, ["--method", "bm"])
-    assert not runner.story_requested(SimpleNamespace(sweep=True), [])
-    assert runner.story_requested(SimpleNamespace(sweep=False, same_memory=True), ["--out", "x"])
-    assert not runner.story_requested(SimpleNamespace(sweep=False, same_memory=False), [])
+    import batchmax_tp.models as models
+    from batchmax_tp import cli
+    from batchmax_tp.eval import run as runner
+
+    class Tok:
+        eos_token_id = pad_token_id = 2
+        chat_template = "x"
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [3] * len(text.split())}
+
+        def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+            return messages[-1]["content"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "answer"
+
+    def fake_generate(model, input_ids, attention_mask, method, max_new_tokens, **kw):
+        b = input_ids.shape[0]
+        return SimpleNamespace(tokens=torch.full((b, max_new_tokens), 5), num_generated=torch.full((b,), max_new_tokens),
+                               prefill_s=0.1, decode_s=0.2, peak_kv_bytes=100 * b)
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "prompt": "w " * (40 + i), "reference": "answer"}) + "\n"
+                            for i in range(3)))
+    model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=100, tie_word_embeddings=True)))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, Tok()))
+    monkeypatch.setattr(runner, "generate", fake_generate)
+    out = tmp_path / "out"
+    rc = cli.main(["--same-memory", "--data", str(data), "--out", str(out), "--kv-max", "96", "--p", "32",
+                   "--max-new-tokens", "2", "--device", "cpu", "--log-level", "WARNING"])
+    assert rc == 0
+    folders = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert folders[0].startswith("bm-b") and any(f.startswith("bm-probe-b") for f in folders)
+    assert any(f.startswith("fkv-b4") for f in folders) and any(f.startswith("ed-b") for f in folders)
+    report = (out / "report.md").read_text()
+    assert "Same memory: a budget of" in report and "| BM (probe) |" in report
+    assert capsys.readouterr().out == report

@@ -1,4 +1,4 @@
-"""Eviction rules beside the paper's (batchmax_tp.rules): the registry and its validation, each rule held to the
+"""Eviction rules beside the paper's (batchmax_tp.core.rules): the registry and its validation, each rule held to the
 naive reference (exact kept positions per (layer, sample, KV head), logits, tokens), the look-ahead probe never
 entering the cache, memory equal to the paper rule's, and no collective added by the probe under tp=2."""
 
@@ -19,10 +19,10 @@ from conftest import (
 )
 from reference import reference_generate
 
-from batchmax_tp.engine import generate
-from batchmax_tp.policy import Method
-from batchmax_tp.rules import RULES, get_rule, rule_names
-from batchmax_tp.schedule import plan
+from batchmax_tp.core.engine import generate
+from batchmax_tp.core.method import Method
+from batchmax_tp.core.rules import RULES, get_rule, rule_names
+from batchmax_tp.core.schedule import plan
 
 ATOL = 1e-4
 LENGTHS = [37, 52, 60]  # s = 60, left paddings 23, 8, 0
@@ -207,7 +207,7 @@ def _tp_worker(rank, world, port, outdir):
     import torch.distributed as dist
     from test_tp import batch, count_collectives, make_model
 
-    from batchmax_tp import tp
+    from batchmax_tp import parallel as tp
 
     layout = tp.init_distributed(world)
     model = tp.apply_tensor_parallel(make_model(False), layout, torch.float32)
@@ -251,7 +251,7 @@ def test_probe_adds_no_collective_under_tp2(tmp_path):
 # ------------------------------------------------------------------------------------------- configuration
 def test_run_config_rule(tmp_path):
     from batchmax_tp.config import ConfigError, RunConfig, build_parser, parse_args
-    from batchmax_tp.evaluate import RunSpec, run_settings
+    from batchmax_tp.eval.run import RunSpec, run_settings
 
     cfg = parse_args([])
     assert cfg.rule == "paper" and [m.rule for m in cfg.method_specs()] == ["paper"] * 3
@@ -291,7 +291,7 @@ def test_list_rules_prints_names_and_exits_0(capsys):
 
 
 def test_reports_name_the_rule():
-    from batchmax_tp.report import format_csv
+    from batchmax_tp.eval.report import format_csv
 
     rows = format_csv([dict(method="bm", rule="snapkv", batch_size=4, kv_max=256, status="done"),
                        dict(method="bm", batch_size=4, kv_max=256, status="done")]).splitlines()

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from batchmax_tp.policy import Method
+from batchmax_tp.core.method import Method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 9 query / 3 KV heads, like the embedded model: AutoTP splits them unevenly on tp=2 (6/2 and 3/1).
@@ -69,7 +69,8 @@ def prompt_batch(embedded: bool | str, replica: int = 0):
     if embedded is not True:
         return batch(seed=replica)
     from batchmax_tp.models import load_model
-    from batchmax_tp.tasks import encode_prompts, load_jsonl, default_fixture_path
+    from batchmax_tp.eval.run import encode_prompts
+    from batchmax_tp.eval.tasks import default_fixture_path, load_jsonl
 
     tok = load_model()[1]
     texts = [s.prompt[:500] for s in load_jsonl(default_fixture_path())[:2]]
@@ -98,8 +99,8 @@ def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_col
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from batchmax_tp import tp
-    from batchmax_tp.engine import generate
+    from batchmax_tp import parallel as tp
+    from batchmax_tp.core.engine import generate
 
     layout = tp.init_distributed(tp_size)
     model = tp.apply_tensor_parallel(make_model(embedded), layout, torch.float32)
@@ -125,7 +126,7 @@ def run_tp(tmp_path, world, tp_size, methods, new=12, embedded=False, count_coll
 
 
 def single_process(methods, new=12, embedded=False, replica=0):
-    from batchmax_tp.engine import generate
+    from batchmax_tp.core.engine import generate
 
     model = make_model(embedded)
     ids, mask = prompt_batch(embedded, replica)
@@ -163,7 +164,7 @@ def test_tp_matches_single_process_through_evictions(tmp_path, tp_size):
     assert all(len(h) < 16 + 1 for layer in kept for sample in layer for h in sample)
     assert [r["bm"]["local_kv_heads"] for r in ranks] == ([2, 1] if tp_size == 2 else [1, 1, 1])
     # The planner's weights on the largest rank: what AutoTP really left there.
-    from batchmax_tp.planner import ModelShape
+    from batchmax_tp.plan.planner import ModelShape
 
     shape = ModelShape.from_config(make_model(False).config)
     assert ModelShape.weights_per_rank(shape, tp_size) == max(r["bm"]["params"] for r in ranks)
@@ -193,7 +194,7 @@ def test_architecture_model_loads_half_per_rank_under_tp2(tmp_path):
     methods = [Method("bm", kv_max=16, p=4)]
     ranks = run_tp(tmp_path, 2, 2, methods, new=4, embedded=arch)
     from batchmax_tp.models import architecture_config
-    from batchmax_tp.planner import ModelShape
+    from batchmax_tp.plan.planner import ModelShape
 
     shape = ModelShape.from_config(architecture_config(arch))
     embed = shape.vocab * shape.hidden  # the input embedding stays whole on every rank
@@ -237,9 +238,9 @@ def test_killed_rank_ends_the_job_quickly(tmp_path):
     script.write_text(
         "import os, signal, torch\n"
         "from batchmax_tp import tp\n"
-        "from batchmax_tp.engine import generate\n"
+        "from batchmax_tp.core.engine import generate\n"
         "from batchmax_tp.models import tiny_random_llama\n"
-        "from batchmax_tp.policy import Method\n"
+        "from batchmax_tp.core.method import Method\n"
         "layout = tp.init_distributed(2)\n"
         f"model = tp.apply_tensor_parallel(tiny_random_llama(seed=0, **{GQA_9_3!r}), layout, torch.float32)\n"
         "ids = torch.randint(3, 128, (2, 40))\n"

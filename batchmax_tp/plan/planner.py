@@ -4,12 +4,12 @@ Three parts are counted:
 - ``kv``: the K/V buffers (what ``BatchMaxCache.peak_kv_bytes`` measures): BM ``kv_max`` slots, ED the whole
   prompt during prefill, FKV prompt + generation, per (sample, local KV head, layer);
 - ``workspace``: the peak of one "batchmax" attention call, every tensor it allocates at its worst moment
-  (``attention.workspace_bytes``: one query chunk's float32 logits and probabilities, visibility mask, scaled
+  (``core.workspace.workspace_bytes``: one query chunk's float32 logits and probabilities, visibility mask, scaled
   queries and output, the slot positions, the [B, n, Hq, D] result), bounded by the query chunking of
-  ``attention.SCORE_CHUNK_BYTES``. The attention reports the same count (``BatchMaxCache.peak_workspace_bytes``),
+  ``core.workspace.SCORE_CHUNK_BYTES``. The attention reports the same count (``BatchMaxCache.peak_workspace_bytes``),
   and ``tests/test_memory.py`` holds both to the allocations measured on CPU (float32: equal, call by call) and,
   on CUDA, to ``torch.cuda.max_memory_allocated``; for FKV/ED, which run on the model's SDPA
-  (``batchmax_tp.baseline``), ``baseline.sdpa_workspace_bytes``;
+  (``core.baseline``), ``core.workspace.sdpa_workspace_bytes``;
 - ``weights`` and ``activations``: the model's parameters (split by tensor parallelism) and an estimate of one
   forward's live activations; exact on no machine, checked against ``torch.cuda.max_memory_allocated`` on GPU.
 
@@ -22,10 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from . import attention
-from .baseline import sdpa_workspace_bytes
-from .policy import Method
-from .schedule import capacity, prefill_blocks
+from ..core.workspace import sdpa_workspace_bytes, workspace_bytes
+from ..core.method import Method
+from ..core.schedule import capacity, prefill_blocks
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -101,16 +100,8 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def predict(
-    shape: ModelShape,
-    method: Method,
-    batch: int,
-    prompt_len: int,
-    max_new_tokens: int,
-    *,
-    tp: int = 1,
-    dtype: str = "float32",
-) -> MemoryEstimate:
+def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_new_tokens: int, *, tp: int = 1,
+            dtype: str = "float32") -> MemoryEstimate:
     """Peak memory per rank of generating ``max_new_tokens`` for ``batch`` prompts padded to ``prompt_len``."""
     nbytes = DTYPE_BYTES[dtype]
     q_heads, kv_heads = shape.local_heads(tp)
@@ -123,7 +114,7 @@ def predict(
     # block ending at ``end`` sees ``end`` slots in order until the first eviction, then all ``cap``; a decode
     # step one query. The engine passes a token mask with prefill blocks, none with decode steps.
     def call(queries: int, slots: int, ordered: bool, padded: bool) -> int:
-        return attention.workspace_bytes(batch, q_heads, kv_heads, queries, slots, shape.head_dim,
+        return workspace_bytes(batch, q_heads, kv_heads, queries, slots, shape.head_dim,
                                          ordered=ordered, padded=padded, elem=nbytes)
 
     workspace, evicted = 0, False
@@ -141,7 +132,7 @@ def predict(
             decode_slots = min(cap, prompt_len + max_new_tokens - 1)
         workspace = max(workspace, call(1, decode_slots, False, False))
 
-    if method.name != "bm":  # FKV/ED run on the model's SDPA with a DenseCache (batchmax_tp.baseline): no score
+    if method.name != "bm":  # FKV/ED run on the model's SDPA with a DenseCache (core.baseline): no score
         # blocks, no per-slot bookkeeping; worst case a padded batch (HF's prefill mask, FKV's decode mask).
         workspace = sdpa_workspace_bytes(batch, q_heads, kv_heads, shape.head_dim, prompt_len, nbytes, padded=True)
         slot_meta = batch * cap if method.name == "fkv" and max_new_tokens > 1 else 0
@@ -156,17 +147,8 @@ def predict(
     return MemoryEstimate(kv, workspace, weights, activations, slot_meta)
 
 
-def max_batch(
-    budget_bytes: int,
-    shape: ModelShape,
-    method: Method,
-    prompt_len: int,
-    max_new_tokens: int,
-    *,
-    tp: int = 1,
-    dtype: str = "float32",
-    limit: int = 1 << 16,
-) -> int:
+def max_batch(budget_bytes: int, shape: ModelShape, method: Method, prompt_len: int, max_new_tokens: int, *,
+              tp: int = 1, dtype: str = "float32", limit: int = 1 << 16) -> int:
     """The largest batch whose predicted peak fits ``budget_bytes`` (0 if not even one sample fits)."""
 
     def fits(b: int) -> bool:

@@ -12,7 +12,7 @@ is the mean over its samples.
 - ``exact``: 1.0 when the normalised output equals a normalised reference (case-folded, punctuation removed,
   whitespace collapsed).
 - ``contains``: 1.0 when a normalised reference occurs in the normalised output as whole words
-  (``batchmax_tp.tasks.is_correct``).
+  (:func:`is_correct`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ __all__ = [
     "gsm8k_accuracy",
     "gsm8k_output_answer",
     "gsm8k_reference_answer",
+    "is_correct",
     "normalise_number",
+    "normalise_text",
     "rouge2",
     "score",
 ]
@@ -119,16 +121,34 @@ def gsm8k_accuracy(output: str, references: str | Sequence[str]) -> float:
 
 
 # ---------------------------------------------------------------------- text matching
-def exact_match(output: str, references: str | Sequence[str]) -> float:
-    from .tasks import _normalise
+_NON_WORD = re.compile(r"[\W_]+")
 
+
+def normalise_text(text: str) -> str:
+    """Lower case, punctuation and underscores turned into spaces, whitespace collapsed."""
+    return " ".join(_NON_WORD.sub(" ", text.casefold()).split())
+
+
+def is_correct(output: str, reference: str | None) -> bool | None:
+    """Whether the normalised reference occurs in the normalised output as whole words; None without reference.
+
+    Normalisation: case-folded, punctuation replaced by spaces, whitespace collapsed ("St. Ives!" -> "st ives").
+    Whole words: reference "12" is not found in "125".
+    """
+    if reference is None:
+        return None
+    ref = normalise_text(reference)
+    if not ref:
+        raise ValueError(f"reference {reference!r} has no letters or digits")
+    return f" {ref} " in f" {normalise_text(output)} "
+
+
+def exact_match(output: str, references: str | Sequence[str]) -> float:
     refs = [references] if isinstance(references, str) else list(references)
-    return 1.0 if _normalise(output) in {_normalise(ref) for ref in refs} else 0.0
+    return 1.0 if normalise_text(output) in {normalise_text(ref) for ref in refs} else 0.0
 
 
 def contains(output: str, references: str | Sequence[str]) -> float:
-    from .tasks import is_correct
-
     refs = [references] if isinstance(references, str) else list(references)
     return 1.0 if any(is_correct(output, ref) for ref in refs) else 0.0
 

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +133,7 @@ def init_distributed(tp: int, device: str = "cpu", timeout_s: int = SETUP_TIMEOU
     rank, world, local_rank = world_from_env()
     if world == 1:
         return Layout(tp=tp)
-    import deepspeed
-    import torch.distributed as dist
+    import deepspeed  # only multi-process runs need it (seconds to import; absent on some GPU images)
 
     port = int(os.environ.get("MASTER_PORT", "29500"))
     if not _mpi_launch():
@@ -186,8 +186,6 @@ class ModelParallelUnit:
     """
 
     def __init__(self, layout: Layout, timeout_s: int = GENERATION_TIMEOUT_S):
-        import torch.distributed as dist
-
         self.layout = layout
         timeout = datetime.timedelta(seconds=timeout_s)
         for r in range(layout.dp):
@@ -211,11 +209,12 @@ class ModelParallelUnit:
     def get_data_parallel_group(self):
         return self.dp_group
 
+    # The data-parallel group holds this rank's heads in every replica: its rank is the replica, its size dp.
     def get_data_parallel_rank(self) -> int:
-        return self.layout.replica
+        return dist.get_rank(group=self.dp_group)
 
     def get_data_parallel_world_size(self) -> int:
-        return self.layout.dp
+        return dist.get_world_size(group=self.dp_group)
 
 
 class LocalHeadsConfig:

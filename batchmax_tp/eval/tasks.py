@@ -1,4 +1,4 @@
-"""Task data: the paper's tasks (CNN/DailyMail, NarrativeQA, GSM8K), JSONL samples, prompts and correctness.
+"""Task data: the paper's tasks (CNN/DailyMail, NarrativeQA, GSM8K), JSONL samples and their prompts.
 
 Two kinds of samples run through the same engine:
 
@@ -26,12 +26,17 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
-import torch
-from transformers import PreTrainedTokenizerBase
+from .metrics import normalise_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+#: The bundled data (package data of ``batchmax_tp``).
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 #: A chat message, ``{"role": "user" | "assistant" | "system", "content": str}``.
 Message = dict[str, str]
@@ -52,7 +57,7 @@ class Sample:
 
 def default_fixture_path() -> Path:
     """The bundled fixture: 6 long documents (1-2k tokens) each ending with a short-answer question."""
-    return Path(__file__).resolve().parent / "fixtures" / "long_qa.jsonl"
+    return FIXTURES / "long_qa.jsonl"
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Sample]:
@@ -106,7 +111,7 @@ def _parse_line(line: str, where: str) -> Sample:
         if isinstance(reference, bool) or not isinstance(reference, (str, int, float)):
             raise ValueError(f"{where}: 'reference' must be a string, got {type(reference).__name__}")
         reference = str(reference)
-        if not _normalise(reference):
+        if not normalise_text(reference):
             raise ValueError(f"{where}: 'reference' has no letters or digits")
     return Sample(id=str(raw_id), prompt=prompt, reference=reference)
 
@@ -128,68 +133,6 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, *, chat_templ
     if not isinstance(prompt, str):
         raise ValueError("a chat (list of messages) needs chat_template=True")
     return list(tokenizer(prompt)["input_ids"])
-
-
-def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[Prompt],
-    *,
-    chat_template: bool = True,
-    max_input_tokens: int | None = None,
-) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Tokenize prompts into LEFT-padded ``input_ids [B, s]`` and ``attention_mask [B, s]`` (s = longest).
-
-    A prompt is a string (one user message) or a list of chat messages (:func:`prompt_ids`). Pads use
-    ``tokenizer.pad_token_id``. Prompts are never truncated here (:func:`build_prompt` cuts documents): if
-    ``max_input_tokens`` is set and an encoded prompt is longer, ``ValueError`` names the prompt's index and
-    length.
-    """
-    if not prompts:
-        raise ValueError("encode_prompts needs at least one prompt")
-    if tokenizer.pad_token_id is None:
-        raise ValueError("tokenizer has no pad token; load it with batchmax_tp.models.load_model")
-    if chat_template and not tokenizer.chat_template:
-        raise ValueError("tokenizer has no chat template; pass chat_template=False")
-
-    sequences: list[list[int]] = []
-    for index, prompt in enumerate(prompts):
-        ids = prompt_ids(tokenizer, prompt, chat_template=chat_template)
-        if max_input_tokens is not None and len(ids) > max_input_tokens:
-            raise ValueError(
-                f"prompt {index} has {len(ids)} tokens, more than max_input_tokens={max_input_tokens}"
-            )
-        sequences.append(ids)
-
-    width = max(len(ids) for ids in sequences)
-    input_ids = torch.full((len(sequences), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, ids in enumerate(sequences):
-        if ids:
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids) :] = 1
-    return input_ids, attention_mask
-
-
-_NON_WORD = re.compile(r"[\W_]+")
-
-
-def _normalise(text: str) -> str:
-    """Lower case, punctuation and underscores turned into spaces, whitespace collapsed."""
-    return " ".join(_NON_WORD.sub(" ", text.casefold()).split())
-
-
-def is_correct(output: str, reference: str | None) -> bool | None:
-    """Whether the normalised reference occurs in the normalised output as whole words; None without reference.
-
-    Normalisation: case-folded, punctuation replaced by spaces, whitespace collapsed ("St. Ives!" -> "st ives").
-    Whole words: reference "12" is not found in "125".
-    """
-    if reference is None:
-        return None
-    ref = _normalise(reference)
-    if not ref:
-        raise ValueError(f"reference {reference!r} has no letters or digits")
-    return f" {ref} " in f" {_normalise(output)} "
 
 
 # ---------------------------------------------------------------------- the paper's tasks
@@ -281,7 +224,7 @@ def fixture_dir(task: str) -> Path:
     """The bundled offline fixture of a paper task: ``fixtures/<task>/{train,test}.jsonl``."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
-    return Path(__file__).resolve().parent / "fixtures" / task
+    return FIXTURES / task
 
 
 def load_split(task: TaskDef, source: str | os.PathLike[str], split: str) -> list[dict[str, Any]]:
@@ -291,8 +234,9 @@ def load_split(task: TaskDef, source: str | os.PathLike[str], split: str) -> lis
     builder; any other folder with ``load_dataset(folder)`` (parquet/csv/arrow files named by split); a hub id
     with ``load_dataset(source, task.hub_config)`` (offline, it must already be in the local HF cache).
     """
-    import datasets
+    import datasets  # only paper tasks need it (and its seconds of import); not installed on every GPU image
 
+    datasets.disable_progress_bars()
     path = Path(source).expanduser()
     if path.is_dir():
         jsonl = path / f"{split}.jsonl"

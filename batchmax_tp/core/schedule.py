@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .policy import Method
+from .method import Method
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class Phase:
 
     ``start``/``end`` are padded-sequence positions ``[start, end)`` fed in this pass; ``evict`` is how many
     pairs each (sample, KV head) drops before the pass; ``step`` is the decode step t (1-based, 0 in prefill).
-    ``probe``: look-ahead probe tokens appended to this prefill block (``batchmax_tp.rules``): the prompt's
+    ``probe``: look-ahead probe tokens appended to this prefill block (``core.rules``): the prompt's
     positions ``[s - probe, s)``; never written to the cache.
     """
 

@@ -6,8 +6,8 @@ position is not after the query's (causal inside the block). Each query's attent
 the slots' running sums, which the eviction rule reads. GQA: queries are grouped per KV head, so one KV head's slot
 sums the probabilities of its whole query group, and no ``repeat_kv`` copy is made.
 
-Memory: long blocks run in query chunks (``SCORE_CHUNK_BYTES``), one chunk's tensors alive at a time; each call
-reports its peak allocation, counted by ``workspace_bytes`` (what the planner predicts, checked against measured
+Memory: long blocks run in query chunks (``workspace.SCORE_CHUNK_BYTES``), one chunk's tensors alive at a time; each call
+reports its peak allocation, counted by ``workspace.workspace_bytes`` (what the planner predicts, checked against measured
 allocations in ``tests/test_memory.py``).
 
 Look-ahead probe (rules ``probe``/``snapkv``): when the cache layer holds probe keys/values for this pass, the
@@ -27,14 +27,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from . import workspace
 from .cache import take_updated_layer
 
 NAME = "batchmax"
-# Largest attention-probability block materialised at once (bytes of float32 scores); longer query blocks are
-# processed in chunks of queries so prefill never builds an attention matrix over the whole prompt.
-SCORE_CHUNK_BYTES = 64 * 2**20
-# Query chunk of an in-order (not yet evicted) block: smaller chunks skip more of the causal upper triangle.
-CAUSAL_CHUNK = 128
 
 
 def batchmax_attention(
@@ -78,10 +74,10 @@ def batchmax_attention(
     # [B, n, Hq, D] layout. ``workspace_bytes`` counts what remains, allocation by allocation.
     ordered = layer.free is None
     converted = 0 if attention_mask is None or attention_mask.dtype == torch.bool else B * n  # token_mask bytes
-    layer.cache.note_workspace(converted + workspace_bytes(B, Hq, Hkv, n, hi, D, ordered=ordered,
+    layer.cache.note_workspace(converted + workspace.workspace_bytes(B, Hq, Hkv, n, hi, D, ordered=ordered,
                                                            padded=token_mask is not None, elem=query.element_size()))
     out = None  # [B, n, Hkv, g, D]: allocated once when the block takes more than one chunk
-    for a, b, lim in query_chunks(B, Hq, n, hi, ordered):
+    for a, b, lim in workspace.query_chunks(B, Hq, n, hi, ordered):
         m = b - a
         if out is None and (m < n or wp):
             out = torch.empty(B, n_all, Hkv, g, D, dtype=value.dtype, device=value.device)
@@ -120,60 +116,6 @@ def batchmax_attention(
         probe_out = _probe_attention(layer, query[:, :, n:], probe_kv, probe_mask, scaling, hi)  # [B, Hq, wp, D]
         out[:, n:].copy_(probe_out.view(B, Hkv, g, wp, D).permute(0, 3, 1, 2, 4))  # [B, wp, Hkv, g, D]
     return out.view(B, n_all, Hq, D), None  # [B, n + wp, Hq, D]
-
-
-def query_chunks(batch: int, q_heads: int, queries: int, slots: int, ordered: bool):
-    """(start, end, visible slots) of each query chunk of a block of ``queries`` over ``slots`` written slots.
-
-    A chunk holds as many queries as keep its float32 score block within ``SCORE_CHUNK_BYTES``. ``ordered``
-    (no eviction yet): slots hold positions in order and the block sits in [slots - queries, slots), so a chunk
-    ending at block index b sees only slots [0, slots - queries + b) and chunks of ``CAUSAL_CHUNK`` skip more of
-    the causal upper triangle; otherwise every chunk sees all slots.
-    """
-    chunk = max(1, SCORE_CHUNK_BYTES // (4 * batch * q_heads * slots))
-    if ordered and queries > 1:
-        chunk = min(chunk, CAUSAL_CHUNK)
-    for a in range(0, queries, chunk):
-        b = min(queries, a + chunk)
-        yield a, b, (slots - queries + b if ordered else slots)
-
-
-def workspace_bytes(batch: int, q_heads: int, kv_heads: int, queries: int, slots: int, head_dim: int, *,
-                    ordered: bool, padded: bool, elem: int = 4) -> int:
-    """Peak bytes one ``batchmax_attention`` call allocates above what it was given: every tensor it (and the
-    kernels it calls) holds at the worst moment, the returned output included.
-
-    ``queries`` x ``slots``: the block and the cache's high-water mark; ``padded``: a token mask came with the
-    block (the engine's prefill passes one, decode steps none); ``elem``: bytes per element of the model dtype.
-    Checked against measured allocations in ``tests/test_memory.py``.
-    """
-    B, Hq, Hkv, n, D, e = batch, q_heads, kv_heads, queries, head_dim, elem
-    g = Hq // Hkv
-    # Held through the loop: the slot positions with empty slots pushed last (int64; a prefill block), or the
-    # hidden-slot mask (bool; a decode step), plus the result buffer when the block takes several chunks.
-    held = 8 * B * Hkv * slots if n > 1 else B * Hkv * slots
-    peak = 0
-    for a, b, lim in query_chunks(B, Hq, n, slots, ordered):
-        m = b - a
-        if m < n and a == 0:
-            held += e * B * n * Hq * D  # the [B, n, Hq, D] result
-        q = e * B * Hq * m * D  # the chunk's scaled queries (and later its output)
-        logits = e * B * Hq * m * lim  # q @ k^T in the model dtype
-        p = 4 * B * Hq * m * lim  # float32 logits, and the probabilities
-        mask = B * Hkv * m * lim if n > 1 else 0  # the visibility mask
-        if padded:  # per-query weights [B, g*m], broadcast copy inside matmul, its [B, Hkv, lim] result
-            score = 4 * B * g * m + max(B * g * m, 4 * B * Hkv * g * m + 4 * B * Hkv * lim)
-        else:
-            score = 4 * B * Hkv * lim  # the probabilities summed over the query rows
-        steps = [
-            q + logits + (p if e != 4 else 0),  # q @ k^T and its float32 copy
-            p + mask + p,  # masked logits, mask and probabilities
-            p + score,  # score accumulation
-            p + (logits if e != 4 else 0) + q,  # probabilities (cast back) @ V
-            q + (q if m == n > 1 else 0),  # the output, and its [B, n, Hq, D] copy when one chunk did all
-        ]
-        peak = max(peak, held + max(steps))
-    return peak
 
 
 def _probe_attention(layer, query: torch.Tensor, probe_kv: tuple[torch.Tensor, torch.Tensor],

@@ -21,22 +21,24 @@ import logging
 import time
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils import is_flash_attn_2_available
 
-from .policy import Method
+from . import workspace
+from .cache import SlotLayer
+from .method import Method
 from .schedule import Phase
+from .workspace import FLASH, SDPA
 
 logger = logging.getLogger(__name__)
 
-SDPA = "sdpa"
-FLASH = "flash_attention_2"
 
 
 def fastest_attention(model: torch.nn.Module) -> str:
     """The fastest attention implementation ``model`` offers here: FlashAttention-2 when the package is installed,
     the model is on CUDA in float16/bfloat16 and supports it; otherwise SDPA (if supported); else its current one."""
-    from transformers.utils import is_flash_attn_2_available
-
     param = next(model.parameters())
     if (
         param.device.type == "cuda"
@@ -63,34 +65,8 @@ def use_attention(model: torch.nn.Module, name: str):
             model.set_attn_implementation(previous)
 
 
-def sdpa_workspace_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int, prompt_len: int,
-                         dtype_bytes: int, padded: bool, impl: str = SDPA) -> int:
-    """Largest attention temporaries HF's SDPA path materialises beyond Q/K/V and the cache (an estimate).
-
-    Only a padded prompt's prefill allocates any: HF's boolean 4D mask ``[B, 1, s, s]`` and, since SDPA then
-    gets a mask, ``repeat_kv`` copies of one layer's keys and values for GQA. Unpadded prefill runs ``is_causal``
-    with ``enable_gqa``; decode steps use views (mask) and ``pack_gqa`` (no copy). The kernel's own scratch
-    (blockwise on the CPU flash, memory-efficient and FlashAttention kernels) is not counted; with
-    FlashAttention-2 (unpadded inputs) this returns 0.
-    """
-    if impl != SDPA or not padded or prompt_len < 2:
-        return 0
-    mask = batch * prompt_len * prompt_len  # [B, 1, s, s] bool
-    repeat = 2 * batch * q_heads * prompt_len * head_dim * dtype_bytes if q_heads != kv_heads else 0
-    return mask + repeat
-
-
-class DenseLayer(CacheLayerMixin):
+class DenseLayer(SlotLayer):
     """One decoder layer: keys/values [B, H, C, D]; slots [0, cache.length) hold pairs, in position order."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, cache: DenseCache, layer_idx: int):
-        super().__init__()
-        self.cache = cache
-        self.layer_idx = layer_idx
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -224,7 +200,7 @@ class DenseCache(Cache):
         if layer.keys is None:
             return
         B, H, _, D = layer.keys.shape
-        est = sdpa_workspace_bytes(B, groups * H, H, D, self.prompt_len, layer.keys.element_size(),
+        est = workspace.sdpa_workspace_bytes(B, groups * H, H, D, self.prompt_len, layer.keys.element_size(),
                                    self.max_pads > 0, self.impl)
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, est)
 
@@ -264,8 +240,6 @@ def hf_reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, atten
     ``DynamicCache`` prefilled with the whole prompt and cut to its newest pair at the first step and whenever it
     holds ``kv_max`` pairs (Algorithm 3). Returns (tokens [B, T], prefill seconds, decode seconds).
     """
-    from transformers import DynamicCache
-    from transformers.generation.streamers import BaseStreamer
 
     device = input_ids.device
     if attention_mask is None:

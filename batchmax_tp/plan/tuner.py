@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .planner import ModelShape, max_batch
-from .policy import Method
+from ..core.method import Method
 
 logger = logging.getLogger(__name__)
 
@@ -123,21 +123,9 @@ def paper_plan(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dty
     return runs
 
 
-def tune(
-    evaluate: Callable[[Method, int], Trial],
-    budget: int,
-    shape: ModelShape,
-    prompt_len: int,
-    new: int,
-    *,
-    target: float = 0.95,
-    dtype: str = "float32",
-    tp: int = 1,
-    p: int = 64,
-    kv_values: list[int] | None = None,
-    batches: list[int] | None = None,
-    neighbours: int = 2,
-) -> TuneResult:
+def tune(evaluate: Callable[[Method, int], Trial], budget: int, shape: ModelShape, prompt_len: int, new: int, *,
+         target: float = 0.95, dtype: str = "float32", tp: int = 1, p: int = 64, kv_values: list[int] | None = None,
+         batches: list[int] | None = None, neighbours: int = 2) -> TuneResult:
     """Highest-throughput BM (b, kv_max) whose metric is at least ``target`` x FKV's, under ``budget``."""
     cache: dict[tuple, Trial] = {}
 

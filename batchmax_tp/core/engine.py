@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import Cache
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -17,7 +18,7 @@ from transformers.generation.logits_process import (
 from .attention import use_batchmax_attention
 from .baseline import DenseCache, fastest_attention, use_attention
 from .cache import BatchMaxCache
-from .policy import Method
+from .method import Method
 from .schedule import Phase, capacity, plan
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,13 @@ def _next_token(logits: torch.Tensor, warpers: LogitsProcessorList | None, gen: 
 
 
 @torch.inference_mode()
+def _forward(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, mask: torch.Tensor | None,
+             pos: torch.Tensor):
+    """One forward pass into ``cache``: ids/pos [B, n], mask [B, n] or the baselines' own; last logits only."""
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                 logits_to_keep=1)
+
+
 def generate(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -90,7 +98,7 @@ def generate(
     # schedule and the positions below would silently treat pads as the prompt's end.
     if not bool((attention_mask[:, 1:] >= attention_mask[:, :-1]).all() and attention_mask[:, -1].all()):
         raise ValueError("input_ids must be LEFT-padded (every pad before the first real token, the last position "
-                         "real): set tokenizer.padding_side = 'left' (batchmax_tp.tasks.encode_prompts does)")
+                         "real): set tokenizer.padding_side = 'left' (batchmax_tp.eval.run.encode_prompts does)")
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().view(-1)
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
 
@@ -149,14 +157,7 @@ def generate(
                 ids = torch.cat([ids, input_ids[:, s - w:]], dim=1)  # [B, n + w]
                 mask = torch.cat([mask, token_mask[:, s - w:]], dim=1)  # [B, n + w]
                 pos = torch.cat([pos, real_pos[:, s - w:]], dim=1)  # [B, n + w]
-            out = model(
-                input_ids=ids,
-                attention_mask=cache.attention_mask() if dense else mask,
-                position_ids=pos,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            out = _forward(model, cache, ids, cache.attention_mask() if dense else mask, pos)
         if dense:
             cache.note_workspace(model.config)
         next_input = emit(0, out.logits[:, -1])
@@ -167,15 +168,8 @@ def generate(
             if not ignore_eos and phase.step % EOS_CHECK_EVERY == 0 and bool(finished.all()):
                 break
             cache.begin(phase)
-            out = model(
-                input_ids=next_input,
-                # generated tokens are never pads; the baselines mask prompt pads they still hold
-                attention_mask=cache.attention_mask() if dense else None,
-                position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            # generated tokens are never pads; the baselines mask prompt pads they still hold
+            out = _forward(model, cache, next_input, cache.attention_mask() if dense else None, next_pos)
             next_input = emit(phase.step, out.logits[:, -1])
             next_pos = next_pos + 1
         _sync(device)

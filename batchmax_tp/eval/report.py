@@ -1,11 +1,10 @@
 """Reports of a sweep of runs: a Markdown table laid out like the paper's Tables 1-2, a CSV and two PNG plots.
 
-Input: the ``summary.json`` objects of the runs (:func:`batchmax_tp.results.summarise` plus the run's
-settings), in the order of the config's ``runs`` list. A run that ran out of memory has ``status: "oom"`` and
+Input: the ``summary.json`` objects of the runs (``results.summarise`` plus the run's settings), in run order. A run that ran out of memory has ``status: "oom"`` and
 shows as ``OOM`` in the table (as in the paper) and as a cross on the throughput plot.
 
 Files (in ``OUT``): ``report.md``, ``results.csv``, ``throughput.png`` (tokens/s against batch size, one line
-per method) and ``metric_vs_kv.png`` (the task metric against kv_max; FKV, which has no kv_max, as a dashed
+per method, rule and kv_max) and ``metric_vs_kv.png`` (the task metric against kv_max; FKV, which has no kv_max, as a dashed
 line). Plots are drawn with matplotlib's Agg canvas (no display, no pyplot state).
 """
 
@@ -19,6 +18,12 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, NullLocator
+
+from .files import atomic_write_text
 from .metrics import METRIC_LABELS
 
 logger = logging.getLogger(__name__)
@@ -46,7 +51,7 @@ CSV_COLUMNS = (
     "tokens_cut", "max_new_tokens", "tp_size", "dp_size", "run",
     # memory (per rank except peak_kv_mib, which is the replica's K/V over its tensor-parallel ranks)
     "peak_workspace_mib", "cuda_max_memory_allocated_mib", "predicted_peak_mib", "memory_budget_mib", "oom_cause",
-    "weights_mib", "rule",
+    "weights_mib", "rule", "tokens_per_s_spread", "num_correct", "num_checked",
 )
 _MIB_OF = {"peak_workspace_mib": "peak_workspace_bytes", "cuda_max_memory_allocated_mib": "cuda_max_memory_allocated",
            "predicted_peak_mib": "predicted_peak_bytes", "memory_budget_mib": "memory_budget_bytes",
@@ -55,6 +60,8 @@ _MIB_OF = {"peak_workspace_mib": "peak_workspace_bytes", "cuda_max_memory_alloca
 _NAMES = {"ed": "ED", "fkv": "FKV", "bm": "BM"}
 _LEGEND = {"ed": "ED (decoding-only eviction)", "fkv": "FKV (full KV cache)", "bm": "BM (Batch-Max)"}
 _COLOURS = {"ed": "tab:orange", "fkv": "tab:blue", "bm": "tab:green"}
+#: Colours of further series of one method (another kv_max or rule), in order of appearance.
+_MORE_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:red", "tab:gray")
 _MARKERS = {"ed": "s", "fkv": "o", "bm": "^"}
 _AXIS_LABELS = {
     "rouge2": "rouge-2 F-measure (mean over samples)",
@@ -104,17 +111,20 @@ def format_report(summaries: Sequence[dict[str, Any]], *, title: str | None = No
         f"p = {first.get('p')}, tp_size {first.get('tp_size', 1)} x dp_size {first.get('dp_size', 1)}, "
         f"{first.get('dtype')} on {first.get('device')}."
     )
-    lines += ["", f"| Method | b | kv_max | {label} | tokens/s | peak KV MiB | prompts cut |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", f"| Method | b | kv_max | {label} | correct | tokens/s | peak KV MiB | predicted peak MiB | "
+                  "prompts cut |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summaries:
         method = _method_label(s)
         kv = "N/A" if s.get("kv_max") is None else str(s["kv_max"])
+        predicted = _mib(s.get("predicted_peak_bytes"))
         if _is_oom(s):
-            lines.append(f"| {method} | {s['batch_size']} | {kv} | OOM | OOM | OOM | |")
+            lines.append(f"| {method} | {s['batch_size']} | {kv} | OOM | - | OOM | OOM | {predicted} | |")
             continue
+        correct = f"{s['num_correct']}/{s['num_checked']}" if s.get("num_checked") else "-"
         lines.append(
-            f"| {method} | {s['batch_size']} | {kv} | {_score(s.get('score'))} | {_speed(s.get('tokens_per_s'))} | "
-            f"{s.get('peak_kv_mib', 0.0):.1f} | {s.get('samples_cut', 0)}/{s.get('num_samples', 0)} |"
+            f"| {method} | {s['batch_size']} | {kv} | {_score(s.get('score'))} | {correct} | "
+            f"{_speed(s.get('tokens_per_s'))} | {s.get('peak_kv_mib', 0.0):.1f} | {predicted} | "
+            f"{s.get('samples_cut', 0)}/{s.get('num_samples', 0)} |"
         )
     lines += ["", *_comparison(summaries, label)]
     lines += ["", *_memory(summaries)]
@@ -127,7 +137,7 @@ def _mib(x: int | None) -> str:
 
 def _memory(summaries: Sequence[dict[str, Any]]) -> list[str]:
     """The memory accounting of each run: the planner's prediction per rank (and the budget) beside what was
-    measured. Only for runs that recorded a prediction (``batchmax_tp.budget``)."""
+    measured. Only for runs that recorded a prediction (``plan.budget.predict_spec``)."""
     rows = [s for s in summaries if s.get("predicted")]
     if not rows:
         return []
@@ -137,7 +147,7 @@ def _memory(summaries: Sequence[dict[str, Any]]) -> list[str]:
     lines.append(
         (f"Budget {_mib(budget)} MiB per rank: a run whose predicted peak exceeds it is an OOM row without being run. "
          if budget is not None else "No memory budget. ")
-        + "Predicted by `batchmax_tp.planner` from shapes: K/V and the score block exactly, weights from the "
+        + "Predicted by `batchmax_tp.plan.planner` from shapes: K/V and the score block exactly, weights from the "
         "parameter count, activations an estimate. Measured: the K/V buffers, the largest score block, the "
         "weights this process holds"
         + (" (K/V over all tensor-parallel ranks of a replica)" if any(s.get("tp_size", 1) > 1 for s in rows) else "")
@@ -160,8 +170,15 @@ def _memory(summaries: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _spread(s: dict[str, Any]) -> str:
+    x = s.get("tokens_per_s_spread")
+    return f"+/-{100.0 * x:.0f}% over {s.get('num_batches')} batches" if x is not None else "1 full batch"
+
+
 def _comparison(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
-    """BM's throughput against the fastest ED run and its metric against the FKV run (the paper's analysis)."""
+    """BM's throughput against the fastest ED run and its metric against the FKV run (the paper's analysis). Next
+    to each throughput ratio: how far the runs' own batches spread (the machine's noise as the runs saw it); a
+    difference smaller than that spread is called so."""
     ok = [s for s in summaries if not _is_oom(s)]
     ed = [s for s in ok if s["method"] == "ed" and s.get("tokens_per_s")]
     fkv = [s for s in ok if s["method"] == "fkv" and s.get("score") is not None]
@@ -175,17 +192,21 @@ def _comparison(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
         against.append(f"the fastest ED run (b={best_ed['batch_size']}, kv_max={best_ed['kv_max']})")
     if ref:
         against.append(f"the full cache FKV (b={ref['batch_size']})")
-    lines = [f"BM against {' and '.join(against)}:"]
+    lines = [f"BM against {' and '.join(against)} (throughput spread: half the range of a run's full batches' "
+             "tokens/s, as a share of their mean):"]
     for s in bm:
         parts = []
         if best_ed and s.get("tokens_per_s"):
             gain = 100.0 * (s["tokens_per_s"] / best_ed["tokens_per_s"] - 1.0)
-            parts.append(f"throughput {gain:+.1f}% vs ED")
+            noise = 100.0 * max(s.get("tokens_per_s_spread") or 0.0, best_ed.get("tokens_per_s_spread") or 0.0)
+            within = " -- within that noise" if abs(gain) <= noise else ""
+            parts.append(f"throughput {gain:+.1f}% vs ED (spread BM {_spread(s)}, ED {_spread(best_ed)}{within})")
         if ref and s.get("score") is not None and ref["score"]:
             parts.append(f"{label} {100.0 * s['score'] / ref['score']:.1f}% of FKV")
         elif ref and s.get("score") is not None:
             parts.append(f"{label} {_score(s['score'])} (FKV {_score(ref['score'])})")
-        lines.append(f"- BM b={s['batch_size']} kv_max={s['kv_max']}: {', '.join(parts)}")
+        rule = "" if s.get("rule", "paper") == "paper" else f" rule {s['rule']}"
+        lines.append(f"- BM{rule} b={s['batch_size']} kv_max={s['kv_max']}: {', '.join(parts)}")
     return lines
 
 
@@ -204,7 +225,7 @@ def mask_timings(report: str) -> str:
             line = "|".join(cells)
         else:
             column = None  # a table ends at the first line that is not a row
-        line = re.sub(r"throughput [+-][\d.]+% vs ED", f"throughput {_TIMING_CELL} vs ED", line)
+        line = re.sub(r"throughput [+-][\d.]+% vs ED \(spread [^)]*\)", f"throughput {_TIMING_CELL} vs ED", line)
         out.append(line)
     return "\n".join(out) + "\n"
 
@@ -235,10 +256,7 @@ def format_csv(summaries: Sequence[dict[str, Any]]) -> str:
 
 
 # ---------------------------------------------------------------------- plots
-def _figure():
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+def _figure() -> tuple[Figure, Axes]:
     fig = Figure(figsize=(7.0, 4.6), dpi=120)
     FigureCanvasAgg(fig)
     return fig, fig.add_subplot(1, 1, 1)
@@ -256,21 +274,32 @@ def _methods(summaries: Sequence[dict[str, Any]]) -> list[str]:
     return sorted({s["method"] for s in summaries}, key=lambda m: order.get(m, 9))
 
 
+def _series(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    """(label, colour, runs by batch size) of each line of the throughput plot: one per method, rule and kv_max,
+    so that a line never joins two cache sizes."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for method in _methods(summaries):
+        for s in summaries:
+            if s["method"] == method and not _is_oom(s) and s.get("tokens_per_s"):
+                groups.setdefault((method, s.get("rule", "paper"), s.get("kv_max")), []).append(s)
+    out, used = [], set()
+    for (method, rule, kv), runs in groups.items():
+        colour = _COLOURS.get(method) if method not in used else _MORE_COLOURS[(len(out)) % len(_MORE_COLOURS)]
+        used.add(method)
+        label = _LEGEND.get(method, method) if method == "fkv" else \
+            f"{_method_label({'method': method, 'rule': rule})}, kv_max {kv}"
+        out.append((label, colour, sorted(runs, key=lambda s: s["batch_size"])))
+    return out
+
+
 def plot_throughput(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
-    """tokens/s against batch size, one line per method; points labelled with kv_max, OOM runs as crosses."""
+    """tokens/s against batch size, one line per method, rule and kv_max (named in the legend, so no point carries
+    a label that could overlap another's); OOM runs as crosses."""
     fig, ax = _figure()
     ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
-    for method in _methods(summaries):
-        runs = sorted((s for s in ok if s["method"] == method), key=lambda s: (s["batch_size"], s.get("kv_max") or 0))
-        if runs:
-            ax.plot([s["batch_size"] for s in runs], [s["tokens_per_s"] for s in runs], marker=_MARKERS.get(method, "o"),
-                    color=_COLOURS.get(method), label=_LEGEND.get(method, method))
-            stacked: dict[int, int] = {}  # several kv_max at one batch size: stack their labels
-            for s in runs:
-                if s.get("kv_max") is not None:
-                    level = stacked[s["batch_size"]] = stacked.get(s["batch_size"], -1) + 1
-                    ax.annotate(f"kv={s['kv_max']}", (s["batch_size"], s["tokens_per_s"]), textcoords="offset points",
-                                xytext=(5, 4 - 10 * level), fontsize=7, color=_COLOURS.get(method))
+    for label, colour, runs in _series(summaries):
+        ax.plot([s["batch_size"] for s in runs], [s["tokens_per_s"] for s in runs],
+                marker=_MARKERS.get(runs[0]["method"], "o"), color=colour, label=label)
     ooms = [s for s in summaries if _is_oom(s)]
     if ooms:
         ax.scatter([s["batch_size"] for s in ooms], [0.0] * len(ooms), marker="x", s=60, color="tab:red",
@@ -279,13 +308,13 @@ def plot_throughput(summaries: Sequence[dict[str, Any]], path: str | os.PathLike
     ax.set_ylabel("throughput (generated tokens / s)")
     ax.set_title(f"Throughput vs batch size\n{_subtitle(summaries)}", fontsize=10)
     top = max([1e-3, *(s["tokens_per_s"] for s in ok)])
-    ax.set_ylim(bottom=0.0, top=top * 1.12)  # room for the labels above the highest point
+    ax.set_ylim(bottom=0.0, top=top * 1.12)
     ax.margins(x=0.12)
     batch_sizes = sorted({s["batch_size"] for s in summaries})
     if len(batch_sizes) <= 12:
         ax.set_xticks(batch_sizes)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, format="png")
 
@@ -320,8 +349,6 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
             ax.annotate("b=" + ",".join(map(str, points[(kv, value)])), (kv, value), textcoords="offset points",
                         xytext=(5, -11 if below else 4), fontsize=7, color=colour)
     if kvs:
-        from matplotlib.ticker import FixedLocator, NullLocator
-
         ax.set_xscale("log", base=2)
         low, high = min(kvs) / 1.5, max(kvs) * 1.5
         ticks = [2**e for e in range(0, 24) if low <= 2**e <= high]
@@ -345,8 +372,6 @@ def write_report(out: str | os.PathLike[str], summaries: Sequence[dict[str, Any]
                  notes: Sequence[str] = ()) -> dict[str, Path]:
     """Write :data:`REPORT_FILES` into ``out`` (text files atomically) and return their paths; ``notes`` end
     report.md (e.g. where the paper procedure's b0 came from)."""
-    from .runner import atomic_write_text
-
     out = Path(out)
     paths = {name: out / name for name in REPORT_FILES}
     text = format_report(summaries)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import torch
+from .rules import Rule, get_rule
 
-from .rules import Rule, average_attention, get_rule  # noqa: F401 (average_attention re-exported)
+if TYPE_CHECKING:  # tensors arrive as arguments: this module imports no torch (config validation stays instant)
+    from torch import Tensor
 
 METHODS = ("bm", "ed", "fkv")
 
@@ -28,7 +30,7 @@ class Method:
       the newest pair is kept, and again whenever the cache reaches ``kv_max`` pairs.
     - ``fkv``: full cache, never evicts (``kv_max`` is ignored).
 
-    ``rule`` names BM's eviction rule (``batchmax_tp.rules``; default the paper's average attention); ED and FKV
+    ``rule`` names BM's eviction rule (``core.rules``; default the paper's average attention); ED and FKV
     take only the default.
     """
 
@@ -105,12 +107,12 @@ class Method:
         return 0
 
 
-def newest_first(score: torch.Tensor, pos: torch.Tensor, curr_id: int) -> torch.Tensor:
+def newest_first(score: Tensor, pos: Tensor, curr_id: int) -> Tensor:
     """ED's rule: keep the most recent pair; the score is the position itself (empty slots -1)."""
-    return pos.to(torch.float32)
+    return pos.float()
 
 
-def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
+def slots_to_evict(priority: Tensor, pos: Tensor, n: int) -> Tensor:
     """Indices [B, H, n] of the ``n`` slots with the smallest ``(priority, position)``.
 
     Two stable sorts give the lexicographic order: first by position, then by priority, so exact priority ties
@@ -121,8 +123,8 @@ def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.T
     return by_pos.gather(-1, order[..., :n])  # [B, H, n]
 
 
-def eviction_priority(method: Method, score: torch.Tensor, pos: torch.Tensor, curr_id: int,
-                      probe: torch.Tensor | None = None) -> torch.Tensor:
+def eviction_priority(method: Method, score: Tensor, pos: Tensor, curr_id: int,
+                      probe: Tensor | None = None) -> Tensor:
     """Priority [B, H, C] of each slot (lower evicted first): ED newest-first, BM its rule (``probe``: the
     look-ahead attention of the last prefill pass, or None)."""
     if method.name == "ed":

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+if TYPE_CHECKING:  # tensors arrive as arguments: the rules import no torch, so config validation stays instant
+    from torch import Tensor
 
 __all__ = ["RULES", "Rule", "PaperRule", "PooledRule", "SinksRule", "ProbeRule", "SnapKVRule", "get_rule",
            "rule_names", "average_attention", "pool_by_position", "protect"]
@@ -54,7 +55,7 @@ POOLS = ("max", "avg")
 
 
 # ---------------------------------------------------------------------------------------------- building blocks
-def average_attention(attn: torch.Tensor, pos: torch.Tensor, curr_id: int) -> torch.Tensor:
+def average_attention(attn: Tensor, pos: Tensor, curr_id: int) -> Tensor:
     """The paper's eviction score: attention received / number of queries that could attend to the pair.
 
     attn: [B, H, C] float32 summed attention weights; pos: [B, H, C] padded-sequence positions, -1 for empty
@@ -62,10 +63,10 @@ def average_attention(attn: torch.Tensor, pos: torch.Tensor, curr_id: int) -> to
     """
     valid = pos >= 0
     count = (curr_id + 1 - pos).clamp(min=1).to(attn.dtype)
-    return torch.where(valid, attn / count, float("-inf"))
+    return (attn / count).masked_fill(~valid, float("-inf"))
 
 
-def pool_by_position(x: torch.Tensor, pos: torch.Tensor, kernel: int, pool: str) -> torch.Tensor:
+def pool_by_position(x: Tensor, pos: Tensor, kernel: int, pool: str) -> Tensor:
     """Pool ``x`` [B, H, C] over the valid slots whose positions are within ``kernel // 2`` of each slot's.
 
     Positions are unique per (sample, head), so such neighbours are at most ``kernel // 2`` places away in
@@ -75,30 +76,29 @@ def pool_by_position(x: torch.Tensor, pos: torch.Tensor, kernel: int, pool: str)
     r = kernel // 2
     valid = pos >= 0
     if r == 0:
-        return torch.where(valid, x, float("-inf"))
+        return x.masked_fill(~valid, float("-inf"))
     order = pos.argsort(dim=-1)  # [B, H, C]; invalid (-1) slots first
     ps = pos.gather(-1, order)  # [B, H, C] sorted positions
     xs = x.gather(-1, order)  # [B, H, C]
     vs = ps >= 0  # [B, H, C]
-    acc = torch.where(vs, xs, float("-inf") if pool == "max" else 0.0)  # [B, H, C]
+    acc = xs.masked_fill(~vs, float("-inf") if pool == "max" else 0.0)  # [B, H, C]
     cnt = vs.to(x.dtype)  # [B, H, C]
     C = x.shape[-1]
     for d in range(1, min(r, C - 1) + 1):
         for lo, hi, olo, ohi in ((d, C, 0, C - d), (0, C - d, d, C)):  # neighbour after / before
             near = vs[..., lo:hi] & vs[..., olo:ohi] & ((ps[..., lo:hi] - ps[..., olo:ohi]).abs() <= r)  # [B, H, C-d]
             if pool == "max":
-                acc[..., olo:ohi] = torch.where(near, torch.maximum(acc[..., olo:ohi], xs[..., lo:hi]),
-                                                acc[..., olo:ohi])
+                acc[..., olo:ohi] = acc[..., olo:ohi].maximum(xs[..., lo:hi].masked_fill(~near, float("-inf")))
             else:
-                acc[..., olo:ohi] += torch.where(near, xs[..., lo:hi], 0.0)
+                acc[..., olo:ohi] += xs[..., lo:hi].masked_fill(~near, 0.0)
                 cnt[..., olo:ohi] += near.to(x.dtype)
     if pool == "avg":
         acc = acc / cnt.clamp(min=1)
-    out = torch.empty_like(x).scatter_(-1, order, acc)  # [B, H, C] back in slot order
-    return torch.where(valid, out, float("-inf"))
+    out = x.new_empty(x.shape).scatter_(-1, order, acc)  # [B, H, C] back in slot order
+    return out.masked_fill(~valid, float("-inf"))
 
 
-def protect(priority: torch.Tensor, pos: torch.Tensor, curr_id: int, sinks: int, recent: int) -> torch.Tensor:
+def protect(priority: Tensor, pos: Tensor, curr_id: int, sinks: int, recent: int) -> Tensor:
     """``+inf`` for the first ``sinks`` real positions held and the ``recent`` newest positions (<= curr_id).
 
     The sample's first real token is the smallest position held: sinks are protected from the first eviction
@@ -107,7 +107,7 @@ def protect(priority: torch.Tensor, pos: torch.Tensor, curr_id: int, sinks: int,
     valid = pos >= 0
     keep = valid & (pos > curr_id - recent)  # [B, H, C]
     if sinks:
-        first = pos.masked_fill(~valid, torch.iinfo(pos.dtype).max).amin(dim=-1, keepdim=True)  # [B, H, 1]
+        first = pos.masked_fill(~valid, pos.max() + 1).amin(dim=-1, keepdim=True)  # [B, H, 1]
         keep |= valid & (pos < first + sinks)
     return priority.masked_fill(keep, float("inf"))
 
@@ -137,8 +137,8 @@ class Rule:
 
     name: ClassVar[str] = ""
 
-    def score(self, attn: torch.Tensor, pos: torch.Tensor, curr_id: int,
-              probe: torch.Tensor | None = None) -> torch.Tensor:
+    def score(self, attn: Tensor, pos: Tensor, curr_id: int,
+              probe: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
     def lookahead(self) -> int:

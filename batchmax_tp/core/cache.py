@@ -9,7 +9,7 @@ Head counts come from the tensors the model hands to ``update`` (under tensor pa
 local heads). The cache works only with the "batchmax" attention function (``batchmax_tp.attention``), which
 reads the layer's slot state and adds each query's attention probabilities to the slots it attended.
 
-Rules with a look-ahead probe (``batchmax_tp.rules``) get the probe tokens appended to a prefill block (the
+Rules with a look-ahead probe (``core.rules``) get the probe tokens appended to a prefill block (the
 phase says how many): ``update`` writes only the block's pairs into slots and hands the probe's keys/values to
 the attention call aside (never stored); the attention writes the probe's attention per slot into ``probe``.
 """
@@ -22,7 +22,7 @@ import threading
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .policy import Method, eviction_priority, slots_to_evict
+from .method import Method, eviction_priority, slots_to_evict
 from .schedule import Phase
 
 logger = logging.getLogger(__name__)
@@ -43,18 +43,26 @@ def take_updated_layer(key: torch.Tensor) -> BoundedLayer:
     return layer
 
 
-class BoundedLayer(CacheLayerMixin):
-    """One decoder layer's slots: keys/values [B, H, C, D], pos [B, H, C] (int64), score [B, H, C] (float32);
-    probe [B, H, C] (float32) only for rules with a look-ahead probe."""
+class SlotLayer(CacheLayerMixin):
+    """A decoder layer of a preallocated cache (``BatchMaxCache`` or the baselines' ``DenseCache``): slots written
+    by index, never slid, cropped or compiled."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, cache: BatchMaxCache, layer_idx: int):
+    def __init__(self, cache: Cache, layer_idx: int):
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
+
+
+class BoundedLayer(SlotLayer):
+    """One decoder layer's slots: keys/values [B, H, C, D], pos [B, H, C] (int64), score [B, H, C] (float32);
+    probe [B, H, C] (float32) only for rules with a look-ahead probe."""
+
+    def __init__(self, cache: BatchMaxCache, layer_idx: int):
+        super().__init__(cache, layer_idx)
         self.pos: torch.Tensor | None = None
         self.score: torch.Tensor | None = None
         self.probe: torch.Tensor | None = None  # look-ahead attention per slot of the last probed pass

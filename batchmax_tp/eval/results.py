@@ -1,0 +1,320 @@
+"""Results that survive a crash: the files of a run, resuming, summaries and what "equal" means.
+
+Layout of one run's folder (``OUT/<run>/``):
+
+- ``samples.jsonl``: one JSON object per sample (:data:`SAMPLE_KEYS`: id, prompt tokens, output, reference,
+  correct, generated tokens) -- only what the model produced, so two runs of the same configuration write the
+  same bytes;
+- ``batches.jsonl``: one JSON object per finished batch (:data:`BATCH_KEYS`: its index, replica, sample ids,
+  tokens cut from each prompt, timings and memory peaks). A batch is appended after its samples, each with one
+  ``write``, flushed and fsynced, so a run killed at any moment (SIGKILL included) loses at most the batch in
+  flight: its line in ``batches.jsonl`` is what makes it count. Torn last lines and the samples of batches without
+  a line are dropped when the run is read again (:meth:`RunLog.load`);
+- ``summary.json``: written (atomically) when the run is over; its ``status`` is ``done`` or ``oom``;
+- ``oom-rank<R>.json``: written by rank R of a multi-process run that ran out of memory, just before the job
+  ends (its tensor-parallel peers may be waiting inside the model's collectives, so nothing can be gathered);
+  the next run of the same configuration turns it into the run's OOM row and goes on (:func:`read_oom_marker`).
+
+Resuming: running the same configuration into the same ``out`` again skips every run whose ``summary.json``
+exists and, inside an unfinished run, every batch that is complete; only the rest runs. Batches are cut the same
+way every time and batch ``i`` always samples with ``seed + i``, so the resumed files equal those of an
+uninterrupted run up to the timing fields (:func:`comparable`). ``OUT/config.yaml`` (the resolved configuration,
+written first) is the key: results made with a configuration that differs in anything that changes outputs
+(:func:`check_same_config`) are never resumed.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .files import atomic_write_text
+from .metrics import score as metric_score
+from .report import mask_timings
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BATCHES_FILE",
+    "BATCH_KEYS",
+    "SAMPLES_FILE",
+    "SAMPLE_KEYS",
+    "SUMMARY_FILE",
+    "TIMING_KEYS",
+    "RunLog",
+    "check_same_config",
+    "per_replica",
+    "comparable",
+    "read_oom_marker",
+    "read_summary",
+    "write_oom_marker",
+    "summarise",
+]
+
+SAMPLES_FILE = "samples.jsonl"
+BATCHES_FILE = "batches.jsonl"
+SUMMARY_FILE = "summary.json"
+
+#: The fields of one ``samples.jsonl`` line; ``reference`` is a string, a list of strings (several references) or
+#: null; ``correct`` is null for ROUGE (no yes/no verdict) and samples without a reference.
+SAMPLE_KEYS = ("id", "prompt_tokens", "output", "reference", "correct", "generated_tokens")
+#: The fields of one ``batches.jsonl`` line (``peak_kv_bytes`` summed over the replica's tensor-parallel ranks;
+#: ``peak_workspace_bytes`` and ``cuda_max_memory_allocated`` of its tensor-parallel rank 0).
+BATCH_KEYS = ("batch", "replica", "ids", "tokens_cut", "generated_tokens", "prefill_s", "decode_s", "peak_kv_bytes",
+              "peak_kv_bytes_per_rank", "peak_workspace_bytes", "cuda_max_memory_allocated")
+
+#: Wall-clock (and process-memory) fields: they differ between two runs of the same configuration, and are all
+#: that may differ between a resumed run's files and an uninterrupted run's (:func:`comparable`).
+TIMING_KEYS = frozenset({
+    "prefill_s", "decode_s", "total_s", "tokens_per_s", "tokens_per_s_spread", "started_at", "finished_at",
+    "wall_s", "peak_host_bytes",
+})
+
+#: Configuration keys that do not change any output (and so never block resuming). Each run's folder is named
+#: after its method, rule, batch size and kv_max, so the list of runs does not matter either. ``target`` only
+#: steers which runs the tuner asks for.
+_NEUTRAL_KEYS = frozenset({"out", "log_level", "target", "setup_timeout", "runs", "methods", "batch_size"})
+
+
+# ---------------------------------------------------------------------- the run's log
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """(objects, torn): the lines of ``path`` up to the first one that is not valid JSON (only the last line can be
+    torn; anything after it is dropped too)."""
+    if not path.is_file():
+        return [], False
+    out = []
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return out, True
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: not a batchmax_tp run log (a line that is not an object); "
+                             "delete it or choose another out")
+        out.append(obj)
+    return out, False
+
+
+def _lines(objs: Sequence[Mapping[str, Any]]) -> str:
+    return "".join(json.dumps(dict(o), ensure_ascii=False) + "\n" for o in objs)
+
+
+class RunLog:
+    """The append-only ``samples.jsonl`` + ``batches.jsonl`` of one run's folder."""
+
+    def __init__(self, folder: str | os.PathLike[str]):
+        self.folder = Path(folder)
+        self.samples_path = self.folder / SAMPLES_FILE
+        self.batches_path = self.folder / BATCHES_FILE
+
+    def load(self, batches: Sequence[Sequence[str]] | None = None) -> tuple[list[dict], list[dict]]:
+        """(samples, batches) of the batches that are complete, in file order.
+
+        ``batches``: the ids of each batch of the run (batch ``i`` = ``batches[i]``); a batch counts as done when
+        ``batches.jsonl`` has its line with exactly those ids and ``samples.jsonl`` a record for each of them.
+        Anything else (a torn line, samples of an unfinished batch, lines of batches this run does not have) is
+        dropped and both files are rewritten (atomically) without it, so that new batches are appended to clean
+        files.
+        """
+        samples, torn_s = _read_jsonl(self.samples_path)
+        lines, torn_b = _read_jsonl(self.batches_path)
+        by_id: dict[str, dict] = {}
+        for record in samples:
+            if "id" not in record:
+                raise ValueError(f"{self.samples_path}: not a batchmax_tp sample log (line without id); "
+                                 "delete it or choose another out")
+            by_id.setdefault(str(record["id"]), record)
+        kept_batches, seen = [], set()
+        for line in lines:
+            index = line.get("batch")
+            ids = [str(i) for i in line.get("ids", [])]
+            wanted = None if batches is None or not 0 <= int(index) < len(batches) else [str(i) for i in batches[index]]
+            if index in seen or (batches is not None and ids != wanted) or not all(i in by_id for i in ids):
+                continue
+            seen.add(index)
+            kept_batches.append(line)
+        kept_ids = [i for line in kept_batches for i in line["ids"]]
+        kept_samples = [by_id[str(i)] for i in kept_ids]
+        if torn_s or torn_b or len(kept_samples) != len(samples) or len(kept_batches) != len(lines):
+            logger.warning("%s: dropping %d incomplete sample line(s) and %d batch line(s); resuming after %d "
+                           "complete batch(es)", self.folder, len(samples) - len(kept_samples) + int(torn_s),
+                           len(lines) - len(kept_batches) + int(torn_b), len(kept_batches))
+            atomic_write_text(self.samples_path, _lines(kept_samples))
+            atomic_write_text(self.batches_path, _lines(kept_batches))
+        return kept_samples, kept_batches
+
+    def append(self, samples: Sequence[Mapping[str, Any]], batches: Sequence[Mapping[str, Any]]) -> None:
+        """Append finished batches: their samples first, then their batch lines (each one write, flushed, fsynced)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for path, objs in ((self.samples_path, samples), (self.batches_path, batches)):
+            text = _lines(objs)
+            if not text:
+                continue
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+
+
+# ---------------------------------------------------------------------- summaries
+def summarise(samples: Sequence[Mapping[str, Any]], batches: Sequence[Mapping[str, Any]],
+              metric: str) -> dict[str, Any]:
+    """Throughput and metric numbers of a run from its sample and batch records.
+
+    ``prefill_s`` and ``decode_s`` are summed over the batches of a data-parallel replica (``replica``; 0 in a
+    single process); replicas run side by side, so the run's are those of the slowest replica (largest sum),
+    and ``tokens_per_s`` = all generated tokens / (its ``prefill_s + decode_s``). ``tokens_per_s_spread``: half the
+    range of the full batches' own tokens/s, as a fraction of their mean (the machine's noise as this run saw it;
+    None with fewer than two full batches). ``peak_kv_bytes`` is the largest batch's (summed over tensor-parallel
+    ranks); ``peak_workspace_bytes`` (the largest attention-score block) and ``cuda_max_memory_allocated`` (None off
+    CUDA) are the largest batch's on one rank. ``score`` is the mean ``metric`` over samples with a reference;
+    ``accuracy`` the fraction of ``correct`` samples among those with a yes/no verdict.
+    """
+    per_replica: dict[int, list[float]] = {}
+    for batch in batches:
+        times = per_replica.setdefault(int(batch.get("replica") or 0), [0.0, 0.0])
+        times[0] += float(batch["prefill_s"])
+        times[1] += float(batch["decode_s"])
+    prefill_s, decode_s = max(per_replica.values(), key=sum, default=[0.0, 0.0])
+    total_s = prefill_s + decode_s
+    generated = sum(int(r["generated_tokens"]) for r in samples)
+    scores = [x for x in (metric_score(metric, r["output"], r.get("reference")) for r in samples) if x is not None]
+    checked = [bool(r["correct"]) for r in samples if r.get("correct") is not None]
+    peak = max((int(b.get("peak_kv_bytes") or 0) for b in batches), default=0)
+    workspace = max((int(b.get("peak_workspace_bytes") or 0) for b in batches), default=0)
+    cuda = [int(b["cuda_max_memory_allocated"]) for b in batches if b.get("cuda_max_memory_allocated") is not None]
+    full = max((len(b["ids"]) for b in batches), default=0)
+    speeds = [b["generated_tokens"] / (b["prefill_s"] + b["decode_s"]) for b in batches
+              if len(b["ids"]) == full and b["prefill_s"] + b["decode_s"] > 0]
+    spread = (max(speeds) - min(speeds)) / 2 / (sum(speeds) / len(speeds)) if len(speeds) > 1 else None
+    cut = [int(n) for b in batches for n in b.get("tokens_cut", [])]
+    return {
+        "num_samples": len(samples),
+        "num_batches": len(batches),
+        "generated_tokens": generated,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "total_s": total_s,
+        "tokens_per_s": generated / total_s if total_s > 0 else None,
+        "tokens_per_s_spread": spread,
+        "peak_kv_bytes": peak,
+        "peak_kv_mib": peak / 2**20,
+        "peak_workspace_bytes": workspace,
+        "cuda_max_memory_allocated": max(cuda) if cuda else None,
+        "score": sum(scores) / len(scores) if scores else None,
+        "num_scored": len(scores),
+        "num_checked": len(checked),
+        "num_correct": sum(checked),
+        "accuracy": sum(checked) / len(checked) if checked else None,
+        "samples_cut": sum(1 for n in cut if n),
+        "tokens_cut": sum(cut),
+    }
+
+
+def per_replica(batches: Sequence[Mapping[str, Any]], dp: int, tp: int) -> list[dict[str, Any]]:
+    """A multi-process run's ``per_replica`` list: each data-parallel replica's ranks, samples, tokens, timings and
+    tokens/s, and its K/V peak per tensor-parallel rank (each rank holds only its own KV heads)."""
+    out = []
+    for r in range(dp):
+        mine = [b for b in batches if int(b.get("replica") or 0) == r]
+        prefill, decode = sum(b["prefill_s"] for b in mine), sum(b["decode_s"] for b in mine)
+        tokens = sum(int(b["generated_tokens"]) for b in mine)
+        ranks = [max((b["peak_kv_bytes_per_rank"][t] for b in mine), default=0) for t in range(tp)]
+        out.append({"replica": r, "ranks": list(range(r * tp, (r + 1) * tp)), "num_samples": sum(len(b["ids"]) for b in mine),
+                    "num_batches": len(mine), "generated_tokens": tokens, "prefill_s": prefill, "decode_s": decode,
+                    "tokens_per_s": tokens / (prefill + decode) if prefill + decode > 0 else None,
+                    "peak_kv_bytes": sum(ranks), "peak_kv_bytes_per_rank": ranks})
+    return out
+
+
+def read_summary(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A finished run's ``summary.json``, or None when the run has not finished."""
+    path = Path(folder) / SUMMARY_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_oom_marker(folder: str | os.PathLike[str], rank: int, error: str, batch: int) -> Path:
+    """Record, from the rank that hit it, that this run ran out of memory in ``batch`` (written atomically)."""
+    path = Path(folder) / f"oom-rank{rank}.json"
+    atomic_write_text(path, json.dumps({"rank": rank, "batch": batch, "error": error}) + "\n")
+    return path
+
+
+def read_oom_marker(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The first ``oom-rank<R>.json`` of a run (lowest rank), or None."""
+    found = sorted(Path(folder).glob("oom-rank*.json"), key=lambda p: int(p.stem.removeprefix("oom-rank") or 0))
+    return json.loads(found[0].read_text(encoding="utf-8")) if found else None
+
+
+# ---------------------------------------------------------------------- resuming and equality
+def check_same_config(out: str | os.PathLike[str], config: Mapping[str, Any]) -> bool:
+    """Whether ``out`` holds results of an earlier run that this ``config`` (a resolved config dict) may resume.
+
+    False when ``out/config.yaml`` does not exist (nothing to resume: existing run files are started over).
+    Raises ``ValueError("out: ...")`` (one line) when it exists and differs in a key that changes outputs, i.e.
+    any key except ``out`` and ``log_level`` (and ``runs``, ``methods``, ``batch_size`` when ``runs`` is set).
+    """
+    path = Path(out) / "config.yaml"
+    if not path.is_file():
+        return False
+    try:
+        old = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"out: cannot read {path} to resume: {' '.join(str(err).split())}") from None
+    for key in sorted((set(old) | set(config)) - _NEUTRAL_KEYS):
+        if old.get(key) != config.get(key):
+            raise ValueError(
+                f"out: {out} holds results made with {key}={old.get(key)!r}, this run has {key}={config.get(key)!r}; "
+                "choose another out or delete the folder"
+            )
+    return True
+
+
+def comparable(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """What must be equal between a resumed and an uninterrupted run with the same config, for a folder of
+    results (an ``OUT`` or one run's folder, searched recursively):
+
+    - every ``samples.jsonl`` and ``batches.jsonl``: the list of records (in file order) without the
+      :data:`TIMING_KEYS`;
+    - every ``summary.json``: the object without the :data:`TIMING_KEYS`;
+    - every ``results.csv``: the rows without the timing columns;
+    - every ``report.md``: the text with the tokens/s column and the comparison lines' speed-ups blanked.
+
+    ``config.yaml`` (header comment has the time) and the PNG plots (drawn from the CSV; the throughput plot
+    shows timings) are not compared.
+    """
+    folder = Path(folder)
+    found: dict[str, Any] = {}
+    for path in sorted(folder.rglob("*")):
+        rel = str(path.relative_to(folder))
+        if path.name in (SAMPLES_FILE, BATCHES_FILE):
+            lines = path.read_text(encoding="utf-8").splitlines()
+            found[rel] = [_drop_timing(json.loads(line)) for line in lines if line.strip()]
+        elif path.name == SUMMARY_FILE:
+            found[rel] = _drop_timing(json.loads(path.read_text(encoding="utf-8")))
+        elif path.name == "results.csv":
+            rows = list(csv.DictReader(io.StringIO(path.read_text(encoding="utf-8"))))
+            found[rel] = [_drop_timing(row) for row in rows]
+        elif path.name == "report.md":
+            found[rel] = mask_timings(path.read_text(encoding="utf-8"))
+    return found
+
+
+def _drop_timing(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _drop_timing(v) for k, v in obj.items() if k not in TIMING_KEYS}
+    if isinstance(obj, list):
+        return [_drop_timing(v) for v in obj]
+    return obj

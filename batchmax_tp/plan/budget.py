@@ -1,0 +1,209 @@
+"""Runs under a memory budget per rank: what a run is, and the plans that pick its batch size -- from shapes alone.
+
+- :class:`RunSpec`: one run (a ``Method`` at a batch size) and its folder name;
+- :func:`predict_spec`: the planner's peak per rank of a run, with the batch size and the longest prompt of its
+  samples (every batch is padded to its longest prompt, so no batch of the run needs more);
+- :func:`paper_specs`: the runs of the paper's procedure (section 4.1; ``tuner.paper_plan``): ED (kv_max 2) at
+  b0, the smallest batch that does not fit (an OOM row), ED 2 and 65 and FKV at b0 - 1, BM at each kv_max's
+  largest fitting batch that divides the number of samples; b0 from the planner, or from real trials when a
+  ``fits`` callback is given (``batchmax_tp.eval.procedures.ed_trials`` on CUDA);
+- :func:`same_memory_plan`: the plain run's comparison (FKV, ED, BM, BM with the best rule), each method at its
+  largest batch within one budget (default: what FKV needs at batch 4).
+
+Nothing here imports torch or transformers: planning is arithmetic on ``planner.ModelShape``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..core.method import Method
+from .planner import MemoryEstimate, ModelShape, max_batch, predict
+from .tuner import find_b0, kv_grid, paper_plan, planned_b0
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunSpec", "SameMemoryRun", "STORY_BEST_RULE", "STORY_FKV_BATCH", "STORY_MAX_BATCH", "fmt_bytes",
+           "over_budget_message", "paper_specs", "planned_dtype", "predict_spec", "rule_slug", "run_dir_name",
+           "same_memory_plan", "story_methods"]
+
+
+def run_dir_name(method: str, batch_size: int, kv_max: int | None, rule: str = "paper") -> str:
+    """Folder of one run: ``fkv-b4``, ``ed-b4-kv2``, ``bm-b32-kv1024``; a rule other than the paper's is named
+    after the method: ``bm-snapkv-b32-kv1024``, ``bm-snapkv-window64-b32-kv1024``."""
+    if rule != "paper":
+        method = f"{method}-{rule_slug(rule)}"
+    return f"{method}-b{batch_size}" if kv_max is None or method == "fkv" else f"{method}-b{batch_size}-kv{kv_max}"
+
+
+def rule_slug(rule: str) -> str:
+    """A rule spelled for a folder name: ``snapkv:window=64,pool=avg`` -> ``snapkv-window64-poolavg``."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", rule.replace("=", "")).strip("-")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: ``method`` (which holds kv_max, p and the rule) at ``batch_size`` samples per batch (0: not even
+    one sample fits the budget; the run is an OOM row)."""
+
+    method: Method
+    batch_size: int
+
+    @property
+    def kv_max(self) -> int | None:
+        return None if self.method.name == "fkv" else self.method.kv_max
+
+    @property
+    def rule(self) -> str:
+        return self.method.rule
+
+    @property
+    def name(self) -> str:
+        """The run's folder: ``fkv-b4``, ``bm-b32-kv1024``, ``bm-snapkv-b32-kv1024`` (a rule other than the paper's)."""
+        return run_dir_name(self.method.name, self.batch_size, self.kv_max, self.rule)
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def planned_dtype(dtype: str) -> str:
+    """The dtype a run is planned for: ``launch/run.py`` resolves ``auto`` before planning (the checkpoint's dtype on
+    CUDA); a config used directly with ``auto`` plans float32, what ``auto`` means on a CPU."""
+    return "float32" if dtype == "auto" else dtype
+
+
+def predict_spec(shape: ModelShape, method: Method, batch_size: int, prompt_len: int, max_new_tokens: int,
+                 dtype: str, tp: int = 1) -> MemoryEstimate:
+    """The planner's ``MemoryEstimate`` per rank of a run of ``batch_size`` prompts padded to ``prompt_len``."""
+    return predict(shape, method, batch_size, prompt_len, max_new_tokens, tp=tp, dtype=planned_dtype(dtype))
+
+
+def over_budget_message(estimate: MemoryEstimate, budget: int) -> str:
+    parts = (f"K/V {fmt_bytes(estimate.kv)}, score block {fmt_bytes(estimate.workspace)}, "
+             f"weights {fmt_bytes(estimate.weights)}, activations {fmt_bytes(estimate.activations)}")
+    return (f"predicted peak {fmt_bytes(estimate.total)} per rank ({estimate.total} bytes: {parts}) exceeds "
+            f"memory_budget {fmt_bytes(budget)} ({budget} bytes); not run")
+
+
+# ---------------------------------------------------------------------- the paper's procedure
+def paper_specs(shape: ModelShape, prompt_len: int, *, budget: int, max_new_tokens: int, dtype: str, p: int,
+                rule: str, kv_values: Sequence[int] | None, num_samples: int, tp: int = 1,
+                fits: Callable[[int], bool] | None = None) -> tuple[list[RunSpec], dict]:
+    """The runs of the paper's procedure (``tuner.paper_plan``) and the plan as a dict (``OUT/plan.json``): b0, the
+    prompt length, each run's predicted peak and whether it fits. ``rule``: BM's eviction rule.
+
+    ``fits``: real trials (on CUDA): b0 is then searched for real from the planner's guess (``b0_source:
+    measured``); without it the planner's b0 stands (``b0_source: planner``, as on a CPU)."""
+    grid = list(kv_values) if kv_values else kv_grid(prompt_len, 128, p)
+    dtype = planned_dtype(dtype)
+    guess = planned_b0(budget, shape, prompt_len, max_new_tokens, dtype=dtype, tp=tp, p=p)
+    measured = find_b0(guess, fits) if fits is not None else None
+    plan = paper_plan(budget, shape, prompt_len, max_new_tokens, dtype=dtype, tp=tp, p=p,
+                      num_samples=num_samples, kv_values=grid, b0=measured)
+    specs = [RunSpec(dataclasses.replace(m, rule=rule if m.name == "bm" else "paper"), b) for m, b in plan]
+    b0 = specs[0].batch_size
+    adjusted = None
+    for spec in specs:
+        if spec.method.name == "fkv" and spec.batch_size < b0 - 1:
+            adjusted = (f"FKV at b0 - 1 = {b0 - 1} is predicted over the budget; it runs at b = {spec.batch_size}, "
+                        f"the largest batch that fits (only its metric is used)")
+            logger.warning("paper procedure: %s", adjusted)
+    rows = []
+    for spec in specs:
+        est = predict(shape, spec.method, spec.batch_size, prompt_len, max_new_tokens, tp=tp, dtype=dtype)
+        rows.append({"run": spec.name, "method": spec.method.name, "rule": spec.method.rule,
+                     "batch_size": spec.batch_size,
+                     "kv_max": spec.kv_max, "predicted_peak_bytes": est.total, "fits": est.total <= budget})
+    planned = {s.kv_max for s in specs if s.method.name == "bm"}
+    info = {
+        "procedure": "paper",
+        "memory_budget_bytes": budget,
+        "prompt_len": prompt_len,
+        "max_new_tokens": max_new_tokens,
+        "num_samples": num_samples,
+        "tp_size": tp,
+        "b0": b0,
+        "b0_source": "planner" if measured is None else "measured",
+        "b0_planned": guess,
+        "b0_note": (f"b0 = {b0} from the planner's prediction (no real out-of-memory search on this device)"
+                    if measured is None else f"b0 = {b0} found by real ED trials on the device (the planner "
+                    f"predicted {guess}; trials in b0-trials/)"),
+        "adjusted": adjusted,
+        "kv_values": grid,
+        "kv_values_without_a_fitting_batch": [k for k in grid if k not in planned],
+        "runs": rows,
+    }
+    logger.info("paper procedure: budget %s, longest prompt %d tokens, b0 = %d (ED kv_max 2 does not fit); runs: %s",
+                fmt_bytes(budget), prompt_len, b0, ", ".join(s.name for s in specs))
+    if info["kv_values_without_a_fitting_batch"]:
+        logger.warning("paper procedure: no batch dividing %d fits BM with kv_max %s", num_samples,
+                       info["kv_values_without_a_fitting_batch"])
+    big = [s.name for s in specs[1:] if s.batch_size > num_samples]
+    if big:
+        logger.warning("paper procedure: %s ask for more than the %d samples; their batches hold %d", big,
+                       num_samples, num_samples)
+    return specs, info
+
+
+# ---------------------------------------------------------------------- the plain run: same memory, larger batch
+#: The rule the plain run shows beside the paper's: the best of ``launch/bench_retention.py`` (README: Retention).
+STORY_BEST_RULE = "probe"
+#: Largest batch the plain run uses for any method (CPU time); the planner's largest fitting batch is reported too.
+STORY_MAX_BATCH = 16
+#: FKV's batch whose predicted peak sets the default memory budget of the plain run.
+STORY_FKV_BATCH = 4
+
+
+def story_methods(kv_max: dict[str, int | None], p: int, rule: str = "paper") -> list[Method]:
+    """FKV, ED, the paper's BM and BM with ``rule`` (:data:`STORY_BEST_RULE` when ``rule`` is the paper's), with
+    ``kv_max`` per method name and ``p``."""
+    best = rule if rule != "paper" else STORY_BEST_RULE
+    return [Method("fkv", p=p), Method("ed", kv_max=kv_max["ed"], p=p), Method("bm", kv_max=kv_max["bm"], p=p),
+            Method("bm", kv_max=kv_max["bm"], p=p, rule=best)]
+
+
+@dataclass(frozen=True)
+class SameMemoryRun:
+    """One method of the same-memory run: the batch it runs at and the planner's numbers behind it."""
+
+    spec: RunSpec  #: the method at min(largest fitting batch, cap); batch 0 when not even one sample fits
+    largest_fitting: int  #: the planner's largest batch within the budget
+    predicted_peak_bytes: int  #: the planner's peak per rank at ``spec.batch_size`` (at 1 when that is 0)
+
+
+def same_memory_plan(
+    shape: ModelShape,
+    methods: Sequence[Method],
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    budget_bytes: int | None = None,
+    fkv_batch: int = STORY_FKV_BATCH,
+    cap: int = STORY_MAX_BATCH,
+    tp: int = 1,
+    dtype: str = "float32",
+) -> tuple[int, list[SameMemoryRun]]:
+    """(budget, runs): every method at its largest batch whose predicted peak per rank fits one memory budget.
+
+    ``budget_bytes`` None = the planner's peak of FKV at ``fkv_batch`` for prompts of ``prompt_len`` tokens (so
+    FKV runs at exactly that batch). Batches are capped at ``cap``; a method that does not fit even one sample
+    gets batch 0 (reported as OOM, not run).
+    """
+    dtype = planned_dtype(dtype)
+    if budget_bytes is None:
+        budget_bytes = predict(shape, Method("fkv"), fkv_batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
+    runs = []
+    for method in methods:
+        fit = max_batch(budget_bytes, shape, method, prompt_len, max_new_tokens, tp=tp, dtype=dtype,
+                        limit=max(cap, 1) * 4)
+        batch = min(fit, cap)
+        peak = predict(shape, method, max(batch, 1), prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
+        runs.append(SameMemoryRun(RunSpec(method, batch), fit, peak))
+    return budget_bytes, runs
