@@ -40,6 +40,8 @@ reference has no defaults of its own):
   query heads and divided by the number of real probe tokens (0 if none). Prefill evictions use
   ``ave + weight * probe`` (the probe of the pass just before), decode evictions plain ``ave``.
 * "snapkv" (window, weight, kernel, pool): the probe's score, then pooled as in "pooled".
+* "question" (window, kernel, pool, sinks, recent): the probe as in "probe"; prefill evictions use ``probe``
+  alone, decode evictions ``ave``, either pooled as in "pooled", and then +inf for the entries "sinks" protects.
 
 Positions (``kept`` and ``curr_id``) are indices in the padded sequence: prompt 0..s-1, the token fed at
 decode step t is s+t-1.  RoPE uses the sample's real position ids (cumsum(mask)-1), like HF ``generate``.
@@ -187,17 +189,24 @@ class _SampleState:
                 def base(e):
                     if rule in ("probe", "snapkv") and prefill and not e.is_pad:
                         return average(e) + params["weight"] * e.probe
+                    if rule == "question" and prefill and not e.is_pad:
+                        return e.probe
                     return average(e)
+
+                def protected(e):
+                    return e.pos - self.npad < params["sinks"] or e.pos > curr_id - params["recent"]
 
                 def ave(e):  # the rule's priority
                     if e.is_pad or rule in ("paper", "probe"):
                         return base(e)
-                    if rule in ("pooled", "snapkv"):
+                    if rule == "question" and protected(e):
+                        return math.inf
+                    if rule in ("pooled", "snapkv", "question"):
                         r = params["kernel"] // 2
                         near = [base(o) for o in entries if not o.is_pad and abs(o.pos - e.pos) <= r]
                         return max(near) if params["pool"] == "max" else sum(near) / len(near)
                     assert rule == "sinks", rule
-                    if e.pos - self.npad < params["sinks"] or e.pos > curr_id - params["recent"]:
+                    if protected(e):
                         return math.inf
                     return average(e)
 
@@ -247,7 +256,8 @@ def reference_generate(model, input_ids, attention_mask, method_name, kv_max=Non
     if method_name == "bm":
         assert p is not None and p >= 1 and kv_max is not None and kv_max > p
     need = {"paper": set(), "pooled": {"kernel", "pool"}, "sinks": {"sinks", "recent"},
-            "probe": {"window", "weight"}, "snapkv": {"window", "weight", "kernel", "pool"}}
+            "probe": {"window", "weight"}, "snapkv": {"window", "weight", "kernel", "pool"},
+            "question": {"window", "kernel", "pool", "sinks", "recent"}}
     rule_params = dict(rule_params or {})
     assert rule in need and set(rule_params) == need[rule], (rule, rule_params)
     assert rule == "paper" or method_name == "bm"

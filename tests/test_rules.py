@@ -36,6 +36,8 @@ CASES = [
     ("probe", dict(window=8, weight=1.0)),  # window > p: the second-to-last block gets a shorter probe
     ("probe", dict(window=3, weight=4.0)),
     ("snapkv", dict(window=8, weight=2.0, kernel=3, pool="max")),
+    ("question", dict(window=8, kernel=3, pool="max", sinks=1, recent=2)),
+    ("question", dict(window=3, kernel=1, pool="avg", sinks=0, recent=0)),  # the probe alone, unpooled
 ]
 
 
@@ -55,7 +57,7 @@ def run_engine(model, ids, mask, rule, kv_max, p, n):
 # ------------------------------------------------------------------------------------------- registry / API
 def test_registry_names_and_defaults():
     assert rule_names()[0] == "paper" and set(rule_names()) == set(RULES)
-    assert {"paper", "pooled", "sinks", "probe", "snapkv"} <= set(rule_names())
+    assert {"paper", "pooled", "sinks", "probe", "snapkv", "question"} <= set(rule_names())
     assert Method("bm", kv_max=512).rule == "paper"
     assert get_rule("snapkv") == RULES["snapkv"]()
     assert get_rule("probe:window=64,weight=0.5") == RULES["probe"](window=64, weight=0.5)
@@ -76,6 +78,12 @@ def test_registry_names_and_defaults():
     ("probe:weight=-1", "weight must be a finite number >= 0"),
     ("sinks:recent=x", "recent must be int"),
     ("paper:kernel=3", "keys: none"),
+    ("question:recent=-1", "recent must be an integer >= 0"),
+    ("question:sinks=1.5", "sinks must be int"),
+    ("question:kernel=4", "kernel must be odd"),
+    ("question:window=0", "window must be an integer >= 1"),
+    ("question:pool=sum", "pool must be one of max, avg"),
+    ("question:weight=2", "keys: window, kernel, pool, sinks, recent"),
 ])
 def test_rule_validation(text, match):
     with pytest.raises(ValueError, match=match):
@@ -92,6 +100,9 @@ def test_method_rule_field():
     with pytest.raises(ValueError, match="kv_max must be >= p \\+ 36"):
         Method("bm", kv_max=64, p=32, rule="sinks")  # 4 sinks + 32 recent leave < p evictable pairs
     Method("bm", kv_max=68, p=32, rule="sinks")
+    with pytest.raises(ValueError, match="kv_max must be >= p \\+ 64"):
+        Method("bm", kv_max=95, p=32, rule="question")  # 4 sinks + 60 recent
+    Method("bm", kv_max=96, p=32, rule="question")
 
 
 def test_probe_schedule():
@@ -134,7 +145,9 @@ def test_rule_matches_reference(case):
 
 @pytest.mark.parametrize("case", [("probe", dict(window=8, weight=1.0)),
                                   ("snapkv", dict(window=8, weight=1.0, kernel=3, pool="avg")),
-                                  ("sinks", dict(sinks=3, recent=2))], ids=case_id)
+                                  ("sinks", dict(sinks=3, recent=2)),
+                                  ("question", dict(window=8, kernel=3, pool="avg", sinks=2, recent=3))],
+                         ids=case_id)
 def test_rule_matches_reference_short_samples(case):
     """A 5-token sample padded to 60: its blocks are pads while its probe is partly pads, partly real."""
     rule, params = case
@@ -147,6 +160,21 @@ def test_rule_matches_reference_short_samples(case):
     assert_logits_close(out.logits, ref.logits, ATOL, what="logits")
     assert_tokens_equal(out.tokens, ref.tokens)
     assert_kept_equal(out.cache.kept_positions(), ref.kept)
+
+
+def test_question_score_terms():
+    """question: the probe alone at prefill evictions, average attention at decode ones, both pooled by position
+    (over raw neighbours, protected ones included); then sinks and recent positions +inf, empty slots -inf."""
+    rule = get_rule("question:kernel=3,sinks=1,recent=1")
+    pos = torch.tensor([[[5, 0, 3, -1, 1, 8, 9]]])  # slot order is not position order; one empty slot
+    attn = torch.tensor([[[8.0, 9.0, 0.5, 7.0, 7.0, 0.4, 0.2]]])  # average: 1.6, 0.9, 1/14, -, 7/9, 0.2, 0.2
+    probe = torch.tensor([[[0.1, 0.0, 0.3, 5.0, 0.05, 0.2, 0.9]]])
+    inf = float("inf")
+    # |dp| <= 1: position 1 also sees 0 (the sink), 8 sees 9 (the newest, protected); 3 and 5 see only themselves
+    torch.testing.assert_close(rule.score(attn, pos, 9, probe),
+                               torch.tensor([[[0.1, inf, 0.3, -inf, 0.05, 0.9, inf]]]))
+    torch.testing.assert_close(rule.score(attn, pos, 9),
+                               torch.tensor([[[1.6, inf, 0.5 / 7, -inf, 0.9, 0.2, inf]]]))
 
 
 def test_sinks_are_kept():

@@ -37,6 +37,11 @@ Rules (``rule_names()``):
   eviction stays rank-local.
 - ``snapkv``: ``probe`` and ``pooled`` together (SnapKV's observation window and pooling at every eviction):
   ``pool(average attention + weight * probe)``.
+- ``question``: SnapKV's own ranking under Algorithm 1. Prefill evictions rank by the look-ahead attention
+  alone (``probe`` above, no average-attention term), max- or avg-pooled over ``kernel`` neighbouring positions
+  so a fact's whole span stays; decode evictions (no probe) rank by the pooled average attention. The sample's
+  first ``sinks`` real tokens and the ``recent`` newest positions are never evicted (as in ``sinks``). The
+  defaults (window 32, kernel 15, sinks 4, recent 60) are the ones measured in the README's retention section.
 """
 
 from __future__ import annotations
@@ -48,8 +53,8 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:  # tensors arrive as arguments: the rules import no torch, so config validation stays instant
     from torch import Tensor
 
-__all__ = ["RULES", "Rule", "PaperRule", "PooledRule", "SinksRule", "ProbeRule", "SnapKVRule", "get_rule",
-           "rule_names", "average_attention", "pool_by_position", "protect"]
+__all__ = ["RULES", "Rule", "PaperRule", "PooledRule", "SinksRule", "ProbeRule", "SnapKVRule", "QuestionRule",
+           "get_rule", "rule_names", "average_attention", "pool_by_position", "protect"]
 
 POOLS = ("max", "avg")
 
@@ -246,7 +251,37 @@ class SnapKVRule(Rule):
         return pool_by_position(ave, pos, self.kernel, self.pool)
 
 
-RULES: dict[str, type] = {cls.name: cls for cls in (PaperRule, PooledRule, SinksRule, ProbeRule, SnapKVRule)}
+@dataclass(frozen=True)
+class QuestionRule(Rule):
+    """SnapKV's own ranking: the pooled look-ahead attention alone at prefill evictions (the paper's average
+    attention, pooled, at decode evictions), with the first ``sinks`` and the ``recent`` newest positions kept."""
+
+    name: ClassVar[str] = "question"
+    window: int = 32
+    kernel: int = 15
+    pool: str = "max"
+    sinks: int = 4
+    recent: int = 60
+
+    def __post_init__(self):
+        _check_int(self.name, "window", self.window, 1)
+        _check_pool(self.name, self.kernel, self.pool)
+        _check_int(self.name, "sinks", self.sinks, 0)
+        _check_int(self.name, "recent", self.recent, 0)
+
+    def lookahead(self) -> int:
+        return self.window
+
+    def protected(self) -> int:
+        return self.sinks + self.recent
+
+    def score(self, attn, pos, curr_id, probe=None):
+        x = average_attention(attn, pos, curr_id) if probe is None else torch.where(pos >= 0, probe, float("-inf"))
+        return protect(pool_by_position(x, pos, self.kernel, self.pool), pos, curr_id, self.sinks, self.recent)
+
+
+RULES: dict[str, type] = {cls.name: cls for cls in (PaperRule, PooledRule, SinksRule, ProbeRule, SnapKVRule,
+                                                  QuestionRule)}
 
 
 def rule_names() -> list[str]:
