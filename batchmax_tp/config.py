@@ -70,39 +70,23 @@ class ConfigError(ValueError):
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 
 
-# Field name -> (accepted python types, nullable). bool is never accepted where int/float is expected.
-_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
-    "model": ((str,), True),  # null = the embedded model
-    "methods": ((list,), False),
-    "rule": ((str,), False),
-    "kv_max": ((int,), True),
-    "p": ((int,), False),
-    "batch_size": ((int,), False),
-    "max_new_tokens": ((int,), False),
-    "ignore_eos": ((bool,), False),
-    "data": ((str,), True),
-    "num_samples": ((int,), True),
-    "out": ((str,), False),
-    "dtype": ((str,), False),
-    "device": ((str,), False),
-    "seed": ((int,), False),
-    "do_sample": ((bool,), False),
-    "temperature": ((int, float), False),
-    "top_k": ((int,), False),
-    "top_p": ((int, float), False),
-    "log_level": ((str,), False),
-    "tp_size": ((int,), True),  # null = the world size
-    "setup_timeout": ((int,), False),
-    "same_memory": ((bool,), True),  # null = only a plain `python launch/run.py` (no arguments)
-    "task": ((str,), False),
-    "num_shots": ((int,), True),  # null = the paper's count for the task
-    "max_input_tokens": ((int,), True),
-    "metric": ((str,), True),  # null = the task's metric
-    "runs": ((list,), True),  # null = methods x [batch_size]
-    "memory_budget": ((str, int), True),  # null = no budget; bytes or "24GiB"
-    "procedure": ((str,), True),  # null = the runs as listed; paper | tune
-    "kv_values": ((list,), True),  # kv_max values the procedures try; null = multiples of 128 below the prompt
-    "target": ((int, float), False),  # tune: the metric to reach, as a fraction of FKV's
+#: The python types a setting's annotation names (``float`` settings take ints too; bool is never an int here).
+_BASE_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
+                                            "list": (list,)}
+
+
+def _field_types(annotation: str) -> tuple[tuple[type, ...], bool]:
+    """(accepted types, nullable) of a ``RunConfig`` field from its annotation, e.g. ``str | int | None``."""
+    parts = [part.strip() for part in annotation.split("|")]
+    types = tuple(t for part in parts if part != "None" for t in _BASE_TYPES[part.split("[")[0]])
+    return types, "None" in parts
+
+
+#: Lowest value of each integer setting, and what null means where it is allowed (top_k 0 = disabled, setup_timeout
+#: in seconds).
+_LOWEST: dict[str, tuple[int, str | None]] = {
+    "batch_size": (1, None), "max_new_tokens": (1, None), "num_samples": (1, "all"),
+    "kv_max": (1, "per-method default"), "top_k": (0, None), "tp_size": (1, "the world size"), "setup_timeout": (1, None),
 }
 
 _TYPE_NAMES = {str: "a string", list: "a list", int: "an integer", bool: "a boolean (true/false)"}
@@ -117,7 +101,7 @@ def _type_name(types: tuple[type, ...], nullable: bool) -> str:
 
 
 def _check_type(key: str, value: Any) -> None:
-    types, nullable = _TYPES[key]
+    types, nullable = _field_types(_ANNOTATIONS[key])
     if value is None:
         if nullable:
             return
@@ -194,30 +178,19 @@ class RunConfig:
         if dup:
             raise ConfigError("methods", f"duplicate method(s) {', '.join(dup)}")
         self._validate_rule(self.rule, "rule")
-        if self.batch_size < 1:
-            raise ConfigError("batch_size", f"must be >= 1, got {self.batch_size}")
-        if self.max_new_tokens < 1:
-            raise ConfigError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
-        if self.num_samples is not None and self.num_samples < 1:
-            raise ConfigError("num_samples", f"must be >= 1 or null (all), got {self.num_samples}")
-        if self.kv_max is not None and self.kv_max < 1:
-            raise ConfigError("kv_max", f"must be >= 1 or null (per-method default), got {self.kv_max}")
-        if self.dtype not in DTYPES:
-            raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for key, (low, null) in _LOWEST.items():
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise ConfigError(key, f"must be >= {low}{f' or null ({null})' if null else ''}, got {value}")
+        for key, choices in (("dtype", DTYPES), ("log_level", LOG_LEVELS)):
+            if getattr(self, key) not in choices:
+                raise ConfigError(key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
         if not _DEVICE_RE.match(self.device):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.temperature <= 0:
             raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError("top_k", f"must be >= 0 (0 = disabled), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.tp_size is not None and self.tp_size < 1:
-            raise ConfigError("tp_size", f"must be >= 1 or null (the world size), got {self.tp_size}")
-        if self.setup_timeout < 1:
-            raise ConfigError("setup_timeout", f"must be >= 1 second, got {self.setup_timeout}")
         if not self.out.strip():
             raise ConfigError("out", "must not be empty")
         if os.path.exists(self.out) and not os.path.isdir(self.out):
@@ -436,6 +409,10 @@ class RunConfig:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "RunConfig":
         return cls.from_dict(load_yaml(path), source=str(path))
+
+
+#: Each setting's annotation: the one statement of its type (checked by ``_check_type``).
+_ANNOTATIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
 
 
 def _normalise_mapping(data: Any, source: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ Memory: long blocks run in query chunks (``workspace.SCORE_CHUNK_BYTES``), one c
 reports its peak allocation, counted by ``workspace.workspace_bytes`` (what the planner predicts, checked against measured
 allocations in ``tests/test_memory.py``).
 
-Look-ahead probe (rules ``probe``/``snapkv``): when the cache layer holds probe keys/values for this pass, the
+Look-ahead probe (rules ``probe``, ``snapkv``, ``question``): when the cache layer holds probe keys/values for this pass, the
 last ``w`` queries are the probe's. Each attends to every valid slot (all precede it) and causally to the probe
 keys up to itself (pad probe tokens hidden); its output goes on through the layer, its attention to the slots,
 summed over the query group and averaged over the sample's real probe queries, becomes the slots' ``probe``

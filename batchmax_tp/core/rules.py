@@ -117,22 +117,22 @@ def protect(priority: Tensor, pos: Tensor, curr_id: int, sinks: int, recent: int
     return priority.masked_fill(keep, float("inf"))
 
 
-def _check_int(rule: str, name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"rule {rule!r}: {name} must be an integer >= {low}, got {value!r}")
+#: Lowest value of each integer parameter; a parameter means the same in every rule that has it.
+_LOWEST = {"window": 1, "kernel": 1, "sinks": 0, "recent": 0}
 
 
-def _check_pool(rule: str, kernel: object, pool: object) -> None:
-    _check_int(rule, "kernel", kernel, 1)
-    if kernel % 2 == 0:
-        raise ValueError(f"rule {rule!r}: kernel must be odd (centred on the slot), got {kernel}")
-    if pool not in POOLS:
-        raise ValueError(f"rule {rule!r}: pool must be one of {', '.join(POOLS)}, got {pool!r}")
-
-
-def _check_weight(rule: str, weight: object) -> None:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0 or weight == float("inf"):
-        raise ValueError(f"rule {rule!r}: weight must be a finite number >= 0, got {weight!r}")
+def _check(rule: str, name: str, value: object) -> None:
+    """One-line ValueError for a bad parameter value (every rule's parameters are checked here, by name)."""
+    if name in _LOWEST:
+        if isinstance(value, bool) or not isinstance(value, int) or value < _LOWEST[name]:
+            raise ValueError(f"rule {rule!r}: {name} must be an integer >= {_LOWEST[name]}, got {value!r}")
+        if name == "kernel" and value % 2 == 0:
+            raise ValueError(f"rule {rule!r}: kernel must be odd (centred on the slot), got {value}")
+    elif name == "pool" and value not in POOLS:
+        raise ValueError(f"rule {rule!r}: pool must be one of {', '.join(POOLS)}, got {value!r}")
+    elif name == "weight" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
+                               or value == float("inf")):
+        raise ValueError(f"rule {rule!r}: weight must be a finite number >= 0, got {value!r}")
 
 
 # ------------------------------------------------------------------------------------------------------- rules
@@ -142,17 +142,22 @@ class Rule:
 
     name: ClassVar[str] = ""
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check(self.name, f.name, getattr(self, f.name))
+
     def score(self, attn: Tensor, pos: Tensor, curr_id: int,
               probe: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
     def lookahead(self) -> int:
-        """Look-ahead probe tokens appended to each prefill block but the last (0: no probe)."""
-        return 0
+        """Look-ahead probe tokens appended to each prefill block but the last: the rule's ``window`` (0: none)."""
+        return getattr(self, "window", 0)
 
     def protected(self) -> int:
-        """Most pairs per (sample, head) the rule never evicts (``Method`` checks it against kv_max - p)."""
-        return 0
+        """Most pairs per (sample, head) the rule never evicts, its ``sinks + recent`` (``Method`` checks it against
+        kv_max - p)."""
+        return getattr(self, "sinks", 0) + getattr(self, "recent", 0)
 
     def describe(self) -> str:
         """``name`` or ``name(k=v, ...)`` with the parameters that differ from the defaults."""
@@ -180,27 +185,18 @@ class PooledRule(Rule):
     kernel: int = 7
     pool: str = "max"
 
-    def __post_init__(self):
-        _check_pool(self.name, self.kernel, self.pool)
-
     def score(self, attn, pos, curr_id, probe=None):
         return pool_by_position(average_attention(attn, pos, curr_id), pos, self.kernel, self.pool)
 
 
 @dataclass(frozen=True)
 class SinksRule(Rule):
-    """Average attention with the first ``sinks`` real tokens and the ``recent`` newest positions protected."""
+    """Average attention with the first ``sinks`` real tokens (StreamingLLM's attention sinks) and the ``recent``
+    newest positions protected."""
 
     name: ClassVar[str] = "sinks"
     sinks: int = 4
     recent: int = 32
-
-    def __post_init__(self):
-        _check_int(self.name, "sinks", self.sinks, 0)
-        _check_int(self.name, "recent", self.recent, 0)
-
-    def protected(self) -> int:
-        return self.sinks + self.recent
 
     def score(self, attn, pos, curr_id, probe=None):
         return protect(average_attention(attn, pos, curr_id), pos, curr_id, self.sinks, self.recent)
@@ -208,18 +204,13 @@ class SinksRule(Rule):
 
 @dataclass(frozen=True)
 class ProbeRule(Rule):
-    """Average attention + ``weight`` x the look-ahead attention of the prompt's last ``window`` tokens."""
+    """Average attention + ``weight`` x the look-ahead attention of the prompt's last ``window`` tokens.
+
+    Decode evictions (no probe) rank by average attention alone."""
 
     name: ClassVar[str] = "probe"
     window: int = 32
     weight: float = 1.0
-
-    def __post_init__(self):
-        _check_int(self.name, "window", self.window, 1)
-        _check_weight(self.name, self.weight)
-
-    def lookahead(self) -> int:
-        return self.window
 
     def score(self, attn, pos, curr_id, probe=None):
         ave = average_attention(attn, pos, curr_id)
@@ -235,14 +226,6 @@ class SnapKVRule(Rule):
     weight: float = 1.0
     kernel: int = 7
     pool: str = "max"
-
-    def __post_init__(self):
-        _check_int(self.name, "window", self.window, 1)
-        _check_weight(self.name, self.weight)
-        _check_pool(self.name, self.kernel, self.pool)
-
-    def lookahead(self) -> int:
-        return self.window
 
     def score(self, attn, pos, curr_id, probe=None):
         ave = average_attention(attn, pos, curr_id)
@@ -263,20 +246,8 @@ class QuestionRule(Rule):
     sinks: int = 4
     recent: int = 60
 
-    def __post_init__(self):
-        _check_int(self.name, "window", self.window, 1)
-        _check_pool(self.name, self.kernel, self.pool)
-        _check_int(self.name, "sinks", self.sinks, 0)
-        _check_int(self.name, "recent", self.recent, 0)
-
-    def lookahead(self) -> int:
-        return self.window
-
-    def protected(self) -> int:
-        return self.sinks + self.recent
-
     def score(self, attn, pos, curr_id, probe=None):
-        x = average_attention(attn, pos, curr_id) if probe is None else torch.where(pos >= 0, probe, float("-inf"))
+        x = average_attention(attn, pos, curr_id) if probe is None else probe.masked_fill(pos < 0, float("-inf"))
         return protect(pool_by_position(x, pos, self.kernel, self.pool), pos, curr_id, self.sinks, self.recent)
 
 
