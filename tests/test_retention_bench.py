@@ -277,8 +277,8 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
                    "--max-new-tokens", "2", "--device", "cpu", "--log-level", "WARNING"])
     assert rc == 0
     folders = sorted(p.name for p in out.iterdir() if p.is_dir())
-    assert folders[0].startswith("bm-b") and any(f.startswith("bm-probe-b") for f in folders)
+    assert folders[0].startswith("bm-b") and any(f.startswith("bm-question-b") for f in folders)  # the best rule
     assert any(f.startswith("fkv-b4") for f in folders) and any(f.startswith("ed-b") for f in folders)
     report = (out / "report.md").read_text()
-    assert "Same memory: a budget of" in report and "| BM (probe) |" in report
+    assert "Same memory: a budget of" in report and "| BM (question) |" in report
     assert capsys.readouterr().out == report

@@ -154,7 +154,7 @@ def paper_specs(shape: ModelShape, prompt_len: int, *, budget: int, max_new_toke
 
 # ---------------------------------------------------------------------- the plain run: same memory, larger batch
 #: The rule the plain run shows beside the paper's: the best of ``launch/bench_retention.py`` (README: Retention).
-STORY_BEST_RULE = "probe"
+STORY_BEST_RULE = "question"
 #: Largest batch the plain run uses for any method (CPU time); the planner's largest fitting batch is reported too.
 STORY_MAX_BATCH = 16
 #: FKV's batch whose predicted peak sets the default memory budget of the plain run.
