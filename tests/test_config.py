@@ -22,7 +22,6 @@ from batchmax_tp.core.method import Method
 from batchmax_tp.eval import results
 from batchmax_tp.eval import run as runner
 from batchmax_tp.eval.files import atomic_write_text
-from batchmax_tp.plan.budget import RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PY = ROOT / "launch" / "run.py"

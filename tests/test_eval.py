@@ -11,7 +11,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -246,6 +245,10 @@ def test_run_log_drops_a_torn_line_and_an_incomplete_batch(tmp_path):
 def test_run_log_rejects_a_foreign_file(tmp_path):
     (tmp_path / "samples.jsonl").write_text('{"output": "a line without an id"}\n')
     with pytest.raises(ValueError, match="not a batchmax_tp sample log"):
+        results.RunLog(tmp_path).load([["0"]])
+    (tmp_path / "samples.jsonl").write_text('{"id": "0"}\n')
+    (tmp_path / "batches.jsonl").write_text('{"legacy": "a line without batch and ids"}\n')
+    with pytest.raises(ValueError, match="not a batchmax_tp batch log"):
         results.RunLog(tmp_path).load([["0"]])
 
 

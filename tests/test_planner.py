@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchmax_tp.core import attention, workspace
+from batchmax_tp.core import workspace
 from batchmax_tp.core.engine import generate
 from batchmax_tp.models import tiny_random_llama
 from batchmax_tp.plan.planner import ModelShape, max_batch, parse_bytes, predict

@@ -137,8 +137,11 @@ class RunLog:
         kept_batches, seen = [], set()
         for line in lines:
             index = line.get("batch")
-            ids = [str(i) for i in line.get("ids", [])]
-            wanted = None if batches is None or not 0 <= int(index) < len(batches) else [str(i) for i in batches[index]]
+            if not isinstance(index, int) or not isinstance(line.get("ids"), list):
+                raise ValueError(f"{self.batches_path}: not a batchmax_tp batch log (a line without batch/ids); "
+                                 "delete it or choose another out")
+            ids = [str(i) for i in line["ids"]]
+            wanted = None if batches is None or not 0 <= index < len(batches) else [str(i) for i in batches[index]]
             if index in seen or (batches is not None and ids != wanted) or not all(i in by_id for i in ids):
                 continue
             seen.add(index)
