@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None, *, procedure: str | None = None) -> 
     if procedure is not None:
         args = procedure_argv(args, procedure)
     try:
-        cfg = parse_args(args)
+        cfg = parse_args(args, prog={None: "run.py", "paper": "sweep.py", "tune": "tune.py"}[procedure])
     except ConfigError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2

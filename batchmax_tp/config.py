@@ -589,9 +589,9 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
+def parse_args(argv: Sequence[str] | None = None, prog: str = "run.py") -> RunConfig:
     """defaults -> ``--config`` YAML -> CLI flags, validated. Raises :class:`ConfigError` (one line)."""
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser(prog).parse_args(argv))
     args.pop("local_rank", None)
     config_path = args.pop("config", None)
     merged: dict[str, Any] = {}
