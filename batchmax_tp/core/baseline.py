@@ -26,11 +26,10 @@ from transformers.cache_utils import Cache
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import is_flash_attn_2_available
 
-from . import workspace
 from .cache import SlotLayer
 from .method import Method
 from .schedule import Phase
-from .workspace import FLASH, SDPA
+from .workspace import FLASH, SDPA, sdpa_workspace_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +199,7 @@ class DenseCache(Cache):
         if layer.keys is None:
             return
         B, H, _, D = layer.keys.shape
-        est = workspace.sdpa_workspace_bytes(B, groups * H, H, D, self.prompt_len, layer.keys.element_size(),
+        est = sdpa_workspace_bytes(B, groups * H, H, D, self.prompt_len, layer.keys.element_size(),
                                    self.max_pads > 0, self.impl)
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, est)
 
