@@ -57,6 +57,8 @@ __all__ = ["RULES", "Rule", "PaperRule", "PooledRule", "SinksRule", "ProbeRule",
            "get_rule", "rule_names", "average_attention", "pool_by_position", "protect"]
 
 POOLS = ("max", "avg")
+#: Larger than any position (slot positions are int64): what an empty slot holds when the smallest is wanted.
+_NO_POSITION = 2**62
 
 
 # ---------------------------------------------------------------------------------------------- building blocks
@@ -112,7 +114,7 @@ def protect(priority: Tensor, pos: Tensor, curr_id: int, sinks: int, recent: int
     valid = pos >= 0
     keep = valid & (pos > curr_id - recent)  # [B, H, C]
     if sinks:
-        first = pos.masked_fill(~valid, pos.max() + 1).amin(dim=-1, keepdim=True)  # [B, H, 1]
+        first = pos.masked_fill(~valid, _NO_POSITION).amin(dim=-1, keepdim=True)  # [B, H, 1]
         keep |= valid & (pos < first + sinks)
     return priority.masked_fill(keep, float("inf"))
 
