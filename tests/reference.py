@@ -32,15 +32,18 @@ reference has no defaults of its own):
   entries whose position is within kernel // 2 of its own (itself included).
 * "sinks" (sinks, recent): ``ave``, but +inf (never evicted) for real entries with real index
   (position - number of pads) < sinks or position > curr_id - recent.
-* "probe" (window, weight): look-ahead probe. Every prefill block [t0, t1) with t1 < s is followed, in the same
+* "probe" (window, every, weight): look-ahead probe. Every prefill block [t0, t1) with t1 < s is followed, in the same
   forward, by the prompt tokens at padded positions [max(t1, s - window), s) (their real RoPE positions); pads
   among them are dropped. A probe token's query attends to every real kept entry (the block included) and to
   the probe tokens up to itself; its key/value is never kept and its logits are not used. ``probe`` of each kept
   entry of that (layer, KV head) is then the probability it got from the probe queries, summed over the group's
   query heads and divided by the number of real probe tokens (0 if none). Prefill evictions use
   ``ave + weight * probe`` (the probe of the pass just before), decode evictions plain ``ave``.
-* "snapkv" (window, weight, kernel, pool): the probe's score, then pooled as in "pooled".
-* "question" (window, kernel, pool, sinks, recent): the probe as in "probe"; prefill evictions use ``probe``
+  ``every`` (1: every block): only prefill blocks 0, every, 2*every, ... (counted from the first) carry the
+  probe; the probe's queries and keys of the last probed block are kept, and a prefill eviction after a block
+  without a probe first recomputes every kept entry's ``probe`` from them as above, over the entries kept then.
+* "snapkv" (window, every, weight, kernel, pool): the probe's score, then pooled as in "pooled".
+* "question" (window, every, kernel, pool, sinks, recent): the probe as in "probe"; prefill evictions use ``probe``
   alone, decode evictions ``ave``, either pooled as in "pooled", and then +inf for the entries "sinks" protects.
 
 Positions (``kept`` and ``curr_id``) are indices in the padded sequence: prompt 0..s-1, the token fed at
@@ -103,6 +106,8 @@ class _SampleState:
         self.scaling = self.head_dim**-0.5
         self.npad = npad
         self.kv = [[[] for _ in range(self.n_kv)] for _ in range(self.n_layers)]
+        self.probe_qk = [None] * self.n_layers  # per layer: (q [Hq, m, D], k [Hkv, m, D]) of the last probe
+        self.probed = False  # the last processed block carried the probe
 
     # ------------------------------------------------------------------ forward of one block
     def process(self, block, probe=()):
@@ -112,8 +117,9 @@ class _SampleState:
         real = [(pos, tok) for pos, tok in block if pos >= self.npad]
         pads = [pos for pos, _ in block if pos < self.npad]
         probe = [(pos, tok) for pos, tok in probe if pos >= self.npad]  # pad probe tokens do not exist
+        self.probed = bool(probe)
         assert [pos for pos, _ in block] == sorted(pos for pos, _ in block)
-        if not real:  # only pads: they just occupy slots (and everything kept is a pad: nothing to probe)
+        if not real and not probe:  # only pads: they just occupy slots
             for layer in range(self.n_layers):
                 for h in range(self.n_kv):
                     self.kv[layer][h].extend(Entry(pos, True) for pos in pads)
@@ -132,6 +138,8 @@ class _SampleState:
             k = attn.k_proj(x).view(1, n + m, self.n_kv, self.head_dim).transpose(1, 2)
             v = attn.v_proj(x).view(1, n + m, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            if probe:
+                self.probe_qk[layer] = (q[0, :, n:].clone(), k[0, :, n:].clone())
             out = torch.zeros(n + m, self.n_heads, self.head_dim, dtype=hidden.dtype)
             for h in range(self.n_kv):
                 entries = self.kv[layer][h]
@@ -150,23 +158,31 @@ class _SampleState:
                         for e, pr in zip(visible, probs.tolist()):
                             e.sum += pr
                 if probe:  # probe queries: all real kept entries, then the probe tokens up to themselves
-                    kept = [e for e in entries if not e.is_pad]
-                    for e in entries:
-                        e.probe = 0.0
-                    for qh in range(h * self.group, (h + 1) * self.group):
-                        for i in range(m):
-                            own = range(n, n + i + 1)
-                            keys = torch.stack([e.key for e in kept] + [k[0, h, j] for j in own])
-                            values = torch.stack([e.value for e in kept] + [v[0, h, j] for j in own])
-                            probs = torch.softmax(((keys @ q[0, qh, n + i]) * self.scaling).float(), dim=-1)
-                            out[n + i, qh] = probs.to(values.dtype) @ values
-                            for e, pr in zip(kept, probs.tolist()):
-                                e.probe += pr / m
+                    for qh, i, probs, values in self.probe_attention(layer, h, v[0, h, n:]):
+                        out[n + i, qh] = probs.to(values.dtype) @ values
             hidden = residual + attn.o_proj(out.reshape(1, n + m, self.n_heads * self.head_dim))
             residual = hidden
             hidden = residual + dec.mlp(dec.post_attention_layernorm(hidden))
         hidden = norm(hidden)
-        return lm_head(hidden[:, n - 1]).float()[0]
+        return lm_head(hidden[:, n - 1]).float()[0] if real else None
+
+    def probe_attention(self, layer, h, own_values=None):
+        """Sets ``probe`` of the kept entries of (layer, KV head h) from the stored probe queries and keys; yields
+        (query head, probe index, probabilities over kept + own keys, the matching values) when given values."""
+        q, k = self.probe_qk[layer]
+        m = k.shape[1]
+        entries = self.kv[layer][h]
+        kept = [e for e in entries if not e.is_pad]
+        for e in entries:
+            e.probe = 0.0
+        for qh in range(h * self.group, (h + 1) * self.group):
+            for i in range(m):
+                keys = torch.stack([e.key for e in kept] + [k[h, j] for j in range(i + 1)])
+                probs = torch.softmax(((keys @ q[qh, i]) * self.scaling).float(), dim=-1)
+                for e, pr in zip(kept, probs.tolist()):
+                    e.probe += pr / m
+                if own_values is not None:
+                    yield qh, i, probs, torch.stack([e.value for e in kept] + [own_values[j] for j in range(i + 1)])
 
     # ------------------------------------------------------------------ evictions
     def size(self) -> int:
@@ -179,6 +195,9 @@ class _SampleState:
         params = params or {}
         for layer in range(self.n_layers):
             for h in range(self.n_kv):
+                if prefill and not self.probed and self.probe_qk[layer] is not None:  # re-score: stored probe
+                    for _ in self.probe_attention(layer, h):
+                        pass
                 entries = self.kv[layer][h]
                 assert len(entries) >= p
 
@@ -256,10 +275,11 @@ def reference_generate(model, input_ids, attention_mask, method_name, kv_max=Non
     if method_name == "bm":
         assert p is not None and p >= 1 and kv_max is not None and kv_max > p
     need = {"paper": set(), "pooled": {"kernel", "pool"}, "sinks": {"sinks", "recent"},
-            "probe": {"window", "weight"}, "snapkv": {"window", "weight", "kernel", "pool"},
-            "question": {"window", "kernel", "pool", "sinks", "recent"}}
+            "probe": {"window", "every", "weight"}, "snapkv": {"window", "every", "weight", "kernel", "pool"},
+            "question": {"window", "every", "kernel", "pool", "sinks", "recent"}}
     rule_params = dict(rule_params or {})
     assert rule in need and set(rule_params) == need[rule], (rule, rule_params)
+    every = rule_params.get("every", 1)
     assert rule == "paper" or method_name == "bm"
     window = rule_params.get("window", 0)
     if method_name == "ed":
@@ -279,8 +299,11 @@ def reference_generate(model, input_ids, attention_mask, method_name, kv_max=Non
         st = _SampleState(model, npad)
         logits = []
 
+        blocks = iter(range(s + 1))
+
         def block(t0, t1):
-            probe = range(max(t1, s - window), s) if window and t1 < s else ()
+            probed = window and t1 < s and next(blocks) % every == 0
+            probe = range(max(t1, s - window), s) if probed else ()
             return st.process([(pos, ids[pos]) for pos in range(t0, t1)], [(pos, ids[pos]) for pos in probe])
 
         # ---------------- prefill

@@ -128,7 +128,8 @@ def test_padded_and_hf_masks_are_counted(model, per_call):
 # planner has an estimate (one layer's projections and MLP intermediates for the largest block, the last
 # position's logits). Measured here: the planner's total (weights excluded) is 1.12x-1.48x a whole generation's
 # peak on the tiny model; asserted within [1.0, 1.6]: below 1.0 is an OOM at the planned batch.
-WHOLE_CASES = CASES + [(Method("bm", kv_max=256, p=64), 4, 600, 8), (Method("fkv"), 4, 300, 8)]
+WHOLE_CASES = CASES + [(Method("bm", kv_max=256, p=64), 4, 600, 8), (Method("fkv"), 4, 300, 8),
+                       (Method("bm", kv_max=24, p=8, rule="question:window=8,every=2,sinks=1,recent=4"), 3, 70, 12)]
 
 
 @pytest.mark.parametrize("chunk_bytes", CHUNKS)

@@ -33,11 +33,14 @@ CASES = [
     ("pooled", dict(kernel=3, pool="max")),
     ("pooled", dict(kernel=5, pool="avg")),
     ("sinks", dict(sinks=2, recent=4)),
-    ("probe", dict(window=8, weight=1.0)),  # window > p: the second-to-last block gets a shorter probe
-    ("probe", dict(window=3, weight=4.0)),
-    ("snapkv", dict(window=8, weight=2.0, kernel=3, pool="max")),
-    ("question", dict(window=8, kernel=3, pool="max", sinks=1, recent=2)),
-    ("question", dict(window=3, kernel=1, pool="avg", sinks=0, recent=0)),  # the probe alone, unpooled
+    ("probe", dict(window=8, every=1, weight=1.0)),  # window > p: the second-to-last block gets a shorter probe
+    ("probe", dict(window=3, every=1, weight=4.0)),
+    ("snapkv", dict(window=8, every=1, weight=2.0, kernel=3, pool="max")),
+    ("question", dict(window=8, every=1, kernel=3, pool="max", sinks=1, recent=2)),
+    ("question", dict(window=3, every=1, kernel=1, pool="avg", sinks=0, recent=0)),  # the probe alone, unpooled
+    # the probe rides every 3rd (2nd) block; the evictions between re-score with its stored queries
+    ("question", dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2)),
+    ("probe", dict(window=3, every=2, weight=4.0)),
 ]
 
 
@@ -83,7 +86,8 @@ def test_registry_names_and_defaults():
     ("question:kernel=4", "kernel must be odd"),
     ("question:window=0", "window must be an integer >= 1"),
     ("question:pool=sum", "pool must be one of max, avg"),
-    ("question:weight=2", "keys: window, kernel, pool, sinks, recent"),
+    ("question:weight=2", "keys: window, every, kernel, pool, sinks, recent"),
+    ("snapkv:every=0", "every must be an integer >= 1"),
 ])
 def test_rule_validation(text, match):
     with pytest.raises(ValueError, match=match):
@@ -115,6 +119,9 @@ def test_probe_schedule():
     assert all(ph.probe == 0 for ph in phases if ph.kind == "decode")
     paper = plan(Method("bm", kv_max=16, p=4), 30, 5)
     assert [(ph.start, ph.end, ph.evict) for ph in phases] == [(ph.start, ph.end, ph.evict) for ph in paper]
+    every = plan(Method("bm", kv_max=16, p=4, rule="probe:window=6,every=2"), 30, 5)  # blocks 0 and 2 only
+    assert [ph.probe for ph in every if ph.kind == "prefill"] == [6, 0, 6, 0, 0]
+    assert [(ph.start, ph.end, ph.evict) for ph in every] == [(ph.start, ph.end, ph.evict) for ph in paper]
 
 
 # ---------------------------------------------------------------------------------------- fast vs reference
@@ -143,10 +150,11 @@ def test_rule_matches_reference(case):
         assert ref.kept_history[0] != paper.kept_history[0] or ref.kept != paper.kept
 
 
-@pytest.mark.parametrize("case", [("probe", dict(window=8, weight=1.0)),
-                                  ("snapkv", dict(window=8, weight=1.0, kernel=3, pool="avg")),
+@pytest.mark.parametrize("case", [("probe", dict(window=8, every=1, weight=1.0)),
+                                  ("snapkv", dict(window=8, every=1, weight=1.0, kernel=3, pool="avg")),
                                   ("sinks", dict(sinks=3, recent=2)),
-                                  ("question", dict(window=8, kernel=3, pool="avg", sinks=2, recent=3))],
+                                  ("question", dict(window=8, every=1, kernel=3, pool="avg", sinks=2, recent=3)),
+                                  ("question", dict(window=8, every=2, kernel=3, pool="avg", sinks=2, recent=3))],
                          ids=case_id)
 def test_rule_matches_reference_short_samples(case):
     """A 5-token sample padded to 60: its blocks are pads while its probe is partly pads, partly real."""
@@ -219,13 +227,19 @@ def test_memory_equals_paper_rule(rule):
     out = run_engine(model, ids, mask, rule, 16, 4, 10)
     assert out.peak_kv_bytes == paper.peak_kv_bytes
     assert out.cache.kv_bytes() == paper.cache.kv_bytes()
-    # bookkeeping: a probe rule keeps one more float32 per slot (its look-ahead attention), the others nothing
-    extra = sum(layer.pos.numel() * 4 for layer in out.cache.layers) if get_rule(rule).lookahead() else 0
+    # bookkeeping: a probe rule keeps one more float32 per slot (its look-ahead attention), the others nothing;
+    # one that probes every few blocks also its last probe's queries and keys [B, Hq + Hkv, w, D] and weights [B, w]
+    r = get_rule(rule)
+    extra = sum(layer.pos.numel() * 4 for layer in out.cache.layers) if r.lookahead() else 0
+    if r.probe_every() > 1:
+        c, w = model.config, [ph.probe for ph in out.phases if ph.probe][-1]  # the last probed block's w
+        per_layer = ids.shape[0] * w * ((c.num_attention_heads + c.num_key_value_heads) * c.head_dim * 4 + 4)
+        extra += c.num_hidden_layers * per_layer
     assert out.cache.meta_bytes() == paper.cache.meta_bytes() + extra
 
 
 # ------------------------------------------------------------------------------------------ tensor parallel
-RULE_TP = "snapkv:window=8,kernel=3"
+RULE_TP = "snapkv:window=8,kernel=3,every=2"  # probed passes and re-scored evictions, both rank-local
 
 
 def _tp_worker(rank, world, port, outdir):

@@ -14,7 +14,8 @@ Look-ahead probe (rules ``probe``, ``snapkv``, ``question``): when the cache lay
 last ``w`` queries are the probe's. Each attends to every valid slot (all precede it) and causally to the probe
 keys up to itself (pad probe tokens hidden); its output goes on through the layer, its attention to the slots,
 summed over the query group and averaged over the sample's real probe queries, becomes the slots' ``probe``
-values (overwritten each probed pass); the paper's sums get nothing from it.
+values (overwritten each probed pass); the paper's sums get nothing from it. The math is ``core.probe``'s, shared
+with the re-scoring of rules that probe only every few blocks.
 
 Nothing is registered at import time: call ``register()`` (or use ``use_batchmax_attention``).
 """
@@ -27,7 +28,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import workspace
+from . import probe, workspace
 from .cache import take_updated_layer
 
 NAME = "batchmax"
@@ -122,30 +123,20 @@ def _probe_attention(layer, query: torch.Tensor, probe_kv: tuple[torch.Tensor, t
                      probe_mask: torch.Tensor | None, scaling: float, hi: int) -> torch.Tensor:
     """The look-ahead probe's queries [B, Hq, w, D] over the slots [0, hi) and the probe's own keys (causal).
 
-    Writes the probe's attention per slot into ``layer.probe`` and returns the probe outputs [B, Hq, w, D]."""
+    Writes the probe's attention per slot into ``layer.probe`` (kept for re-scoring when the rule probes only
+    every few blocks) and returns the probe outputs [B, Hq, w, D]."""
     pk, pv = probe_kv  # [B, Hkv, w, D] each
     B, Hq, w, D = query.shape
     Hkv = pk.shape[1]
-    g = Hq // Hkv
-    q = (query * scaling).reshape(B, Hkv, g * w, D)  # [B, Hkv, g*w, D]
-    neg = torch.finfo(torch.float32).min
-    slot_logits = torch.matmul(q, layer.keys[:, :, :hi].transpose(2, 3)).float()  # [B, Hkv, g*w, hi]
-    slot_logits.masked_fill_((layer.pos[:, :, :hi] < 0)[:, :, None, :], neg)
-    own = torch.matmul(q, pk.transpose(2, 3)).float().view(B, Hkv, g, w, w)  # [B, Hkv, g, w, w]
-    hidden = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)  # [w, w] later probe tokens
-    if probe_mask is not None:
-        hidden = hidden | ~probe_mask[:, None, None, None, :]  # [B, 1, 1, w, w] pad probe keys too
-    own.masked_fill_(hidden, neg)
-    probs = torch.softmax(torch.cat([slot_logits, own.view(B, Hkv, g * w, w)], dim=-1), dim=-1)  # [B, Hkv, g*w, hi+w]
+    q = (query * scaling).reshape(B, Hkv, Hq // Hkv * w, D)  # [B, Hkv, g*w, D]
+    weights = probe.query_weights(probe_mask, B, w, q.device)  # [B, w]
+    probs = probe.probabilities(q, layer.keys[:, :, :hi], layer.pos[:, :, :hi], pk, weights)  # [B, Hkv, g*w, hi+w]
     layer.cache.note_workspace(2 * probs.numel() * probs.element_size())
     to_slots, to_own = probs[..., :hi], probs[..., hi:]  # [B, Hkv, g*w, hi], [B, Hkv, g*w, w]
-    # Mean over the sample's real probe queries, summed over the query group: rows of probs are (g, w).
-    if probe_mask is None:
-        weights = torch.full((B, w), 1.0 / w, device=q.device)  # [B, w]
-    else:
-        real = probe_mask.float()  # [B, w]
-        weights = real / real.sum(-1, keepdim=True).clamp(min=1)  # [B, w]
-    layer.probe[:, :, :hi] = torch.matmul(weights.repeat(1, g)[:, None, None, :], to_slots).view(B, Hkv, hi)
+    layer.probe[:, :, :hi] = probe.per_slot(to_slots, weights)  # [B, Hkv, hi]
+    layer.probe_fresh = True
+    if layer.cache.method.probe_every > 1:  # own keys copied: a view would hold the whole block's keys
+        layer.probe_state = probe.ProbeState(q, pk.clone(), weights)
     out = torch.matmul(to_slots.to(pv.dtype), layer.values[:, :, :hi]) + torch.matmul(to_own.to(pv.dtype), pv)
     return out.view(B, Hq, w, D)  # [B, Hq, w, D]
 

@@ -12,6 +12,8 @@ reads the layer's slot state and adds each query's attention probabilities to th
 Rules with a look-ahead probe (``core.rules``) get the probe tokens appended to a prefill block (the
 phase says how many): ``update`` writes only the block's pairs into slots and hands the probe's keys/values to
 the attention call aside (never stored); the attention writes the probe's attention per slot into ``probe``.
+A rule that probes only every ``every``-th block also leaves the probe's queries (``core.probe.ProbeState``):
+a prefill eviction after an unprobed block re-scores the slots held then with them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import probe as lookahead
 from .method import Method, eviction_priority, slots_to_evict
 from .schedule import Phase
 
@@ -67,6 +70,8 @@ class BoundedLayer(SlotLayer):
         self.score: torch.Tensor | None = None
         self.probe: torch.Tensor | None = None  # look-ahead attention per slot of the last probed pass
         self.probe_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # this pass's probe keys/values, transient
+        self.probe_fresh = False  # ``probe`` comes from the pass just run (else re-scored from ``probe_state``)
+        self.probe_state: lookahead.ProbeState | None = None  # the last probed pass's queries (rule every > 1)
         self.filled = 0  # occupied slots per (sample, head), pads included: the same host int for all of them
         self.seen = 0  # tokens processed so far = padded position of the next token
         self.high = 0  # slots [0, high) have been written at least once; the rest are empty
@@ -94,7 +99,8 @@ class BoundedLayer(SlotLayer):
 
     def reset(self) -> None:
         self.keys = self.values = self.pos = self.score = self.probe = None
-        self.probe_kv = None
+        self.probe_kv = self.probe_state = None
+        self.probe_fresh = False
         self.is_initialized = False
         self.filled = self.seen = self.free_ptr = self.high = 0
         self.free, self.decoding, self.new_slots = None, False, None
@@ -148,6 +154,10 @@ class BoundedLayer(SlotLayer):
         method = self.cache.method
         empty = self.capacity - self.filled
         probe = self.probe if prefill else None
+        if prefill and self.probe_state is not None and not self.probe_fresh:  # the last block ran unprobed
+            self.probe = lookahead.rescore(self.probe_state, self.keys, self.pos)  # [B, H, C]
+            probe = self.probe
+        self.probe_fresh = False
         priority = eviction_priority(method, self.score, self.pos, curr_id, probe)  # [B, H, C]
         if method.name == "ed":
             # Keep only the newest pair: move it to slot 0 and make the rest of the buffer free again.
@@ -290,13 +300,14 @@ class BatchMaxCache(Cache):
         return sum(layer.kv_bytes() for layer in self.layers)
 
     def meta_bytes(self) -> int:
-        """Bytes of the per-slot bookkeeping (positions, attention sums and, with a probe, look-ahead sums)."""
+        """Bytes of the per-slot bookkeeping (positions, attention sums and, with a probe, look-ahead sums), and
+        the stored probe queries of a rule that probes every few blocks."""
         return sum(
             t.numel() * t.element_size()
             for layer in self.layers
             for t in (layer.pos, layer.score, layer.probe)
             if t is not None
-        )
+        ) + sum(layer.probe_state.nbytes() for layer in self.layers if layer.probe_state is not None)
 
     def kept_positions(self) -> list[list[list[list[int]]]]:
         """Per layer, sample and local KV head: the sorted positions of the pairs held."""

@@ -34,14 +34,18 @@ Rules (``rule_names()``):
   sample's real probe queries (the same scale as average attention); the priority is
   ``average attention + weight * probe`` at prefill evictions and plain average attention at decode evictions.
   Under tensor parallelism the probe is a few more tokens in the same forward: no collective is added and
-  eviction stays rank-local.
+  eviction stays rank-local. ``every`` (all probe rules; default 1, ``question`` 4): the probe rides along only every
+  ``every``-th prefill block (the first always); the prefill evictions after an unprobed block re-score the
+  slots held then with the last probed pass's queries and own keys, kept aside (``core.probe``): the same formula,
+  fresh keys, about ``1 / every`` of the probe's forward cost.
 - ``snapkv``: ``probe`` and ``pooled`` together (SnapKV's observation window and pooling at every eviction):
   ``pool(average attention + weight * probe)``.
 - ``question``: SnapKV's own ranking under Algorithm 1. Prefill evictions rank by the look-ahead attention
   alone (``probe`` above, no average-attention term), max- or avg-pooled over ``kernel`` neighbouring positions
   so a fact's whole span stays; decode evictions (no probe) rank by the pooled average attention. The sample's
   first ``sinks`` real tokens and the ``recent`` newest positions are never evicted (as in ``sinks``). The
-  defaults (window 32, kernel 15, sinks 4, recent 60) are the ones measured in the README's retention section.
+  defaults (window 32, kernel 15, sinks 4, recent 60, and the probe on every 4th block: ``every`` 4) are the ones
+  measured in the README's retention section.
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ def protect(priority: Tensor, pos: Tensor, curr_id: int, sinks: int, recent: int
 
 
 #: Lowest value of each integer parameter; a parameter means the same in every rule that has it.
-_LOWEST = {"window": 1, "kernel": 1, "sinks": 0, "recent": 0}
+_LOWEST = {"window": 1, "kernel": 1, "sinks": 0, "recent": 0, "every": 1}
 
 
 def _check(rule: str, name: str, value: object) -> None:
@@ -155,6 +159,11 @@ class Rule:
     def lookahead(self) -> int:
         """Look-ahead probe tokens appended to each prefill block but the last: the rule's ``window`` (0: none)."""
         return getattr(self, "window", 0)
+
+    def probe_every(self) -> int:
+        """The probe rides along every ``every``-th prefill block (1: each one); the prefill evictions between re-score
+        the slots with the last probed pass's stored queries (``core.probe``)."""
+        return getattr(self, "every", 1)
 
     def protected(self) -> int:
         """Most pairs per (sample, head) the rule never evicts, its ``sinks + recent`` (``Method`` checks it against
@@ -212,6 +221,7 @@ class ProbeRule(Rule):
 
     name: ClassVar[str] = "probe"
     window: int = 32
+    every: int = 1
     weight: float = 1.0
 
     def score(self, attn, pos, curr_id, probe=None):
@@ -225,6 +235,7 @@ class SnapKVRule(Rule):
 
     name: ClassVar[str] = "snapkv"
     window: int = 32
+    every: int = 1
     weight: float = 1.0
     kernel: int = 7
     pool: str = "max"
@@ -239,10 +250,12 @@ class SnapKVRule(Rule):
 @dataclass(frozen=True)
 class QuestionRule(Rule):
     """SnapKV's own ranking: the pooled look-ahead attention alone at prefill evictions (the paper's average
-    attention, pooled, at decode evictions), with the first ``sinks`` and the ``recent`` newest positions kept."""
+    attention, pooled, at decode evictions), with the first ``sinks`` and the ``recent`` newest positions kept; the
+    probe rides every ``every``-th prefill block (the evictions between re-score with its stored queries)."""
 
     name: ClassVar[str] = "question"
     window: int = 32
+    every: int = 4
     kernel: int = 15
     pool: str = "max"
     sinks: int = 4

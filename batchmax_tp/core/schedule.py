@@ -20,7 +20,8 @@ class Phase:
     ``start``/``end`` are padded-sequence positions ``[start, end)`` fed in this pass; ``evict`` is how many
     pairs each (sample, KV head) drops before the pass; ``step`` is the decode step t (1-based, 0 in prefill).
     ``probe``: look-ahead probe tokens appended to this prefill block (``core.rules``): the prompt's
-    positions ``[s - probe, s)``; never written to the cache.
+    positions ``[s - probe, s)``; never written to the cache. A rule with ``every > 1`` probes only blocks
+    ``0, every, 2 * every, ...``.
     """
 
     kind: Literal["prefill", "decode"]
@@ -72,11 +73,11 @@ def plan(method: Method, prompt_len: int, max_new_tokens: int) -> list[Phase]:
     cap = capacity(method, prompt_len, max_new_tokens)
     phases, filled = [], 0
     window = method.lookahead
-    for start, end in prefill_blocks(method, prompt_len):
+    for i, (start, end) in enumerate(prefill_blocks(method, prompt_len)):
         evict = method.num_to_evict(filled, end - start, cap, first_decode=False)
         filled += end - start - evict
-        # Look-ahead probe: the prompt's positions [max(end, s - window), s), for every block but the last.
-        probe = prompt_len - max(end, prompt_len - window) if window else 0
+        # Look-ahead probe: the prompt's positions [max(end, s - window), s), for every ``every``-th block but the last.
+        probe = prompt_len - max(end, prompt_len - window) if window and i % method.probe_every == 0 else 0
         phases.append(Phase("prefill", start, end, evict, probe=probe))
     for t in range(1, max_new_tokens):
         pos = prompt_len + t - 1

@@ -109,6 +109,8 @@ def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_
     kv = 2 * batch * shape.layers * kv_heads * cap * shape.head_dim * nbytes
     window = method.lookahead  # look-ahead probe tokens per prefill block (rules.py); 0 for the paper's rule
     slot_meta = batch * shape.layers * kv_heads * cap * (8 + 4 + (4 if window else 0))
+    if window and method.probe_every > 1:  # the last probe's queries, own keys and weights, kept for re-scoring
+        slot_meta += batch * shape.layers * window * ((q_heads + kv_heads) * shape.head_dim * nbytes + 4)
 
     # Attention calls: queries attend over the slots written so far (the cache's high-water mark): a prefill
     # block ending at ``end`` sees ``end`` slots in order until the first eviction, then all ``cap``; a decode
