@@ -54,6 +54,23 @@ def test_large_kv_max_equals_hf_full_cache_tiny(method):
             assert heads == [real_positions(mask[j]) + list(range(s, s + n - 1))] * 2
 
 
+@pytest.mark.parametrize("method", [Method("bm", kv_max=80, p=8), Method("fkv")], ids=["bm", "fkv"])
+def test_forced_tokens_are_fed_and_own_choices_recorded(method):
+    """Teacher forcing: each step is HF's full forward over the prompt and the FORCED tokens so far; ``tokens``
+    holds the model's own argmax at each step, not the forced ids."""
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch([37, 52, 60], seed=1)
+    n = 10
+    forced = torch.randint(3, model.config.vocab_size, (ids.shape[0], n), generator=torch.Generator().manual_seed(5))
+    out = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True, force_tokens=forced)
+    want = hf_full_cache_logits(model, ids, mask, forced)
+    assert_logits_close(out.logits, want, ATOL, what=f"{method.name} forced vs HF full forward")
+    assert_tokens_equal(out.tokens, torch.stack(want, dim=1).argmax(-1), what="own choices")
+    assert not torch.equal(out.tokens, forced)  # random ids are not the model's choices: the two are told apart
+    with pytest.raises(ValueError, match="force_tokens must be"):
+        generate(model, ids, mask, method, n, force_tokens=forced[:, :3])
+
+
 @pytest.fixture(scope="module")
 def embedded():
     from batchmax_tp.models import load_model

@@ -118,6 +118,7 @@ def _fake_runs():
                                          "generated_tokens": 100, "prefill_s": 0.5, "decode_s": 0.5,
                                          "peak_kv_bytes": 2**20},
         br.Row("bm", "other", 512, 64): {"outputs": {"a": "11111", "b": "11111 Lyon", "c": "Paris", "s": summary},
+                                         "agreement": {"s": 0.5},
                                          "generated_tokens": 100, "prefill_s": 1.0, "decode_s": 1.0,
                                          "peak_kv_bytes": 2**20},
     }
@@ -134,6 +135,7 @@ def test_score_rows_table_and_csv():
     assert (other["needle_hits"], other["hits_2k"]) == (3, 3)
     assert fkv["fidelity_rouge2"] == 1.0 and other["fidelity_rouge2"] == pytest.approx(1.0)
     assert paper["fidelity_rouge2"] == 0.0
+    assert (fkv["forced_agreement"], paper["forced_agreement"], other["forced_agreement"]) == (1.0, None, 0.5)
     assert paper["tokens_per_s"] == pytest.approx(100.0) and other["speed_vs_paper"] == pytest.approx(0.5)
     assert fkv["meets_targets"] is None and paper["meets_targets"] is False
     assert other["meets_targets"] is False  # hits and fidelity met, but half the paper rule's speed
@@ -155,11 +157,20 @@ def test_end_to_end_tiny(embedded, count, tmp_path):
     samples = br.build_suite(count, lengths=[200], depths=("early", "late"), summaries=[200], seed=1)
     groups = br.batches(samples, 4)
     runs = {}
+    forced = None
     for row in (br.Row("fkv", None, None, 32), br.Row("bm", "paper", 96, 32)):
-        runs[row] = br.run_row(model, tokenizer, row, groups, needle_tokens=3, summary_tokens=4)
+        runs[row] = br.run_row(model, tokenizer, row, groups, needle_tokens=3, summary_tokens=4, forced=forced)
         assert set(runs[row]["outputs"]) == {s.id for s in samples}
-        assert runs[row]["generated_tokens"] == 3 * 3 + 4
+        assert runs[row]["generated_tokens"] == 3 * 3 + 4  # the teacher-forced pass is not counted
+        forced = runs[row]["tokens"]
+    # fed FKV's own summary, BM agrees where its free run agreed (the same prefix so far), counted per step
+    summary = next(s.id for s in samples if s.kind == "summary")
     bm = runs[br.Row("bm", "paper", 96, 32)]
+    own, ref = bm["tokens"][summary], runs[br.Row("fkv", None, None, 32)]["tokens"][summary]
+    agreement = bm["agreement"][summary]
+    assert len(own) == len(ref) == 4 and agreement in (0.0, 0.25, 0.5, 0.75, 1.0)
+    first = next((i for i in range(4) if own[i] != ref[i]), 4)  # up to the first difference both runs match
+    assert agreement >= first / 4
     fkv = runs[br.Row("fkv", None, None, 32)]
     assert bm["peak_kv_bytes"] < fkv["peak_kv_bytes"]  # bounded at 96 pairs per (sample, KV head)
     table, records = br.score_rows(samples, runs, target_length=200)

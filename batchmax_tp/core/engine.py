@@ -78,6 +78,7 @@ def generate(
     seed: int | None = None,
     return_logits: bool = False,
     fast_baselines: bool = True,
+    force_tokens: torch.Tensor | None = None,
 ) -> GenerationOutput:
     """Generate ``max_new_tokens`` tokens for a LEFT-padded batch ``input_ids [B, s]``.
 
@@ -85,7 +86,9 @@ def generate(
     step; before each pass the cache evicts what the schedule says. Greedy unless ``do_sample``. BM runs on the
     score-collecting "batchmax" attention; the baselines FKV and ED on the model's fastest kernel with a
     ``DenseCache`` (``batchmax_tp.baseline``); ``fast_baselines=False`` runs them through the "batchmax" attention
-    too (the slower path they used before, kept for comparisons).
+    too (the slower path they used before, kept for comparisons). ``force_tokens`` [B, >= max_new_tokens]: teacher
+    forcing -- each step feeds these tokens instead of the chosen ones, while ``tokens`` still records the model's
+    own choices (how often they agree with another run's output measures fidelity without compounding drift).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -99,6 +102,8 @@ def generate(
     if not bool((attention_mask[:, 1:] >= attention_mask[:, :-1]).all() and attention_mask[:, -1].all()):
         raise ValueError("input_ids must be LEFT-padded (every pad before the first real token, the last position "
                          "real): set tokenizer.padding_side = 'left' (batchmax_tp.eval.run.encode_prompts does)")
+    if force_tokens is not None and (force_tokens.shape[0] != B or force_tokens.shape[1] < max_new_tokens):
+        raise ValueError(f"force_tokens must be [{B}, >= {max_new_tokens}], got {list(force_tokens.shape)}")
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().view(-1)
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
 
@@ -144,7 +149,7 @@ def generate(
             num_generated.masked_fill_(hit, t + 1)
             finished = finished | hit
         tokens[:, t] = tok
-        return tok[:, None]
+        return tok[:, None] if force_tokens is None else force_tokens[:, t : t + 1].to(device)  # [B, 1]
 
     with attention:
         t0 = time.perf_counter()
