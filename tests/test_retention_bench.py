@@ -152,6 +152,16 @@ def test_score_rows_table_and_csv():
     assert "| bm | paper | 512 | 2/4 | 0.50 | 1/3 | 0.33 |" in md[3]
 
 
+def test_interleaved_timings_give_median_speed_and_ratio():
+    samples, runs = _fake_runs()
+    paper, other = (r for r in runs if r.method == "bm")
+    runs[paper]["speed"], runs[other]["speed"] = [10.0, 20.0, 30.0], [4.0, 20.0, 27.0]  # ratios 0.4, 1.0, 0.9
+    table, _ = br.score_rows(samples, runs, target_length=2048)
+    assert table[1]["tokens_per_s"] == 20.0 and table[2]["tokens_per_s"] == 20.0
+    assert table[2]["speed_vs_paper"] == pytest.approx(0.9)  # per-repeat ratios, not the ratio of medians (1.0)
+    assert table[0]["tokens_per_s"] == pytest.approx(50.0)  # no timings: the whole run's tokens / seconds
+
+
 def test_end_to_end_tiny(embedded, count, tmp_path):
     model, tokenizer = embedded
     samples = br.build_suite(count, lengths=[200], depths=("early", "late"), summaries=[200], seed=1)
@@ -191,6 +201,11 @@ def test_cli_rejects_bad_settings(capsys):
     assert "unknown rule" in capsys.readouterr().err
     a = br.parse_args(["--quick", "--rules", "paper"])
     assert a.kv_max == [256] and a.rules == ["paper"] and a.lengths == [768]
+    assert a.kinds == ["needle", "multi", "summary"]
+    assert br.parse_args(["--kinds", "summary"]).kinds == ["summary"]
+    with pytest.raises(SystemExit):
+        br.parse_args(["--kinds", "summary,poems"])
+    assert "--kinds: choose from needle, multi, summary" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- the main job's same-memory run (runner)

@@ -199,7 +199,8 @@ def test_sinks_are_kept():
 
 
 # ------------------------------------------------------------------------------------- probe and memory
-@pytest.mark.parametrize("rule", ["probe:window=8", "snapkv:window=8,kernel=3"])
+@pytest.mark.parametrize("rule", ["probe:window=8", "snapkv:window=8,kernel=3",
+                                  "question:window=8,every=3,sinks=1,recent=2"])
 def test_probe_never_enters_the_cache(rule):
     model = tiny_llama(0, **PEAKED)
     ids, mask = left_padded_batch(LENGTHS, seed=1)
