@@ -321,9 +321,7 @@ def run_row(model: Any, tokenizer: Any, row: Row, groups: Sequence[list[Retentio
             if s.kind == "summary":
                 tokens[s.id] = res.tokens[i].tolist()
         if forced is not None and group[0].kind == "summary":
-            import torch
-
-            want = torch.tensor([forced[s.id] for s in group], device=ids.device)  # [b, summary_tokens]
+            want = res.tokens.new_tensor([forced[s.id] for s in group])  # [b, summary_tokens], on the run's device
             res = generate_fn(model, ids, mask, method, new, ignore_eos=True, eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id, force_tokens=want)
             for i, s in enumerate(group):

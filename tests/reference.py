@@ -158,7 +158,9 @@ class _SampleState:
                         for e, pr in zip(visible, probs.tolist()):
                             e.sum += pr
                 if probe:  # probe queries: all real kept entries, then the probe tokens up to themselves
-                    for qh, i, probs, values in self.probe_attention(layer, h, v[0, h, n:]):
+                    kept, rows = self.probe_attention(layer, h)
+                    for qh, i, probs in rows:
+                        values = torch.stack([e.value for e in kept] + [v[0, h, n + j] for j in range(i + 1)])
                         out[n + i, qh] = probs.to(values.dtype) @ values
             hidden = residual + attn.o_proj(out.reshape(1, n + m, self.n_heads * self.head_dim))
             residual = hidden
@@ -166,23 +168,24 @@ class _SampleState:
         hidden = norm(hidden)
         return lm_head(hidden[:, n - 1]).float()[0] if real else None
 
-    def probe_attention(self, layer, h, own_values=None):
-        """Sets ``probe`` of the kept entries of (layer, KV head h) from the stored probe queries and keys; yields
-        (query head, probe index, probabilities over kept + own keys, the matching values) when given values."""
+    def probe_attention(self, layer, h):
+        """Sets ``probe`` of the kept entries of (layer, KV head h) from the stored probe queries and keys. Returns
+        (the real kept entries, [(query head, probe index, probabilities over those entries + own keys up to it)])."""
         q, k = self.probe_qk[layer]
         m = k.shape[1]
         entries = self.kv[layer][h]
         kept = [e for e in entries if not e.is_pad]
         for e in entries:
             e.probe = 0.0
+        rows = []
         for qh in range(h * self.group, (h + 1) * self.group):
             for i in range(m):
                 keys = torch.stack([e.key for e in kept] + [k[h, j] for j in range(i + 1)])
                 probs = torch.softmax(((keys @ q[qh, i]) * self.scaling).float(), dim=-1)
                 for e, pr in zip(kept, probs.tolist()):
                     e.probe += pr / m
-                if own_values is not None:
-                    yield qh, i, probs, torch.stack([e.value for e in kept] + [own_values[j] for j in range(i + 1)])
+                rows.append((qh, i, probs))
+        return kept, rows
 
     # ------------------------------------------------------------------ evictions
     def size(self) -> int:
@@ -196,8 +199,7 @@ class _SampleState:
         for layer in range(self.n_layers):
             for h in range(self.n_kv):
                 if prefill and not self.probed and self.probe_qk[layer] is not None:  # re-score: stored probe
-                    for _ in self.probe_attention(layer, h):
-                        pass
+                    self.probe_attention(layer, h)
                 entries = self.kv[layer][h]
                 assert len(entries) >= p
 
@@ -299,10 +301,9 @@ def reference_generate(model, input_ids, attention_mask, method_name, kv_max=Non
         st = _SampleState(model, npad)
         logits = []
 
-        blocks = iter(range(s + 1))
-
         def block(t0, t1):
-            probed = window and t1 < s and next(blocks) % every == 0
+            index = 0 if t0 == 0 else 1 + (t0 - min(s, kv_max)) // p  # Algorithm 1's block number
+            probed = window and t1 < s and index % every == 0
             probe = range(max(t1, s - window), s) if probed else ()
             return st.process([(pos, ids[pos]) for pos in range(t0, t1)], [(pos, ids[pos]) for pos in probe])
 

@@ -34,7 +34,6 @@ from .workspace import FLASH, SDPA, sdpa_workspace_bytes
 logger = logging.getLogger(__name__)
 
 
-
 def fastest_attention(model: torch.nn.Module) -> str:
     """The fastest attention implementation ``model`` offers here: FlashAttention-2 when the package is installed,
     the model is on CUDA in float16/bfloat16 and supports it; otherwise SDPA (if supported); else its current one."""
