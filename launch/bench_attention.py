@@ -4,8 +4,9 @@ allocation against the workspace it reports (CPU allocation tracker of tests/mem
     python launch/bench_attention.py [--batch 4] [--prompt-len 512] [--new 16] [--reps 3]
                                      [--baseline OLD/attention.py] [--out results/bench_attention.json]
 
-``--baseline``: another version of ``batchmax_tp/attention.py`` (e.g. ``git show HEAD~1:batchmax_tp/attention.py``),
-timed in alternation with the current one (same process, same model), so the two are compared under one load.
+``--baseline``: another version of ``batchmax_tp/core/attention.py`` (e.g.
+``git show HEAD~1:batchmax_tp/core/attention.py``), timed in alternation with the current one (same process, same
+model), so the two are compared under one load.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fast implementation (batchmax_tp.engine.generate) held to the naive reference (tests/reference.py).
+"""The fast implementation (batchmax_tp.core.engine.generate) held to the naive reference (tests/reference.py).
 
 First the reference itself is validated against HF's own full-cache forward, then, on tiny random GQA Llamas
 (4 query / 2 KV heads), the engine must reproduce the reference's greedy tokens, logits (atol 1e-4) and the

@@ -237,7 +237,7 @@ def test_killed_rank_ends_the_job_quickly(tmp_path):
     script = tmp_path / "die.py"
     script.write_text(
         "import os, signal, torch\n"
-        "from batchmax_tp import tp\n"
+        "from batchmax_tp import parallel as tp\n"
         "from batchmax_tp.core.engine import generate\n"
         "from batchmax_tp.models import tiny_random_llama\n"
         "from batchmax_tp.core.method import Method\n"

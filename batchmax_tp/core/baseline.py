@@ -97,7 +97,7 @@ class DenseLayer(SlotLayer):
         [B, H, start + n, D] as views. ED first moves its newest pair to slot 0 when the phase evicts."""
         cache = self.cache
         if cache.phase is None:
-            raise RuntimeError("DenseCache is driven by batchmax_tp.engine.generate (cache.begin(phase) per pass)")
+            raise RuntimeError("DenseCache is driven by batchmax_tp.core.engine.generate (cache.begin(phase) per pass)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if cache.keep_newest:

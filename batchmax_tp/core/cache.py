@@ -6,7 +6,7 @@ has received. Eviction frees slots in place; new pairs are written into freed sl
 RoPE, so nothing is compacted or re-rotated (ED compacts its single kept pair, once per eviction).
 
 Head counts come from the tensors the model hands to ``update`` (under tensor parallelism they are the rank's
-local heads). The cache works only with the "batchmax" attention function (``batchmax_tp.attention``), which
+local heads). The cache works only with the "batchmax" attention function (``core.attention``), which
 reads the layer's slot state and adds each query's attention probabilities to the slots it attended.
 
 Rules with a look-ahead probe (``core.rules``) get the probe tokens appended to a prefill block (the
@@ -193,7 +193,7 @@ class BoundedLayer(SlotLayer):
         if self.new_slots is not None:
             raise RuntimeError(
                 "BatchMaxCache was updated twice without the 'batchmax' attention in between: load the model with "
-                "attn_implementation='batchmax' (batchmax_tp.attention.use_batchmax_attention(model))"
+                "attn_implementation='batchmax' (batchmax_tp.core.attention.use_batchmax_attention(model))"
             )
         phase = self.cache.phase
         if phase is not None and phase.probe:
@@ -263,7 +263,7 @@ class BoundedLayer(SlotLayer):
 class BatchMaxCache(Cache):
     """KV cache bounded by ``method.kv_max`` pairs per (sample, KV head) during prefill and decoding.
 
-    Use it through ``batchmax_tp.engine.generate`` (Algorithm 1's block schedule) or as a drop-in
+    Use it through ``batchmax_tp.core.engine.generate`` (Algorithm 1's block schedule) or as a drop-in
     ``model.generate(..., past_key_values=BatchMaxCache(method))`` on a model whose attention implementation is
     "batchmax"; HF's generate prefills the whole prompt in one block, so a prompt longer than ``kv_max`` needs
     ``prefill_chunk_size=p`` (identical to Algorithm 1 when ``kv_max`` is a multiple of ``p``).

@@ -85,7 +85,7 @@ def generate(
     Prefill runs in the method's blocks (BM: ``min(s, kv_max)`` then ``p`` at a time), decoding one token per
     step; before each pass the cache evicts what the schedule says. Greedy unless ``do_sample``. BM runs on the
     score-collecting "batchmax" attention; the baselines FKV and ED on the model's fastest kernel with a
-    ``DenseCache`` (``batchmax_tp.baseline``); ``fast_baselines=False`` runs them through the "batchmax" attention
+    ``DenseCache`` (``core.baseline``); ``fast_baselines=False`` runs them through the "batchmax" attention
     too (the slower path they used before, kept for comparisons). ``force_tokens`` [B, >= max_new_tokens]: teacher
     forcing -- each step feeds these tokens instead of the chosen ones, while ``tokens`` still records the model's
     own choices (how often they agree with another run's output measures fidelity without compounding drift).

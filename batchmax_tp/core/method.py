@@ -106,7 +106,7 @@ class Method:
                 raise ValueError(
                     f"a block of {incoming} tokens does not fit in a Batch-Max cache of kv_max={capacity} even "
                     f"after evicting p={self.p}: feed prompts in blocks of at most p tokens after the first "
-                    f"(batchmax_tp.engine.generate does; with HF generate pass prefill_chunk_size=p)"
+                    f"(batchmax_tp.core.engine.generate does; with HF generate pass prefill_chunk_size=p)"
                 )
             return min(self.p, filled)
         return 0
