@@ -12,6 +12,7 @@ CPU only: on CUDA use ``torch.cuda.max_memory_allocated``.
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import torch
@@ -28,6 +29,9 @@ class AllocationTracker:
     """with AllocationTracker() as t: ...  ->  t.peak (bytes above the baseline), t.spans(label) per region."""
 
     def __enter__(self) -> AllocationTracker:
+        # Garbage from earlier code (a finished generation's cache and layers form a reference cycle) must not be
+        # collected inside the measured span: its frees would be subtracted from what the span allocates.
+        gc.collect()
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         return self
