@@ -15,7 +15,7 @@ from batchmax_tp.core import attention, workspace
 from batchmax_tp.core import cache
 from batchmax_tp.core.engine import generate
 from batchmax_tp.models import tiny_random_llama
-from batchmax_tp.plan.planner import ModelShape, predict
+from batchmax_tp.plan.planner import ModelShape, bookkeeping_bytes, predict
 from batchmax_tp.core.method import Method
 
 CASES = [
@@ -194,3 +194,27 @@ def test_cuda_planner_total_covers_a_whole_generation(method, batch, prompt, new
     peak = torch.cuda.max_memory_allocated() - base
     est = predict(ModelShape.from_config(model.config), method, batch, prompt, new, dtype="float16")
     assert peak <= est.total - est.weights + 64 * 512  # allocator rounding: 512 bytes per live block
+
+
+# -- every rule: K/V and bookkeeping exactly as planned --------------------------------------------------------------
+RULES = ["paper", "pooled", "sinks:sinks=2,recent=6", "probe:window=6", "snapkv:window=6,kernel=3,every=2",
+         "question:window=6,every=3,kernel=3,sinks=1,recent=4", "question:window=8,every=1,kernel=5,sinks=2,recent=3"]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("rule", RULES)
+def test_planner_predicts_kv_and_bookkeeping_of_every_rule(model, rule, padded):
+    """K/V bytes and the most bookkeeping held at once (positions, score sums, additive mask; a probe rule's
+    look-ahead values and stored queries during prefill) equal the planner's, byte for byte."""
+    ids = _ids(3, 70)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :17] = 0
+        mask[2, :5] = 0
+    method = Method("bm", kv_max=24, p=8, rule=rule)
+    out = generate(model, ids, mask, method, 12, ignore_eos=True)
+    shape = ModelShape.from_config(model.config)
+    assert out.peak_kv_bytes == predict(shape, method, 3, 70, 12).kv
+    assert out.peak_meta_bytes == bookkeeping_bytes(shape, method, 3, 70, 12)
+    if method.lookahead:  # the prefill-only part is gone once decoding starts
+        assert out.cache.meta_bytes() < out.peak_meta_bytes

@@ -110,18 +110,23 @@ def test_method_rule_field():
 
 
 def test_probe_schedule():
-    """The probe rides on every prefill block but the last, as the prompt's positions [max(end, s-w), s)."""
+    """A probe pass of its own follows every prefill block but the last, over the prompt's positions
+    [max(end, s-w), s); the blocks, evictions and decode steps are the paper rule's."""
     m = Method("bm", kv_max=16, p=4, rule="probe:window=6")
     phases = plan(m, 30, 5)
-    pre = [ph for ph in phases if ph.kind == "prefill"]
-    assert [(ph.start, ph.end, ph.probe) for ph in pre] == [
-        (0, 16, 6), (16, 20, 6), (20, 24, 6), (24, 28, 2), (28, 30, 0)]
-    assert all(ph.probe == 0 for ph in phases if ph.kind == "decode")
+    assert [(ph.kind, ph.start, ph.end) for ph in phases if ph.kind != "decode"] == [
+        ("prefill", 0, 16), ("probe", 24, 30), ("prefill", 16, 20), ("probe", 24, 30), ("prefill", 20, 24),
+        ("probe", 24, 30), ("prefill", 24, 28), ("probe", 28, 30), ("prefill", 28, 30)]
+    assert all(ph.evict == 0 for ph in phases if ph.kind == "probe")
     paper = plan(Method("bm", kv_max=16, p=4), 30, 5)
-    assert [(ph.start, ph.end, ph.evict) for ph in phases] == [(ph.start, ph.end, ph.evict) for ph in paper]
-    every = plan(Method("bm", kv_max=16, p=4, rule="probe:window=6,every=2"), 30, 5)  # blocks 0 and 2 only
-    assert [ph.probe for ph in every if ph.kind == "prefill"] == [6, 0, 6, 0, 0]
-    assert [(ph.start, ph.end, ph.evict) for ph in every] == [(ph.start, ph.end, ph.evict) for ph in paper]
+    unprobed = [(ph.kind, ph.start, ph.end, ph.evict) for ph in phases if ph.kind != "probe"]
+    assert unprobed == [(ph.kind, ph.start, ph.end, ph.evict) for ph in paper]
+    every = plan(Method("bm", kv_max=16, p=4, rule="probe:window=6,every=2"), 30, 5)  # after blocks 0 and 2 only
+    assert [(ph.start, ph.end) for ph in every if ph.kind == "probe"] == [(24, 30), (24, 30)]
+    assert [ph.start for i, ph in enumerate(every) if ph.kind == "probe" and every[i - 1].start in (0, 20)] == [
+        24, 24]
+    assert [(ph.start, ph.end, ph.evict) for ph in every if ph.kind != "probe"] == [
+        (ph.start, ph.end, ph.evict) for ph in paper]
 
 
 # ---------------------------------------------------------------------------------------- fast vs reference
@@ -207,7 +212,7 @@ def test_probe_never_enters_the_cache(rule):
     s, kv_max, p = ids.shape[1], 16, 4
     paper = run_engine(model, ids, mask, "paper", kv_max, p, 1)
     out = run_engine(model, ids, mask, rule, kv_max, p, 1)
-    assert any(ph.probe for ph in out.phases)
+    assert any(ph.kind == "probe" for ph in out.phases)
     for layer in out.cache.kept_positions():
         for j, heads in enumerate(layer):
             for positions in heads:
@@ -215,7 +220,7 @@ def test_probe_never_enters_the_cache(rule):
                 assert all(s - LENGTHS[j] <= q <= s - 1 for q in positions)  # real prompt tokens only
     for a, b in zip(out.cache.layers, paper.cache.layers):
         assert a.keys.shape == b.keys.shape and a.keys.shape[2] == kv_max
-        assert a.probe_kv is None  # nothing of the probe stays behind
+        assert a.probe_kv is None and a.probe is None and a.probe_state is None  # nothing of the probe stays behind
     assert out.cache.kv_bytes() == paper.cache.kv_bytes()
     assert out.peak_kv_bytes == paper.peak_kv_bytes
 
@@ -228,15 +233,17 @@ def test_memory_equals_paper_rule(rule):
     out = run_engine(model, ids, mask, rule, 16, 4, 10)
     assert out.peak_kv_bytes == paper.peak_kv_bytes
     assert out.cache.kv_bytes() == paper.cache.kv_bytes()
-    # bookkeeping: a probe rule keeps one more float32 per slot (its look-ahead attention), the others nothing;
-    # one that probes every few blocks also its last probe's queries and keys [B, Hq + Hkv, w, D] and weights [B, w]
+    # bookkeeping: during prefill, a probe rule keeps one more float32 per slot (its look-ahead attention), the others
+    # nothing; one that probes every few blocks also its last probe's scaled queries [B, Hq, w, D], their
+    # log-sum-exp over the probe's own keys [B, Hq, w] and the weights [B, w]. All of it is freed when prefill ends.
     r = get_rule(rule)
     extra = sum(layer.pos.numel() * 4 for layer in out.cache.layers) if r.lookahead() else 0
     if r.probe_every() > 1:
-        c, w = model.config, [ph.probe for ph in out.phases if ph.probe][-1]  # the last probed block's w
-        per_layer = ids.shape[0] * w * ((c.num_attention_heads + c.num_key_value_heads) * c.head_dim * 4 + 4)
+        c, w = model.config, [ph.size for ph in out.phases if ph.kind == "probe"][-1]  # the last probe's w
+        per_layer = ids.shape[0] * w * (c.num_attention_heads * (c.head_dim * 4 + 4) + 4)
         extra += c.num_hidden_layers * per_layer
-    assert out.cache.meta_bytes() == paper.cache.meta_bytes() + extra
+    assert out.peak_meta_bytes == paper.peak_meta_bytes + extra
+    assert out.cache.meta_bytes() == paper.cache.meta_bytes()
 
 
 # ------------------------------------------------------------------------------------------ tensor parallel
@@ -268,7 +275,7 @@ def _tp_worker(rank, world, port, outdir):
     dist.destroy_process_group()
 
 
-def test_probe_adds_no_collective_under_tp2(tmp_path):
+def test_probe_passes_add_only_their_own_layers_collectives_under_tp2(tmp_path):
     from test_tp import batch, free_port, make_model
 
     mp.spawn(_tp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -281,7 +288,12 @@ def test_probe_adds_no_collective_under_tp2(tmp_path):
     for res in ranks:
         paper, probe = res["paper"], res[RULE_TP]
         assert paper["collectives"].get("all_reduce", 0) > 0, "the wrapper saw no all-reduce: it cannot count"
-        assert probe["collectives"] == paper["collectives"]  # same forwards, same collectives
+        # A probe pass runs the decoder layers (AutoTP: one all-reduce after attention, one after the MLP, per
+        # layer) and no lm_head; eviction and re-scoring stay rank-local.
+        probes = sum(ph.kind == "probe" for ph in single.phases)
+        own = probes * 2 * model.config.num_hidden_layers
+        assert probes and probe["collectives"] == {**paper["collectives"],
+                                                   "all_reduce": paper["collectives"]["all_reduce"] + own}
         torch.testing.assert_close(probe["logits"], torch.stack(single.logits), atol=ATOL, rtol=0)
         assert torch.equal(probe["tokens"], single.tokens)
         h = probe["heads"]

@@ -10,11 +10,15 @@ Memory: long blocks run in query chunks (``workspace.SCORE_CHUNK_BYTES``), one c
 reports its peak allocation, counted by ``workspace.workspace_bytes`` (what the planner predicts, checked against measured
 allocations in ``tests/test_memory.py``).
 
-Look-ahead probe (rules ``probe``, ``snapkv``, ``question``): when the cache layer holds probe keys/values for this pass, the
-last ``w`` queries are the probe's. Each attends to every valid slot (all precede it) and causally to the probe
-keys up to itself (pad probe tokens hidden); its output goes on through the layer, its attention to the slots,
-summed over the query group and averaged over the sample's real probe queries, becomes the slots' ``probe``
-values (overwritten each probed pass); the paper's sums get nothing from it. The math is ``core.probe``'s, shared
+A decode step (one query, no mask: the engine's) is one fused product: ``baddbmm`` adds the layer's additive slot
+mask (``bias``) to the scaled logits, then softmax, the score sums and ``probs @ V``; its workspace comes from
+``workspace.decode_workspace_bytes``.
+
+Look-ahead probe (rules ``probe``, ``snapkv``, ``question``): a probe pass (the cache layer holds the probe's
+keys/values, never stored) attends from the probe's queries to every valid slot (all precede it) and causally to
+the probe keys up to itself (pad probe tokens hidden); its output goes on through the layer, its attention to the
+slots, summed over the query group and averaged over the sample's real probe queries, becomes the slots' ``probe``
+values (overwritten each probe pass); the paper's sums get nothing from it. The math is ``core.probe``'s, shared
 with the re-scoring of rules that probe only every few blocks.
 
 Nothing is registered at import time: call ``register()`` (or use ``use_batchmax_attention``).
@@ -47,16 +51,43 @@ def batchmax_attention(
     """query [B, Hq, n, D]; key/value: the cache layer's buffers [B, Hkv, C, D]; attention_mask: the block's
     padding mask (last n columns of a 2D [B, *] mask, True for real tokens) or None. Returns [B, n, Hq, D]."""
     layer = take_updated_layer(key)
-    probe_kv, layer.probe_kv = layer.probe_kv, None
-    wp = 0 if probe_kv is None else probe_kv[0].shape[2]  # look-ahead probe queries at the end of the block
-    B, Hq, n_all, D = query.shape
-    n = n_all - wp
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if layer.probe_kv is not None:  # a look-ahead probe pass: nothing was written, the probe only reads
+        probe_kv, layer.probe_kv = layer.probe_kv, None
+        probe_mask = None if attention_mask is None else attention_mask[:, -query.shape[2]:].bool()  # [B, w]
+        return _probe_attention(layer, query, probe_kv, probe_mask, scaling), None
+    if query.shape[2] == 1 and attention_mask is None:
+        return _decode_attention(layer, query, key, value, scaling), None
+    return _block_attention(layer, query, key, value, attention_mask, scaling), None
+
+
+def _decode_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+    """One decode step (engine-driven, no mask): every kept slot precedes the query, so the layer's additive
+    mask (``bias``: -inf on empty/evicted slots) is all the masking needed. Returns [B, 1, Hq, D]."""
+    layer.new_slots = None
+    B, Hq, _, D = query.shape
+    Hkv, hi = key.shape[1], layer.high  # slots [hi, C) were never written: left out of every product
+    g = Hq // Hkv
+    layer.cache.note_workspace(workspace.decode_workspace_bytes(B, Hq, Hkv, hi, D, query.element_size()))
+    q = query.reshape(B * Hkv, g, D)  # [B*Hkv, g, D]: query heads grouped by their KV head (a view)
+    keys_t = key[:, :, :hi].transpose(2, 3).reshape(B * Hkv, D, hi)  # [B*Hkv, D, hi] (a view)
+    bias = layer.bias[:, :, :hi].reshape(B * Hkv, 1, hi)  # [B*Hkv, 1, hi]: 0 valid, -inf hidden (a view)
+    logits = torch.baddbmm(bias, q, keys_t, alpha=scaling)  # [B*Hkv, g, hi], scaled and masked
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B*Hkv, g, hi]
+    del logits
+    layer.score[:, :, :hi] += probs.view(B, Hkv, g, hi).sum(dim=2)  # attention received, summed over the group
+    out = torch.bmm(probs.to(value.dtype), value[:, :, :hi].reshape(B * Hkv, hi, D))  # [B*Hkv, g, D]
+    return out.view(B, 1, Hq, D)  # [B, 1, Hq, D]: (Hkv, g) rows are the query heads in order
+
+
+def _block_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """A prefill block (or a masked decode step): causal over the kept slots in query chunks. Returns [B, n, Hq, D]."""
+    B, Hq, n, D = query.shape
     Hkv = key.shape[1]
     g = Hq // Hkv
-    scaling = D**-0.5 if scaling is None else scaling
-
-    all_mask = None if attention_mask is None else attention_mask[:, -n_all:].bool()  # [B, n + wp]
-    token_mask = None if all_mask is None else all_mask[:, :n]  # [B, n]
+    token_mask = None if attention_mask is None else attention_mask[:, -n:].bool()  # [B, n]
     layer.mark_pads(token_mask)
     hi = layer.high  # slots [hi, C) were never written: leave them out of every product
     keys_t = key[:, :, :hi].transpose(2, 3)  # [B, Hkv, D, hi]
@@ -68,7 +99,7 @@ def batchmax_attention(
     else:  # empty and pad slots get a position after every query, so one comparison hides them too
         eff_pos = slot_pos.masked_fill(slot_pos < 0, torch.iinfo(slot_pos.dtype).max)  # [B, Hkv, hi]
     first = layer.seen - n  # padded position of the block's first query
-    qg = query[:, :, :n].view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head (a view)
+    qg = query.view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head (a view)
 
     # Memory: at most one chunk's tensors are alive at a time (each is dropped as soon as it is used), the
     # scaling is folded into the chunk's own query copy, and chunk outputs go straight into the result's
@@ -76,12 +107,13 @@ def batchmax_attention(
     ordered = layer.free is None
     converted = 0 if attention_mask is None or attention_mask.dtype == torch.bool else B * n  # token_mask bytes
     layer.cache.note_workspace(converted + workspace.workspace_bytes(B, Hq, Hkv, n, hi, D, ordered=ordered,
-                                                           padded=token_mask is not None, elem=query.element_size()))
+                                                                     padded=token_mask is not None,
+                                                                     elem=query.element_size()))
     out = None  # [B, n, Hkv, g, D]: allocated once when the block takes more than one chunk
     for a, b, lim in workspace.query_chunks(B, Hq, n, hi, ordered):
         m = b - a
-        if out is None and (m < n or wp):
-            out = torch.empty(B, n_all, Hkv, g, D, dtype=value.dtype, device=value.device)
+        if out is None and m < n:
+            out = torch.empty(B, n, Hkv, g, D, dtype=value.dtype, device=value.device)
         # The chunk's scaled queries, copied contiguous (never a view: scaled in place) [B, Hkv, g, m, D]
         qc = qg[:, :, :, a:b].clone(memory_format=torch.contiguous_format).mul_(scaling)
         logits = torch.matmul(qc.view(B, Hkv, g * m, D), keys_t[..., :lim])  # [B, Hkv, g*m, lim]
@@ -98,13 +130,12 @@ def batchmax_attention(
         if n > 1:
             del hidden
         # Attention received per slot, summed over the query group and the block's real queries.
-        with torch.profiler.record_function("batchmax::score"):
-            if token_mask is None:
-                score[..., :lim] += probs.sum(dim=2)  # [B, Hkv, lim]
-            else:
-                real = token_mask[:, a:b].repeat(1, g).to(probs.dtype)  # [B, g*m], row order of probs
-                score[..., :lim] += torch.matmul(real[:, None, None, :], probs).view(B, Hkv, lim)  # pads add 0
-                del real
+        if token_mask is None:
+            score[..., :lim] += probs.sum(dim=2)  # [B, Hkv, lim]
+        else:
+            real = token_mask[:, a:b].repeat(1, g).to(probs.dtype)  # [B, g*m], row order of probs
+            score[..., :lim] += torch.matmul(real[:, None, None, :], probs).view(B, Hkv, lim)  # pads add 0
+            del real
         o = torch.matmul(probs.to(value.dtype), values[:, :, :lim]).view(B, Hkv, g, m, D)  # [B, Hkv, g, m, D]
         del probs
         if out is None:  # the whole block in one chunk
@@ -112,33 +143,31 @@ def batchmax_attention(
         else:
             out[:, a:b].copy_(o.permute(0, 3, 1, 2, 4))  # [B, m, Hkv, g, D]
         del o
-    if wp:  # the look-ahead probe's queries: their outputs go on through the layer (and are dropped at the end)
-        probe_mask = None if all_mask is None else all_mask[:, n:]  # [B, wp]
-        probe_out = _probe_attention(layer, query[:, :, n:], probe_kv, probe_mask, scaling, hi)  # [B, Hq, wp, D]
-        out[:, n:].copy_(probe_out.view(B, Hkv, g, wp, D).permute(0, 3, 1, 2, 4))  # [B, wp, Hkv, g, D]
-    return out.view(B, n_all, Hq, D), None  # [B, n + wp, Hq, D]
+    return out.view(B, n, Hq, D)  # [B, n, Hq, D]
 
 
 def _probe_attention(layer, query: torch.Tensor, probe_kv: tuple[torch.Tensor, torch.Tensor],
-                     probe_mask: torch.Tensor | None, scaling: float, hi: int) -> torch.Tensor:
-    """The look-ahead probe's queries [B, Hq, w, D] over the slots [0, hi) and the probe's own keys (causal).
+                     probe_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """A look-ahead probe pass: queries [B, Hq, w, D] over the slots [0, high) and the probe's own keys (causal).
 
-    Writes the probe's attention per slot into ``layer.probe`` (kept for re-scoring when the rule probes only
-    every few blocks) and returns the probe outputs [B, Hq, w, D]."""
+    Writes the probe's attention per slot into ``layer.probe`` (and keeps the queries for re-scoring when the rule
+    probes only every few blocks); returns the probe outputs [B, w, Hq, D] (they feed the probe's next layer)."""
     pk, pv = probe_kv  # [B, Hkv, w, D] each
     B, Hq, w, D = query.shape
-    Hkv = pk.shape[1]
+    Hkv, hi = pk.shape[1], layer.high
+    layer.cache.note_workspace(workspace.probe_workspace_bytes(B, Hq, Hkv, w, hi, D, query.element_size()))
     q = (query * scaling).reshape(B, Hkv, Hq // Hkv * w, D)  # [B, Hkv, g*w, D]
     weights = probe.query_weights(probe_mask, B, w, q.device)  # [B, w]
-    probs = probe.probabilities(q, layer.keys[:, :, :hi], layer.pos[:, :, :hi], pk, weights)  # [B, Hkv, g*w, hi+w]
-    layer.cache.note_workspace(2 * probs.numel() * probs.element_size())
-    to_slots, to_own = probs[..., :hi], probs[..., hi:]  # [B, Hkv, g*w, hi], [B, Hkv, g*w, w]
+    own = probe.own_logits(q, pk, weights)  # [B, Hkv, g*w, w]
+    own_lse = own.logsumexp(-1, keepdim=True)  # [B, Hkv, g*w, 1]
+    to_slots, lse = probe.slot_probabilities(q, layer.keys[:, :, :hi], layer.pos[:, :, :hi], own_lse)
     layer.probe[:, :, :hi] = probe.per_slot(to_slots, weights)  # [B, Hkv, hi]
     layer.probe_fresh = True
-    if layer.cache.method.probe_every > 1:  # own keys copied: a view would hold the whole block's keys
-        layer.probe_state = probe.ProbeState(q, pk.clone(), weights)
+    if layer.cache.method.probe_every > 1:
+        layer.probe_state = probe.ProbeState(q, own_lse, weights)
+    to_own = own.sub_(lse).exp_()  # [B, Hkv, g*w, w]
     out = torch.matmul(to_slots.to(pv.dtype), layer.values[:, :, :hi]) + torch.matmul(to_own.to(pv.dtype), pv)
-    return out.view(B, Hq, w, D)  # [B, Hq, w, D]
+    return out.view(B, Hkv, Hq // Hkv, w, D).permute(0, 3, 1, 2, 4).reshape(B, w, Hq, D)  # [B, w, Hq, D]
 
 
 def padding_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:

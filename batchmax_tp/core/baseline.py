@@ -135,6 +135,8 @@ class DenseCache(Cache):
     shrunk to ``kv_max`` at the first eviction). ``attention_mask``: the batch's [B, s] left-padding mask.
     """
 
+    peak_meta_bytes = 0  # no per-slot bookkeeping (the decode mask is counted by the planner as slot_meta)
+
     def __init__(self, method: Method, num_layers: int, reserve: int, attention_mask: torch.Tensor,
                  impl: str = SDPA):
         if method.name not in ("fkv", "ed"):

@@ -7,13 +7,15 @@ RoPE, so nothing is compacted or re-rotated (ED compacts its single kept pair, o
 
 Head counts come from the tensors the model hands to ``update`` (under tensor parallelism they are the rank's
 local heads). The cache works only with the "batchmax" attention function (``core.attention``), which
-reads the layer's slot state and adds each query's attention probabilities to the slots it attended.
+reads the layer's slot state and adds each query's attention probabilities to the slots it attended. Beside
+``pos`` each layer keeps ``bias``, the additive mask of its slots (0 valid, -inf empty/evicted/pad), updated
+wherever ``pos`` changes, so that a decode step's attention is one fused product with no mask to build.
 
-Rules with a look-ahead probe (``core.rules``) get the probe tokens appended to a prefill block (the
-phase says how many): ``update`` writes only the block's pairs into slots and hands the probe's keys/values to
-the attention call aside (never stored); the attention writes the probe's attention per slot into ``probe``.
-A rule that probes only every ``every``-th block also leaves the probe's queries (``core.probe.ProbeState``):
-a prefill eviction after an unprobed block re-scores the slots held then with them.
+Rules with a look-ahead probe (``core.rules``) run probe passes of their own (``schedule.Phase`` kind
+``probe``): ``update`` writes nothing and hands the probe's keys/values to the attention call aside; the
+attention writes the probe's attention per slot into ``probe``. A rule that probes only every ``every``-th block
+also leaves the probe's queries (``core.probe.ProbeState``): a prefill eviction after an unprobed block re-scores
+the slots held then with them. Both are prefill-only and freed when the prefill ends (``end_prefill``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import probe as lookahead
-from .method import Method, eviction_priority, slots_to_evict
+from .method import Method, eviction_priority
 from .schedule import Phase
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,21 @@ def take_updated_layer(key: torch.Tensor) -> BoundedLayer:
     return layer
 
 
+def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices [B, H, n] of the ``n`` slots with the smallest ``(priority, position, slot)``, in that order.
+
+    Exact priority ties evict the older pair first, and empty slots (position -1) in slot order, so the result
+    does not depend on the slot layout. One sort of an int64 key: the float32 priority's bits made
+    order-preserving in the high half, the position (empty slots: their index, below every position) in the low.
+    """
+    C = pos.shape[-1]
+    bits = priority.float().contiguous().view(torch.int32)  # [B, H, C]
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats: reversed order fixed
+    low = torch.where(pos >= 0, pos + C, torch.arange(C, device=pos.device))  # [B, H, C], in [0, 2**32)
+    return (bits * 2**32 + low).topk(n, dim=-1, largest=False, sorted=True).indices  # [B, H, n]
+
+
+
 class SlotLayer(CacheLayerMixin):
     """A decoder layer of a preallocated cache (``BatchMaxCache`` or the baselines' ``DenseCache``): slots written
     by index, never slid, cropped or compiled."""
@@ -61,13 +78,15 @@ class SlotLayer(CacheLayerMixin):
 
 
 class BoundedLayer(SlotLayer):
-    """One decoder layer's slots: keys/values [B, H, C, D], pos [B, H, C] (int64), score [B, H, C] (float32);
-    probe [B, H, C] (float32) only for rules with a look-ahead probe."""
+    """One decoder layer's slots: keys/values [B, H, C, D], pos [B, H, C] (int64), score [B, H, C] (float32),
+    bias [B, H, C] (model dtype, 0 or -inf as pos is valid or not); probe [B, H, C] (float32) only for rules with
+    a look-ahead probe, during prefill."""
 
     def __init__(self, cache: BatchMaxCache, layer_idx: int):
         super().__init__(cache, layer_idx)
         self.pos: torch.Tensor | None = None
         self.score: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None  # additive mask of the slots: 0 where pos >= 0, -inf elsewhere
         self.probe: torch.Tensor | None = None  # look-ahead attention per slot of the last probed pass
         self.probe_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # this pass's probe keys/values, transient
         self.probe_fresh = False  # ``probe`` comes from the pass just run (else re-scored from ``probe_state``)
@@ -98,7 +117,7 @@ class BoundedLayer(SlotLayer):
         return -1 if self.cache.method.name == "fkv" else self.cache.method.kv_max
 
     def reset(self) -> None:
-        self.keys = self.values = self.pos = self.score = self.probe = None
+        self.keys = self.values = self.pos = self.score = self.bias = self.probe = None
         self.probe_kv = self.probe_state = None
         self.probe_fresh = False
         self.is_initialized = False
@@ -106,7 +125,7 @@ class BoundedLayer(SlotLayer):
         self.free, self.decoding, self.new_slots = None, False, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for name in ("keys", "values", "pos", "score", "probe", "free"):
+        for name in ("keys", "values", "pos", "score", "bias", "probe", "free"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
@@ -124,18 +143,19 @@ class BoundedLayer(SlotLayer):
         self.values = torch.zeros(batch, heads, capacity, v_dim, **kw)
         self.pos = torch.full((batch, heads, capacity), -1, dtype=torch.long, device=self.device)
         self.score = torch.zeros(batch, heads, capacity, dtype=torch.float32, device=self.device)
-        if self.cache.method.lookahead:
+        self.bias = torch.full((batch, heads, capacity), float("-inf"), **kw)
+        if self.cache.method.lookahead and not self.decoding:
             self.probe = torch.zeros(batch, heads, capacity, dtype=torch.float32, device=self.device)
         self.cache.note_capacity()
 
     def _resize(self, capacity: int) -> None:
         """Reallocate to ``capacity`` slots keeping the occupied ones; only while slots [0, filled) hold them."""
         assert self.free is None, "resizing needs a compact layout"
-        old = (self.keys, self.values, self.pos, self.score)
+        old = (self.keys, self.values, self.pos, self.score, self.bias)
         B, H, _, Dk = self.keys.shape
         self._allocate(B, H, Dk, self.values.shape[-1], capacity)
         n = self.filled
-        for new, prev in zip((self.keys, self.values, self.pos, self.score), old):
+        for new, prev in zip((self.keys, self.values, self.pos, self.score, self.bias), old):
             new[:, :, :n] = prev[:, :, :n]
 
     def kv_bytes(self) -> int:
@@ -166,10 +186,11 @@ class BoundedLayer(SlotLayer):
             for buf in (self.keys, self.values):
                 idx = kept[..., None].expand(-1, -1, -1, buf.shape[-1])  # [B, H, k, D]
                 buf[:, :, :k] = buf.gather(2, idx)
-            for buf in (self.pos, self.score):
+            for buf in (self.pos, self.score, self.bias):
                 buf[:, :, :k] = buf.gather(2, kept)
             self.pos[:, :, k:] = -1
             self.score[:, :, k:] = 0
+            self.bias[:, :, k:] = float("-inf")
             self.filled, self.free, self.free_ptr, self.high = k, None, 0, k
             if self.capacity > method.kv_max:
                 self._resize(method.kv_max)
@@ -177,6 +198,7 @@ class BoundedLayer(SlotLayer):
         freed = slots_to_evict(priority, self.pos, empty + n)  # [B, H, empty + n]
         self.pos.scatter_(2, freed, -1)
         self.score.scatter_(2, freed, 0.0)
+        self.bias.scatter_(2, freed, float("-inf"))
         self.filled -= n
         self.free, self.free_ptr = freed, 0
         self.high = self.capacity  # freed slots may lie anywhere below the capacity
@@ -196,11 +218,11 @@ class BoundedLayer(SlotLayer):
                 "attn_implementation='batchmax' (batchmax_tp.core.attention.use_batchmax_attention(model))"
             )
         phase = self.cache.phase
-        if phase is not None and phase.probe:
-            # Look-ahead probe tokens ride at the end of the block: handed to the attention, never stored.
-            w = phase.probe
-            self.probe_kv = (key_states[:, :, -w:], value_states[:, :, -w:])  # [B, H, w, D] each
-            key_states, value_states = key_states[:, :, :-w], value_states[:, :, :-w]  # [B, H, n, D]
+        if phase is not None and phase.kind == "probe":
+            # A look-ahead probe pass: its keys/values go to the attention aside and are never stored.
+            self.probe_kv = (key_states, value_states)  # [B, H, w, D] each
+            _handoff.layer = self
+            return self.keys, self.values
         n = key_states.shape[2]
         if phase is None:  # driven by HF generate: infer the phase from the block itself
             first_decode = n == 1 and self.seen > 0 and not self.decoding
@@ -222,8 +244,12 @@ class BoundedLayer(SlotLayer):
             self.high = max(self.high, needed)
             self.keys[:, :, slots] = key_states
             self.values[:, :, slots] = value_states
-            self.pos[:, :, slots] = torch.arange(self.seen, self.seen + n, device=self.device)
+            if n == 1:
+                self.pos[:, :, slots] = self.seen
+            else:
+                self.pos[:, :, slots] = torch.arange(self.seen, self.seen + n, device=self.device)
             self.score[:, :, slots] = 0.0
+            self.bias[:, :, slots] = 0.0
         else:
             if self.free_ptr + n > self.free.shape[-1]:
                 raise ValueError(f"a block of {n} tokens does not fit in the {self.free.shape[-1]} freed slots")
@@ -233,9 +259,13 @@ class BoundedLayer(SlotLayer):
             idx_v = slots[..., None].expand(-1, -1, -1, value_states.shape[-1])  # [B, H, n, Dv]
             self.keys.scatter_(2, idx_k, key_states)
             self.values.scatter_(2, idx_v, value_states)
-            new_pos = torch.arange(self.seen, self.seen + n, device=self.device).expand_as(slots)  # [B, H, n]
-            self.pos.scatter_(2, slots, new_pos)
+            if n == 1:
+                self.pos.scatter_(2, slots, self.seen)
+            else:
+                new_pos = torch.arange(self.seen, self.seen + n, device=self.device).expand_as(slots)  # [B, H, n]
+                self.pos.scatter_(2, slots, new_pos)
             self.score.scatter_(2, slots, 0.0)
+            self.bias.scatter_(2, slots, 0.0)
         self.filled += n
         self.seen += n
         self.new_slots = slots
@@ -248,11 +278,18 @@ class BoundedLayer(SlotLayer):
         self.new_slots = None
         if token_mask is None:
             return
+        pads = ~token_mask[:, None, :]  # [B, 1, n]
         if isinstance(slots, slice):
-            self.pos[:, :, slots].masked_fill_(~token_mask[:, None, :], -1)
+            self.pos[:, :, slots].masked_fill_(pads, -1)
+            self.bias[:, :, slots].masked_fill_(pads, float("-inf"))
         else:
-            cur = self.pos.gather(2, slots)  # [B, H, n]
-            self.pos.scatter_(2, slots, cur.masked_fill(~token_mask[:, None, :], -1))
+            self.pos.scatter_(2, slots, self.pos.gather(2, slots).masked_fill(pads, -1))  # [B, H, n]
+            self.bias.scatter_(2, slots, self.bias.gather(2, slots).masked_fill(pads, float("-inf")))
+
+    def end_prefill(self) -> None:
+        """Free what only prefill evictions read: the look-ahead probe's values and stored queries."""
+        self.probe = self.probe_state = None
+        self.decoding = True
 
     def kept_positions(self) -> list[list[list[int]]]:
         """Sorted real positions held, per sample and local KV head (host copy; for tests and inspection)."""
@@ -276,6 +313,7 @@ class BatchMaxCache(Cache):
         self.reserve = reserve
         self.phase: Phase | None = None
         self.peak_kv_bytes = 0
+        self.peak_meta_bytes = 0  # largest bookkeeping held at once (``meta_bytes``: the probe's prefill-only part too)
         self.peak_workspace_bytes = 0  # largest peak of one attention call (attention.workspace_bytes)
         if num_layers is None:
             super().__init__(layers=None, layer_class_to_replicate=self._new_layer)
@@ -291,6 +329,16 @@ class BatchMaxCache(Cache):
 
     def note_capacity(self) -> None:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
+        self.note_meta()
+
+    def note_meta(self) -> None:
+        self.peak_meta_bytes = max(self.peak_meta_bytes, self.meta_bytes())
+
+    def end_prefill(self) -> None:
+        """The prefill is over (the engine says so): free the probe's prefill-only buffers in every layer."""
+        self.note_meta()
+        for layer in self.layers:
+            layer.end_prefill()
 
     def note_workspace(self, nbytes: int) -> None:
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
@@ -300,12 +348,12 @@ class BatchMaxCache(Cache):
         return sum(layer.kv_bytes() for layer in self.layers)
 
     def meta_bytes(self) -> int:
-        """Bytes of the per-slot bookkeeping (positions, attention sums and, with a probe, look-ahead sums), and
-        the stored probe queries of a rule that probes every few blocks."""
+        """Bytes of the per-slot bookkeeping held now (positions, attention sums, the additive mask and, during a
+        probe rule's prefill, look-ahead sums), and the stored probe queries of a rule that probes every few blocks."""
         return sum(
             t.numel() * t.element_size()
             for layer in self.layers
-            for t in (layer.pos, layer.score, layer.probe)
+            for t in (layer.pos, layer.score, layer.bias, layer.probe)
             if t is not None
         ) + sum(layer.probe_state.nbytes() for layer in self.layers if layer.probe_state is not None)
 

@@ -34,6 +34,7 @@ class GenerationOutput:
     prefill_s: float
     decode_s: float
     peak_kv_bytes: int
+    peak_meta_bytes: int  # largest per-slot bookkeeping (and probe state) held at once; 0 for the baselines' cache
     peak_workspace_bytes: int
     cache: BatchMaxCache | DenseCache
     phases: list[Phase]
@@ -59,6 +60,14 @@ def _forward(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, mask: torc
     """One forward pass into ``cache``: ids/pos [B, n], mask [B, n] or the baselines' own; last logits only."""
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
                  logits_to_keep=1)
+
+
+@torch.inference_mode()
+def _probe(model: torch.nn.Module, cache: BatchMaxCache, ids: torch.Tensor, mask: torch.Tensor,
+           pos: torch.Tensor) -> None:
+    """A look-ahead probe pass (ids/mask/pos [B, w]): through the decoder layers only -- its outputs are never
+    used, so no logits are made."""
+    model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
 
 
 def generate(
@@ -153,18 +162,19 @@ def generate(
 
     with attention:
         t0 = time.perf_counter()
-        for phase in (ph for ph in phases if ph.kind == "prefill"):
+        for phase in (ph for ph in phases if ph.kind != "decode"):
             cache.begin(phase)
             a, b = phase.start, phase.end
             ids, mask, pos = input_ids[:, a:b], token_mask[:, a:b], real_pos[:, a:b]  # [B, n]
-            if phase.probe:  # look-ahead probe: the prompt's last tokens ride along, never cached (rules.py)
-                w = phase.probe
-                ids = torch.cat([ids, input_ids[:, s - w:]], dim=1)  # [B, n + w]
-                mask = torch.cat([mask, token_mask[:, s - w:]], dim=1)  # [B, n + w]
-                pos = torch.cat([pos, real_pos[:, s - w:]], dim=1)  # [B, n + w]
+            if phase.kind == "probe":  # look-ahead probe: the prompt's last tokens as queries, never cached
+                _probe(model, cache, ids, mask, pos)
+                cache.note_meta()
+                continue
             out = _forward(model, cache, ids, cache.attention_mask() if dense else mask, pos)
         if dense:
             cache.note_workspace(model.config)
+        else:
+            cache.end_prefill()
         next_input = emit(0, out.logits[:, -1])
         next_pos = real_pos[:, -1:] + 1  # [B, 1]
         _sync(device)
@@ -188,6 +198,7 @@ def generate(
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
         peak_kv_bytes=cache.peak_kv_bytes,
+        peak_meta_bytes=getattr(cache, "peak_meta_bytes", 0),
         peak_workspace_bytes=cache.peak_workspace_bytes,
         cache=cache,
         phases=phases,

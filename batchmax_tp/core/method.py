@@ -1,7 +1,7 @@
 """Eviction methods: Batch-Max (BM), extreme decoding-only (ED) and the full cache (FKV).
 
 A method is a small validated dataclass. Scoring is pure tensor math on one cache layer's slot state:
-``score() -> sort -> the first n slots are evicted``. Lower scores are evicted first; empty and pad slots score
+``score() -> sort (cache.slots_to_evict) -> the first n slots are evicted``. Lower scores are evicted first; empty and pad slots score
 ``-inf``; exact score ties evict the older pair (smaller position) first, so the kept set is deterministic and
 identical on every tensor-parallel rank that holds the same head.
 """
@@ -115,17 +115,6 @@ class Method:
 def newest_first(score: Tensor, pos: Tensor, curr_id: int) -> Tensor:
     """ED's rule: keep the most recent pair; the score is the position itself (empty slots -1)."""
     return pos.float()
-
-
-def slots_to_evict(priority: Tensor, pos: Tensor, n: int) -> Tensor:
-    """Indices [B, H, n] of the ``n`` slots with the smallest ``(priority, position)``.
-
-    Two stable sorts give the lexicographic order: first by position, then by priority, so exact priority ties
-    evict the older pair first and the result does not depend on the slot layout.
-    """
-    by_pos = pos.argsort(dim=-1, stable=True)  # [B, H, C]
-    order = priority.gather(-1, by_pos).argsort(dim=-1, stable=True)  # [B, H, C]
-    return by_pos.gather(-1, order[..., :n])  # [B, H, n]
 
 
 def eviction_priority(method: Method, score: Tensor, pos: Tensor, curr_id: int,

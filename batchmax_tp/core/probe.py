@@ -1,13 +1,14 @@
-"""The look-ahead probe's attention over a cache layer's slots: one function for a probed pass and for re-scoring.
+"""The look-ahead probe's attention over a cache layer's slots: one formula for a probe pass and for re-scoring.
 
-A probed prefill pass (``core.rules``: rules with a ``window``) feeds the prompt's last ``w`` tokens as extra
-queries. Each probe query attends to every valid slot and causally to the probe's own keys up to itself (pad probe
-tokens are neither queries nor keys). A slot's probe value is the attention it got, summed over the query group
-and averaged over the sample's real probe queries.
+A probe pass (``core.rules``: rules with a ``window``; ``core.schedule``: a pass of its own after a prefill block)
+feeds the prompt's last ``w`` tokens as queries. Each probe query attends to every valid slot and causally to the
+probe's own keys up to itself (pad probe tokens are neither queries nor keys). A slot's probe value is the
+attention it got, summed over the query group and averaged over the sample's real probe queries.
 
-With a rule's ``every > 1`` the probe rides along only every ``every``-th block; the probe's scaled queries, its
-own keys and query weights are kept (``ProbeState``), and the prefill evictions between probed passes re-score the
-slots kept then with them (``rescore``): the same formula, fresh keys, queries of the last probed pass.
+The own keys enter a query's softmax only through their log-sum-exp, which never changes once the pass ran (the
+query and the own keys are fixed). So a rule with ``every > 1`` keeps the probe's scaled queries, that per-query
+log-sum-exp and the query weights (``ProbeState``), and the prefill evictions between probe passes re-score the
+slots kept then with them (``rescore``): the same formula, fresh keys, queries of the last probe pass.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ NEG = torch.finfo(torch.float32).min
 
 @dataclass
 class ProbeState:
-    """What a probed pass leaves for re-scoring: scaled queries ``q`` [B, Hkv, g*w, D] (rows ordered (g, w)),
-    own keys ``k`` [B, Hkv, w, D] and query weights [B, w] (1 / real probe tokens, 0 for pads)."""
+    """What a probe pass leaves for re-scoring: scaled queries ``q`` [B, Hkv, g*w, D] (rows ordered (g, w)), the
+    log-sum-exp of each query's logits over its own (causal, real) probe keys ``own_lse`` [B, Hkv, g*w, 1] (float32)
+    and query weights [B, w] (1 / real probe tokens, 0 for pads)."""
 
     q: torch.Tensor
-    k: torch.Tensor
+    own_lse: torch.Tensor
     weights: torch.Tensor
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.weights))
+        return sum(t.numel() * t.element_size() for t in (self.q, self.own_lse, self.weights))
 
 
 def query_weights(probe_mask: torch.Tensor | None, batch: int, w: int, device: torch.device) -> torch.Tensor:
@@ -40,23 +42,28 @@ def query_weights(probe_mask: torch.Tensor | None, batch: int, w: int, device: t
     return real / real.sum(-1, keepdim=True).clamp(min=1)
 
 
-def probabilities(q: torch.Tensor, slot_keys: torch.Tensor, slot_pos: torch.Tensor, own_keys: torch.Tensor,
-                  weights: torch.Tensor) -> torch.Tensor:
-    """Probe attention probabilities [B, Hkv, g*w, hi + w] (float32) over the slots, then its own keys.
+def own_logits(q: torch.Tensor, own_keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float32 logits [B, Hkv, g*w, w] of the probe queries over the probe's own keys: causal, pad keys hidden.
 
-    q: [B, Hkv, g*w, D] scaled queries; slot_keys: [B, Hkv, hi, D]; slot_pos: [B, Hkv, hi] (-1 hides a slot);
-    own_keys: [B, Hkv, w, D]; weights: [B, w] (0 marks a pad probe token, hidden as a key).
-    """
+    q: [B, Hkv, g*w, D] scaled queries; own_keys: [B, Hkv, w, D]; weights: [B, w] (0 marks a pad probe token)."""
     B, Hkv, gw, _ = q.shape
     w = own_keys.shape[2]
-    g = gw // w
-    slot_logits = torch.matmul(q, slot_keys.transpose(2, 3)).float()  # [B, Hkv, g*w, hi]
-    slot_logits.masked_fill_((slot_pos < 0)[:, :, None, :], NEG)
-    own = torch.matmul(q, own_keys.transpose(2, 3)).float().view(B, Hkv, g, w, w)  # [B, Hkv, g, w, w]
+    own = torch.matmul(q, own_keys.transpose(2, 3)).float().view(B, Hkv, gw // w, w, w)  # [B, Hkv, g, w, w]
     hidden = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)  # [w, w] later probe tokens
     hidden = hidden | (weights <= 0)[:, None, None, None, :]  # [B, 1, 1, w, w] pad probe keys too
-    own.masked_fill_(hidden, NEG)
-    return torch.softmax(torch.cat([slot_logits, own.view(B, Hkv, g * w, w)], dim=-1), dim=-1)
+    return own.masked_fill_(hidden, NEG).view(B, Hkv, gw, w)
+
+
+def slot_probabilities(q: torch.Tensor, slot_keys: torch.Tensor, slot_pos: torch.Tensor,
+                       own_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe's attention probabilities over the slots [B, Hkv, g*w, hi] (float32) and each query's log-sum-exp
+    over slots and own keys together [B, Hkv, g*w, 1].
+
+    slot_keys: [B, Hkv, hi, D]; slot_pos: [B, Hkv, hi] (-1 hides a slot); own_lse: [B, Hkv, g*w, 1]."""
+    logits = torch.matmul(q, slot_keys.transpose(2, 3)).float()  # [B, Hkv, g*w, hi]
+    logits.masked_fill_((slot_pos < 0)[:, :, None, :], NEG)
+    lse = torch.logaddexp(logits.logsumexp(-1, keepdim=True), own_lse)  # [B, Hkv, g*w, 1]
+    return logits.sub_(lse).exp_(), lse
 
 
 def per_slot(to_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -68,5 +75,5 @@ def per_slot(to_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 def rescore(state: ProbeState, slot_keys: torch.Tensor, slot_pos: torch.Tensor) -> torch.Tensor:
     """The stored probe's attention per slot [B, Hkv, hi] over the slots held now."""
-    probs = probabilities(state.q, slot_keys, slot_pos, state.k, state.weights)  # [B, Hkv, g*w, hi + w]
-    return per_slot(probs[..., : slot_keys.shape[2]], state.weights)
+    probs, _ = slot_probabilities(state.q, slot_keys, slot_pos, state.own_lse)  # [B, Hkv, g*w, hi]
+    return per_slot(probs, state.weights)

@@ -3,7 +3,7 @@
 Every rule runs under the same schedule and the same ``kv_max`` pairs per (sample, KV head) as the paper; only
 the ranking differs. A rule is a small frozen, validated dataclass whose ``score()`` turns one cache layer's slot
 state into a priority per slot (kvpress style: ``score -> sort -> the lowest p are evicted``). Ties evict the
-older pair first (``policy.slots_to_evict``); empty, evicted and pad slots always score ``-inf``.
+older pair first (``cache.slots_to_evict``); empty, evicted and pad slots always score ``-inf``.
 
 Slot state handed to ``score``, all ``[B, H, C]`` (H: the rank's local KV heads, C: slots):
 
@@ -77,36 +77,30 @@ def average_attention(attn: Tensor, pos: Tensor, curr_id: int) -> Tensor:
     return (attn / count).masked_fill(~valid, float("-inf"))
 
 
-def pool_by_position(x: Tensor, pos: Tensor, kernel: int, pool: str) -> Tensor:
+def pool_by_position(x: Tensor, pos: Tensor, kernel: int, pool: str, curr_id: int) -> Tensor:
     """Pool ``x`` [B, H, C] over the valid slots whose positions are within ``kernel // 2`` of each slot's.
 
-    Positions are unique per (sample, head), so such neighbours are at most ``kernel // 2`` places away in
-    position order: sort once, compare ``2 * (kernel // 2)`` shifted copies (a loop over the kernel only), scatter
-    back. ``max`` takes the largest, ``avg`` the mean over the neighbours present. Invalid slots stay ``-inf``.
+    Slots are unordered and evicted positions are absent, so neighbours are found in position space: the values
+    are scattered onto a row of positions ``[0, curr_id]`` (every position held is at most ``curr_id``), pooled
+    by one sliding window of ``kernel`` positions (``max`` the largest present, ``avg`` the mean over those
+    present) and read back at each slot's position. Invalid slots stay ``-inf``.
     """
     r = kernel // 2
     valid = pos >= 0
     if r == 0:
         return x.masked_fill(~valid, float("-inf"))
-    order = pos.argsort(dim=-1)  # [B, H, C]; invalid (-1) slots first
-    ps = pos.gather(-1, order)  # [B, H, C] sorted positions
-    xs = x.gather(-1, order)  # [B, H, C]
-    vs = ps >= 0  # [B, H, C]
-    acc = xs.masked_fill(~vs, float("-inf") if pool == "max" else 0.0)  # [B, H, C]
-    cnt = vs.to(x.dtype)  # [B, H, C]
-    C = x.shape[-1]
-    for d in range(1, min(r, C - 1) + 1):
-        for lo, hi, olo, ohi in ((d, C, 0, C - d), (0, C - d, d, C)):  # neighbour after / before
-            near = vs[..., lo:hi] & vs[..., olo:ohi] & ((ps[..., lo:hi] - ps[..., olo:ohi]).abs() <= r)  # [B, H, C-d]
-            if pool == "max":
-                acc[..., olo:ohi] = acc[..., olo:ohi].maximum(xs[..., lo:hi].masked_fill(~near, float("-inf")))
-            else:
-                acc[..., olo:ohi] += xs[..., lo:hi].masked_fill(~near, 0.0)
-                cnt[..., olo:ohi] += near.to(x.dtype)
-    if pool == "avg":
-        acc = acc / cnt.clamp(min=1)
-    out = x.new_empty(x.shape).scatter_(-1, order, acc)  # [B, H, C] back in slot order
-    return out.masked_fill(~valid, float("-inf"))
+    B, H, _ = x.shape
+    width = curr_id + 1 + 2 * r  # positions [-r, curr_id + r]: every window lies inside
+    at = (pos + r).masked_fill(~valid, width)  # [B, H, C]; invalid slots go to a column no window reads
+    empty = float("-inf") if pool == "max" else 0.0
+    row = x.new_full((B, H, width + 1), empty).scatter_(-1, at, x)  # [B, H, width + 1]
+    windows = row[..., :width].unfold(-1, kernel, 1)  # [B, H, curr_id + 1, kernel], a view
+    if pool == "max":
+        pooled = windows.amax(-1)  # [B, H, curr_id + 1]
+    else:
+        present = x.new_zeros((B, H, width + 1)).scatter_(-1, at, valid.to(x.dtype))  # [B, H, width + 1]
+        pooled = windows.sum(-1) / present[..., :width].unfold(-1, kernel, 1).sum(-1).clamp(min=1)
+    return pooled.gather(-1, pos.clamp(min=0)).masked_fill(~valid, float("-inf"))  # [B, H, C]
 
 
 def protect(priority: Tensor, pos: Tensor, curr_id: int, sinks: int, recent: int) -> Tensor:
@@ -197,7 +191,7 @@ class PooledRule(Rule):
     pool: str = "max"
 
     def score(self, attn, pos, curr_id, probe=None):
-        return pool_by_position(average_attention(attn, pos, curr_id), pos, self.kernel, self.pool)
+        return pool_by_position(average_attention(attn, pos, curr_id), pos, self.kernel, self.pool, curr_id)
 
 
 @dataclass(frozen=True)
@@ -244,7 +238,7 @@ class SnapKVRule(Rule):
         ave = average_attention(attn, pos, curr_id)
         if probe is not None:
             ave = ave + self.weight * probe
-        return pool_by_position(ave, pos, self.kernel, self.pool)
+        return pool_by_position(ave, pos, self.kernel, self.pool, curr_id)
 
 
 @dataclass(frozen=True)
@@ -263,7 +257,7 @@ class QuestionRule(Rule):
 
     def score(self, attn, pos, curr_id, probe=None):
         x = average_attention(attn, pos, curr_id) if probe is None else probe.masked_fill(pos < 0, float("-inf"))
-        return protect(pool_by_position(x, pos, self.kernel, self.pool), pos, curr_id, self.sinks, self.recent)
+        return protect(pool_by_position(x, pos, self.kernel, self.pool, curr_id), pos, curr_id, self.sinks, self.recent)
 
 
 RULES: dict[str, type] = {cls.name: cls for cls in (PaperRule, PooledRule, SinksRule, ProbeRule, SnapKVRule,

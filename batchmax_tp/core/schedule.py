@@ -15,21 +15,21 @@ from .method import Method
 
 @dataclass(frozen=True)
 class Phase:
-    """One forward pass: a prefill block or a decode step.
+    """One forward pass: a prefill block, a look-ahead probe or a decode step.
 
     ``start``/``end`` are padded-sequence positions ``[start, end)`` fed in this pass; ``evict`` is how many
     pairs each (sample, KV head) drops before the pass; ``step`` is the decode step t (1-based, 0 in prefill).
-    ``probe``: look-ahead probe tokens appended to this prefill block (``core.rules``): the prompt's
-    positions ``[s - probe, s)``; never written to the cache. A rule with ``every > 1`` probes only blocks
-    ``0, every, 2 * every, ...``.
+    A ``probe`` pass (rules with a look-ahead window, ``core.rules``) follows a prefill block ``[a, b)`` and feeds
+    the prompt's positions ``[max(b, s - window), s)`` as queries over the slots kept then; nothing is written
+    to the cache. It is a pass of its own, so it never widens a block's activations or attention workspace. A
+    rule with ``every > 1`` probes only after blocks ``0, every, 2 * every, ...``; never after the last block.
     """
 
-    kind: Literal["prefill", "decode"]
+    kind: Literal["prefill", "probe", "decode"]
     start: int
     end: int
     evict: int
     step: int = 0
-    probe: int = 0
 
     @property
     def size(self) -> int:
@@ -76,9 +76,10 @@ def plan(method: Method, prompt_len: int, max_new_tokens: int) -> list[Phase]:
     for i, (start, end) in enumerate(prefill_blocks(method, prompt_len)):
         evict = method.num_to_evict(filled, end - start, cap, first_decode=False)
         filled += end - start - evict
-        # Look-ahead probe: the prompt's positions [max(end, s - window), s), for every ``every``-th block but the last.
-        probe = prompt_len - max(end, prompt_len - window) if window and i % method.probe_every == 0 else 0
-        phases.append(Phase("prefill", start, end, evict, probe=probe))
+        phases.append(Phase("prefill", start, end, evict))
+        # Look-ahead probe: the prompt's positions [max(end, s - window), s), after every ``every``-th block but the last.
+        if window and end < prompt_len and i % method.probe_every == 0:
+            phases.append(Phase("probe", max(end, prompt_len - window), prompt_len, 0))
     for t in range(1, max_new_tokens):
         pos = prompt_len + t - 1
         evict = method.num_to_evict(filled, 1, cap, first_decode=t == 1)

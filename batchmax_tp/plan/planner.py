@@ -3,6 +3,9 @@
 Three parts are counted:
 - ``kv``: the K/V buffers (what ``BatchMaxCache.peak_kv_bytes`` measures): BM ``kv_max`` slots, ED the whole
   prompt during prefill, FKV prompt + generation, per (sample, local KV head, layer);
+- ``slot_meta``: BM's bookkeeping (what ``BatchMaxCache.peak_meta_bytes`` measures): per slot its position, attention
+  sum and additive mask for the whole run; for a rule with a look-ahead probe, during prefill only, the probe's
+  per-slot values and (``every > 1``) its stored queries (``core.probe.ProbeState``) once the first probe pass ran;
 - ``workspace``: the peak of one "batchmax" attention call, every tensor it allocates at its worst moment
   (``core.workspace.workspace_bytes``: one query chunk's float32 logits and probabilities, visibility mask, scaled
   queries and output, the slot positions, the [B, n, Hq, D] result), bounded by the query chunking of
@@ -15,6 +18,11 @@ Three parts are counted:
 
 Everything is per rank: under tensor parallelism heads and MLP columns are divided by ``tp`` (KV heads unevenly,
 as AutoTP does: rank 0 holds the most, which is what a budget must fit).
+
+BM's peak is found pass by pass (``core.schedule.plan``: prefill blocks, probe passes, decode steps): K/V and the
+run-long bookkeeping, plus the pass's activations, attention workspace and the prefill-only probe buffers alive
+then; the estimate reports the parts of the largest pass. A rule costs what it holds when it holds it: the first,
+longest block runs before any probe state exists, and probe passes are passes of their own.
 """
 
 from __future__ import annotations
@@ -22,9 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..core.workspace import sdpa_workspace_bytes, workspace_bytes
 from ..core.method import Method
-from ..core.schedule import capacity, prefill_blocks
+from ..core.schedule import capacity, plan, prefill_blocks
+from ..core.workspace import (decode_workspace_bytes, probe_state_bytes, probe_workspace_bytes, sdpa_workspace_bytes,
+                              workspace_bytes)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -90,7 +99,7 @@ class MemoryEstimate:
     workspace: int
     weights: int
     activations: int
-    slot_meta: int = 0  # the cache's per-slot position (int64) and attention sum (float32)
+    slot_meta: int = 0  # BM's bookkeeping at the peak pass (``bookkeeping_bytes`` is its most over the run)
 
     @property
     def total(self) -> int:
@@ -107,46 +116,67 @@ def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_
     q_heads, kv_heads = shape.local_heads(tp)
     cap = capacity(method, prompt_len, max_new_tokens)
     kv = 2 * batch * shape.layers * kv_heads * cap * shape.head_dim * nbytes
-    window = method.lookahead  # look-ahead probe tokens per prefill block (rules.py); 0 for the paper's rule
-    slot_meta = batch * shape.layers * kv_heads * cap * (8 + 4 + (4 if window else 0))
-    if window and method.probe_every > 1:  # the last probe's queries, own keys and weights, kept for re-scoring
-        slot_meta += batch * shape.layers * window * ((q_heads + kv_heads) * shape.head_dim * nbytes + 4)
-
-    # Attention calls: queries attend over the slots written so far (the cache's high-water mark): a prefill
-    # block ending at ``end`` sees ``end`` slots in order until the first eviction, then all ``cap``; a decode
-    # step one query. The engine passes a token mask with prefill blocks, none with decode steps.
-    def call(queries: int, slots: int, ordered: bool, padded: bool) -> int:
-        return workspace_bytes(batch, q_heads, kv_heads, queries, slots, shape.head_dim,
-                                         ordered=ordered, padded=padded, elem=nbytes)
-
-    workspace, evicted = 0, False
-    for start, end in prefill_blocks(method, prompt_len):
-        evicted = evicted or end > cap
-        block_ws = call(end - start, cap if evicted else end, not evicted, True)
-        w = prompt_len - max(end, prompt_len - window) if window else 0
-        if w:  # the probe's float32 logits and probabilities over the slots and its own keys, and its outputs
-            block_ws += 2 * 4 * batch * q_heads * w * (min(cap, end) + w) + nbytes * batch * w * q_heads * shape.head_dim
-        workspace = max(workspace, block_ws)
-    if max_new_tokens > 1:
-        if method.name == "ed":  # compacted to one pair at the first step, then never more than kv_max
-            decode_slots = min(method.kv_max, max_new_tokens)
-        else:
-            decode_slots = min(cap, prompt_len + max_new_tokens - 1)
-        workspace = max(workspace, call(1, decode_slots, False, False))
-
+    local_inter = math.ceil(shape.intermediate / tp)
+    # Live in one decoder layer: residual + normed hidden, q/k/v/out projections, 3 MLP intermediates; logits of
+    # the last position only (logits_to_keep=1) in float32 (a probe pass makes none).
+    per_token = (3 * shape.hidden + (q_heads + 2 * kv_heads) * shape.head_dim + 3 * local_inter) * nbytes
+    logits = batch * shape.vocab * 4
+    weights = shape.weights_per_rank(tp) * nbytes
     if method.name != "bm":  # FKV/ED run on the model's SDPA with a DenseCache (core.baseline): no score
         # blocks, no per-slot bookkeeping; worst case a padded batch (HF's prefill mask, FKV's decode mask).
         workspace = sdpa_workspace_bytes(batch, q_heads, kv_heads, shape.head_dim, prompt_len, nbytes, padded=True)
         slot_meta = batch * cap if method.name == "fkv" and max_new_tokens > 1 else 0
+        activations = batch * prompt_len * per_token + logits
+        return MemoryEstimate(kv, workspace, weights, activations, slot_meta)
 
-    block = max(end - start for start, end in prefill_blocks(method, prompt_len)) + window
-    local_inter = math.ceil(shape.intermediate / tp)
-    # Live in one decoder layer: residual + normed hidden, q/k/v/out projections, 3 MLP intermediates; logits of
-    # the last position only (logits_to_keep=1) in float32.
-    per_token = (3 * shape.hidden + (q_heads + 2 * kv_heads) * shape.head_dim + 3 * local_inter) * nbytes
-    activations = batch * block * per_token + batch * shape.vocab * 4
-    weights = shape.weights_per_rank(tp) * nbytes
-    return MemoryEstimate(kv, workspace, weights, activations, slot_meta)
+    held, probe_values, state = _bookkeeping(shape, method, batch, prompt_len, cap, q_heads, kv_heads, nbytes)
+    passes = []  # (activations, workspace, prefill-only bookkeeping) of each distinct pass
+    slots, probed = 0, False
+    for phase in plan(method, prompt_len, 1):
+        if phase.kind == "probe":
+            probed = True
+            passes.append((batch * phase.size * per_token,
+                           probe_workspace_bytes(batch, q_heads, kv_heads, phase.size, slots, shape.head_dim,
+                                                 nbytes), probe_values + state))
+            continue
+        # Queries attend over the slots written so far (the cache's high-water mark): in order until the first
+        # eviction, then all ``cap``. The engine passes a token mask with prefill blocks.
+        ordered = slots < cap and phase.end <= cap
+        slots = min(cap, phase.end) if ordered else cap
+        ws = workspace_bytes(batch, q_heads, kv_heads, phase.size, slots, shape.head_dim, ordered=ordered,
+                             padded=True, elem=nbytes)
+        passes.append((batch * phase.size * per_token + logits, ws, probe_values + (state if probed else 0)))
+    if max_new_tokens > 1:  # decode steps: one query over the slots held (never more than cap), no mask
+        decode_slots = min(cap, prompt_len + max_new_tokens - 1)
+        passes.append((batch * per_token + logits,
+                       decode_workspace_bytes(batch, q_heads, kv_heads, decode_slots, shape.head_dim, nbytes), 0))
+    activations, workspace, transient = max(passes, key=sum)
+    return MemoryEstimate(kv, workspace, weights, activations, held + transient)
+
+
+def _bookkeeping(shape: ModelShape, method: Method, batch: int, prompt_len: int, cap: int, q_heads: int,
+                 kv_heads: int, nbytes: int) -> tuple[int, int, int]:
+    """BM's bookkeeping bytes: (held all run: position, attention sum, additive mask per slot; the probe's values per
+    slot, prefill only; the stored probe state of a rule with ``every > 1``, from its first probe pass on)."""
+    held = batch * shape.layers * kv_heads * cap * (8 + 4 + nbytes)  # pos (int64), score (float32), bias
+    if not method.lookahead:
+        return held, 0, 0
+    probe_values = batch * shape.layers * kv_heads * cap * 4
+    w = max((ph.size for ph in plan(method, prompt_len, 1) if ph.kind == "probe"), default=0)
+    state = batch * shape.layers * probe_state_bytes(1, q_heads, w, shape.head_dim, nbytes) \
+        if w and method.probe_every > 1 else 0
+    return held, probe_values, state  # the probe values are allocated with the cache, probe pass or not
+
+
+def bookkeeping_bytes(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_new_tokens: int, *,
+                      tp: int = 1, dtype: str = "float32") -> int:
+    """The most per-slot bookkeeping BM holds at once (what ``BatchMaxCache.peak_meta_bytes`` measures); 0 for
+    FKV/ED, which run on the baselines' cache."""
+    if method.name != "bm":
+        return 0
+    q_heads, kv_heads = shape.local_heads(tp)
+    cap = capacity(method, prompt_len, max_new_tokens)
+    return sum(_bookkeeping(shape, method, batch, prompt_len, cap, q_heads, kv_heads, DTYPE_BYTES[dtype]))
 
 
 def max_batch(budget_bytes: int, shape: ModelShape, method: Method, prompt_len: int, max_new_tokens: int, *,
