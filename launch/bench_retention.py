@@ -3,6 +3,7 @@
     python launch/bench_retention.py                       # every registered rule at kv_max 512 and 256 (~12 min CPU)
     python launch/bench_retention.py --quick               # smoke run: one short prompt per kind, kv_max 256
     python launch/bench_retention.py --rules paper,pooled --kv-max 512 --out results/retention_512
+    python launch/bench_retention.py --split heldout --kinds needle,multi --rules 'paper;question' --kv-max 512,256,128
 
 The prompts are built from the project's own texts (``batchmax_tp/fixtures/retention/``: filler templates drawn
 with a fixed seed, four hand-written documents, hand-written facts) and measured with the model's tokenizer,
@@ -17,6 +18,22 @@ chat template applied:
   counted (1.0 = the same greedy choices). Greedy text drifts once one token differs, so ROUGE-2 alone mostly
   measures where the first difference falls; the forced agreement scores every step on the same prefix.
 
+**Splits** (``--split``): the ``question`` rule's defaults were tuned on this benchmark's own prompts, so they are
+checked on prompts they were not tuned on.
+
+- ``all`` (default) and ``tune`` are the same prompts: the suite as it was before the split (the nine facts of
+  ``needles.json``, its passkey wording, ``documents.json``, filler and passkeys from the seed stream
+  ``retention-SEED``), so results from before the split stay comparable. A split of these prompts by fact cannot
+  give a held-out half: every rule was tuned on the whole suite (all nine facts appear in its needles, the
+  first three documents in its summaries), so no half of it is untouched by the tuning.
+- ``heldout`` is new content, written after the tuning and used by no tuned-on prompt: ``heldout.json``'s ten
+  facts, its own passkey wording and three documents of its own; the filler (the shared templates of
+  ``filler.json``) is drawn from the stream ``retention-heldout-SEED`` and the passkeys from their own stream
+  ``retention-heldout-passkeys-SEED``. It has the same shape as ``all`` (per length three single needles at the
+  three depths and one multi-fact prompt: 18 needles at 1k/2k/3k, 6 at ~2k; three ~2k summaries), so needle hits
+  per kv_max compare. The two share no fact, passkey statement or document; a passkey value could repeat only by
+  chance (two independent draws of 5 digits), which the tests check does not happen at the default seeds.
+
 Every needle answer found in the output is a hit (passkey: the five digits as one number; fact: the answer as
 whole words, case and punctuation ignored). FKV (full cache) runs once; every rule runs as Batch-Max
 (Algorithm 1, same ``kv_max`` and ``p``) at each ``kv_max``. Samples run in batches of ``--batch-size`` prompts
@@ -24,7 +41,8 @@ of the same length bucket (left padding), greedy, ignoring EOS. tokens/s = gener
 decode seconds) over all batches of a row.
 
 Writes into ``--out`` (default results/retention): table.md, results.csv, retention.png, samples.jsonl (every
-output with its score) and settings.json (resolved settings, the prompts' measured lengths, wall time).
+output with its score) and settings.json (resolved settings, the split and what it holds, the prompts' measured
+lengths, wall time); table.md, results.csv and samples.jsonl name the split on every row.
 """
 
 from __future__ import annotations
@@ -55,6 +73,16 @@ DEFAULT_LENGTHS = (1024, 2048, 3072)
 #: The length the issue's targets are stated at (~2k-token prompts).
 TARGET_LENGTH = 2048
 KINDS = ("needle", "multi", "summary")
+#: Prompt sets (module docstring): ``all`` = ``tune`` = the suite the rules were tuned on; ``heldout`` = new content.
+SPLITS = ("all", "tune", "heldout")
+SPLIT_ABOUT = {
+    "all": "the suite the rules were tuned on (facts of needles.json, documents.json, seed stream retention-SEED); "
+           "the same prompts as tune",
+    "tune": "the suite the rules were tuned on (facts of needles.json, documents.json, seed stream retention-SEED); "
+            "the same prompts as all",
+    "heldout": "held out: heldout.json's facts, passkey wording and documents (none in any tuned-on prompt), filler "
+               "from seed stream retention-heldout-SEED, passkeys from retention-heldout-passkeys-SEED",
+}
 TARGETS = {"hits_vs_fkv": 0.90, "fidelity": 0.45, "speed_vs_paper": 0.85}
 NEEDLE_INSTRUCTION = "Read the text below carefully. A question about it follows the text."
 SUMMARY_INSTRUCTION = "Read the following collection of local news."
@@ -63,20 +91,43 @@ SUMMARY_QUESTION = "Summarize the text above in three sentences."
 
 # ---------------------------------------------------------------------- texts and samples
 @dataclass(frozen=True)
+class Content:
+    """What one split's needles and summaries are made of: facts, the passkey's wording, documents."""
+
+    facts: list[dict[str, str]]
+    passkey: dict[str, str]
+    documents: list[dict[str, str]]
+
+
+@dataclass(frozen=True)
 class Fixture:
     slots: dict[str, list[str]]
     topics: dict[str, list[str]]
     documents: list[dict[str, str]]
     facts: list[dict[str, str]]
     passkey: dict[str, str]
+    heldout: Content | None = None  #: ``heldout.json``: content no rule was tuned on
+
+    def content(self, split: str) -> Content:
+        """The split's facts, passkey wording and documents (``all`` and ``tune``: the tuned-on suite's)."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
+        if split != "heldout":
+            return Content(self.facts, self.passkey, self.documents)
+        if self.heldout is None:
+            raise ValueError("this fixture has no heldout.json: the heldout split needs it")
+        return self.heldout
 
 
 def load_fixture(folder: str | os.PathLike[str] = FIXTURE_DIR) -> Fixture:
     folder = Path(folder)
-    filler = json.loads((folder / "filler.json").read_text(encoding="utf-8"))
-    needles = json.loads((folder / "needles.json").read_text(encoding="utf-8"))
-    documents = json.loads((folder / "documents.json").read_text(encoding="utf-8"))
-    return Fixture(filler["slots"], filler["topics"], documents, needles["facts"], needles["passkey"])
+    read = lambda name: json.loads((folder / name).read_text(encoding="utf-8"))  # noqa: E731
+    filler, needles, documents = read("filler.json"), read("needles.json"), read("documents.json")
+    heldout = None
+    if (folder / "heldout.json").is_file():
+        h = read("heldout.json")
+        heldout = Content(h["facts"], h["passkey"], h["documents"])
+    return Fixture(filler["slots"], filler["topics"], documents, needles["facts"], needles["passkey"], heldout)
 
 
 _SLOT = re.compile(r"\{(\w+)\}")
@@ -114,9 +165,10 @@ class RetentionSample:
         return [n.answer for n in self.needles]
 
 
-def passkey_needle(rng: random.Random, fx: Fixture) -> Needle:
+def passkey_needle(rng: random.Random, passkey: dict[str, str]) -> Needle:
+    """A 5-digit key drawn from ``rng``, in ``passkey``'s wording (``statement`` with ``{key}``, ``question``)."""
     key = str(rng.randint(10000, 99999))
-    return Needle("passkey", fx.passkey["statement"].format(key=key), fx.passkey["question"], key)
+    return Needle("passkey", passkey["statement"].format(key=key), passkey["question"], key)
 
 
 def fact_needle(fact: dict[str, str]) -> Needle:
@@ -166,6 +218,15 @@ def build_prompt(
         paragraphs.append(filler_paragraph(rng, fx))
 
 
+def split_streams(split: str, seed: int) -> tuple[random.Random, random.Random]:
+    """(filler stream, passkey stream) of a split. ``all``/``tune``: one stream for both, as the suite the rules
+    were tuned on drew them; ``heldout``: two streams of their own seeds."""
+    if split in ("all", "tune"):
+        rng = random.Random(f"retention-{seed}")
+        return rng, rng
+    return random.Random(f"retention-heldout-{seed}"), random.Random(f"retention-heldout-passkeys-{seed}")
+
+
 def build_suite(
     count: Callable[[str], int],
     *,
@@ -175,32 +236,35 @@ def build_suite(
     summaries: Sequence[int] | None = None,
     seed: int = 0,
     fx: Fixture | None = None,
+    split: str = "all",
 ) -> list[RetentionSample]:
-    """The benchmark's prompts, deterministic for ``seed``.
+    """The benchmark's prompts, deterministic for ``seed`` and ``split``.
 
     Per length: one single-needle prompt per depth (passkey and fact alternate) and, with ``multi``, one prompt
     with a needle at every depth (3 depths: a passkey and two facts) asked together, so that with the default
     depths each length fills one batch of 4. ``summaries``: one summary prompt per listed length (None = three
-    of ``TARGET_LENGTH``, or the middle length; each uses the next hand-written document).
+    of ``TARGET_LENGTH``, or the middle length; each uses the next hand-written document). ``split``: whose
+    facts, passkey wording, documents and seed streams (``SPLITS``; the module docstring says why).
     """
     fx = fx or load_fixture()
-    rng = random.Random(f"retention-{seed}")
-    facts = list(fx.facts)
+    content = fx.content(split)
+    rng, key_rng = split_streams(split, seed)
+    facts = list(content.facts)
     rng.shuffle(facts)
     fact_iter = iter(facts * 8)
     out: list[RetentionSample] = []
     k = 0
     for length in lengths:
         for depth in depths:
-            needle = passkey_needle(rng, fx) if k % 2 == 0 else fact_needle(next(fact_iter))
+            needle = passkey_needle(key_rng, content.passkey) if k % 2 == 0 else fact_needle(next(fact_iter))
             k += 1
             text, n = build_prompt(count, rng, fx, length, NEEDLE_INSTRUCTION, _question([needle]),
                                    [(DEPTHS[depth], needle.statement)])
             out.append(RetentionSample(f"{needle.kind}-{length}-{depth}", "needle", length, text, [needle],
                                        [depth], n))
         if multi and len(depths) >= 2:
-            needles = [passkey_needle(rng, fx) if i == 0 and len(depths) >= 3 else fact_needle(next(fact_iter))
-                       for i in range(len(depths))]
+            needles = [passkey_needle(key_rng, content.passkey) if i == 0 and len(depths) >= 3
+                       else fact_needle(next(fact_iter)) for i in range(len(depths))]
             order = list(range(len(depths)))
             rng.shuffle(order)  # which needle sits at which depth
             placed = [(DEPTHS[depths[order[i]]], needles[i].statement) for i in range(len(needles))]
@@ -211,11 +275,17 @@ def build_suite(
         mid = TARGET_LENGTH if TARGET_LENGTH in lengths else sorted(lengths)[len(lengths) // 2]
         summaries = [mid] * 3
     for i, length in enumerate(summaries):
-        doc = fx.documents[i % len(fx.documents)]
+        doc = content.documents[i % len(content.documents)]
         text, n = build_prompt(count, rng, fx, length, SUMMARY_INSTRUCTION, SUMMARY_QUESTION,
                                [(0.4, f"{doc['title']}\n\n{doc['text']}")])
         out.append(RetentionSample(f"summary-{length}-{i}", "summary", length, text, [], [], n))
     return out
+
+
+def shared_needles(a: Sequence[RetentionSample], b: Sequence[RetentionSample]) -> list[str]:
+    """Needle statements or answers (passkeys) that both prompt sets hold: none between ``tune`` and ``heldout``."""
+    seen = lambda suite: {x for s in suite for n in s.needles for x in (n.statement, n.answer)}  # noqa: E731
+    return sorted(seen(a) & seen(b))
 
 
 def token_counter(tokenizer: Any) -> Callable[[str], int]:
@@ -338,12 +408,13 @@ def run_row(model: Any, tokenizer: Any, row: Row, groups: Sequence[list[Retentio
 
 # ---------------------------------------------------------------------- scoring a run and the table
 def score_rows(samples: Sequence[RetentionSample], runs: dict[Row, dict[str, Any]],
-               target_length: int = TARGET_LENGTH) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+               target_length: int = TARGET_LENGTH,
+               split: str = "all") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(table rows, per-sample records). ``runs`` must hold the FKV row (the fidelity reference).
 
     Per row: needle hits (all lengths, and prompts of ``target_length``), as fractions of FKV's; fidelity =
     mean ROUGE-2 F of each summary against FKV's summary of the same prompt (all, and at ``target_length``);
-    tokens/s and its ratio to the paper rule's at the same kv_max.
+    tokens/s and its ratio to the paper rule's at the same kv_max. Rows and records name the prompts' ``split``.
     """
     from batchmax_tp.eval.metrics import rouge2
 
@@ -358,7 +429,8 @@ def score_rows(samples: Sequence[RetentionSample], runs: dict[Row, dict[str, Any
         agree: list[float] = []
         for s in samples:
             out = run["outputs"][s.id]
-            rec = {"row": row.label, "rule": row.rule, "kv_max": row.kv_max, "id": s.id, "kind": s.kind,
+            rec = {"row": row.label, "rule": row.rule, "kv_max": row.kv_max, "split": split, "id": s.id,
+                   "kind": s.kind,
                    "prompt_tokens": s.prompt_tokens, "depths": s.depths, "answers": s.answers, "output": out}
             if s.kind == "summary":
                 f = 1.0 if row is fkv_row else rouge2(out, fkv_out[s.id]) if fkv_out[s.id].strip() else 0.0
@@ -391,7 +463,7 @@ def score_rows(samples: Sequence[RetentionSample], runs: dict[Row, dict[str, Any
             "tokens_per_s": (statistics.median(run["speed"]) if run.get("speed") else
                              run["generated_tokens"] / total_s if total_s > 0 else None),
             "speed": run.get("speed"),
-            "peak_kv_mib": run["peak_kv_bytes"] / 2**20,
+            "peak_kv_mib": run["peak_kv_bytes"] / 2**20, "split": split,
         })
     fkv = next(t for t in table if t["method"] == "fkv")
     paper = {t["kv_max"]: t for t in table if t["rule"] == "paper"}
@@ -413,7 +485,7 @@ def score_rows(samples: Sequence[RetentionSample], runs: dict[Row, dict[str, Any
 
 CSV_COLUMNS = ("method", "rule", "kv_max", "p", "needle_hits", "needle_total", "hits_vs_fkv", "hits_2k", "total_2k",
                "hits_2k_vs_fkv", "fidelity_rouge2", "fidelity_2k", "forced_agreement", "tokens_per_s", "speed_vs_paper",
-               "meets_targets", "generated_tokens", "prefill_s", "decode_s", "peak_kv_mib")
+               "meets_targets", "generated_tokens", "prefill_s", "decode_s", "peak_kv_mib", "split")
 
 
 def format_csv(table: Sequence[dict[str, Any]]) -> str:
@@ -434,8 +506,8 @@ def format_markdown(table: Sequence[dict[str, Any]], target_length: int = TARGET
     k = f"{target_length // 1024}k" if target_length % 1024 == 0 else str(target_length)
     lines = [
         f"| method | rule | kv_max | needle hits | hits / FKV | hits @{k} | @{k} / FKV | fidelity (R-2 vs FKV) | "
-        f"fidelity @{k} | forced agreement | tokens/s | vs paper rule | peak KV MiB | targets met |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        f"fidelity @{k} | forced agreement | tokens/s | vs paper rule | peak KV MiB | targets met | split |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---|",
     ]
     for t in table:
         met = {None: "-", True: "yes", False: "no"}[t["meets_targets"]]
@@ -444,7 +516,7 @@ def format_markdown(table: Sequence[dict[str, Any]], target_length: int = TARGET
             f"{_f(t['hits_vs_fkv'], '.2f')} | {t['hits_2k']}/{t['total_2k']} | {_f(t['hits_2k_vs_fkv'], '.2f')} | "
             f"{_f(t['fidelity_rouge2'], '.3f')} | {_f(t['fidelity_2k'], '.3f')} | "
             f"{_f(t.get('forced_agreement'), '.3f')} | {_f(t['tokens_per_s'], '.2f')} | "
-            f"{_f(t['speed_vs_paper'], '.2f')} | {_f(t['peak_kv_mib'], '.1f')} | {met} |")
+            f"{_f(t['speed_vs_paper'], '.2f')} | {_f(t['peak_kv_mib'], '.1f')} | {met} | {t.get('split', 'all')} |")
     lines.append("")
     lines.append(f"Targets (issue 9, stated for kv_max 512 on ~2k-token prompts; 'targets met' checks them on the "
                  f"{k}-token prompts of every row): hits >= {TARGETS['hits_vs_fkv']:.0%} of FKV's, fidelity >= "
@@ -534,6 +606,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kinds", default="needle,multi,summary",
                     help="prompt kinds to run, comma-separated (default all: needle,multi,summary); the prompts are "
                          "drawn as for the whole suite, then filtered")
+    ap.add_argument("--split", default="all", choices=SPLITS,
+                    help="prompt set: all (default, today's suite, = tune: the prompts the rules were tuned on) or "
+                         "heldout (new facts, passkey wording, documents and seeds; see the module docstring)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--needle-tokens", type=int, default=None, help="new tokens for needle prompts (default 40: "
                     "multi-fact answers need room)")
@@ -580,6 +655,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def cli_suite(count: Callable[[str], int], a: argparse.Namespace, split: str) -> list[RetentionSample]:
+    """The command line's prompts of ``split`` (every kind; ``--kinds`` filters later)."""
+    if not a.quick:
+        return build_suite(count, lengths=a.lengths, seed=a.seed, split=split)
+    samples = build_suite(count, lengths=a.lengths, depths=("middle",), multi=False, summaries=a.lengths,
+                          seed=a.seed, split=split)
+    samples.insert(1, build_suite(count, lengths=a.lengths, depths=("early", "late"), multi=True,
+                                  summaries=[], seed=a.seed + 1, split=split)[-1])
+    return samples
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -592,18 +678,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     model, tokenizer = load_model(a.model or EMBEDDED_MODEL, dtype=a.dtype, device=a.device)
     count = token_counter(tokenizer)
-    if a.quick:
-        samples = build_suite(count, lengths=a.lengths, depths=("middle",), multi=False, summaries=a.lengths,
-                              seed=a.seed)
-        samples.insert(1, build_suite(count, lengths=a.lengths, depths=("early", "late"), multi=True,
-                                      summaries=[], seed=a.seed + 1)[-1])
-    else:
-        samples = build_suite(count, lengths=a.lengths, seed=a.seed)
+    samples = cli_suite(count, a, a.split)
+    shared = []
+    if a.split == "heldout":  # its passkeys are drawn apart from the tuned suite's: a repeat would be chance
+        shared = shared_needles(samples, cli_suite(count, a, "tune"))
+        if shared:
+            logger.warning("held-out needles also in the tuned suite at seed %d: %s", a.seed, ", ".join(shared))
     samples = [s for s in samples if s.kind in a.kinds]
     target_length = TARGET_LENGTH if TARGET_LENGTH in a.lengths else sorted(a.lengths)[len(a.lengths) // 2]
     groups = batches(samples, a.batch_size)
     rows = [Row("fkv", None, None, a.p)] + [Row("bm", r, k, a.p) for k in a.kv_max for r in a.rules]
-    logger.info("%d prompts (%s tokens), %d batches, %d rows: %s", len(samples),
+    logger.info("split %s: %d prompts (%s tokens), %d batches, %d rows: %s", a.split, len(samples),
                 ",".join(str(s.prompt_tokens) for s in samples), len(groups), len(rows),
                 ", ".join(r.label for r in rows))
 
@@ -632,12 +717,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runs[row].setdefault("speed", []).append(r["generated_tokens"] / (r["prefill_s"] + r["decode_s"]))
     finally:
         bar.close()
-    table, records = score_rows(samples, runs, target_length)
+    table, records = score_rows(samples, runs, target_length, a.split)
     wall = time.perf_counter() - start
     settings = {
         "command": " ".join([os.path.basename(sys.executable), "launch/bench_retention.py", *(argv or sys.argv[1:])]),
         "model": a.model or EMBEDDED_MODEL, "rules": a.rules, "kv_max": a.kv_max, "p": a.p, "lengths": a.lengths,
-        "target_length": target_length, "kinds": a.kinds, "batch_size": a.batch_size,
+        "target_length": target_length, "kinds": a.kinds, "split": a.split, "split_about": SPLIT_ABOUT[a.split],
+        "shared_with_tune": shared,
+        "batch_size": a.batch_size,
         "needle_tokens": a.needle_tokens, "summary_tokens": a.summary_tokens, "speed_repeats": a.speed_repeats,
         "timed_batch": [x.id for x in timed], "decoding": "greedy, ignore_eos", "seed": a.seed, "dtype": a.dtype,
         "device": a.device, "quick": a.quick, "threads": torch.get_num_threads(), "targets": TARGETS,

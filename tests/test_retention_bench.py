@@ -7,9 +7,11 @@ Prompts are measured with the embedded model's tokenizer; one end-to-end test ru
 from __future__ import annotations
 
 import csv
+import hashlib
 import importlib.util
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -72,6 +74,69 @@ def test_suite_lengths_depths_and_determinism(count):
     assert [s.prompt for s in again] == [s.prompt for s in suite]
     other = br.build_suite(count, lengths=[600, 900], summaries=[260], seed=4)
     assert [s.prompt for s in other] != [s.prompt for s in suite]
+
+
+def _word_count(text):
+    """A stand-in for the tokenizer (words and punctuation marks), so the suite builds without a model."""
+    return len(re.findall(r"\w+|[^\w\s]", text))
+
+
+#: The default suite as built before --split existed (with ``_word_count``): ids, needle answers, prompts' hash.
+FROZEN_ALL = {
+    "ids": ["passkey-1024-early", "fact-1024-middle", "passkey-1024-late", "multi-1024", "fact-2048-early",
+            "passkey-2048-middle", "fact-2048-late", "multi-2048", "passkey-3072-early", "fact-3072-middle",
+            "passkey-3072-late", "multi-3072", "summary-2048-0", "summary-2048-1", "summary-2048-2"],
+    "answers": ["59951", "Rotterdam", "57965", "34348", "Skomer", "cello", "Northern Wren", "25154", "blue flowerpot",
+                "33165", "Amber Lantern", "Lyon", "54405", "Midnight Clover", "94022", "53491", "Jasper Quill",
+                "Rotterdam"],
+    "sha256": "a36a786f50973bf01ea9178f3b62811d59027daef8b837db87e3d647165ab653",
+}
+
+
+def _digest(suite):
+    return hashlib.sha256("\x00".join(s.prompt for s in suite).encode()).hexdigest()
+
+
+def test_split_all_and_tune_are_the_suite_from_before_the_split():
+    for split in ("all", "tune"):
+        suite = br.build_suite(_word_count, split=split)
+        assert [s.id for s in suite] == FROZEN_ALL["ids"]
+        assert [a for s in suite for a in s.answers] == FROZEN_ALL["answers"]
+        assert _digest(suite) == FROZEN_ALL["sha256"]
+    quick = br.build_suite(_word_count, lengths=[768], depths=("middle",), multi=False, summaries=[768])
+    assert _digest(quick) == "0955ac2c9031e9269172b6eb727160f52f8216de3c235fc45ebef68ba203eb7e"
+    with pytest.raises(ValueError, match="unknown split"):
+        br.build_suite(_word_count, split="train")
+
+
+def _documents(suite, fx):
+    docs = fx.documents + fx.heldout.documents
+    return {d["title"] for s in suite if s.kind == "summary" for d in docs if d["text"] in s.prompt}
+
+
+def test_heldout_split_is_disjoint_from_the_tuned_suite_and_deterministic():
+    fx = br.load_fixture()
+    for seed in range(3):
+        tune = br.build_suite(_word_count, seed=seed, split="tune")
+        held = br.build_suite(_word_count, seed=seed, split="heldout")
+        assert [s.prompt for s in br.build_suite(_word_count, seed=seed, split="heldout")] == [s.prompt for s in held]
+        assert br.shared_needles(tune, held) == []  # no statement, no answer (passkeys included)
+        assert _documents(tune, fx).isdisjoint(_documents(held, fx)) and len(_documents(held, fx)) == 3
+        # the same shape: as many needles, at every depth and length, as the tuned suite
+        placed = lambda suite: sorted((s.kind, s.length, d) for s in suite for d in s.depths)  # noqa: E731
+        kinds = lambda suite: sorted(n.kind for s in suite for n in s.needles)  # noqa: E731
+        assert placed(held) == placed(tune) and len(placed(held)) == 18 and kinds(held) == kinds(tune)
+        assert sum(s.length == 2048 for s in held for _ in s.needles) == 6
+        keys = [n for s in held for n in s.needles if n.kind == "passkey"]
+        assert all(n.statement == fx.heldout.passkey["statement"].format(key=n.answer) for n in keys)
+    assert _digest(br.build_suite(_word_count, seed=1, split="heldout")) != _digest(held)
+    first = tune[0].needles[0]
+    assert br.shared_needles(tune, tune[:1]) == sorted([first.statement, first.answer])
+    # no held-out fact was in the tuned fixture at all, not only absent from these prompts
+    assert {f["statement"] for f in fx.facts}.isdisjoint(f["statement"] for f in fx.heldout.facts)
+    assert {d["title"] for d in fx.documents}.isdisjoint(d["title"] for d in fx.heldout.documents)
+    for fact in fx.heldout.facts:
+        assert fact["answer"] in fact["statement"]
 
 
 def test_needle_scoring():
@@ -150,6 +215,12 @@ def test_score_rows_table_and_csv():
     md = br.format_markdown(table, 2048).splitlines()
     assert md[0].startswith("| method | rule | kv_max | needle hits") and len(md) >= 5
     assert "| bm | paper | 512 | 2/4 | 0.50 | 1/3 | 0.33 |" in md[3]
+    assert [r["split"] for r in rows] == ["all"] * 3 and md[0].endswith("| targets met | split |")
+
+    held, held_records = br.score_rows(samples, runs, target_length=2048, split="heldout")
+    assert {r["split"] for r in held_records} == {"heldout"}
+    assert [r["split"] for r in csv.DictReader(io.StringIO(br.format_csv(held)))] == ["heldout"] * 3
+    assert br.format_markdown(held, 2048).splitlines()[3].endswith("| no | heldout |")
 
 
 def test_interleaved_timings_give_median_speed_and_ratio():
@@ -206,6 +277,10 @@ def test_cli_rejects_bad_settings(capsys):
     with pytest.raises(SystemExit):
         br.parse_args(["--kinds", "summary,poems"])
     assert "--kinds: choose from needle, multi, summary" in capsys.readouterr().err
+    assert a.split == "all" and br.parse_args(["--split", "heldout"]).split == "heldout"
+    with pytest.raises(SystemExit):
+        br.parse_args(["--split", "train"])
+    assert "invalid choice: 'train'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- the main job's same-memory run (runner)

@@ -1,0 +1,79 @@
+"""launch/bench_throughput.py: rule parsing, row labels and the ratio / best-rule selection (no model runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_throughput", ROOT / "launch" / "bench_throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bt = _load_bench()
+
+
+def _row(method, tokens_per_s, kv_max=None, rule=None, batch=4, status="ok"):
+    return {"method": method, "rule": rule, "kv_max": kv_max, "batch": batch, "status": status,
+            "tokens_per_s": tokens_per_s}
+
+
+ROWS = [
+    _row("fkv", 10.0),
+    _row("ed", 12.0, kv_max=2),
+    _row("ed", 16.0, kv_max=65),  # the fastest ED row is the reference, whatever its kv_max
+    _row("bm", 20.0, kv_max=512, rule="paper", batch=13),
+    _row("bm", 24.0, kv_max=256, rule="paper", batch=16),
+    _row("bm", 18.0, kv_max=512, rule="question", batch=11),
+    _row("bm", 30.0, kv_max=256, rule="question", status="OOM"),  # not run: never the fastest
+]
+
+
+def test_ratios_use_each_rules_fastest_bm_and_the_fastest_ed():
+    paper = bt.ratios(ROWS, "paper")
+    assert paper["bm_over_ed"] == pytest.approx(24.0 / 16.0) and paper["bm_over_fkv"] == pytest.approx(2.4)
+    assert (paper["rule"], paper["bm_kv_max"], paper["bm_batch"]) == ("paper", 256, 16)
+    question = bt.ratios(ROWS, "question")
+    assert question["bm_over_ed"] == pytest.approx(18.0 / 16.0) and question["bm_over_fkv"] == pytest.approx(1.8)
+    assert (question["bm_kv_max"], question["bm_batch"]) == (512, 11)
+    assert bt.ratios(ROWS, "snapkv") == {"rule": "snapkv", "bm_kv_max": None, "bm_batch": None,
+                                         "bm_over_ed": None, "bm_over_fkv": None}
+    assert bt.ratios(ROWS, None)["bm_over_ed"] is None
+    no_ed = [r for r in ROWS if r["method"] != "ed"]
+    assert bt.ratios(no_ed, "paper")["bm_over_ed"] is None and bt.ratios(no_ed, "paper")["bm_over_fkv"] == 2.4
+
+
+def test_best_rule_is_the_first_non_paper_rule():
+    assert bt.best_rule(["paper", "question"]) == "question"
+    assert bt.best_rule(["question:every=1", "paper", "probe"]) == "question:every=1"
+    assert bt.best_rule(["paper"]) is None
+
+
+def test_rules_lengths_and_labels():
+    assert bt.parse_rules("paper,question") == ["paper", "question"]
+    assert bt.parse_rules("paper;snapkv:window=64,kernel=5") == ["paper", "snapkv:window=64,kernel=5"]
+    with pytest.raises(ValueError, match="unknown rule"):
+        bt.parse_rules("paper,nope")
+    with pytest.raises(ValueError, match="at least one"):
+        bt.parse_rules(" , ")
+    assert bt.lengths_arg("") == [] and bt.lengths_arg("512, 1024") == [512, 1024]
+    assert bt.label("bm", 512, "question") == "BM (question, kv_max 512)"
+    assert bt.label("ed", 2) == "ED (kv_max 2)" and bt.label("fkv", None) == "FKV"
+    for rule in ("paper", "question", "sinks:recent=200"):  # the warm-up's small BM is valid for every rule
+        m = bt.warm_method(rule)
+        assert m.rule == rule and m.kv_max - m.p >= m.scorer.protected()
+
+
+def test_bad_rules_stop_before_the_model_loads(capsys):
+    with pytest.raises(SystemExit):
+        bt.main(["--rules", "paper,nope", "--device", "cpu"])
+    assert "unknown rule 'nope'" in capsys.readouterr().err
