@@ -44,6 +44,7 @@ from .eval.report import write_report
 from .eval.run import (RankOutOfMemory, encode_prompts, evaluate_run, fill_samples, longest_prompt, model_shape,
                        warm_up, write_config)
 from .plan.budget import RunSpec, fmt_bytes, paper_specs, same_memory_plan, story_methods
+from .plan.tuner import kv_floor
 
 logger = logging.getLogger("batchmax_tp.run")
 
@@ -87,7 +88,7 @@ def _warm_up_methods(cfg: RunConfig, same_memory: bool) -> list[Method]:
     if same_memory:
         return story_methods({"ed": cfg.kv_max_for("ed"), "bm": cfg.kv_max_for("bm")}, cfg.p, cfg.rule)
     if cfg.procedure is not None:
-        kv = cfg.kv_values[0] if cfg.kv_values else max(128, cfg.p + 64)
+        kv = cfg.kv_values[0] if cfg.kv_values else max(128, cfg.p + 64, kv_floor(cfg.p, cfg.rule))
         return [Method("fkv", p=cfg.p), Method("ed", kv_max=2, p=cfg.p), Method("bm", kv_max=kv, p=cfg.p, rule=cfg.rule)]
     return list({s.method: None for s in cfg.run_specs()})
 

@@ -4,9 +4,9 @@
 - :func:`predict_spec`: the planner's peak per rank of a run, with the batch size and the longest prompt of its
   samples (every batch is padded to its longest prompt, so no batch of the run needs more);
 - :func:`paper_specs`: the runs of the paper's procedure (section 4.1; ``tuner.paper_plan``): ED (kv_max 2) at
-  b0, the smallest batch that does not fit (an OOM row), ED 2 and 65 and FKV at b0 - 1, BM at each kv_max's
-  largest fitting batch that divides the number of samples; b0 from the planner, or from real trials when a
-  ``fits`` callback is given (``batchmax_tp.eval.procedures.ed_trials`` on CUDA);
+  b0, the smallest batch that does not fit (an OOM row), ED 2 and 65 and FKV at b0 - 1, BM (sized with the rule it
+  runs) at each kv_max's largest fitting batch that divides the number of samples; b0 from the planner, or from
+  real trials when a ``fits`` callback is given (``batchmax_tp.eval.procedures.ed_trials`` on CUDA);
 - :func:`same_memory_plan`: the plain run's comparison (FKV, ED, BM, BM with the best rule), each method at its
   largest batch within one budget (default: what FKV needs at batch 4).
 
@@ -15,7 +15,6 @@ Nothing here imports torch or transformers: planning is arithmetic on ``planner.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -97,17 +96,18 @@ def paper_specs(shape: ModelShape, prompt_len: int, *, budget: int, max_new_toke
                 rule: str, kv_values: Sequence[int] | None, num_samples: int, tp: int = 1,
                 fits: Callable[[int], bool] | None = None) -> tuple[list[RunSpec], dict]:
     """The runs of the paper's procedure (``tuner.paper_plan``) and the plan as a dict (``OUT/plan.json``): b0, the
-    prompt length, each run's predicted peak and whether it fits. ``rule``: BM's eviction rule.
+    prompt length, each run's predicted peak and whether it fits. ``rule``: BM's eviction rule, which also sizes BM's
+    batches (a rule with a probe fits fewer samples than the paper's in the same memory).
 
     ``fits``: real trials (on CUDA): b0 is then searched for real from the planner's guess (``b0_source:
     measured``); without it the planner's b0 stands (``b0_source: planner``, as on a CPU)."""
-    grid = list(kv_values) if kv_values else kv_grid(prompt_len, 128, p)
+    grid = list(kv_values) if kv_values else kv_grid(prompt_len, 128, p, rule)
     dtype = planned_dtype(dtype)
     guess = planned_b0(budget, shape, prompt_len, max_new_tokens, dtype=dtype, tp=tp, p=p)
     measured = find_b0(guess, fits) if fits is not None else None
     plan = paper_plan(budget, shape, prompt_len, max_new_tokens, dtype=dtype, tp=tp, p=p,
-                      num_samples=num_samples, kv_values=grid, b0=measured)
-    specs = [RunSpec(dataclasses.replace(m, rule=rule if m.name == "bm" else "paper"), b) for m, b in plan]
+                      num_samples=num_samples, kv_values=grid, b0=measured, rule=rule)
+    specs = [RunSpec(m, b) for m, b in plan]
     b0 = specs[0].batch_size
     adjusted = None
     for spec in specs:
