@@ -146,7 +146,7 @@ class RunConfig:
     runs: list[dict[str, Any]] | None = None  #: sweep entries {method, batch_size, kv_max}; null = methods x b
     memory_budget: str | int | None = None  #: peak bytes per rank a run may need (planner); over it = an OOM row
     procedure: str | None = None  #: null = the runs as listed; paper = the paper's b0 procedure; tune = auto-tuner
-    kv_values: list[int] | None = None  #: BM kv_max values for the procedures; null = tuner.kv_grid(prompt)
+    kv_values: list[int] | None = None  #: BM kv_max values for the procedures; null = tuner.kv_grid(prompt, rule)
     target: float = 0.95  #: tune: the BM metric must reach target x FKV's
 
     def __post_init__(self) -> None:
