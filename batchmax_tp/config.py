@@ -25,7 +25,7 @@ from .core.method import Method
 from .core.rules import get_rule, rule_names
 from .eval.metrics import METRICS
 from .eval.tasks import TASK_NAMES, TASKS
-from .plan.budget import RunSpec
+from .plan.budget import RunSpec, story_methods
 from .plan.planner import parse_bytes
 
 __all__ = [
@@ -146,7 +146,7 @@ class RunConfig:
     runs: list[dict[str, Any]] | None = None  #: sweep entries {method, batch_size, kv_max}; null = methods x b
     memory_budget: str | int | None = None  #: peak bytes per rank a run may need (planner); over it = an OOM row
     procedure: str | None = None  #: null = the runs as listed; paper = the paper's b0 procedure; tune = auto-tuner
-    kv_values: list[int] | None = None  #: BM kv_max values for the procedures; null = tuner.kv_grid(prompt)
+    kv_values: list[int] | None = None  #: BM kv_max values for the procedures; null = tuner.kv_grid(prompt, rule)
     target: float = 0.95  #: tune: the BM metric must reach target x FKV's
 
     def __post_init__(self) -> None:
@@ -201,6 +201,8 @@ class RunConfig:
             self.method_specs()  # the method rules live in core.method.Method; check them now, before any model loads
         else:
             self.run_specs()
+        if self.same_memory:
+            self._validate_story()
 
     @staticmethod
     def _validate_rule(rule: str, key: str) -> None:
@@ -208,6 +210,15 @@ class RunConfig:
             get_rule(rule)
         except ValueError as err:
             raise ConfigError(key, str(err)) from None
+
+    def _validate_story(self) -> None:
+        """``same_memory: true`` runs FKV, ED, the paper's BM and BM with the best rule (``plan.budget.story_methods``,
+        whatever ``methods`` says): each must run with ``kv_max`` and ``p``."""
+        try:
+            story_methods({"ed": self.kv_max_for("ed"), "bm": self.kv_max_for("bm")}, self.p, self.rule)
+        except ValueError as err:
+            raise ConfigError("kv_max", f"the same-memory run (FKV, ED, BM, BM with the best rule) cannot use it: "
+                              f"{err}") from None
 
     def rule_for(self, method: str) -> str:
         """The eviction rule ``method`` runs with: ``rule`` for bm, the paper's (the only one) for ed/fkv."""
@@ -250,8 +261,10 @@ class RunConfig:
             for k in self.kv_values:
                 if isinstance(k, bool) or not isinstance(k, int):
                     raise ConfigError("kv_values", f"entries must be integers, got {k!r}")
-                if k <= self.p:
-                    raise ConfigError("kv_values", f"BM needs kv_max > p, got kv_max={k} with p={self.p}")
+                try:  # each entry is a BM run with the configured rule (Method owns the rules)
+                    Method("bm", kv_max=k, p=self.p, rule=self.rule_for("bm"))
+                except ValueError as err:
+                    raise ConfigError("kv_values", f"BM cannot run with kv_max={k}: {err}") from None
             if len(set(self.kv_values)) != len(self.kv_values):
                 raise ConfigError("kv_values", f"duplicate values in {self.kv_values}")
 

@@ -7,7 +7,9 @@ split with AutoTP; then the runs:
 
 - listed runs (``runs``, or each of ``methods`` at ``batch_size``);
 - the same-memory comparison (a plain ``python launch/run.py``): FKV, ED, the paper's BM and BM with the best
-  rule, each at its largest batch within FKV's memory at batch 4 (``plan.budget.same_memory_plan``);
+  rule, each at its largest batch within FKV's memory at batch 4, bounded only by the number of prompts (the
+  samples repeated up to the largest fitting batch, at most ``plan.budget.STORY_MAX_PROMPTS``;
+  ``plan.budget.same_memory_plan``);
 - ``procedure: paper``: the paper's b0 procedure (``plan.budget.paper_specs``; b0 by real ED trials on CUDA);
 - ``procedure: tune``: the auto-tuner's trials (``eval.procedures.run_tuner``), into ``OUT/tune/``.
 
@@ -43,7 +45,9 @@ from .eval.files import atomic_write_text
 from .eval.report import write_report
 from .eval.run import (RankOutOfMemory, encode_prompts, evaluate_run, fill_samples, longest_prompt, model_shape,
                        warm_up, write_config)
-from .plan.budget import RunSpec, fmt_bytes, paper_specs, same_memory_plan, story_methods
+from .plan.budget import (STORY_FKV_BATCH, STORY_MAX_PROMPTS, RunSpec, fmt_bytes, paper_specs, same_memory_plan,
+                          story_methods)
+from .plan.tuner import kv_floor
 
 logger = logging.getLogger("batchmax_tp.run")
 
@@ -87,7 +91,7 @@ def _warm_up_methods(cfg: RunConfig, same_memory: bool) -> list[Method]:
     if same_memory:
         return story_methods({"ed": cfg.kv_max_for("ed"), "bm": cfg.kv_max_for("bm")}, cfg.p, cfg.rule)
     if cfg.procedure is not None:
-        kv = cfg.kv_values[0] if cfg.kv_values else max(128, cfg.p + 64)
+        kv = cfg.kv_values[0] if cfg.kv_values else max(128, cfg.p + 64, kv_floor(cfg.p, cfg.rule))
         return [Method("fkv", p=cfg.p), Method("ed", kv_max=2, p=cfg.p), Method("bm", kv_max=kv, p=cfg.p, rule=cfg.rule)]
     return list({s.method: None for s in cfg.run_specs()})
 
@@ -246,14 +250,16 @@ def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | 
             atomic_write_text(Path(cfg.out) / "plan.json", json.dumps(plan, indent=2) + "\n")
         notes.append(plan["b0_note"])
     elif same_memory:
-        budget, plan = same_memory_plan(shape, methods, prompt_len, cfg.max_new_tokens, budget_bytes=cfg.budget_bytes(),
-                                        tp=layout.tp, dtype=cfg.dtype)
+        budget, plan = same_memory_plan(shape, methods, prompt_len, cfg.max_new_tokens, num_samples=len(samples),
+                                        budget_bytes=cfg.budget_bytes(), tp=layout.tp, dtype=cfg.dtype)
         specs = [r.spec for r in plan]
         extra = {r.spec: {"same_memory_budget_bytes": budget, "largest_fitting_batch": r.largest_fitting}
                  for r in plan}
         samples = fill_samples(samples, max(s.batch_size for s in specs))
-        notes.append(f"Same memory: a budget of {fmt_bytes(budget)} per rank (the planner's peak of FKV at batch 4 "
-                     "unless memory_budget is set); every method runs at its largest batch within it (at most 16): "
+        notes.append(f"Same memory: a budget of {fmt_bytes(budget)} per rank (the planner's peak of FKV at batch "
+                     f"{STORY_FKV_BATCH} unless memory_budget is set); every method runs at its largest batch within "
+                     f"it, bounded by the {len(samples)} prompts every method answers (the samples repeated up to the "
+                     f"largest fitting batch, at most {STORY_MAX_PROMPTS}): "
                      + ", ".join(f"{s.name} (fits {r.largest_fitting})" for s, r in zip(specs, plan)) + ".")
         logger.info("same-memory run: %s", notes[-1])
     else:

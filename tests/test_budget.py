@@ -291,7 +291,60 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
     assert f"b = {fit}" in info["adjusted"] and [r["fits"] for r in info["runs"]] == [False, True, True, True, True]
 
 
+def test_paper_procedure_sizes_bm_with_the_rule_it_runs():
+    """``--procedure paper --rule question``: BM's batch is the largest the question rule fits (probe tokens and
+    stored probe queries counted), not the paper rule's, which would overflow the budget."""
+    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+                       params=134_515_008)
+    cfg = parse_args(["--procedure", "paper", "--memory-budget", "1", "--rule", "question", "--kv-values", "512",
+                      "--device", "cpu"])
+    s, new = 1024, 64
+    paper, question = Method("bm", kv_max=512, p=64), Method("bm", kv_max=512, p=64, rule=cfg.rule)
+    limit = predict(shape, paper, 40, s, new).total  # the paper's rule fits b=40 (a divisor of 960) exactly
+    assert paper_plan(limit, shape, s, new, dtype="float32", kv_values=[512])[-1] == (paper, 40)
+    assert predict(shape, question, 40, s, new).total > limit  # premise: the paper's sizing overflows question
+    specs, info = budget.paper_specs(shape, s, budget=limit, max_new_tokens=new, dtype="float32", p=cfg.p,
+                                     rule=cfg.rule, kv_values=cfg.kv_values, num_samples=960)
+    bm = [x for x in specs if x.method.name == "bm"]
+    assert [x.method for x in bm] == [question] and bm[0].name == f"bm-question-b{bm[0].batch_size}-kv512"
+    assert 0 < bm[0].batch_size < 40 and predict(shape, question, bm[0].batch_size, s, new).total <= limit
+    assert [r["fits"] for r in info["runs"] if r["method"] == "bm"] == [True]
+
+
+def test_sweep_with_a_rule_runs_bm_at_the_batch_that_rule_fits(tmp_path, stack, tokenizer, tiny_model):
+    s = _prompt_len(tokenizer)
+    paper, question = Method("bm", kv_max=128, p=32), Method("bm", kv_max=128, p=32, rule="question")
+    limit = _predict(tiny_model, paper, 4, s)  # the paper's rule fits all 4 samples in one batch
+    assert _predict(tiny_model, question, 4, s) > limit >= _predict(tiny_model, question, 2, s)  # question fits 2
+    out = tmp_path / "res"
+    rc = _load("sweep").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit),
+                              "--kv-max", "128", "--rule", "question"])
+    assert rc == 0
+    planned = json.loads((out / "plan.json").read_text())
+    bm = [r for r in planned["runs"] if r["method"] == "bm"]
+    assert [(r["run"], r["rule"], r["fits"]) for r in bm] == [("bm-question-b2-kv128", "question", True)]
+    summary = json.loads((out / "bm-question-b2-kv128" / "summary.json").read_text())
+    assert summary["status"] == "done" and summary["predicted_peak_bytes"] <= limit
+    assert stack.calls[-2:] == [("bm", 128, 2)] * 2
+
+
 # ---------------------------------------------------------------------- the auto-tuner
+def test_tune_with_a_rule_sizes_and_names_its_trials_by_it(tmp_path, stack, tokenizer, tiny_model):
+    s = _prompt_len(tokenizer)
+    paper, question = Method("bm", kv_max=128, p=32), Method("bm", kv_max=128, p=32, rule="question")
+    limit = _predict(tiny_model, paper, 4, s)
+    assert _predict(tiny_model, question, 4, s) > limit >= _predict(tiny_model, question, 2, s)
+    out = tmp_path / "res"
+    rc = _load("tune").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit),
+                             "--kv-max", "128", "--rule", "question", "--target", "0.01"])
+    assert rc in (0, 1)  # the tiny random model's metric decides; the trials are what is checked
+    info = json.loads((out / "tune.json").read_text())
+    bm = [t for t in info["trials"] if t["method"] == "bm"]
+    assert info["rule"] == "question" and [(t["run"], t["batch"]) for t in bm] == [("bm-question-b2-kv128", 2)]
+    assert bm[0]["predicted_peak_bytes"] <= limit and ("bm", 128, 2) in stack.calls
+    assert json.loads((out / "tune" / "bm-question-b2-kv128" / "summary.json").read_text())["status"] == "done"
+
+
 def test_tune_on_the_embedded_model_writes_a_usable_tuned_config(tmp_path, monkeypatch, capsys):
     import batchmax_tp.eval.run as engine  # the run path looks its ``generate`` up here at call time
     import batchmax_tp.models as models

@@ -127,6 +127,12 @@ def _error_of(argv) -> str:
         ({"device": "tpu"}, "device"),
         ({"top_p": 0}, "top_p"),
         ({"log_level": "LOUD"}, "log_level"),
+        # kv_max values the configured rule cannot run with (question keeps 4 sinks + 60 recent: kv_max >= p + 64)
+        ({"rule": "question", "procedure": "paper", "memory_budget": "2GiB", "kv_values": [128, 96]}, "kv_values"),
+        ({"rule": "question", "method": "bm", "kv_max": 96}, "kv_max"),
+        ({"rule": "question", "runs": [{"method": "bm", "batch_size": 2, "kv_max": 96}]}, "runs[0].kv_max"),
+        ({"runs": [{"method": "bm", "batch_size": 2, "kv_max": 96, "rule": "question"}]}, "runs[0].kv_max"),
+        ({"same_memory": True, "kv_max": 100}, "kv_max"),  # the plain run's BM (question) runs with kv_max too
     ],
 )
 def test_yaml_errors_are_one_line_and_name_the_key(tmp_path, yaml_data, key):
@@ -201,6 +207,25 @@ def test_run_py_bad_config_exits_2_before_loading(tmp_path, capsys, no_model_loa
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
     assert not out.exists()
+
+
+KV_VALUES_THE_RULE_CANNOT_RUN = ["--procedure", "paper", "--memory-budget", "2GiB", "--rule", "question",
+                                 "--kv-values", "96"]
+
+
+def test_kv_values_the_rule_cannot_run_exit_2_before_loading(tmp_path, capsys, no_model_load):
+    """Every kv_values entry must be a BM the configured rule runs with: one line naming the key, no model, no files."""
+    out = tmp_path / "out"
+    assert cli.main([*KV_VALUES_THE_RULE_CANNOT_RUN, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("error: kv_values: ") and "kv_max=96" in captured.err and "question" in captured.err
+    assert not out.exists()
+    assert parse_args([*KV_VALUES_THE_RULE_CANNOT_RUN[:-1], "128"]).kv_values == [128]  # p + 64 is enough
+    proc = subprocess.run([sys.executable, str(RUN_PY), *KV_VALUES_THE_RULE_CANNOT_RUN], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: kv_values: ") and os.listdir(tmp_path) == []  # no results/main either
 
 
 def test_run_py_subprocess_bad_flag(tmp_path):

@@ -306,6 +306,43 @@ def test_report_is_laid_out_like_the_paper(tmp_path):
     assert rows[1].split(",")[report.CSV_COLUMNS.index("status")] == "oom"
 
 
+def _same_memory_runs(speed: float = 1.0):
+    """The plain run's rows (README: the plain run): FKV, ED, BM with the paper's rule and with question."""
+    rows = [("fkv", "paper", 4, None, 1.0, 12.0), ("ed", "paper", 4, 2, 0.0, 12.5), ("ed", "paper", 2, 2, 0.0, 9.0),
+            ("bm", "paper", 13, 512, 0.385, 17.0), ("bm", "question", 11, 512, 0.846, 12.6)]
+    return [dict(method=m, rule=r, batch_size=b, kv_max=kv, score=sc, tokens_per_s=tps * speed, status="done",
+                 metric="contains", task="jsonl", model="embedded:smollm2-135m-instruct", num_samples=13,
+                 max_new_tokens=64, peak_kv_mib=1.0, same_memory_budget_bytes=2**30, largest_fitting_batch=b)
+            for m, r, b, kv, sc, tps in rows]
+
+
+def test_same_memory_report_shows_each_rules_ratios_over_fkv_and_ed(tmp_path):
+    text = report.format_report(_same_memory_runs())
+    lines = text.splitlines()
+    head = lines.index("| BM rule | b | kv_max | contains | tokens/s | tokens/s / FKV | tokens/s / ED |")
+    assert lines[head - 2].startswith("Each BM rule's tokens/s divided by those of FKV (b=4) and of the fastest ED "
+                                      "run (b=4, kv_max=2)")
+    assert lines[head + 2:head + 4] == ["| BM (paper) | 13 | 512 | 0.385 | 17.0 | 1.42x | 1.36x |",
+                                        "| BM (question) | 11 | 512 | 0.846 | 12.6 | 1.05x | 1.01x |"]
+    masked = report.mask_timings(text).splitlines()
+    assert masked[head + 3] == "| BM (question) | 11 | 512 | 0.846 | t/s | t/s | t/s |"
+    assert report.mask_timings(text) == report.mask_timings(report.format_report(_same_memory_runs(speed=3.0)))
+    plain = [{k: v for k, v in s.items() if k != "same_memory_budget_bytes"} for s in _same_memory_runs()]
+    assert "tokens/s / FKV" not in report.format_report(plain)  # only the same-memory run has the table
+
+
+def test_metric_plot_tells_the_rules_apart(tmp_path):
+    fig = report.plot_metric_vs_kv(_same_memory_runs(), tmp_path / "m.png")
+    ax = fig.axes[0]
+    handles, labels = ax.get_legend_handles_labels()
+    assert labels == ["ED (decoding-only eviction)", "FKV (full KV cache), b=4", "BM (Batch-Max)", "BM (question)"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == labels
+    styles = {label: (h.get_marker(), h.get_color()) for h, label in zip(handles, labels) if label.startswith("BM")}
+    assert styles["BM (Batch-Max)"] != styles["BM (question)"]
+    assert styles["BM (Batch-Max)"][0] != styles["BM (question)"][0]  # a marker of its own, not only a colour
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_comparable_ignores_only_timings(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for folder, seconds in ((a, 1.0), (b, 9.0)):

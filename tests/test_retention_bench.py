@@ -288,14 +288,14 @@ SMOL = dict(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_
             params=134_515_008, tied=True)
 
 
-def test_same_memory_plan_gives_bm_the_larger_batch():
+def test_same_memory_plan_gives_bm_the_larger_batch(caplog):
     from batchmax_tp.core.method import Method
     from batchmax_tp.plan import planner
-    from batchmax_tp.plan.budget import same_memory_plan
+    from batchmax_tp.plan.budget import STORY_MAX_PROMPTS, same_memory_plan
 
     shape = planner.ModelShape(**SMOL)
     methods = [Method("fkv"), Method("ed", kv_max=2), Method("bm", kv_max=512), Method("bm", kv_max=512, rule="probe")]
-    budget, plan = same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, cap=64)
+    budget, plan = same_memory_plan(shape, methods, 1800, 64, fkv_batch=4)
     assert budget == planner.predict(shape, Method("fkv"), 4, 1800, 64).total
     fkv, ed, bm, probe = (r.spec.batch_size for r in plan)
     assert fkv == 4 and ed <= 5  # ED prefills the whole prompt: the same peak as FKV
@@ -306,7 +306,19 @@ def test_same_memory_plan_gives_bm_the_larger_batch():
     for run in plan:
         assert run.predicted_peak_bytes <= budget
         assert planner.predict(shape, run.spec.method, run.spec.batch_size + 1, 1800, 64).total > budget  # the largest
-    _, capped = same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, cap=6)
+    # No cap at 16: in FKV's memory at batch 8 BM fits more than 16 and runs at that batch (the prompts: its fit).
+    _, wide = same_memory_plan(shape, methods, 1800, 64, fkv_batch=8)
+    fits = [r.largest_fitting for r in wide]
+    assert 16 < max(fits) <= STORY_MAX_PROMPTS and [r.spec.batch_size for r in wide] == fits
+    # The prompts are bounded (STORY_MAX_PROMPTS, logged when it binds); every batch is min(its fit, prompts).
+    caplog.set_level("INFO", logger="batchmax_tp.plan.budget")
+    _, big = same_memory_plan(shape, methods, 1800, 64, budget_bytes=8 * 2**30, num_samples=6)
+    assert big[2].largest_fitting > STORY_MAX_PROMPTS == max(r.spec.batch_size for r in big)
+    assert [r.spec.batch_size for r in big] == [min(r.largest_fitting, STORY_MAX_PROMPTS) for r in big]
+    assert f"answers {STORY_MAX_PROMPTS} prompts" in caplog.text
+    _, given = same_memory_plan(shape, methods, 1800, 64, budget_bytes=8 * 2**30, num_samples=100)
+    assert [r.spec.batch_size for r in given] == [min(r.largest_fitting, 100) for r in given]  # samples given: all
+    _, capped = same_memory_plan(shape, methods, 1800, 64, fkv_batch=4, max_prompts=6)
     assert [r.spec.batch_size for r in capped] == [4, ed, 6, 6] and capped[2].largest_fitting == bm
     _, none = same_memory_plan(shape, methods, 1800, 64, budget_bytes=1000)
     assert [r.spec.batch_size for r in none] == [0, 0, 0, 0]
@@ -383,3 +395,14 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
     report = (out / "report.md").read_text()
     assert "Same memory: a budget of" in report and "| BM (question) |" in report
     assert capsys.readouterr().out == report
+    summaries = [json.loads((out / f / "summary.json").read_text()) for f in folders]
+    prompts = max(s["largest_fitting_batch"] for s in summaries)  # the largest fitting batch is one full batch
+    assert prompts > 3 and all(s["batch_size"] == min(s["largest_fitting_batch"], prompts) for s in summaries)
+    assert all(s["num_samples"] == prompts for s in summaries if s["status"] == "done")
+    # the claim's ratios: BM with the paper's rule and with the best rule over FKV and the fastest ED run
+    section = report[report.index("## Same memory: BM's tokens/s over FKV's and ED's"):report.index("## Memory")]
+    rows = [line.split("|") for line in section.splitlines() if line.startswith("| BM (")]
+    assert [r[1].strip() for r in rows] == ["BM (paper)", "BM (question)"], section
+    fkv = next(s for s in summaries if s["method"] == "fkv")
+    for row, bm in zip(rows, [s for s in summaries if s["method"] == "bm"]):
+        assert row[-3].strip() == f"{bm['tokens_per_s'] / fkv['tokens_per_s']:.2f}x"

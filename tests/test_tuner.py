@@ -7,7 +7,7 @@ import torch
 
 from batchmax_tp.plan.planner import ModelShape, max_batch, predict
 from batchmax_tp.core.method import Method
-from batchmax_tp.plan.tuner import Trial, divisor_batches, kv_grid, paper_plan, tune
+from batchmax_tp.plan.tuner import Trial, divisor_batches, kv_grid, largest_batch, paper_plan, tune
 
 SHAPE = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
                    params=134_515_008)
@@ -45,6 +45,35 @@ def test_tuner_finds_the_exhaustive_optimum_in_fewer_trials(target):
     assert (res.best.kv_max, res.best.batch) == (best.kv_max, best.batch)
     assert res.best.metric >= goal
     assert len(calls) == len(set(calls)) <= 8 < len(everything)
+
+
+def test_tune_sizes_bm_with_the_rule_it_runs():
+    """``--procedure tune --rule question``: every BM trial runs the question rule at a batch sized with it (its probe
+    tokens and stored probe queries), within the budget where the paper rule's sizing would overflow it."""
+    batches = divisor_batches(960, 960)
+    paper, question = Method("bm", kv_max=512, p=64), Method("bm", kv_max=512, p=64, rule="question")
+    budget = predict(SHAPE, paper, 32, S, T).total  # the paper's rule fits b=32 (a divisor of 960) exactly
+    assert largest_batch(budget, SHAPE, paper, S, T, dtype="float32", batches=batches) == 32
+    assert predict(SHAPE, question, 32, S, T).total > budget  # premise: the paper's sizing overflows question
+    asked = []
+
+    def evaluate(method, b):
+        asked.append((method, b))
+        return toy(method, b)
+
+    res = tune(evaluate, budget, SHAPE, S, T, target=0.5, kv_values=[512, 640, 768], batches=batches, rule="question")
+    bm = [(m, b) for m, b in asked if m.name == "bm"]
+    assert bm and all(m.rule == "question" and m.p == 64 for m, _ in bm)
+    for m, b in bm:
+        above = min(x for x in batches if x > b)  # the largest divisor batch that fits, for this rule
+        assert predict(SHAPE, m, b, S, T).total <= budget < predict(SHAPE, m, above, S, T).total
+    assert res.best is not None and res.best.batch < 32 and (question, res.best.batch) in bm
+
+
+def test_kv_grid_leaves_out_what_the_rule_cannot_run_with():
+    assert kv_grid(600, p=64, rule="question") == [128, 256, 384, 512, 640]  # 64 + 4 sinks + 60 recent = 128
+    assert kv_grid(600, p=100, rule="question") == [256, 384, 512, 640]
+    assert kv_grid(600, p=100) == [128, 256, 384, 512, 640]
 
 
 def test_tuner_returns_none_when_no_bm_config_reaches_the_target():

@@ -94,10 +94,10 @@ def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
               group: dist.ProcessGroup | None = None, generate_fn: GenerateFn | None = None,
               encode_fn: EncodeFn | None = None) -> dict[str, Any]:
     """``tuner.tune`` with real runs: each trial (method, b) is a run of the harness into ``OUT/tune/<run>/``
-    (resumable: a finished trial is read back, not run again). Collective in a multi-process run (every rank
-    calls it; rank 0's summaries are broadcast so that every rank makes the same choices). Returns the content
-    of ``OUT/tune.json`` (the rank-0 caller writes it, ``OUT/tuned.yaml`` and ``OUT/tune/report.md``:
-    :func:`write_tune_results`)."""
+    (resumable: a finished trial is read back, not run again); BM runs with ``cfg.rule``, and its batches are sized
+    with it. Collective in a multi-process run (every rank calls it; rank 0's summaries are broadcast so that every
+    rank makes the same choices). Returns the content of ``OUT/tune.json`` (the rank-0 caller writes it,
+    ``OUT/tuned.yaml`` and ``OUT/tune/report.md``: :func:`write_tune_results`)."""
     if all(getattr(s, "reference", None) is None for s in samples):
         raise ValueError("metric: the tuner compares BM's task metric with FKV's, but no sample has a reference")
     comm = Collectives(layout, group)
@@ -107,8 +107,7 @@ def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
     summaries: dict[str, dict] = {}
 
     def run_trial(method: Method, batch: int) -> Trial:
-        spec = RunSpec(Method(method.name, kv_max=method.kv_max, p=cfg.p, rule=cfg.rule_for(method.name)),
-                                batch)
+        spec = RunSpec(method, batch)  # the method the tuner sized the batch with (BM with the configured rule)
         summary = evaluate_run(model, tokenizer, samples, spec, trial_cfg, layout=layout, group=group,
                                         prompt_len=prompt_len, shape=shape, generate_fn=generate_fn,
                                         encode_fn=encode_fn)
@@ -123,7 +122,8 @@ def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
             raise ValueError("metric: FKV's run has no metric (no sample with a reference was scored)")
         return Trial(method.name, spec.kv_max, batch, summary.get("tokens_per_s"), summary.get("score"))
 
-    grid = list(cfg.kv_values) if cfg.kv_values else kv_grid(prompt_len, 128, cfg.p)
+    rule = cfg.rule_for("bm")
+    grid = list(cfg.kv_values) if cfg.kv_values else kv_grid(prompt_len, 128, cfg.p, rule)
     batches = divisor_batches(len(samples), len(samples))
     fkv_1 = predict_spec(shape, Method("fkv", p=cfg.p), 1, prompt_len, cfg.max_new_tokens, cfg.dtype, tp)
     if fkv_1.total > budget:
@@ -131,7 +131,7 @@ def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
                          f"{fmt_bytes(fkv_1.total)} for the longest prompt, {prompt_len} tokens): the target metric "
                          "cannot be measured")
     result = tune(run_trial, budget, shape, prompt_len, cfg.max_new_tokens, target=cfg.target, dtype=planned_dtype(cfg.dtype),
-                  tp=tp, p=cfg.p, kv_values=grid, batches=batches)
+                  tp=tp, p=cfg.p, kv_values=grid, batches=batches, rule=rule)
     info = {
         "procedure": "tune",
         "memory_budget_bytes": budget,
@@ -140,12 +140,13 @@ def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
         "num_samples": len(samples),
         "tp_size": tp,
         "target": cfg.target,
+        "rule": rule,
         "kv_values": grid,
         "batches": batches,
         **result.as_dict(),
     }
     for trial in info["trials"]:
-        name = run_dir_name(trial["method"], trial["batch"], trial["kv_max"])
+        name = run_dir_name(trial["method"], trial["batch"], trial["kv_max"], cfg.rule_for(trial["method"]))
         trial["run"] = name
         trial["predicted_peak_bytes"] = summaries[name].get("predicted_peak_bytes")
     info["summaries"] = list(summaries.values())

@@ -63,6 +63,8 @@ _COLOURS = {"ed": "tab:orange", "fkv": "tab:blue", "bm": "tab:green"}
 #: Colours of further series of one method (another kv_max or rule), in order of appearance.
 _MORE_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:red", "tab:gray")
 _MARKERS = {"ed": "s", "fkv": "o", "bm": "^"}
+#: Markers of BM under rules other than the paper's, in order (metric plot), beside :data:`_MORE_COLOURS`.
+_RULE_MARKERS = ("D", "v", "P", "X", "*", "h", "<")
 _AXIS_LABELS = {
     "rouge2": "rouge-2 F-measure (mean over samples)",
     "accuracy": "accuracy (fraction of correct answers)",
@@ -127,6 +129,7 @@ def format_report(summaries: Sequence[dict[str, Any]], *, title: str | None = No
             f"{s.get('samples_cut', 0)}/{s.get('num_samples', 0)} |"
         )
     lines += ["", *_comparison(summaries, label)]
+    lines += ["", *_same_memory_ratios(summaries, label)]
     lines += ["", *_memory(summaries)]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -210,21 +213,57 @@ def _comparison(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
     return lines
 
 
+def _ratio(x: float | None, ref: dict[str, Any] | None) -> str:
+    if x is None or ref is None or not ref.get("tokens_per_s"):
+        return "n/a"
+    return f"{x / ref['tokens_per_s']:.2f}x"
+
+
+def _same_memory_ratios(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
+    """The plain run's claim in one table (only for the same-memory run, whose summaries carry its budget): each
+    BM rule's tokens/s over FKV's and over the fastest ED run's, all in the same memory; the paper's rule first."""
+    if not any(s.get("same_memory_budget_bytes") for s in summaries):
+        return []
+    ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
+    bm = sorted((s for s in summaries if s["method"] == "bm"), key=lambda s: s.get("rule", "paper") != "paper")
+    fkv = next((s for s in ok if s["method"] == "fkv"), None)
+    ed = max((s for s in ok if s["method"] == "ed"), key=lambda s: s["tokens_per_s"], default=None)
+    if not bm:
+        return []
+    lines = ["## Same memory: BM's tokens/s over FKV's and ED's", ""]
+    lines.append("Each BM rule's tokens/s divided by those of FKV ("
+                 + (f"b={fkv['batch_size']}" if fkv else "none ran") + ") and of the fastest ED run ("
+                 + (f"b={ed['batch_size']}, kv_max={ed['kv_max']}" if ed else "none ran")
+                 + "), every run within the same memory budget; the paper's rule first.")
+    lines += ["", f"| BM rule | b | kv_max | {label} | tokens/s | tokens/s / FKV | tokens/s / ED |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for s in bm:
+        rule, kv = s.get("rule", "paper"), s.get("kv_max")
+        if _is_oom(s):
+            lines.append(f"| BM ({rule}) | {s['batch_size']} | {kv} | OOM | OOM | OOM | OOM |")
+            continue
+        speed = s.get("tokens_per_s")
+        lines.append(f"| BM ({rule}) | {s['batch_size']} | {kv} | {_score(s.get('score'))} | {_speed(speed)} | "
+                     f"{_ratio(speed, fkv)} | {_ratio(speed, ed)} |")
+    return lines
+
+
 def mask_timings(report: str) -> str:
-    """``report.md`` with everything that depends on wall-clock time replaced by ``t/s``: the tokens/s column
-    of the table and the throughput percentages of the comparison lines."""
+    """``report.md`` with everything that depends on wall-clock time replaced by ``t/s``: every table column whose
+    header names tokens/s (the speeds and their ratios) and the throughput percentages of the comparison lines."""
     out = []
-    column = None
+    columns: list[int] | None = None
     for line in report.splitlines():
         if line.startswith("|"):
             cells = line.split("|")
-            if column is None and "tokens/s" in [c.strip() for c in cells]:
-                column = [c.strip() for c in cells].index("tokens/s")
-            elif column is not None and not set(cells[column].strip()) <= set("-:"):
-                cells[column] = f" {_TIMING_CELL} " if cells[column].strip() != "OOM" else cells[column]
+            if columns is None:
+                columns = [i for i, c in enumerate(cells) if "tokens/s" in c]  # the header row
+            elif columns and not set(cells[columns[0]].strip()) <= set("-:"):  # a row, not the alignment line
+                for i in columns:
+                    cells[i] = f" {_TIMING_CELL} " if cells[i].strip() != "OOM" else cells[i]
             line = "|".join(cells)
         else:
-            column = None  # a table ends at the first line that is not a row
+            columns = None  # a table ends at the first line that is not a row
         line = re.sub(r"throughput [+-][\d.]+% vs ED \(spread [^)]*\)", f"throughput {_TIMING_CELL} vs ED", line)
         out.append(line)
     return "\n".join(out) + "\n"
@@ -292,9 +331,9 @@ def _series(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, str, list[di
     return out
 
 
-def plot_throughput(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
+def plot_throughput(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Figure:
     """tokens/s against batch size, one line per method, rule and kv_max (named in the legend, so no point carries
-    a label that could overlap another's); OOM runs as crosses."""
+    a label that could overlap another's); OOM runs as crosses. Returns the figure (also saved to ``path``)."""
     fig, ax = _figure()
     ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
     for label, colour, runs in _series(summaries):
@@ -317,28 +356,43 @@ def plot_throughput(summaries: Sequence[dict[str, Any]], path: str | os.PathLike
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, format="png")
+    return fig
 
 
-def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
-    """The task metric against kv_max (log2 axis) for ED and BM, points labelled with b; FKV as a dashed line."""
+def _point_series(runs: Sequence[dict[str, Any]]) -> list[tuple[str, str, tuple[str, str, str]]]:
+    """(method, rule, (legend label, colour, marker)) of each point series of the metric plot: one per method and
+    rule, so that BM under each eviction rule has its own marker, colour and label (``BM (question)``)."""
+    keys = sorted({(s["method"], s.get("rule", "paper")) for s in runs},
+                  key=lambda k: ({"ed": 0, "fkv": 1, "bm": 2}.get(k[0], 9), k[1] != "paper", k[1]))
+    out, extra = [], 0
+    for method, rule in keys:
+        if rule == "paper":
+            style = (_LEGEND.get(method, method), _COLOURS.get(method, "tab:gray"), _MARKERS.get(method, "o"))
+        else:
+            style = (_method_label({"method": method, "rule": rule}), _MORE_COLOURS[extra % len(_MORE_COLOURS)],
+                     _RULE_MARKERS[extra % len(_RULE_MARKERS)])
+            extra += 1
+        out.append((method, rule, style))
+    return out
+
+
+def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Figure:
+    """The task metric against kv_max (log2 axis) for ED and BM (one marker and colour per eviction rule), points
+    labelled with b; FKV as a dashed line. Returns the figure (also saved to ``path``)."""
     fig, ax = _figure()
     label = _metric_label(summaries)
     ok = [s for s in summaries if not _is_oom(s) and s.get("score") is not None]
     kvs = sorted({s["kv_max"] for s in ok if s.get("kv_max") is not None})
-    for method in _methods(summaries):
-        runs = [s for s in ok if s["method"] == method]
-        if not runs:
-            continue
-        colour = _COLOURS.get(method)
+    for method, rule, (legend, colour, marker) in _point_series(ok):
+        runs = [s for s in ok if s["method"] == method and s.get("rule", "paper") == rule]
         if method == "fkv":
             for value in sorted({round(s["score"], 6) for s in runs}):
                 bs = ",".join(str(s["batch_size"]) for s in runs if round(s["score"], 6) == value)
-                ax.axhline(value, linestyle="--", color=colour, label=f"{_LEGEND['fkv']}, b={bs}")
+                ax.axhline(value, linestyle="--", color=colour, label=f"{legend}, b={bs}")
             continue
         runs = sorted(runs, key=lambda s: (s["kv_max"], s["batch_size"]))
         ax.plot([s["kv_max"] for s in runs], [s["score"] for s in runs], linestyle="none",
-                marker=_MARKERS.get(method, "o"), markersize=7, color=colour, label=_LEGEND.get(method, method),
-                clip_on=False, zorder=3)
+                marker=marker, markersize=7, color=colour, label=legend, clip_on=False, zorder=3)
         points: dict[tuple[int, float], list[int]] = {}  # runs at the same point share one label "b=1,3"
         for s in runs:
             points.setdefault((s["kv_max"], round(s["score"], 6)), []).append(s["batch_size"])
@@ -366,6 +420,7 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path, format="png")
+    return fig
 
 
 def write_report(out: str | os.PathLike[str], summaries: Sequence[dict[str, Any]],

@@ -4,18 +4,17 @@
 - :func:`predict_spec`: the planner's peak per rank of a run, with the batch size and the longest prompt of its
   samples (every batch is padded to its longest prompt, so no batch of the run needs more);
 - :func:`paper_specs`: the runs of the paper's procedure (section 4.1; ``tuner.paper_plan``): ED (kv_max 2) at
-  b0, the smallest batch that does not fit (an OOM row), ED 2 and 65 and FKV at b0 - 1, BM at each kv_max's
-  largest fitting batch that divides the number of samples; b0 from the planner, or from real trials when a
-  ``fits`` callback is given (``batchmax_tp.eval.procedures.ed_trials`` on CUDA);
+  b0, the smallest batch that does not fit (an OOM row), ED 2 and 65 and FKV at b0 - 1, BM (sized with the rule it
+  runs) at each kv_max's largest fitting batch that divides the number of samples; b0 from the planner, or from
+  real trials when a ``fits`` callback is given (``batchmax_tp.eval.procedures.ed_trials`` on CUDA);
 - :func:`same_memory_plan`: the plain run's comparison (FKV, ED, BM, BM with the best rule), each method at its
-  largest batch within one budget (default: what FKV needs at batch 4).
+  largest batch within one budget (default: what FKV needs at batch 4), bounded only by the number of prompts.
 
 Nothing here imports torch or transformers: planning is arithmetic on ``planner.ModelShape``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ from .tuner import find_b0, kv_grid, paper_plan, planned_b0
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunSpec", "SameMemoryRun", "STORY_BEST_RULE", "STORY_FKV_BATCH", "STORY_MAX_BATCH", "fmt_bytes",
+__all__ = ["RunSpec", "SameMemoryRun", "STORY_BEST_RULE", "STORY_FKV_BATCH", "STORY_MAX_PROMPTS", "fmt_bytes",
            "over_budget_message", "paper_specs", "planned_dtype", "predict_spec", "rule_slug", "run_dir_name",
            "same_memory_plan", "story_methods"]
 
@@ -97,17 +96,18 @@ def paper_specs(shape: ModelShape, prompt_len: int, *, budget: int, max_new_toke
                 rule: str, kv_values: Sequence[int] | None, num_samples: int, tp: int = 1,
                 fits: Callable[[int], bool] | None = None) -> tuple[list[RunSpec], dict]:
     """The runs of the paper's procedure (``tuner.paper_plan``) and the plan as a dict (``OUT/plan.json``): b0, the
-    prompt length, each run's predicted peak and whether it fits. ``rule``: BM's eviction rule.
+    prompt length, each run's predicted peak and whether it fits. ``rule``: BM's eviction rule, which also sizes BM's
+    batches (a rule with a probe fits fewer samples than the paper's in the same memory).
 
     ``fits``: real trials (on CUDA): b0 is then searched for real from the planner's guess (``b0_source:
     measured``); without it the planner's b0 stands (``b0_source: planner``, as on a CPU)."""
-    grid = list(kv_values) if kv_values else kv_grid(prompt_len, 128, p)
+    grid = list(kv_values) if kv_values else kv_grid(prompt_len, 128, p, rule)
     dtype = planned_dtype(dtype)
     guess = planned_b0(budget, shape, prompt_len, max_new_tokens, dtype=dtype, tp=tp, p=p)
     measured = find_b0(guess, fits) if fits is not None else None
     plan = paper_plan(budget, shape, prompt_len, max_new_tokens, dtype=dtype, tp=tp, p=p,
-                      num_samples=num_samples, kv_values=grid, b0=measured)
-    specs = [RunSpec(dataclasses.replace(m, rule=rule if m.name == "bm" else "paper"), b) for m, b in plan]
+                      num_samples=num_samples, kv_values=grid, b0=measured, rule=rule)
+    specs = [RunSpec(m, b) for m, b in plan]
     b0 = specs[0].batch_size
     adjusted = None
     for spec in specs:
@@ -155,8 +155,9 @@ def paper_specs(shape: ModelShape, prompt_len: int, *, budget: int, max_new_toke
 # ---------------------------------------------------------------------- the plain run: same memory, larger batch
 #: The rule the plain run shows beside the paper's: the best of ``launch/bench_retention.py`` (README: Retention).
 STORY_BEST_RULE = "question"
-#: Largest batch the plain run uses for any method (CPU time); the planner's largest fitting batch is reported too.
-STORY_MAX_BATCH = 16
+#: Most prompts the plain run fills its samples up to (CPU time): the largest fitting batch among its methods sets
+#: the prompt count, up to this; a larger fit is reported (``largest_fitting``) and logged.
+STORY_MAX_PROMPTS = 64
 #: FKV's batch whose predicted peak sets the default memory budget of the plain run.
 STORY_FKV_BATCH = 4
 
@@ -173,7 +174,7 @@ def story_methods(kv_max: dict[str, int | None], p: int, rule: str = "paper") ->
 class SameMemoryRun:
     """One method of the same-memory run: the batch it runs at and the planner's numbers behind it."""
 
-    spec: RunSpec  #: the method at min(largest fitting batch, cap); batch 0 when not even one sample fits
+    spec: RunSpec  #: the method at min(largest fitting batch, prompts); batch 0 when not even one sample fits
     largest_fitting: int  #: the planner's largest batch within the budget
     predicted_peak_bytes: int  #: the planner's peak per rank at ``spec.batch_size`` (at 1 when that is 0)
 
@@ -184,26 +185,33 @@ def same_memory_plan(
     prompt_len: int,
     max_new_tokens: int,
     *,
+    num_samples: int = 1,
     budget_bytes: int | None = None,
     fkv_batch: int = STORY_FKV_BATCH,
-    cap: int = STORY_MAX_BATCH,
+    max_prompts: int = STORY_MAX_PROMPTS,
     tp: int = 1,
     dtype: str = "float32",
 ) -> tuple[int, list[SameMemoryRun]]:
     """(budget, runs): every method at its largest batch whose predicted peak per rank fits one memory budget.
 
     ``budget_bytes`` None = the planner's peak of FKV at ``fkv_batch`` for prompts of ``prompt_len`` tokens (so
-    FKV runs at exactly that batch). Batches are capped at ``cap``; a method that does not fit even one sample
-    gets batch 0 (reported as OOM, not run).
+    FKV runs at exactly that batch). The prompts every method answers: the ``num_samples`` samples, repeated up to
+    the largest fitting batch among the methods (so the method that fits most runs one full batch) but not past
+    ``max_prompts``; each method's batch is min(its largest fitting batch, the prompts), so the largest batch of
+    the plan is the number of prompts to fill the samples up to. A method that does not fit even one sample gets
+    batch 0 (reported as OOM, not run).
     """
     dtype = planned_dtype(dtype)
     if budget_bytes is None:
         budget_bytes = predict(shape, Method("fkv"), fkv_batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
+    fits = [max_batch(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
+    prompts = max(num_samples, min(max(fits, default=0), max_prompts))
+    if max(fits, default=0) > prompts:
+        logger.info("same-memory run: the largest fitting batch is %d; the run answers %d prompts (at most %d, "
+                    "STORY_MAX_PROMPTS), so no batch is larger", max(fits), prompts, max_prompts)
     runs = []
-    for method in methods:
-        fit = max_batch(budget_bytes, shape, method, prompt_len, max_new_tokens, tp=tp, dtype=dtype,
-                        limit=max(cap, 1) * 4)
-        batch = min(fit, cap)
+    for method, fit in zip(methods, fits):
+        batch = min(fit, prompts)
         peak = predict(shape, method, max(batch, 1), prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
         runs.append(SameMemoryRun(RunSpec(method, batch), fit, peak))
     return budget_bytes, runs

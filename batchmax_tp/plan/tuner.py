@@ -10,6 +10,10 @@ grid for the smallest value whose metric reaches ``target x FKV`` (metric is tak
 ``kv_max``; each probe runs at that kv_max's largest fitting batch, so its throughput is measured too), and (3)
 times a few neighbours above it, since a slightly larger ``kv_max`` can fit the same batch and a smaller one
 is below target. Trials are cached: no (method, batch) runs twice.
+
+Every BM batch is sized with the eviction rule the run will use (``rule``): a rule with a look-ahead probe needs
+more memory than the paper's at the same batch (``planner.predict``), so a batch sized for the paper's rule can
+overflow the budget under another.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Callable
 
 from .planner import ModelShape, max_batch
 from ..core.method import Method
+from ..core.rules import get_rule
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +57,16 @@ class TuneResult:
                 "target_metric": self.target_metric, "trials": [asdict(t) for t in self.trials]}
 
 
-def kv_grid(prompt_len: int, step: int = 128, p: int = 64) -> list[int]:
-    """Multiples of ``step`` above ``p`` and below the prompt length (beyond it BM never evicts in prefill)."""
-    return [k for k in range(step, prompt_len + step, step) if k > p]
+def kv_floor(p: int, rule: str = "paper") -> int:
+    """The smallest kv_max BM runs with under ``p`` and ``rule``: above ``p`` and at least ``p`` + the pairs the
+    rule never evicts (``core.method.Method`` checks the same)."""
+    return p + max(1, get_rule(rule).protected())
+
+
+def kv_grid(prompt_len: int, step: int = 128, p: int = 64, rule: str = "paper") -> list[int]:
+    """Multiples of ``step`` that BM with ``p`` and ``rule`` can run with (:func:`kv_floor`) and below the prompt
+    length (beyond it BM never evicts in prefill)."""
+    return [k for k in range(step, prompt_len + step, step) if k >= kv_floor(p, rule)]
 
 
 def divisor_batches(num_samples: int, limit: int) -> list[int]:
@@ -100,10 +112,11 @@ def find_b0(start: int, fits: Callable[[int], bool], limit: int = 1 << 16) -> in
 
 def paper_plan(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dtype: str, tp: int = 1,
                p: int = 64, num_samples: int = 960, kv_values: list[int] | None = None,
-               b0: int | None = None) -> list[tuple[Method, int]]:
+               b0: int | None = None, rule: str = "paper") -> list[tuple[Method, int]]:
     """The runs of the paper's procedure: ED (kv_max 2) at b0 (the smallest batch that does not fit: an OOM row),
-    ED (2 and 65) and FKV at b0 - 1, then BM at each kv_max's largest fitting divisor batch. ``b0``: measured by
-    real trials (:func:`find_b0`, on CUDA); None = the planner's (:func:`planned_b0`)."""
+    ED (2 and 65) and FKV at b0 - 1, then BM with ``rule`` at each kv_max's largest fitting divisor batch (sized
+    with that rule). ``b0``: measured by real trials (:func:`find_b0`, on CUDA); None = the planner's
+    (:func:`planned_b0`)."""
     ed2 = Method("ed", kv_max=2, p=p)
     if b0 is None:
         b0 = planned_b0(budget, shape, prompt_len, new, dtype=dtype, tp=tp, p=p)
@@ -115,8 +128,8 @@ def paper_plan(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dty
         b_fkv = min(b0 - 1, max_batch(budget, shape, fkv, prompt_len, new, tp=tp, dtype=dtype)) or b0 - 1
         runs += [(ed2, b0 - 1), (Method("ed", kv_max=65, p=p), b0 - 1), (fkv, b_fkv)]
     batches = divisor_batches(num_samples, 1 << 16)
-    for k in kv_values or kv_grid(prompt_len, 128, p):
-        bm = Method("bm", kv_max=k, p=p)
+    for k in kv_values or kv_grid(prompt_len, 128, p, rule):
+        bm = Method("bm", kv_max=k, p=p, rule=rule)
         b = largest_batch(budget, shape, bm, prompt_len, new, dtype=dtype, tp=tp, batches=batches)
         if b:
             runs.append((bm, b))
@@ -125,8 +138,9 @@ def paper_plan(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dty
 
 def tune(evaluate: Callable[[Method, int], Trial], budget: int, shape: ModelShape, prompt_len: int, new: int, *,
          target: float = 0.95, dtype: str = "float32", tp: int = 1, p: int = 64, kv_values: list[int] | None = None,
-         batches: list[int] | None = None, neighbours: int = 2) -> TuneResult:
-    """Highest-throughput BM (b, kv_max) whose metric is at least ``target`` x FKV's, under ``budget``."""
+         batches: list[int] | None = None, neighbours: int = 2, rule: str = "paper") -> TuneResult:
+    """Highest-throughput BM (b, kv_max) whose metric is at least ``target`` x FKV's, under ``budget``. BM runs
+    with ``rule``, and each of its batches is sized with it; ``evaluate`` gets that method."""
     cache: dict[tuple, Trial] = {}
 
     def run(method: Method, batch: int) -> Trial:
@@ -144,11 +158,11 @@ def tune(evaluate: Callable[[Method, int], Trial], budget: int, shape: ModelShap
     if not fkv.metric:
         logger.warning("FKV's metric is %s: every BM configuration meets the target; the fastest one wins", fkv.metric)
 
-    grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p)) if k > p]
+    grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p, rule)) if k >= kv_floor(p, rule)]
     fitting = []  # (kv_max, batch) that fit, ascending kv_max
     for k in grid:
-        b = largest_batch(budget, shape, Method("bm", kv_max=k, p=p), prompt_len, new, dtype=dtype, tp=tp,
-                          batches=batches)
+        b = largest_batch(budget, shape, Method("bm", kv_max=k, p=p, rule=rule), prompt_len, new, dtype=dtype,
+                          tp=tp, batches=batches)
         if b:
             fitting.append((k, b))
     if not fitting:
@@ -156,7 +170,7 @@ def tune(evaluate: Callable[[Method, int], Trial], budget: int, shape: ModelShap
 
     def probe(i: int) -> Trial:
         k, b = fitting[i]
-        return run(Method("bm", kv_max=k, p=p), b)
+        return run(Method("bm", kv_max=k, p=p, rule=rule), b)
 
     lo, hi = 0, len(fitting)  # first index whose metric reaches the goal, in [lo, hi]
     while lo < hi:
