@@ -39,7 +39,7 @@ import transformers
 
 from . import models, parallel
 from .config import RunConfig
-from .core.method import Method
+from .core.method import Method, min_kv_max
 from .eval import procedures, results, tasks
 from .eval.files import atomic_write_text
 from .eval.report import write_report
@@ -47,7 +47,6 @@ from .eval.run import (RankOutOfMemory, encode_prompts, evaluate_run, fill_sampl
                        warm_up, write_config)
 from .plan.budget import (STORY_FKV_BATCH, STORY_MAX_PROMPTS, RunSpec, fmt_bytes, paper_specs, same_memory_plan,
                           story_methods)
-from .plan.tuner import kv_floor
 
 logger = logging.getLogger("batchmax_tp.run")
 
@@ -91,7 +90,7 @@ def _warm_up_methods(cfg: RunConfig, same_memory: bool) -> list[Method]:
     if same_memory:
         return story_methods({"ed": cfg.kv_max_for("ed"), "bm": cfg.kv_max_for("bm")}, cfg.p, cfg.rule)
     if cfg.procedure is not None:
-        kv = cfg.kv_values[0] if cfg.kv_values else max(128, cfg.p + 64, kv_floor(cfg.p, cfg.rule))
+        kv = cfg.kv_values[0] if cfg.kv_values else max(128, cfg.p + 64, min_kv_max(cfg.p, cfg.rule))
         return [Method("fkv", p=cfg.p), Method("ed", kv_max=2, p=cfg.p), Method("bm", kv_max=kv, p=cfg.p, rule=cfg.rule)]
     return list({s.method: None for s in cfg.run_specs()})
 

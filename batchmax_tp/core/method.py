@@ -20,6 +20,12 @@ if TYPE_CHECKING:  # tensors arrive as arguments: this module imports no torch (
 METHODS = ("bm", "ed", "fkv")
 
 
+def min_kv_max(p: int, rule: str = "paper") -> int:
+    """The smallest kv_max BM runs with under ``p`` and ``rule``: above ``p``, and ``p`` more than the pairs the
+    rule never evicts (its sinks + recent window)."""
+    return p + max(1, get_rule(rule).protected())
+
+
 @dataclass(frozen=True)
 class Method:
     """What to keep in a bounded KV cache.
@@ -53,7 +59,7 @@ class Method:
             raise ValueError(f"kv_max must be an integer for method {self.name!r}, got {self.kv_max!r}")
         if self.name == "bm" and self.kv_max <= self.p:
             raise ValueError(f"kv_max must be > p for method 'bm', got kv_max={self.kv_max} p={self.p}")
-        if self.name == "bm" and rule.protected() > self.kv_max - self.p:
+        if self.name == "bm" and self.kv_max < min_kv_max(self.p, self.rule):
             raise ValueError(f"rule {self.rule!r} protects {rule.protected()} pairs: kv_max must be >= p + "
                              f"{rule.protected()}, got kv_max={self.kv_max} p={self.p}")
         if self.name == "ed" and self.kv_max < 2:

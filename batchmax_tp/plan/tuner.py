@@ -23,8 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .planner import ModelShape, max_batch
-from ..core.method import Method
-from ..core.rules import get_rule
+from ..core.method import Method, min_kv_max
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +56,10 @@ class TuneResult:
                 "target_metric": self.target_metric, "trials": [asdict(t) for t in self.trials]}
 
 
-def kv_floor(p: int, rule: str = "paper") -> int:
-    """The smallest kv_max BM runs with under ``p`` and ``rule``: above ``p`` and at least ``p`` + the pairs the
-    rule never evicts (``core.method.Method`` checks the same)."""
-    return p + max(1, get_rule(rule).protected())
-
-
 def kv_grid(prompt_len: int, step: int = 128, p: int = 64, rule: str = "paper") -> list[int]:
-    """Multiples of ``step`` that BM with ``p`` and ``rule`` can run with (:func:`kv_floor`) and below the prompt
+    """Multiples of ``step`` that BM with ``p`` and ``rule`` can run with (``core.method.min_kv_max``) and below the prompt
     length (beyond it BM never evicts in prefill)."""
-    return [k for k in range(step, prompt_len + step, step) if k >= kv_floor(p, rule)]
+    return [k for k in range(step, prompt_len + step, step) if k >= min_kv_max(p, rule)]
 
 
 def divisor_batches(num_samples: int, limit: int) -> list[int]:
@@ -158,7 +151,7 @@ def tune(evaluate: Callable[[Method, int], Trial], budget: int, shape: ModelShap
     if not fkv.metric:
         logger.warning("FKV's metric is %s: every BM configuration meets the target; the fastest one wins", fkv.metric)
 
-    grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p, rule)) if k >= kv_floor(p, rule)]
+    grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p, rule)) if k >= min_kv_max(p, rule)]
     fitting = []  # (kv_max, batch) that fit, ascending kv_max
     for k in grid:
         b = largest_batch(budget, shape, Method("bm", kv_max=k, p=p, rule=rule), prompt_len, new, dtype=dtype,
