@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import itertools
 
-import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 

@@ -62,7 +62,6 @@ def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.T
     return (bits * 2**32 + low).topk(n, dim=-1, largest=False, sorted=True).indices  # [B, H, n]
 
 
-
 class SlotLayer(CacheLayerMixin):
     """A decoder layer of a preallocated cache (``BatchMaxCache`` or the baselines' ``DenseCache``): slots written
     by index, never slid, cropped or compiled."""

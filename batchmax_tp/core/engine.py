@@ -198,7 +198,7 @@ def generate(
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
         peak_kv_bytes=cache.peak_kv_bytes,
-        peak_meta_bytes=getattr(cache, "peak_meta_bytes", 0),
+        peak_meta_bytes=cache.peak_meta_bytes,
         peak_workspace_bytes=cache.peak_workspace_bytes,
         cache=cache,
         phases=phases,

@@ -77,12 +77,12 @@ class Method:
 
     @property
     def lookahead(self) -> int:
-        """Look-ahead probe tokens appended to BM's prefill blocks (0 for rules without a probe)."""
+        """Look-ahead probe tokens of BM's probe passes (0 for rules without a probe)."""
         return self.scorer.lookahead() if self.name == "bm" else 0
 
     @property
     def probe_every(self) -> int:
-        """The probe rides along every this many prefill blocks (``Rule.probe_every``; 1 without a probe)."""
+        """A probe pass follows every this many prefill blocks (``Rule.probe_every``; 1 without a probe)."""
         return self.scorer.probe_every() if self.lookahead else 1
 
     def label(self) -> str:

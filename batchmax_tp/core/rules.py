@@ -23,21 +23,22 @@ Rules (``rule_names()``):
 - ``sinks``: average attention, but the sample's first ``sinks`` real tokens (StreamingLLM's attention sinks)
   and the ``recent`` newest positions (``pos > curr_id - recent``) are never evicted.
 - ``probe``: look-ahead probe. The whole prompt is known before prefill, so its last ``window`` tokens (the
-  question and the assistant header in a chat prompt) are appended as extra queries to every prefill block but
-  the last: block ``[a, b)`` of a prompt of padded length ``s`` is followed by the probe tokens at padded
-  positions ``[max(b, s - window), s)``, at their own RoPE positions (the sample's real position ids, as if the
-  prompt between ``b`` and the probe were already evicted). Each probe query attends to every kept slot (the
-  current block included: all of them precede it) and causally to the probe tokens up to itself; pad probe
-  tokens are neither queries nor keys. The probe's keys/values are never written to the cache and its outputs
-  are dropped (its hidden states only feed its own later layers). A slot's ``probe`` value is the attention it
-  got from the probe queries of the last prefill pass, summed over the query group and averaged over the
-  sample's real probe queries (the same scale as average attention); the priority is
-  ``average attention + weight * probe`` at prefill evictions and plain average attention at decode evictions.
-  Under tensor parallelism the probe is a few more tokens in the same forward: no collective is added and
-  eviction stays rank-local. ``every`` (all probe rules; default 1, ``question`` 4): the probe rides along only every
-  ``every``-th prefill block (the first always); the prefill evictions after an unprobed block re-score the
-  slots held then with the last probed pass's queries and own keys, kept aside (``core.probe``): the same formula,
-  fresh keys, about ``1 / every`` of the probe's forward cost.
+  question and the assistant header in a chat prompt) are run as queries after every prefill block but the last,
+  in a pass of their own (``schedule.Phase`` kind ``probe``): after block ``[a, b)`` of a prompt of padded length
+  ``s``, the prompt's tokens at padded positions ``[max(b, s - window), s)``, at their own RoPE positions (the
+  sample's real position ids, as if the prompt between ``b`` and the probe were already evicted). Each probe query
+  attends to every kept slot (the block just written included: all of them precede it) and causally to the probe
+  tokens up to itself; pad probe tokens are neither queries nor keys. The probe's keys/values are never written
+  to the cache, and the pass runs the decoder layers only (no logits). A slot's ``probe`` value is the attention
+  it got from the probe queries of the last probe pass, summed over the query group and averaged over the
+  sample's real probe queries (the same scale as average attention); the priority is ``average attention +
+  weight * probe`` at prefill evictions and plain average attention at decode evictions. Under tensor parallelism
+  a probe pass is a forward of ``window`` tokens with the model's own collectives and nothing more; eviction stays
+  rank-local. ``every`` (all probe rules; default 1, ``question`` 4): a probe pass follows only every ``every``-th
+  prefill block (the first always); the prefill evictions after an unprobed block re-score the slots held then
+  with the last probe pass's queries and the log-sum-exp over its own keys, kept aside (``core.probe``): the same
+  formula, fresh keys, about ``1 / every`` of the probe's forward cost. The probe's values and stored queries live
+  during prefill only.
 - ``snapkv``: ``probe`` and ``pooled`` together (SnapKV's observation window and pooling at every eviction):
   ``pool(average attention + weight * probe)``.
 - ``question``: SnapKV's own ranking under Algorithm 1. Prefill evictions rank by the look-ahead attention
@@ -151,11 +152,11 @@ class Rule:
         raise NotImplementedError
 
     def lookahead(self) -> int:
-        """Look-ahead probe tokens appended to each prefill block but the last: the rule's ``window`` (0: none)."""
+        """Look-ahead probe tokens run after each prefill block but the last: the rule's ``window`` (0: none)."""
         return getattr(self, "window", 0)
 
     def probe_every(self) -> int:
-        """The probe rides along every ``every``-th prefill block (1: each one); the prefill evictions between re-score
+        """A probe pass follows every ``every``-th prefill block (1: each one); the prefill evictions between re-score
         the slots with the last probed pass's stored queries (``core.probe``)."""
         return getattr(self, "every", 1)
 
@@ -245,7 +246,7 @@ class SnapKVRule(Rule):
 class QuestionRule(Rule):
     """SnapKV's own ranking: the pooled look-ahead attention alone at prefill evictions (the paper's average
     attention, pooled, at decode evictions), with the first ``sinks`` and the ``recent`` newest positions kept; the
-    probe rides every ``every``-th prefill block (the evictions between re-score with its stored queries)."""
+    probe runs after every ``every``-th prefill block (the evictions between re-score with its stored queries)."""
 
     name: ClassVar[str] = "question"
     window: int = 32

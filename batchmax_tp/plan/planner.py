@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..core.method import Method
-from ..core.schedule import capacity, plan, prefill_blocks
+from ..core.schedule import capacity, plan
 from ..core.workspace import (decode_workspace_bytes, probe_state_bytes, probe_workspace_bytes, sdpa_workspace_bytes,
                               workspace_bytes)
 
