@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..core.method import Method
-from ..core.schedule import capacity, plan
+from ..core.schedule import Phase, capacity, plan
 from ..core.workspace import (decode_workspace_bytes, probe_state_bytes, probe_workspace_bytes, sdpa_workspace_bytes,
                               workspace_bytes)
 
@@ -129,10 +129,11 @@ def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_
         activations = batch * prompt_len * per_token + logits
         return MemoryEstimate(kv, workspace, weights, activations, slot_meta)
 
-    held, probe_values, state = _bookkeeping(shape, method, batch, prompt_len, cap, q_heads, kv_heads, nbytes)
+    phases = plan(method, prompt_len, 1)  # the prefill blocks and probe passes
+    held, probe_values, state = _bookkeeping(shape, method, batch, phases, cap, q_heads, kv_heads, nbytes)
     passes = []  # (activations, workspace, prefill-only bookkeeping) of each distinct pass
     slots, probed = 0, False
-    for phase in plan(method, prompt_len, 1):
+    for phase in phases:
         if phase.kind == "probe":
             probed = True
             passes.append((batch * phase.size * per_token,
@@ -154,7 +155,7 @@ def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_
     return MemoryEstimate(kv, workspace, weights, activations, held + transient)
 
 
-def _bookkeeping(shape: ModelShape, method: Method, batch: int, prompt_len: int, cap: int, q_heads: int,
+def _bookkeeping(shape: ModelShape, method: Method, batch: int, phases: list[Phase], cap: int, q_heads: int,
                  kv_heads: int, nbytes: int) -> tuple[int, int, int]:
     """BM's bookkeeping bytes: (held all run: position, attention sum, additive mask per slot; the probe's values per
     slot, prefill only; the stored probe state of a rule with ``every > 1``, from its first probe pass on)."""
@@ -162,7 +163,7 @@ def _bookkeeping(shape: ModelShape, method: Method, batch: int, prompt_len: int,
     if not method.lookahead:
         return held, 0, 0
     probe_values = batch * shape.layers * kv_heads * cap * 4
-    w = max((ph.size for ph in plan(method, prompt_len, 1) if ph.kind == "probe"), default=0)
+    w = max((ph.size for ph in phases if ph.kind == "probe"), default=0)
     state = batch * shape.layers * probe_state_bytes(1, q_heads, w, shape.head_dim, nbytes) \
         if w and method.probe_every > 1 else 0
     return held, probe_values, state  # the probe values are allocated with the cache, probe pass or not
@@ -176,7 +177,8 @@ def bookkeeping_bytes(shape: ModelShape, method: Method, batch: int, prompt_len:
         return 0
     q_heads, kv_heads = shape.local_heads(tp)
     cap = capacity(method, prompt_len, max_new_tokens)
-    return sum(_bookkeeping(shape, method, batch, prompt_len, cap, q_heads, kv_heads, DTYPE_BYTES[dtype]))
+    return sum(_bookkeeping(shape, method, batch, plan(method, prompt_len, 1), cap, q_heads, kv_heads,
+                            DTYPE_BYTES[dtype]))
 
 
 def max_batch(budget_bytes: int, shape: ModelShape, method: Method, prompt_len: int, max_new_tokens: int, *,
