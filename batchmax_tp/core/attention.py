@@ -30,10 +30,14 @@ import contextlib
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import probe, workspace
-from .cache import take_updated_layer
+from .cache import BoundedLayer, take_updated_layer
+from .baseline import DenseLayer
+from .pool import DensePoolLayer, PoolLayer
+from .step import ForwardPass
 
 NAME = "batchmax"
 
@@ -46,37 +50,63 @@ def batchmax_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    batchmax: ForwardPass | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [B, Hq, n, D]; key/value: the cache layer's buffers [B, Hkv, C, D]; attention_mask: the block's
-    padding mask (last n columns of a 2D [B, *] mask, True for real tokens) or None. Returns [B, n, Hq, D]."""
-    layer = take_updated_layer(key)
+    padding mask (last n columns of a 2D [B, *] mask, True for real tokens) or None; ``batchmax``: the engine's
+    description of the pass (``core.step``; None under HF's generate, whose cache hands its layer over instead).
+    Returns [B, n, Hq, D]."""
+    layer = take_updated_layer(key) if batchmax is None else batchmax.layer(module)
+    if isinstance(layer, (BoundedLayer, PoolLayer)) and layer.keys is not key:
+        raise RuntimeError(f"the 'batchmax' attention of layer {module.layer_idx} got keys that are not its cache "
+                           "layer's: the model must pass the cache's keys straight to its attention function")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if isinstance(layer, PoolLayer):  # a continuous-batching decode pass over the whole pool
+        pool = layer.cache
+        return _decode_attention(layer, query, key, value, scaling, pool.hi, pool.active), None
+    if isinstance(layer, DensePoolLayer):  # the baselines' pool: rows of different lengths, no scores
+        return _decode_attention(layer, query, key, value, scaling, key.shape[2], bias=layer.cache.row_bias), None
+    if isinstance(layer, DenseLayer):  # a baseline slot's prefill: the model's SDPA, causal and unpadded
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
     if layer.probe_kv is not None:  # a look-ahead probe pass: nothing was written, the probe only reads
         probe_kv, layer.probe_kv = layer.probe_kv, None
         probe_mask = None if attention_mask is None else attention_mask[:, -query.shape[2]:].bool()  # [B, w]
         return _probe_attention(layer, query, probe_kv, probe_mask, scaling), None
     if query.shape[2] == 1 and attention_mask is None:
-        return _decode_attention(layer, query, key, value, scaling), None
+        layer.new_slots = None
+        return _decode_attention(layer, query, key, value, scaling, layer.high), None
     return _block_attention(layer, query, key, value, attention_mask, scaling), None
 
 
-def _decode_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
+def _decode_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, hi: int,
+                      active: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step (engine-driven, no mask): every kept slot precedes the query, so the layer's additive
-    mask (``bias``: -inf on empty/evicted slots) is all the masking needed. Returns [B, 1, Hq, D]."""
-    layer.new_slots = None
+    mask (``bias``: -inf on empty/evicted slots) is all the masking needed; slots [hi, C) were never written and
+    stay out of every product. ``active`` [B, 1, 1] (a pool's pass): 1 for the rows decoding, 0 for idle rows,
+    whose attention is not added to their slots' sums. An explicit ``bias`` [B, 1, hi] (the baselines' pool: each
+    row's held length) replaces the layer's, and no sums are kept. Returns [B, 1, Hq, D]."""
     B, Hq, _, D = query.shape
-    Hkv, hi = key.shape[1], layer.high  # slots [hi, C) were never written: left out of every product
+    Hkv = key.shape[1]
     g = Hq // Hkv
     layer.cache.note_workspace(workspace.decode_workspace_bytes(B, Hq, Hkv, hi, D, query.element_size()))
     q = query.reshape(B * Hkv, g, D)  # [B*Hkv, g, D]: query heads grouped by their KV head (a view)
     keys_t = key[:, :, :hi].transpose(2, 3).reshape(B * Hkv, D, hi)  # [B*Hkv, D, hi] (a view)
-    bias = layer.bias[:, :, :hi].reshape(B * Hkv, 1, hi)  # [B*Hkv, 1, hi]: 0 valid, -inf hidden (a view)
+    if bias is None:
+        bias = layer.bias[:, :, :hi].reshape(B * Hkv, 1, hi)  # [B*Hkv, 1, hi]: 0 valid, -inf hidden (a view)
+    else:
+        bias = bias[:, None, None, :].expand(B, Hkv, 1, hi).reshape(B * Hkv, 1, hi)  # [B*Hkv, 1, hi] (a view)
     logits = torch.baddbmm(bias, q, keys_t, alpha=scaling)  # [B*Hkv, g, hi], scaled and masked
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B*Hkv, g, hi]
     del logits
-    layer.score[:, :, :hi] += probs.view(B, Hkv, g, hi).sum(dim=2)  # attention received, summed over the group
+    if layer.cache.method.name == "bm":
+        received = probs.view(B, Hkv, g, hi).sum(dim=2)  # [B, Hkv, hi]: attention received, summed over the group
+        if active is None:
+            layer.score[:, :, :hi] += received
+        else:
+            layer.score[:, :, :hi].addcmul_(received, active)
+        del received
     out = torch.bmm(probs.to(value.dtype), value[:, :, :hi].reshape(B * Hkv, hi, D))  # [B*Hkv, g, D]
     return out.view(B, 1, Hq, D)  # [B, 1, Hq, D]: (Hkv, g) rows are the query heads in order
 

@@ -62,6 +62,17 @@ def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.T
     return (bits * 2**32 + low).topk(n, dim=-1, largest=False, sorted=True).indices  # [B, H, n]
 
 
+def free_slots(priority: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, bias: torch.Tensor,
+               n: int) -> torch.Tensor:
+    """Free the ``n`` slots of lowest ``priority`` (``slots_to_evict``) in the slot state ``pos``/``score``/``bias``
+    [B, H, C] (views are written through) and return their indices [B, H, n]."""
+    freed = slots_to_evict(priority, pos, n)  # [B, H, n]
+    pos.scatter_(2, freed, -1)
+    score.scatter_(2, freed, 0.0)
+    bias.scatter_(2, freed, float("-inf"))
+    return freed
+
+
 class SlotLayer(CacheLayerMixin):
     """A decoder layer of a preallocated cache (``BatchMaxCache`` or the baselines' ``DenseCache``): slots written
     by index, never slid, cropped or compiled."""
@@ -194,10 +205,7 @@ class BoundedLayer(SlotLayer):
             if self.capacity > method.kv_max:
                 self._resize(method.kv_max)
             return
-        freed = slots_to_evict(priority, self.pos, empty + n)  # [B, H, empty + n]
-        self.pos.scatter_(2, freed, -1)
-        self.score.scatter_(2, freed, 0.0)
-        self.bias.scatter_(2, freed, float("-inf"))
+        freed = free_slots(priority, self.pos, self.score, self.bias, empty + n)  # [B, H, empty + n]
         self.filled -= n
         self.free, self.free_ptr = freed, 0
         self.high = self.capacity  # freed slots may lie anywhere below the capacity
@@ -220,7 +228,6 @@ class BoundedLayer(SlotLayer):
         if phase is not None and phase.kind == "probe":
             # A look-ahead probe pass: its keys/values go to the attention aside and are never stored.
             self.probe_kv = (key_states, value_states)  # [B, H, w, D] each
-            _handoff.layer = self
             return self.keys, self.values
         n = key_states.shape[2]
         if phase is None:  # driven by HF generate: infer the phase from the block itself
@@ -268,7 +275,8 @@ class BoundedLayer(SlotLayer):
         self.filled += n
         self.seen += n
         self.new_slots = slots
-        _handoff.layer = self
+        if phase is None:  # HF's generate passes no pass description: hand the layer to its attention call
+            _handoff.layer = self
         return self.keys, self.values
 
     def mark_pads(self, token_mask: torch.Tensor) -> None:

@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -20,6 +19,7 @@ from .baseline import DenseCache, fastest_attention, use_attention
 from .cache import BatchMaxCache
 from .method import Method
 from .schedule import Phase, capacity, plan
+from .step import ForwardPass
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +55,16 @@ def _next_token(logits: torch.Tensor, warpers: LogitsProcessorList | None, gen: 
 
 
 @torch.inference_mode()
-def _forward(model: torch.nn.Module, cache: Cache, ids: torch.Tensor, mask: torch.Tensor | None,
-             pos: torch.Tensor):
-    """One forward pass into ``cache``: ids/pos [B, n], mask [B, n] or the baselines' own; last logits only."""
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                 logits_to_keep=1)
-
-
-@torch.inference_mode()
-def _probe(model: torch.nn.Module, cache: BatchMaxCache, ids: torch.Tensor, mask: torch.Tensor,
-           pos: torch.Tensor) -> None:
-    """A look-ahead probe pass (ids/mask/pos [B, w]): through the decoder layers only -- its outputs are never
-    used, so no logits are made."""
-    model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+def forward_pass(model: torch.nn.Module, step: ForwardPass, ids: torch.Tensor, mask: torch.Tensor | None,
+                 pos: torch.Tensor):
+    """One forward pass into ``step.cache``: ids/pos [B, n], mask [B, n] or the baselines' own; ``step``, the
+    pass's description, goes to every attention call. A prefill block or decode step returns the last position's
+    logits; a look-ahead probe runs through the decoder layers only (its outputs are never used: no logits)."""
+    if step.kind == "probe":
+        return model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                   past_key_values=step.cache, use_cache=True, batchmax=step)
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=step.cache, use_cache=True,
+                 logits_to_keep=1, batchmax=step)
 
 
 def generate(
@@ -166,11 +163,12 @@ def generate(
             cache.begin(phase)
             a, b = phase.start, phase.end
             ids, mask, pos = input_ids[:, a:b], token_mask[:, a:b], real_pos[:, a:b]  # [B, n]
+            step = ForwardPass.static(cache, phase)
             if phase.kind == "probe":  # look-ahead probe: the prompt's last tokens as queries, never cached
-                _probe(model, cache, ids, mask, pos)
+                forward_pass(model, step, ids, mask, pos)
                 cache.note_meta()
                 continue
-            out = _forward(model, cache, ids, cache.attention_mask() if dense else mask, pos)
+            out = forward_pass(model, step, ids, cache.attention_mask() if dense else mask, pos)
         if dense:
             cache.note_workspace(model.config)
         else:
@@ -184,7 +182,8 @@ def generate(
                 break
             cache.begin(phase)
             # generated tokens are never pads; the baselines mask prompt pads they still hold
-            out = _forward(model, cache, next_input, cache.attention_mask() if dense else None, next_pos)
+            out = forward_pass(model, ForwardPass.static(cache, phase), next_input,
+                               cache.attention_mask() if dense else None, next_pos)
             next_input = emit(phase.step, out.logits[:, -1])
             next_pos = next_pos + 1
         _sync(device)

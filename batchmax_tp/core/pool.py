@@ -1,0 +1,423 @@
+"""A fixed pool of slots for continuous batching: ``slots`` cache rows allocated once, constant for the whole run.
+
+Each slot holds one request at a time. Its prefill runs on a batch-1 cache bound to the slot's row (views of the
+pool's tensors): the very code, shapes and schedule of ``engine.generate`` on that prompt alone, so the kept
+positions are the same. Then the slot joins the decode steps, where every decoding slot writes its token and
+attends in one pass over the pool, each at its own position and eviction step.
+
+- ``BoundedPool`` (BM): per layer keys/values [S, H, C + 1, D], and per slot ``pos``/``score``/``bias`` as in
+  ``core.cache`` and a free list ``free`` [S, H, C + 1] with C = ``kv_max``. Column C is a scratch slot: a row
+  that is not decoding in a decode pass writes its (unused) pair there, so nothing else is touched; the free
+  lists end in C and no attention or eviction ever reads it.
+- ``DensePool`` (FKV, ED) on the model's SDPA: per layer keys/values [S, H, C + 1, D] holding slots
+  ``[0, length)`` of each row; C = ``kv_max`` for ED (its prompt is prefilled into a prompt-sized staging cache,
+  one slot at a time, and the newest pair moves into the row: Algorithm 3's first eviction), the longest prompt +
+  generation for FKV (each slot reserves a whole request, so admission never needs more).
+
+Per-slot state between passes is host integers (``RowState``) advanced by ``begin_decode``; the tensors a decode
+pass needs (write index, positions, which rows decode) are built from them once per pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from .baseline import DenseCache, DenseLayer
+from .cache import BatchMaxCache, BoundedLayer, SlotLayer, free_slots
+from .method import Method, eviction_priority
+from .step import SlotWork
+
+
+@dataclass
+class RowState:
+    """One slot's host state: pairs held (``filled``), next position (``seen``), write pointer into its free list
+    (``ptr``), slots ever written (``high``), whether its free list is still the identity (``contiguous``); the
+    dense pools' ``length`` (slots [0, length) held)."""
+
+    filled: int = 0
+    seen: int = 0
+    ptr: int = 0
+    high: int = 0
+    contiguous: bool = True
+    length: int = 0
+
+
+def _bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _Pool(Cache):
+    """What both pools share: rows, peaks, the per-pass decode tensors."""
+
+    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, layer_class):
+        super().__init__(layers=[layer_class(self, i) for i in range(num_layers)])
+        self.method, self.slots, self.capacity = method, slots, capacity
+        self.rows = [RowState() for _ in range(slots)]
+        self.row_caches: dict[int, Cache] = {}  # slots being prefilled -> their batch-1 cache
+        self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
+        self.decode_rows: list[int] = []
+        self.positions: torch.Tensor | None = None  # [S, 1] position of each row's decode token (0 when idle)
+
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate every layer's pool from the first pass's local shapes (heads under tensor parallelism)."""
+        for layer in self.layers:
+            if not layer.is_initialized:
+                layer.allocate(key_states.shape[1], key_states.shape[-1], value_states.shape[-1],
+                               key_states.dtype, key_states.device)
+        self.note()
+
+    @property
+    def allocated(self) -> bool:
+        return self.layers[0].is_initialized
+
+    def kv_bytes(self) -> int:
+        return sum(_bytes(layer.keys, layer.values) for layer in self.layers) + sum(
+            c.kv_bytes() for c in self.row_caches.values() if not isinstance(c, _RowBound))
+
+    def meta_bytes(self) -> int:
+        return 0
+
+    def note(self) -> None:
+        """Record the peaks now (K/V, bookkeeping, and each prefilling slot's workspace)."""
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
+        self.peak_meta_bytes = max(self.peak_meta_bytes, self.meta_bytes())
+        for cache in self.row_caches.values():
+            self.peak_workspace_bytes = max(self.peak_workspace_bytes, cache.peak_workspace_bytes)
+
+    def note_workspace(self, nbytes: int) -> None:
+        self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def _decode_tensors(self, write: list[int], device: torch.device) -> torch.Tensor:
+        """The pass's positions [S, 1] (0 for idle rows) and per-row write index as a device tensor [S, 1, 1]."""
+        seen = [0] * self.slots
+        for r in self.decode_rows:
+            seen[r] = self.rows[r].seen
+        self.positions = torch.tensor(seen, device=device).view(self.slots, 1)  # [S, 1]
+        return torch.tensor(write, device=device).view(self.slots, 1, 1)  # [S, 1, 1]
+
+
+class _RowBound:
+    """Marks a batch-1 cache whose layers are views of a pool row (its K/V bytes are the pool's)."""
+
+
+# -- Batch-Max ------------------------------------------------------------------------------------------------------
+class PoolLayer(SlotLayer):
+    """One decoder layer of the BM pool: keys/values [S, H, C + 1, D]; pos, score, bias, free [S, H, C + 1]."""
+
+    def __init__(self, cache: BoundedPool, layer_idx: int):
+        super().__init__(cache, layer_idx)
+        self.pos = self.score = self.bias = self.free = None
+
+    def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        S, C = self.cache.slots, self.cache.capacity
+        self.keys = torch.zeros(S, heads, C + 1, k_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(S, heads, C + 1, v_dim, dtype=dtype, device=device)
+        self.pos = torch.full((S, heads, C + 1), -1, dtype=torch.long, device=device)
+        self.score = torch.zeros(S, heads, C + 1, dtype=torch.float32, device=device)
+        self.bias = torch.full((S, heads, C + 1), float("-inf"), dtype=dtype, device=device)
+        self.free = torch.arange(C + 1, device=device).repeat(S, heads, 1)  # [S, H, C + 1]: identity, ends in C
+        self.dtype, self.device, self.is_initialized = dtype, device, True
+
+    def reset_row(self, row: int) -> None:
+        self.pos[row] = -1
+        self.score[row] = 0.0
+        self.bias[row] = float("-inf")
+        self.free[row] = torch.arange(self.free.shape[-1], device=self.device)
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the pool allocates in a prefill pass first
+        raise RuntimeError("a pool's decode pass ran before any prefill allocated it")
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.capacity + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """A decode pass: evict in the rows whose step says so, write each row's pair [S, H, 1, D] at its free
+        slot (idle rows: the scratch column C). Returns the whole buffers [S, H, C + 1, D]."""
+        pool = self.cache
+        C = pool.capacity
+        for row, n_free, curr_id in pool.evicting:
+            pos, score, bias = (t[row : row + 1, :, :C] for t in (self.pos, self.score, self.bias))  # [1, H, C]
+            priority = eviction_priority(pool.method, score, pos, curr_id)  # [1, H, C]
+            self.free[row : row + 1, :, :n_free] = free_slots(priority, pos, score, bias, n_free)  # [1, H, n_free]
+        S, H = self.keys.shape[:2]
+        idx = self.free.gather(2, pool.write_ptr.expand(S, H, 1))  # [S, H, 1] each row's slot
+        self.keys.scatter_(2, idx[..., None].expand(S, H, 1, self.keys.shape[-1]), key_states)
+        self.values.scatter_(2, idx[..., None].expand(S, H, 1, self.values.shape[-1]), value_states)
+        self.pos.scatter_(2, idx, pool.positions[:, :, None].expand(S, H, 1))
+        self.score.scatter_(2, idx, 0.0)
+        self.bias.scatter_(2, idx, 0.0)
+        return self.keys, self.values
+
+
+class RowLayer(BoundedLayer):
+    """A slot's prefill layer: ``BoundedLayer`` on views of row ``row`` of the pool (slots [0, C))."""
+
+    def __init__(self, cache: BatchMaxCache, layer_idx: int, pool: BoundedPool, row: int):
+        super().__init__(cache, layer_idx)
+        self.pool, self.row = pool, row
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not self.pool.allocated:
+            self.pool.allocate(key_states, value_states)
+        src, r, C = self.pool.layers[self.layer_idx], self.row, self.pool.capacity
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys, self.values = src.keys[r : r + 1, :, :C], src.values[r : r + 1, :, :C]  # [1, H, C, D] views
+        self.pos, self.score, self.bias = (t[r : r + 1, :, :C] for t in (src.pos, src.score, src.bias))  # [1, H, C]
+        if self.cache.method.lookahead:
+            self.probe = torch.zeros(1, key_states.shape[1], C, dtype=torch.float32, device=self.device)
+        self.is_initialized = True
+
+    def _resize(self, capacity: int) -> None:
+        raise RuntimeError("a pool slot never resizes")
+
+
+class RowCache(BatchMaxCache, _RowBound):
+    """The batch-1 ``BatchMaxCache`` a slot's prefill runs on (its layers: views of the pool row)."""
+
+    def __init__(self, pool: BoundedPool, row: int):
+        super().__init__(pool.method, num_layers=len(pool.layers))
+        self.layers = [RowLayer(self, i, pool, row) for i in range(len(pool.layers))]
+
+    def transient_bytes(self) -> int:
+        """Prefill-only bookkeeping: the look-ahead probe's per-slot values and stored queries."""
+        return sum(_bytes(layer.probe) + (layer.probe_state.nbytes() if layer.probe_state is not None else 0)
+                   for layer in self.layers)
+
+
+class BoundedPool(_Pool):
+    """BM's pool: ``slots`` rows of ``kv_max`` slots (+ the scratch column) per layer and local KV head."""
+
+    def __init__(self, method: Method, num_layers: int, slots: int):
+        if method.name != "bm":
+            raise ValueError(f"BoundedPool serves method 'bm', not {method.name!r}")
+        super().__init__(method, num_layers, slots, method.kv_max, PoolLayer)
+        self.evicting: list[tuple[int, int, int]] = []  # (row, slots to free, curr_id) of this decode pass
+        self.write_ptr: torch.Tensor | None = None  # [S, 1, 1] index into each row's free list
+        self.active: torch.Tensor | None = None  # [S, 1, 1] float: 1 for the rows decoding in this pass
+        self.hi = 0  # slots [0, hi) enter the decode products (the largest high-water mark of the decoding rows)
+
+    def meta_bytes(self) -> int:
+        held = sum(_bytes(layer.pos, layer.score, layer.bias, layer.free) for layer in self.layers)
+        return held + sum(c.transient_bytes() for c in self.row_caches.values())
+
+    def admit(self, row: int, prompt_len: int) -> RowCache:
+        """A request enters ``row``: its slots are emptied; its prefill runs on the returned batch-1 cache."""
+        if self.allocated:
+            for layer in self.layers:
+                layer.reset_row(row)
+        self.rows[row] = RowState()
+        self.row_caches[row] = cache = RowCache(self, row)
+        return cache
+
+    def graduate(self, row: int, decodes: bool = True) -> None:
+        """The slot's prefill is over: its free list and host state move into the pool."""
+        cache = self.row_caches[row]
+        self.note()
+        cache.end_prefill()
+        for layer, src in zip(self.layers, cache.layers):
+            if src.free is not None:
+                layer.free[row, :, : src.free.shape[-1]] = src.free[0]
+        src = cache.layers[0]  # every layer holds the same host integers
+        contiguous = src.free is None
+        self.rows[row] = RowState(filled=src.filled, seen=src.seen, high=src.high, contiguous=contiguous,
+                                  ptr=src.filled if contiguous else src.free_ptr)
+        del self.row_caches[row]
+
+    def begin_decode(self, work: tuple[SlotWork, ...], device: torch.device) -> None:
+        """State a decode pass: each decoding row's eviction (its own step's count) and write slot."""
+        C = self.capacity
+        ptr, active = [C] * self.slots, [0.0] * self.slots
+        self.evicting, self.decode_rows = [], [w.row for w in work]
+        for w in work:
+            st = self.rows[w.row]
+            if w.phase.evict:  # Algorithm 1: p pairs (the empty slots too) go before a step that does not fit
+                self.evicting.append((w.row, C - st.filled + w.phase.evict, st.seen - 1))
+                st.filled -= w.phase.evict
+                st.ptr, st.contiguous, st.high = 0, False, C
+            ptr[w.row], active[w.row] = st.ptr, 1.0
+        self.write_ptr = self._decode_tensors(ptr, device)
+        self.active = torch.tensor(active, device=device).view(self.slots, 1, 1)  # [S, 1, 1]
+        for w in work:  # advance past this pass's token
+            st = self.rows[w.row]
+            if st.contiguous:
+                st.high = max(st.high, st.ptr + 1)
+            st.ptr, st.filled, st.seen = st.ptr + 1, st.filled + 1, st.seen + 1
+        self.hi = max(self.rows[r].high for r in self.decode_rows)
+
+    def attention_mask(self) -> None:
+        return None
+
+    def kept_positions(self, row: int) -> list[list[list[int]]]:
+        """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
+        C = self.capacity
+        return [[sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[row, :, :C].cpu()]
+                for layer in self.layers]
+
+
+# -- the baselines --------------------------------------------------------------------------------------------------
+class DensePoolLayer(SlotLayer):
+    """One decoder layer of the baselines' pool: keys/values [S, H, C + 1, D]; row r holds slots [0, length)."""
+
+    def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        S, C = self.cache.slots, self.cache.capacity
+        self.keys = torch.zeros(S, heads, C + 1, k_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(S, heads, C + 1, v_dim, dtype=dtype, device=device)
+        self.dtype, self.device, self.is_initialized = dtype, device, True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise RuntimeError("a pool's decode pass ran before any prefill allocated it")
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.span + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """A decode pass: ED rows that evict keep their newest pair (moved to slot 0); each row writes its pair
+        [S, H, 1, D] at slot ``length`` (idle rows: the scratch column). Returns slots [0, span) as views."""
+        pool = self.cache
+        for row, newest in pool.compact:
+            self.keys[row, :, 0] = self.keys[row, :, newest]
+            self.values[row, :, 0] = self.values[row, :, newest]
+        S, H = self.keys.shape[:2]
+        idx = pool.write_ptr[..., None]  # [S, 1, 1, 1]
+        self.keys.scatter_(2, idx.expand(S, H, 1, self.keys.shape[-1]), key_states)
+        self.values.scatter_(2, idx.expand(S, H, 1, self.values.shape[-1]), value_states)
+        return self.keys[:, :, : pool.span], self.values[:, :, : pool.span]  # [S, H, span, D] views
+
+
+class _RowDenseLayer(DenseLayer):
+    """FKV's prefill layer: ``DenseLayer`` on views of a pool row (slots [0, C))."""
+
+    def __init__(self, cache: DenseCache, layer_idx: int, pool: DensePool, row: int):
+        super().__init__(cache, layer_idx)
+        self.pool, self.row = pool, row
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not self.pool.allocated:
+            self.pool.allocate(key_states, value_states)
+        src, r, C = self.pool.layers[self.layer_idx], self.row, self.pool.capacity
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys, self.values = src.keys[r : r + 1, :, :C], src.values[r : r + 1, :, :C]  # [1, H, C, D] views
+        self.is_initialized = True
+
+
+class _RowDenseCache(DenseCache, _RowBound):
+    def __init__(self, pool: DensePool, row: int, prompt_mask: torch.Tensor, impl: str):
+        super().__init__(pool.method, len(pool.layers), pool.capacity, prompt_mask, impl)
+        self.layers = [_RowDenseLayer(self, i, pool, row) for i in range(len(pool.layers))]
+
+
+class _StagingLayer(DenseLayer):
+    """ED's prefill layer: a prompt-sized buffer of its own; the pool is allocated from its first shapes."""
+
+    def __init__(self, cache: DenseCache, layer_idx: int, pool: DensePool):
+        super().__init__(cache, layer_idx)
+        self.pool = pool
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not self.pool.allocated:
+            self.pool.allocate(key_states, value_states)
+        super().lazy_initialization(key_states, value_states)
+
+
+class _StagingCache(DenseCache):
+    def __init__(self, pool: DensePool, prompt_mask: torch.Tensor, impl: str):
+        super().__init__(pool.method, len(pool.layers), prompt_mask.shape[1], prompt_mask, impl)
+        self.layers = [_StagingLayer(self, i, pool) for i in range(len(pool.layers))]
+
+
+class DensePool(_Pool):
+    """The baselines' pool (prefill on the model's SDPA, decode on the fused grouped product of ``core.attention``). ``capacity``: ED ``kv_max``; FKV the longest prompt + max_new_tokens - 1."""
+
+    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, impl: str):
+        if method.name not in ("fkv", "ed"):
+            raise ValueError(f"DensePool serves the baselines fkv and ed, not {method.name!r}")
+        super().__init__(method, num_layers, slots, capacity, DensePoolLayer)
+        self.impl = impl
+        self.compact: list[tuple[int, int]] = []  # (row, slot of its newest pair): ED rows evicting this pass
+        self.write_ptr: torch.Tensor | None = None  # [S, 1, 1] slot each row writes
+        self.span = 0  # slots [0, span) enter this pass's attention
+        self.row_bias: torch.Tensor | None = None  # [S, span] additive mask: 0 for each row's held slots, -inf after
+
+    def admit(self, row: int, prompt_len: int) -> DenseCache:
+        device = self.layers[0].device if self.allocated else None
+        mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)  # [1, s]: unpadded
+        if self.method.name == "fkv":
+            if prompt_len > self.capacity:
+                raise ValueError(f"a {prompt_len}-token prompt does not fit FKV slots of {self.capacity}")
+            cache = _RowDenseCache(self, row, mask, self.impl)
+        else:
+            cache = _StagingCache(self, mask, self.impl)
+        self.rows[row] = RowState()
+        self.row_caches[row] = cache
+        return cache
+
+    def graduate(self, row: int, decodes: bool = True) -> None:
+        """FKV: the row holds its prompt. ED: the prompt's newest pair moves into slot 0 of the row (Algorithm 3's
+        first eviction, done once here; the first decode step's own eviction then finds one pair); a request with
+        no decode step (``decodes`` False) keeps its prompt, as alone."""
+        cache = self.row_caches[row]
+        self.note()
+        if self.method.name == "ed" and decodes:
+            newest = cache.length - 1
+            for layer, src in zip(self.layers, cache.layers):
+                layer.keys[row, :, 0] = src.keys[0, :, newest]
+                layer.values[row, :, 0] = src.values[0, :, newest]
+            self.rows[row] = RowState(seen=cache.seen, length=1)
+        else:
+            self.rows[row] = RowState(seen=cache.seen, length=cache.length)
+        del self.row_caches[row]
+
+    def begin_decode(self, work: tuple[SlotWork, ...], device: torch.device) -> None:
+        """State a decode pass: ED's keep-newest where its step evicts; each row's write slot; the row mask."""
+        write = [self.capacity] * self.slots
+        self.compact, self.decode_rows = [], [w.row for w in work]
+        for w in work:
+            st = self.rows[w.row]
+            if self.method.name == "ed" and w.phase.evict:
+                self.compact.append((w.row, st.length - 1))
+                st.length = 1
+            write[w.row] = st.length
+        self.write_ptr = torch.tensor(write, device=device).view(self.slots, 1, 1)  # [S, 1, 1]
+        seen = [0] * self.slots
+        lengths = [1] * self.slots  # idle rows see slot 0 only (kept finite, never used)
+        for w in work:
+            st = self.rows[w.row]
+            seen[w.row] = st.seen  # the token's position in its own sequence
+            st.length, st.seen = st.length + 1, st.seen + 1
+            lengths[w.row] = st.length
+        self.positions = torch.tensor(seen, device=device).view(self.slots, 1)  # [S, 1]
+        self.span = max(lengths[r] for r in self.decode_rows)
+        held = torch.tensor(lengths, device=device)  # [S]
+        self.row_bias = torch.zeros(self.slots, self.span, dtype=self.layers[0].dtype, device=device)  # [S, span]
+        self.row_bias.masked_fill_(torch.arange(self.span, device=device) >= held[:, None], float("-inf"))
+
+    def attention_mask(self) -> None:
+        return None
+
+    def meta_bytes(self) -> int:
+        return 0
+
+    def kept_positions(self, row: int) -> list[list[list[int]]]:
+        """Per layer and local KV head: the positions row ``row`` holds (slots [0, length) hold the last ``length``
+        positions, in order)."""
+        st = self.rows[row]
+        held = list(range(st.seen - st.length, st.seen))
+        return [[held] * layer.keys.shape[1] for layer in self.layers]

@@ -1,0 +1,122 @@
+"""Continuous batching over a fixed pool of slots: which pass runs next, as a pure function of host state.
+
+Every slot is a bounded cache: under BM a request never holds more than ``kv_max`` pairs per KV head from its first
+token on, so a slot fits any request and admission needs no guess about the future (no reservation, no
+preemption). A request runs its own schedule (``core.schedule.plan`` of its unpadded prompt and its own
+``max_new_tokens``), so its tokens do not depend on which requests share its passes.
+
+The policy: when a slot frees (EOS, a stop, or its ``max_new_tokens``), the next queued request enters it (queue
+order, lowest free slot first). Prefill passes (one slot's block or probe at a time, in admission order) run
+before the decode step of the slots already decoding, up to ``prefill_budget`` prompt tokens between two decode
+steps (None: no limit, so a new request is prefilled whole before the next decode step -- the most tokens per
+decode step). Every input is a host integer or the set of slots that finished, which every tensor-parallel rank
+knows alike: all ranks schedule the same passes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .method import Method
+from .schedule import Phase, plan
+from .step import SlotWork
+
+
+@dataclass
+class SlotRun:
+    """A request in a slot: its phases and the next one to run."""
+
+    request: int
+    phases: list[Phase]
+    admitted: int  # admission order (0, 1, ...)
+    cursor: int = 0
+
+    @property
+    def phase(self) -> Phase:
+        return self.phases[self.cursor]
+
+    @property
+    def prefilling(self) -> bool:
+        return self.phase.kind != "decode"
+
+    @property
+    def done(self) -> bool:
+        return self.cursor >= len(self.phases)
+
+
+@dataclass(frozen=True)
+class Step:
+    """The next pass: ``kind`` and each slot's part (one slot for a prefill block or probe; every decoding slot
+    for a decode step). ``admitted``: (slot, request) pairs that entered a slot just before this pass."""
+
+    kind: str
+    work: tuple[SlotWork, ...]
+    admitted: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass
+class Scheduler:
+    """The pass-by-pass schedule of ``lengths[i]``-token prompts generating ``max_new[i]`` tokens each in ``slots``
+    slots. Call ``next_step()``, run it, then ``complete(step, finished)`` with the slots whose request ended early
+    (EOS or a stop string); a request that reached its ``max_new_tokens`` ends by itself."""
+
+    method: Method
+    lengths: list[int]
+    max_new: list[int]
+    slots: int
+    prefill_budget: int | None = None
+    queue: deque = field(init=False)
+    running: list[SlotRun | None] = field(init=False)
+    log: list[tuple[int, int, int]] = field(init=False, default_factory=list)  # (pass, slot, request) admissions
+    passes: int = field(init=False, default=0)
+    _since_decode: int = field(init=False, default=0)  # prompt tokens prefilled since the last decode step
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if len(self.lengths) != len(self.max_new):
+            raise ValueError("lengths and max_new must have one entry per request")
+        self.queue = deque(range(len(self.lengths)))
+        self.running = [None] * self.slots
+
+    def _admit(self) -> tuple[tuple[int, int], ...]:
+        admitted = []
+        for slot in range(self.slots):
+            if self.running[slot] is None and self.queue:
+                i = self.queue.popleft()
+                self.running[slot] = SlotRun(i, plan(self.method, self.lengths[i], self.max_new[i]), len(self.log))
+                self.log.append((self.passes, slot, i))
+                admitted.append((slot, i))
+        return tuple(admitted)
+
+    def next_step(self) -> Step | None:
+        """The next pass, or None when every request has finished."""
+        admitted = self._admit()
+        active = [(s, run) for s, run in enumerate(self.running) if run is not None]
+        if not active:
+            return None
+        prefilling = sorted(((run.admitted, s) for s, run in active if run.prefilling))
+        decoding = tuple(SlotWork(s, run.phase) for s, run in active if not run.prefilling)
+        budget_left = self.prefill_budget is None or self._since_decode < self.prefill_budget
+        if prefilling and (budget_left or not decoding):
+            slot = prefilling[0][1]
+            phase = self.running[slot].phase
+            return Step(phase.kind, (SlotWork(slot, phase),), admitted)
+        return Step("decode", decoding, admitted)
+
+    def complete(self, step: Step, finished: set[int] | frozenset[int] = frozenset()) -> list[tuple[int, int]]:
+        """Advance the slots ``step`` ran; free those whose request ended. Returns the (slot, request) pairs freed."""
+        self.passes += 1
+        if step.kind == "decode":
+            self._since_decode = 0
+        elif step.kind == "prefill":
+            self._since_decode += step.work[0].phase.size
+        freed = []
+        for work in step.work:
+            run = self.running[work.row]
+            run.cursor += 1
+            if run.done or work.row in finished:
+                freed.append((work.row, run.request))
+                self.running[work.row] = None
+        return freed
