@@ -116,10 +116,9 @@ def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_
     q_heads, kv_heads = shape.local_heads(tp)
     cap = capacity(method, prompt_len, max_new_tokens)
     kv = 2 * batch * shape.layers * kv_heads * cap * shape.head_dim * nbytes
-    local_inter = math.ceil(shape.intermediate / tp)
-    # Live in one decoder layer: residual + normed hidden, q/k/v/out projections, 3 MLP intermediates; logits of
-    # the last position only (logits_to_keep=1) in float32 (a probe pass makes none).
-    per_token = (3 * shape.hidden + (q_heads + 2 * kv_heads) * shape.head_dim + 3 * local_inter) * nbytes
+    # Live in one decoder layer (``_per_token``); logits of the last position only (logits_to_keep=1) in
+    # float32 (a probe pass makes none).
+    per_token = _per_token(shape, tp, nbytes)
     logits = batch * shape.vocab * 4
     weights = shape.weights_per_rank(tp) * nbytes
     if method.name != "bm":  # FKV/ED run on the model's SDPA with a DenseCache (core.baseline): no score
@@ -131,7 +130,31 @@ def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_
 
     phases = plan(method, prompt_len, 1)  # the prefill blocks and probe passes
     held, probe_values, state = _bookkeeping(shape, method, batch, phases, cap, q_heads, kv_heads, nbytes)
-    passes = []  # (activations, workspace, prefill-only bookkeeping) of each distinct pass
+    passes = _prefill_passes(shape, method, batch, phases, cap, q_heads, kv_heads, nbytes, per_token,
+                             probe_values, state)
+    if max_new_tokens > 1:  # decode steps: one query over the slots held (never more than cap), no mask
+        decode_slots = min(cap, prompt_len + max_new_tokens - 1)
+        passes.append((batch * per_token + logits,
+                       decode_workspace_bytes(batch, q_heads, kv_heads, decode_slots, shape.head_dim, nbytes), 0))
+    activations, workspace, transient = max(passes, key=sum)
+    return MemoryEstimate(kv, workspace, weights, activations, held + transient)
+
+
+def _per_token(shape: ModelShape, tp: int, nbytes: int) -> int:
+    """Live bytes per token in one decoder layer: residual + normed hidden, q/k/v/out projections, 3 MLP
+    intermediates (local heads and columns under tensor parallelism)."""
+    q_heads, kv_heads = shape.local_heads(tp)
+    local_inter = math.ceil(shape.intermediate / tp)
+    return (3 * shape.hidden + (q_heads + 2 * kv_heads) * shape.head_dim + 3 * local_inter) * nbytes
+
+
+def _prefill_passes(shape: ModelShape, method: Method, batch: int, phases: list[Phase], cap: int, q_heads: int,
+                    kv_heads: int, nbytes: int, per_token: int, probe_values: int, state: int,
+                    padded: bool = True) -> list[tuple[int, int, int]]:
+    """(activations, attention workspace, prefill-only bookkeeping) of each BM prefill block and probe pass
+    (``padded``: the blocks come with a token mask, as the static engine's do; a pool's slot prefills without)."""
+    logits = batch * shape.vocab * 4
+    passes = []
     slots, probed = 0, False
     for phase in phases:
         if phase.kind == "probe":
@@ -145,14 +168,53 @@ def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_
         ordered = slots < cap and phase.end <= cap
         slots = min(cap, phase.end) if ordered else cap
         ws = workspace_bytes(batch, q_heads, kv_heads, phase.size, slots, shape.head_dim, ordered=ordered,
-                             padded=True, elem=nbytes)
+                             padded=padded, elem=nbytes)
         passes.append((batch * phase.size * per_token + logits, ws, probe_values + (state if probed else 0)))
-    if max_new_tokens > 1:  # decode steps: one query over the slots held (never more than cap), no mask
-        decode_slots = min(cap, prompt_len + max_new_tokens - 1)
-        passes.append((batch * per_token + logits,
-                       decode_workspace_bytes(batch, q_heads, kv_heads, decode_slots, shape.head_dim, nbytes), 0))
-    activations, workspace, transient = max(passes, key=sum)
+    return passes
+
+
+def predict_pool(shape: ModelShape, method: Method, slots: int, prompt_len: int, max_new_tokens: int, *,
+                 tp: int = 1, dtype: str = "float32") -> MemoryEstimate:
+    """Peak memory per rank of continuous batching (``core.serve``) in ``slots`` slots, for requests of at most
+    ``prompt_len`` prompt tokens and ``max_new_tokens`` new tokens. Constant for the whole run:
+
+    - ``kv``: the pool's K/V, allocated once -- ``slots`` rows of C + 1 slots (C: BM and ED ``kv_max``, FKV the
+      longest prompt + generation; the extra scratch slot takes idle rows' writes) -- plus ED's prompt-sized
+      staging buffer of the one slot it prefills at a time;
+    - ``slot_meta``: BM's per-slot position, attention sum, additive mask and free list for every row, plus the
+      look-ahead probe's prefill-only buffers of the one slot being prefilled;
+    - activations and workspace of the larger of a slot's prefill passes (batch 1, the longest prompt) and a
+      decode pass over all slots (every row attending over its whole capacity).
+    """
+    nbytes = DTYPE_BYTES[dtype]
+    q_heads, kv_heads = shape.local_heads(tp)
+    L, D = shape.layers, shape.head_dim
+    per_token = _per_token(shape, tp, nbytes)
+    weights = shape.weights_per_rank(tp) * nbytes
+    cap = capacity(method, prompt_len, max_new_tokens) if method.name != "ed" else method.kv_max
+    kv = 2 * slots * L * kv_heads * (cap + 1) * D * nbytes
+    decode = (slots * per_token + slots * shape.vocab * 4,
+              decode_workspace_bytes(slots, q_heads, kv_heads, cap, D, nbytes) if max_new_tokens > 1 else 0, 0)
+    if method.name != "bm":
+        if method.name == "ed":
+            kv += 2 * L * kv_heads * prompt_len * D * nbytes  # the staging cache of the slot being prefilled
+        prefill = (prompt_len * per_token + shape.vocab * 4, 0, 0)  # unpadded, causal SDPA: no mask, no copies
+        activations, workspace, _ = max(prefill, decode, key=sum)
+        return MemoryEstimate(kv, workspace, weights, activations, 0)
+    phases = plan(method, prompt_len, 1)
+    held = slots * L * kv_heads * (cap + 1) * (8 + 4 + nbytes + 8)  # pos, score, bias, free list
+    _, probe_values, state = _bookkeeping(shape, method, 1, phases, cap, q_heads, kv_heads, nbytes)
+    passes = _prefill_passes(shape, method, 1, phases, cap, q_heads, kv_heads, nbytes, per_token, probe_values, state,
+                             padded=False)
+    activations, workspace, transient = max([*passes, decode], key=sum)
     return MemoryEstimate(kv, workspace, weights, activations, held + transient)
+
+
+def max_slots(budget_bytes: int, shape: ModelShape, method: Method, prompt_len: int, max_new_tokens: int, *,
+              tp: int = 1, dtype: str = "float32", limit: int = 1 << 16) -> int:
+    """The most slots whose pool (``predict_pool``) fits ``budget_bytes`` (0 if not even one does)."""
+    return _largest(lambda n: predict_pool(shape, method, n, prompt_len, max_new_tokens, tp=tp,
+                                           dtype=dtype).total <= budget_bytes, limit)
 
 
 def _bookkeeping(shape: ModelShape, method: Method, batch: int, phases: list[Phase], cap: int, q_heads: int,
@@ -185,9 +247,12 @@ def max_batch(budget_bytes: int, shape: ModelShape, method: Method, prompt_len: 
               tp: int = 1, dtype: str = "float32", limit: int = 1 << 16) -> int:
     """The largest batch whose predicted peak fits ``budget_bytes`` (0 if not even one sample fits)."""
 
-    def fits(b: int) -> bool:
-        return predict(shape, method, b, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total <= budget_bytes
+    return _largest(lambda b: predict(shape, method, b, prompt_len, max_new_tokens, tp=tp,
+                                      dtype=dtype).total <= budget_bytes, limit)
 
+
+def _largest(fits, limit: int) -> int:
+    """The largest n in [1, limit] with ``fits(n)`` (0 if none), for a ``fits`` that stays false once false."""
     if not fits(1):
         return 0
     lo, hi = 1, 2
