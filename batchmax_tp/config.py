@@ -48,6 +48,7 @@ __all__ = [
 DEFAULT_KV_MAX: dict[str, int | None] = {"bm": 512, "ed": 2, "fkv": None}
 DTYPES = ("auto", "float32", "float16", "bfloat16")  #: auto: float32 on CPU, the checkpoint's own on CUDA
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+SCHEDULERS = ("static", "continuous")  #: how prompts share the model's passes (``core.serve`` for continuous)
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 #: Keys of one entry of ``runs`` (``rule``: BM's eviction rule for that run; default the config's ``rule``).
 RUN_KEYS = ("method", "batch_size", "kv_max", "rule")
@@ -87,6 +88,7 @@ def _field_types(annotation: str) -> tuple[tuple[type, ...], bool]:
 _LOWEST: dict[str, tuple[int, str | None]] = {
     "batch_size": (1, None), "max_new_tokens": (1, None), "num_samples": (1, "all"),
     "kv_max": (1, "per-method default"), "top_k": (0, None), "tp_size": (1, "the world size"), "setup_timeout": (1, None),
+    "prefill_budget": (1, "no limit"),
 }
 
 _TYPE_NAMES = {str: "a string", list: "a list", int: "an integer", bool: "a boolean (true/false)"}
@@ -148,6 +150,10 @@ class RunConfig:
     procedure: str | None = None  #: null = the runs as listed; paper = the paper's b0 procedure; tune = auto-tuner
     kv_values: list[int] | None = None  #: BM kv_max values for the procedures; null = tuner.kv_grid(prompt, rule)
     target: float = 0.95  #: tune: the BM metric must reach target x FKV's
+    #: static: batches of batch_size prompts, padded, decoded together; continuous: batch_size slots, a request
+    #: enters a slot as soon as one frees (``core.serve``)
+    scheduler: str = "static"
+    prefill_budget: int | None = None  #: continuous: prompt tokens prefilled between decode steps; null = no limit
 
     def __post_init__(self) -> None:
         if isinstance(self.methods, str):
@@ -182,7 +188,7 @@ class RunConfig:
             value = getattr(self, key)
             if value is not None and value < low:
                 raise ConfigError(key, f"must be >= {low}{f' or null ({null})' if null else ''}, got {value}")
-        for key, choices in (("dtype", DTYPES), ("log_level", LOG_LEVELS)):
+        for key, choices in (("dtype", DTYPES), ("log_level", LOG_LEVELS), ("scheduler", SCHEDULERS)):
             if getattr(self, key) not in choices:
                 raise ConfigError(key, f"must be one of {', '.join(choices)}, got {getattr(self, key)!r}")
         if not _DEVICE_RE.match(self.device):
@@ -250,6 +256,8 @@ class RunConfig:
         self.budget_bytes()  # raises ConfigError("memory_budget: ...")
         if self.procedure is not None and self.procedure not in PROCEDURES:
             raise ConfigError("procedure", f"must be one of {', '.join(PROCEDURES)} or null, got {self.procedure!r}")
+        if self.procedure is not None and self.scheduler == "continuous":
+            raise ConfigError("scheduler", f"procedure {self.procedure} plans static batches: use scheduler static")
         if self.procedure is not None and self.memory_budget is None:
             raise ConfigError("memory_budget", f"procedure {self.procedure} needs a memory budget per rank "
                               "(e.g. memory_budget: 24GiB or --memory-budget 24GiB)")
@@ -597,6 +605,11 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
                    help="BM kv_max values the procedures try (default: multiples of 128 below the longest prompt)")
     p.add_argument("--target", type=float, metavar="T",
                    help="tune: BM's metric must reach T x FKV's (default 0.95)")
+    p.add_argument("--scheduler", metavar="|".join(SCHEDULERS),
+                   help="static: padded batches of --batch-size; continuous: --batch-size slots, each refilled as "
+                   "soon as its request ends (default static)")
+    p.add_argument("--prefill-budget", type=_int_or_null, metavar="N|null",
+                   help="continuous: prompt tokens prefilled between two decode steps (default null: no limit)")
     # Passed by the deepspeed / torch.distributed launchers; accepted and ignored (LOCAL_RANK env is used).
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, help=S)
     return p

@@ -250,7 +250,8 @@ def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | 
         notes.append(plan["b0_note"])
     elif same_memory:
         budget, plan = same_memory_plan(shape, methods, prompt_len, cfg.max_new_tokens, num_samples=len(samples),
-                                        budget_bytes=cfg.budget_bytes(), tp=layout.tp, dtype=cfg.dtype)
+                                        budget_bytes=cfg.budget_bytes(), tp=layout.tp, dtype=cfg.dtype,
+                                        scheduler=cfg.scheduler)
         specs = [r.spec for r in plan]
         extra = {r.spec: {"same_memory_budget_bytes": budget, "largest_fitting_batch": r.largest_fitting}
                  for r in plan}

@@ -282,6 +282,7 @@ def apply_tensor_parallel(model: torch.nn.Module, layout: Layout, dtype: torch.d
         replace_with_kernel_inject=False,
     )
     model = engine.module
+    model.batchmax_tp_group = mpu.tp_group  # for continuous batching's token broadcast and schedule checks
     changed = localise_head_counts(model)
     logger.debug("tensor parallel: %d attention modules given their local head counts", changed)
     return model if device is None else model.to(device)

@@ -34,8 +34,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import probe, workspace
-from .cache import BoundedLayer, take_updated_layer
 from .baseline import DenseLayer
+from .cache import BoundedLayer, take_updated_layer
 from .pool import DensePoolLayer, PoolLayer
 from .step import ForwardPass
 

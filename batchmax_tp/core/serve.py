@@ -65,6 +65,10 @@ class RequestOutput:
     admitted_pass: int
     first_token_s: float = 0.0
     finished_s: float = 0.0
+    run_prefill_s: float = 0.0  # the run's prefill and decode seconds so far when this request ended
+    run_decode_s: float = 0.0
+    kv_bytes: int = 0  # the pool's K/V bytes when it ended (constant for BM and FKV)
+    workspace_bytes: int = 0  # the largest attention workspace of the run so far when it ended
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # per token, float32 [V]
     kept_positions: list[list[list[int]]] | None = field(default=None, repr=False)  # per layer, local KV head
 
@@ -233,6 +237,8 @@ def serve(
             for row, i in sched.complete(step, finished):
                 out = outputs[i]
                 out.finished_s = time.perf_counter() - start
+                out.run_prefill_s, out.run_decode_s, out.kv_bytes = times["prefill"], times["decode"], kv_high
+                out.workspace_bytes = pool.peak_workspace_bytes
                 if keep_positions:
                     out.kept_positions = pool.kept_positions(row)
                 if on_finish is not None:

@@ -224,6 +224,21 @@ def summarise(samples: Sequence[Mapping[str, Any]], batches: Sequence[Mapping[st
     }
 
 
+def latency_fields(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A continuous run's per-request latency (seconds from the run's start to the request's end, every request
+    queued at the start) and time to first token: p50 and p99 over its samples (nearest rank)."""
+    def pct(values: list[float], q: float) -> float | None:
+        if not values:
+            return None
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, max(0, -(-q * len(ordered) // 100) - 1))]
+
+    latency = [float(b["latency_s"]) for b in batches if b.get("latency_s") is not None]
+    first = [float(b["first_token_s"]) for b in batches if b.get("first_token_s") is not None]
+    return {"scheduler": "continuous", "tokens_per_s_spread": None, "latency_p50_s": pct(latency, 50),
+            "latency_p99_s": pct(latency, 99), "first_token_p50_s": pct(first, 50)}
+
+
 def per_replica(batches: Sequence[Mapping[str, Any]], dp: int, tp: int) -> list[dict[str, Any]]:
     """A multi-process run's ``per_replica`` list: each data-parallel replica's ranks, samples, tokens, timings and
     tokens/s, and its K/V peak per tensor-parallel rank (each rank holds only its own KV heads)."""

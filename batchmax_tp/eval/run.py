@@ -44,9 +44,10 @@ from tqdm.auto import tqdm
 
 from ..core.engine import GenerationOutput, generate
 from ..core.method import Method
+from ..core.serve import Request, RequestOutput, serve
 from ..parallel import Layout
-from ..plan.budget import RunSpec, over_budget_message, predict_spec
-from ..plan.planner import MemoryEstimate, ModelShape
+from ..plan.budget import RunSpec, over_budget_message, planned_dtype, predict_spec
+from ..plan.planner import MemoryEstimate, ModelShape, predict_pool
 from . import results
 from .files import atomic_write_text, utc_now
 from .metrics import score as metric_score
@@ -374,7 +375,8 @@ def evaluate_run(
 
     folder = Path(cfg.out) / spec.name
     log = results.RunLog(folder)
-    batches = list(batched(list(samples), max(spec.batch_size, 1)))
+    continuous = cfg.scheduler == "continuous"  # then every sample is a "batch" of its own: done and resumed alone
+    batches = [[s] for s in samples] if continuous else list(batched(list(samples), max(spec.batch_size, 1)))
     batch_ids = [[s.id for s in batch] for batch in batches]
 
     # Rank 0 reads what is done; every rank learns it.
@@ -429,7 +431,10 @@ def evaluate_run(
     started_at, start = utc_now(), time.perf_counter()
     status, stop = "done", None
     try:
-        for r in range(rounds):
+        if continuous:
+            stop = _serve_replica(model, tokenizer, samples, mine, spec, cfg, encode_fn, layout, comm, log, bar, folder)
+            status = "oom" if stop is not None else status
+        for r in range(0 if continuous else rounds):
             index = mine[r] if r < len(mine) else None
             message: dict[str, Any] = {"replica": replica, "tp_rank": tp_rank, "samples": None, "batch": None,
                                        "oom": None}
@@ -486,6 +491,8 @@ def evaluate_run(
     summary.update({"started_at": started_at, "finished_at": utc_now(), "wall_s": time.perf_counter() - start})
     if dp * tp > 1:
         summary["per_replica"] = results.per_replica(batches_done, dp, tp)
+    if continuous:
+        summary.update(results.latency_fields(batches_done))
     atomic_write_text(folder / results.SUMMARY_FILE, _json(summary))
     logger.info("%s: %d samples, %s %.4f, %.2f tokens/s", spec.name, summary["num_samples"], summary["metric"],
                 summary["score"] or 0.0, summary["tokens_per_s"] or 0.0)
@@ -517,7 +524,71 @@ def _predict(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, batches
         return None
     if prompt_len is None:  # every batch is padded to its longest prompt
         prompt_len = max(int(encode_fn(tokenizer, [s.prompt for s in batch])[0].shape[-1]) for batch in batches)
+    if cfg.scheduler == "continuous":
+        return predict_pool(shape, spec.method, max(spec.batch_size, 1), prompt_len, cfg.max_new_tokens,
+                            tp=tp, dtype=planned_dtype(cfg.dtype))
     return predict_spec(shape, spec.method, max(spec.batch_size, 1), prompt_len, cfg.max_new_tokens, cfg.dtype, tp)
+
+
+def _serve_replica(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample],
+                   mine: list[int], spec: RunSpec, cfg: RunConfig, encode_fn: EncodeFn, layout: Layout | None,
+                   comm: Collectives, log: results.RunLog, bar, folder: Path) -> str | None:
+    """Continuous batching (``core.serve``) of this replica's samples ``mine`` in ``spec.batch_size`` slots.
+
+    Each sample's records are written as it ends (a single replica; with several, gathered at the end), its
+    timing the run's prefill and decode seconds since the previous sample ended, so the sums are the run's. Each
+    request samples with its own seed (``cfg.seed`` + its sample index). Returns an out-of-memory message or None.
+    """
+    eos, pad = _special_ids(tokenizer)
+    replica, tp_rank = (0, 0) if layout is None else (layout.replica, layout.tp_rank)
+    dp = 1 if layout is None else layout.dp
+    requests = [Request(encode_fn(tokenizer, [samples[i].prompt])[0][0].tolist(), cfg.max_new_tokens,
+                        seed=cfg.seed + i) for i in mine]
+    metric, clock, kept = cfg.metric_for_task(), [0.0, 0.0], []
+
+    def finished(j: int, out: RequestOutput) -> None:
+        i, sample = mine[j], samples[mine[j]]
+        text = tokenizer.decode(cut_at_eos(out.tokens, out.num_generated, eos), skip_special_tokens=True)
+        reference = list(sample.reference) if isinstance(sample.reference, tuple) else sample.reference
+        score = metric_score(metric, text, reference)
+        record = {"id": sample.id, "prompt_tokens": len(requests[j].input_ids), "output": text,
+                  "reference": reference, "correct": None if score is None or metric == "rouge2" else score == 1.0,
+                  "generated_tokens": out.num_generated}
+        batch = {"batch": i, "replica": replica, "ids": [sample.id], "tokens_cut": [int(sample.tokens_cut)],
+                 "generated_tokens": out.num_generated, "prefill_s": out.run_prefill_s - clock[0],
+                 "decode_s": out.run_decode_s - clock[1], "peak_kv_bytes": out.kv_bytes,
+                 "peak_kv_bytes_per_rank": [out.kv_bytes], "peak_workspace_bytes": out.workspace_bytes,
+                 "cuda_max_memory_allocated": None, "slot": out.slot, "first_token_s": out.first_token_s,
+                 "latency_s": out.finished_s}
+        clock[:] = [out.run_prefill_s, out.run_decode_s]
+        if tp_rank != 0:
+            return
+        if dp == 1:
+            log.append([record], [batch])
+            bar.update(1)
+        else:
+            kept.append((record, batch))
+
+    try:
+        serve(model, requests, spec.method, spec.batch_size, ignore_eos=cfg.ignore_eos, eos_token_id=eos,
+              pad_token_id=pad, do_sample=cfg.do_sample, temperature=cfg.temperature, top_k=cfg.top_k,
+              top_p=cfg.top_p, prefill_budget=cfg.prefill_budget, on_finish=finished,
+              tp_group=getattr(model, "batchmax_tp_group", None))
+    except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
+        if not is_oom(err):
+            raise
+        message = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+        if comm.world > 1:
+            path = results.write_oom_marker(folder, layout.rank, message, -1)
+            raise RankOutOfMemory(f"{spec.name}: rank {layout.rank} ran out of memory ({message}); recorded in "
+                                  f"{path}: run the same command again to record the OOM row and go on") from None
+        return message
+    if dp > 1:
+        gathered = comm.gather(kept)
+        if gathered is not None:
+            rows = [row for part in gathered for row in part]
+            log.append([r for r, _ in rows], [b for _, b in rows])
+    return None
 
 
 def _json(obj: Any) -> str:

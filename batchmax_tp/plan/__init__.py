@@ -4,6 +4,14 @@
 ``budget`` (runs and the plans that choose their batch sizes).
 """
 
-from .planner import MemoryEstimate, ModelShape, max_batch, max_slots, parse_bytes, predict, predict_pool
+from .planner import (
+    MemoryEstimate,
+    ModelShape,
+    max_batch,
+    max_slots,
+    parse_bytes,
+    predict,
+    predict_pool,
+)
 
 __all__ = ["MemoryEstimate", "ModelShape", "max_batch", "max_slots", "parse_bytes", "predict", "predict_pool"]

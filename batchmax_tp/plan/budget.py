@@ -21,7 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..core.method import Method
-from .planner import MemoryEstimate, ModelShape, max_batch, predict
+from .planner import (
+    MemoryEstimate,
+    ModelShape,
+    max_batch,
+    max_slots,
+    predict,
+    predict_pool,
+)
 from .tuner import find_b0, kv_grid, paper_plan, planned_b0
 
 logger = logging.getLogger(__name__)
@@ -191,6 +198,7 @@ def same_memory_plan(
     max_prompts: int = STORY_MAX_PROMPTS,
     tp: int = 1,
     dtype: str = "float32",
+    scheduler: str = "static",
 ) -> tuple[int, list[SameMemoryRun]]:
     """(budget, runs): every method at its largest batch whose predicted peak per rank fits one memory budget.
 
@@ -199,12 +207,16 @@ def same_memory_plan(
     the largest fitting batch among the methods (so the method that fits most runs one full batch) but not past
     ``max_prompts``; each method's batch is min(its largest fitting batch, the prompts), so the largest batch of
     the plan is the number of prompts to fill the samples up to. A method that does not fit even one sample gets
-    batch 0 (reported as OOM, not run).
+    batch 0 (reported as OOM, not run). ``scheduler`` continuous: a method's batch is its slot count
+    (``planner.max_slots``: the pool for requests of up to ``prompt_len`` tokens); the budget is still FKV's
+    static peak.
     """
     dtype = planned_dtype(dtype)
     if budget_bytes is None:
         budget_bytes = predict(shape, Method("fkv"), fkv_batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
-    fits = [max_batch(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
+    largest = max_slots if scheduler == "continuous" else max_batch
+    fits = [largest(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
+    peak_of = predict_pool if scheduler == "continuous" else predict
     prompts = max(num_samples, min(max(fits, default=0), max_prompts))
     if max(fits, default=0) > prompts:
         logger.info("same-memory run: the largest fitting batch is %d; the run answers %d prompts (at most %d, "
@@ -212,6 +224,6 @@ def same_memory_plan(
     runs = []
     for method, fit in zip(methods, fits):
         batch = min(fit, prompts)
-        peak = predict(shape, method, max(batch, 1), prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
+        peak = peak_of(shape, method, max(batch, 1), prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
         runs.append(SameMemoryRun(RunSpec(method, batch), fit, peak))
     return budget_bytes, runs

@@ -32,8 +32,13 @@ from dataclasses import asdict, dataclass
 
 from ..core.method import Method
 from ..core.schedule import Phase, capacity, plan
-from ..core.workspace import (decode_workspace_bytes, probe_state_bytes, probe_workspace_bytes, sdpa_workspace_bytes,
-                              workspace_bytes)
+from ..core.workspace import (
+    decode_workspace_bytes,
+    probe_state_bytes,
+    probe_workspace_bytes,
+    sdpa_workspace_bytes,
+    workspace_bytes,
+)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -202,12 +207,27 @@ def predict_pool(shape: ModelShape, method: Method, slots: int, prompt_len: int,
         activations, workspace, _ = max(prefill, decode, key=sum)
         return MemoryEstimate(kv, workspace, weights, activations, 0)
     phases = plan(method, prompt_len, 1)
-    held = slots * L * kv_heads * (cap + 1) * (8 + 4 + nbytes + 8)  # pos, score, bias, free list
+    held = slots * L * kv_heads * (cap + 1) * (8 + 4 + nbytes + 8)  # pos, score, bias, free list per row
     _, probe_values, state = _bookkeeping(shape, method, 1, phases, cap, q_heads, kv_heads, nbytes)
     passes = _prefill_passes(shape, method, 1, phases, cap, q_heads, kv_heads, nbytes, per_token, probe_values, state,
                              padded=False)
     activations, workspace, transient = max([*passes, decode], key=sum)
     return MemoryEstimate(kv, workspace, weights, activations, held + transient)
+
+
+def pool_bookkeeping_bytes(shape: ModelShape, method: Method, slots: int, prompt_len: int, *, tp: int = 1,
+                           dtype: str = "float32") -> int:
+    """The most bookkeeping a BM pool holds at once (what ``ServeOutput.peak_meta_bytes`` measures): every row's
+    position, attention sum, additive mask and free list, and the look-ahead probe's prefill-only values and
+    stored queries of the one slot being prefilled; 0 for FKV/ED."""
+    if method.name != "bm":
+        return 0
+    q_heads, kv_heads = shape.local_heads(tp)
+    nbytes = DTYPE_BYTES[dtype]
+    held = slots * shape.layers * kv_heads * (method.kv_max + 1) * (8 + 4 + nbytes + 8)
+    _, probe_values, state = _bookkeeping(shape, method, 1, plan(method, prompt_len, 1), method.kv_max, q_heads,
+                                          kv_heads, nbytes)
+    return held + probe_values + state
 
 
 def max_slots(budget_bytes: int, shape: ModelShape, method: Method, prompt_len: int, max_new_tokens: int, *,

@@ -1,0 +1,279 @@
+"""Continuous batching (``core.serve``): every request's tokens, logits and kept positions equal ``generate()`` of
+its prompt alone, whatever shares its passes; admission is exact, memory constant and predicted; tensor-parallel
+ranks stay in lock-step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_tp import FAMILIES, ROOT, free_port
+
+from batchmax_tp.core.engine import generate
+from batchmax_tp.core.method import Method
+from batchmax_tp.core.scheduler import Scheduler
+from batchmax_tp.core.serve import Request, check_requests, serve
+from batchmax_tp.models import tiny_random_model
+from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict_pool
+
+P, KV = 16, 96
+# 5 tokens to 3 x kv_max: kv_max - 1, kv_max, kv_max + 1, multiples of p and not, and one more than a block.
+LENGTHS = [5, 16, 63, 95, 96, 97, 100, 160, 191, 192, 250, 288]
+NEW = [7, 1, 12, 20, 3, 15, 9, 11, 2, 18, 6, 14]
+METHODS = {"fkv": Method("fkv"), "ed": Method("ed", kv_max=65), "bm": Method("bm", KV, P),
+           "bm-question": Method("bm", KV, P, rule="question")}
+
+
+def model_of(family: str):
+    kw = dict(FAMILIES[family])
+    return tiny_random_model(kw.pop("family"), seed=0, **kw)
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def alone(model, prompt, method, new, eos=None):
+    """``generate()`` of one unpadded prompt: (tokens through EOS, logits per token [V], kept positions)."""
+    out = generate(model, torch.tensor([prompt]), None, method, new, ignore_eos=eos is None, eos_token_id=eos,
+                   return_logits=True)
+    n = int(out.num_generated[0])
+    kept = [layer[0] for layer in out.cache.kept_positions()]
+    return out.tokens[0, :n].tolist(), [x[0] for x in out.logits[:n]], kept
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Per (family, method): every prompt generated alone (computed once, checked against every pool size)."""
+    cache = {}
+
+    def get(family, key):
+        if (family, key) not in cache:
+            model = model_of(family)
+            cache[family, key] = [alone(model, p, METHODS[key], n) for p, n in zip(prompts(), NEW)]
+        return cache[family, key]
+
+    return get
+
+
+def check_against_alone(out, refs):
+    for i, (o, (tokens, logits, kept)) in enumerate(zip(out.outputs, refs)):
+        assert o.tokens == tokens, f"request {i} ({LENGTHS[i]} tokens): tokens differ from generate() alone"
+        torch.testing.assert_close(torch.stack(o.logits), torch.stack(logits), atol=1e-4, rtol=0,
+                                   msg=lambda m, i=i: f"request {i}: {m}")
+        assert o.kept_positions == kept, f"request {i}: kept positions differ from generate() alone"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("key", list(METHODS))
+def test_every_request_equals_generate_alone(family, key, references):
+    model, refs = model_of(family), references(family, key)
+    requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
+    for slots in (1, 2, 3, 12):
+        for budget in (None, P):  # prefill whole before decoding, or one block between decode steps
+            out = serve(model, requests, METHODS[key], slots, ignore_eos=True, prefill_budget=budget,
+                        return_logits=True, keep_positions=True)
+            check_against_alone(out, refs)
+            assert len({slot for _, slot, _ in out.admissions}) == min(slots, len(requests))
+
+
+def test_admission_is_a_pure_function_of_the_inputs():
+    model = model_of("llama")
+    requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
+    runs = [serve(model, requests, METHODS["bm"], 3, ignore_eos=True, prefill_budget=P) for _ in range(2)]
+    assert runs[0].admissions == runs[1].admissions
+    sched = Scheduler(METHODS["bm"], LENGTHS, NEW, 3, P)  # the schedule alone, no model: the same admissions
+    while (step := sched.next_step()) is not None:
+        sched.complete(step)
+    assert sched.log == runs[0].admissions
+
+
+@pytest.mark.parametrize("key", ["bm", "fkv"])
+def test_eos_honoured_frees_the_slot_and_tokens_match_through_eos(key):
+    model = model_of("llama")
+    method = METHODS[key]
+    ps = prompts(2)
+    # An EOS id the model does produce: the token that prompt 0, alone, generates at its 4th step.
+    eos = alone(model, ps[0], method, 20)[0][3]
+    requests = [Request(p, 20) for p in ps]
+    out = serve(model, requests, method, 2, eos_token_id=eos, return_logits=True, keep_positions=True)
+    ended_early = 0
+    for i, (p, o) in enumerate(zip(ps, out.outputs)):
+        tokens, logits, _ = alone(model, p, method, 20, eos=eos)  # alone decodes on past EOS: kept sets differ
+        assert o.tokens == tokens, f"request {i}: tokens through EOS differ"
+        torch.testing.assert_close(torch.stack(o.logits), torch.stack(logits), atol=1e-4, rtol=0)
+        ended_early += tokens[-1] == eos and len(tokens) < 20
+    assert ended_early >= 1
+    assert len(out.admissions) == len(requests) > 2  # more requests admitted than slots exist
+
+
+@pytest.mark.parametrize("key", list(METHODS))
+def test_kv_bytes_equal_the_prediction_and_stay_constant(key):
+    model = model_of("llama")
+    method = METHODS[key]
+    requests = [Request(p, 8) for p in prompts()]
+    out = serve(model, requests, method, 3, ignore_eos=True)
+    want = predict_pool(ModelShape.from_config(model.config), method, 3, max(LENGTHS), 8)
+    assert out.peak_kv_bytes == want.kv
+    if key != "ed":  # ED's staging buffer comes and goes with each slot's prefill (counted in the peak)
+        assert out.kv_bytes_range == (want.kv, want.kv)
+    if method.name == "bm":
+        held = pool_bookkeeping_bytes(ModelShape.from_config(model.config), method, 3, max(LENGTHS))
+        assert out.peak_meta_bytes == held >= want.slot_meta
+
+
+@pytest.mark.parametrize("key", ["bm", "bm-question"])
+def test_attention_calls_hold_what_they_report(monkeypatch, key):
+    """Every attention call of a pool run (slot prefills, probes, decode passes over the pool): the allocations
+    measured on CPU equal the workspace it reports; decode passes report ``decode_workspace_bytes``."""
+    from memtrack import AllocationTracker
+
+    from batchmax_tp.core import attention, cache, pool
+
+    label, reported, notes = "pool-attention", [], []
+    fn = attention.batchmax_attention
+    for cls in (cache.BatchMaxCache, pool._Pool):
+        def recording(self, nbytes, _note=cls.note_workspace):
+            notes.append(nbytes)
+            _note(self, nbytes)
+        monkeypatch.setattr(cls, "note_workspace", recording)
+
+    def labelled(*args, **kwargs):
+        start = len(notes)
+        with torch.profiler.record_function(label):
+            out = fn(*args, **kwargs)
+        reported.append(max(notes[start:], default=0))
+        return out
+
+    monkeypatch.setattr(attention, "batchmax_attention", labelled)
+    model = model_of("llama")
+    with AllocationTracker() as t:
+        out = serve(model, [Request(p, 6) for p in prompts()[:6]], METHODS[key], 3, ignore_eos=True)
+    measured = t.spans(label)
+    assert len(measured) == len(reported) > 0
+    assert measured == reported
+    assert max(measured) == out.peak_workspace_bytes
+    est = predict_pool(ModelShape.from_config(model.config), METHODS[key], 3, max(LENGTHS[:6]), 6)
+    assert out.peak_workspace_bytes <= est.workspace
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(slots=0), "slots must be"),
+    (dict(new=0), "max_new_tokens must be"),
+    (dict(length=2000), "run past the model's context"),
+    (dict(length=0), "prompt is empty"),
+])
+def test_bad_input_is_one_line(bad, message):
+    reqs = [Request([5] * bad.get("length", 10), bad.get("new", 4))]
+    with pytest.raises(ValueError, match=message) as err:
+        check_requests(reqs, bad.get("slots", 2), 1024)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--scheduler", "continuous", "--batch-size", "0"], "batch_size"),
+    (["--scheduler", "continuous", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--scheduler", "sometimes"], "scheduler"),
+    (["--scheduler", "continuous", "--prefill-budget", "0"], "prefill_budget"),
+])
+def test_bad_scheduler_settings_exit_2_before_loading(argv, key):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "run.py"), *argv], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and key in proc.stderr
+
+
+# -- tensor parallel --------------------------------------------------------------------------------------------------
+def _tp_requests():
+    return [Request(p, n) for p, n in zip(prompts(3)[:6], [9, 4, 12, 6, 10, 3])]
+
+
+def _tp_worker(rank, world, port, outdir, family, eos):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from batchmax_tp import parallel as tp
+
+    layout = tp.init_distributed(world)
+    model = tp.apply_tensor_parallel(model_of(family), layout, torch.float32)
+    results = {}
+    for key in ("bm", "ed"):
+        out = serve(model, _tp_requests(), METHODS[key], 2, eos_token_id=eos, ignore_eos=eos is None,
+                    return_logits=True, tp_group=model.batchmax_tp_group)
+        results[key] = dict(tokens=[o.tokens for o in out.outputs], admissions=out.admissions,
+                            logits=[torch.stack(o.logits) for o in out.outputs])
+    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp_size, eos", [(2, None), (3, 7), (2, 7)])
+def test_tp_serves_the_tokens_of_one_process(tmp_path, tp_size, eos):
+    mp.spawn(_tp_worker, args=(tp_size, free_port(), str(tmp_path), "qwen2", eos), nprocs=tp_size, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]
+    model = model_of("qwen2")
+    for key in ("bm", "ed"):
+        single = serve(model, _tp_requests(), METHODS[key], 2, eos_token_id=eos, ignore_eos=eos is None,
+                       return_logits=True)
+        for got in ranks:
+            assert got[key]["tokens"] == [o.tokens for o in single.outputs]
+            assert got[key]["admissions"] == single.admissions
+            for a, b in zip(got[key]["logits"], single.outputs):
+                torch.testing.assert_close(a, torch.stack(b.logits), atol=1e-4, rtol=0)
+
+
+def _agree_worker(rank, world, port, outdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch.distributed as dist
+
+    from batchmax_tp.core.serve import _agree
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _agree(dist.group.WORLD, 5 + rank, torch.device("cpu"))  # rank 1's schedule differs
+        result = "agreed"
+    except RuntimeError as err:
+        result = str(err)
+    with open(os.path.join(outdir, f"agree{rank}.txt"), "w") as fh:
+        fh.write(result)
+    dist.destroy_process_group()
+
+
+def test_diverged_ranks_stop_with_an_error(tmp_path):
+    mp.spawn(_agree_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert "ranks diverged" in (tmp_path / f"agree{rank}.txt").read_text()
+
+
+def test_killed_rank_ends_continuous_serving_quickly(tmp_path):
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, signal, sys, torch\n"
+        f"sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
+        "from test_continuous import METHODS, model_of, prompts\n"
+        "from batchmax_tp import parallel as tp\n"
+        "from batchmax_tp.core.serve import Request, serve\n"
+        "layout = tp.init_distributed(2)\n"
+        "model = tp.apply_tensor_parallel(model_of('qwen2'), layout, torch.float32)\n"
+        "reqs = [Request(p, 40) for p in prompts()]\n"
+        "def die(i, out):\n"
+        "    if layout.rank == 1 and i == 0:\n"
+        f"        os.kill(os.getpid(), {int(signal.SIGKILL)})\n"
+        "serve(model, reqs, METHODS['bm'], 2, eos_token_id=7, on_finish=die, tp_group=model.batchmax_tp_group)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script)], env=env, capture_output=True, text=True, timeout=150)
+    elapsed = time.monotonic() - t
+    assert proc.returncode != 0
+    assert elapsed < 90, f"took {elapsed:.0f}s"
