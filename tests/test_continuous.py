@@ -131,13 +131,13 @@ def test_kv_bytes_equal_the_prediction_and_stay_constant(key):
 
 @pytest.mark.parametrize("key", ["bm", "bm-question"])
 def test_attention_calls_hold_what_they_report(monkeypatch, key):
-    """Every attention call of a pool run (slot prefills, probes, decode passes over the pool): the allocations
-    measured on CPU equal the workspace it reports; decode passes report ``decode_workspace_bytes``."""
+    """Every attention call of a pool run (slot prefills, decode passes over the pool): the allocations measured on
+    CPU equal the workspace it reports (a look-ahead probe's report is an upper bound, as in a static run)."""
     from memtrack import AllocationTracker
 
     from batchmax_tp.core import attention, cache, pool
 
-    label, reported, notes = "pool-attention", [], []
+    label, reported, notes, kinds = "pool-attention", [], [], []
     fn = attention.batchmax_attention
     for cls in (cache.BatchMaxCache, pool._Pool):
         def recording(self, nbytes, _note=cls.note_workspace):
@@ -147,6 +147,7 @@ def test_attention_calls_hold_what_they_report(monkeypatch, key):
 
     def labelled(*args, **kwargs):
         start = len(notes)
+        kinds.append(kwargs["batchmax"].kind)
         with torch.profiler.record_function(label):
             out = fn(*args, **kwargs)
         reported.append(max(notes[start:], default=0))
@@ -157,8 +158,10 @@ def test_attention_calls_hold_what_they_report(monkeypatch, key):
     with AllocationTracker() as t:
         out = serve(model, [Request(p, 6) for p in prompts()[:6]], METHODS[key], 3, ignore_eos=True)
     measured = t.spans(label)
-    assert len(measured) == len(reported) > 0
-    assert measured == reported
+    assert len(measured) == len(reported) == len(kinds) > 0
+    assert "decode" in kinds and "prefill" in kinds
+    for kind, got, said in zip(kinds, measured, reported):  # a probe pass reports an upper bound
+        assert got == said if kind != "probe" else got <= said, f"{kind} pass: measured {got}, reported {said}"
     assert max(measured) == out.peak_workspace_bytes
     est = predict_pool(ModelShape.from_config(model.config), METHODS[key], 3, max(LENGTHS[:6]), 6)
     assert out.peak_workspace_bytes <= est.workspace
@@ -218,9 +221,9 @@ def _tp_worker(rank, world, port, outdir, family, eos):
 
 @pytest.mark.parametrize("tp_size, eos", [(2, None), (3, 7), (2, 7)])
 def test_tp_serves_the_tokens_of_one_process(tmp_path, tp_size, eos):
-    mp.spawn(_tp_worker, args=(tp_size, free_port(), str(tmp_path), "qwen2", eos), nprocs=tp_size, join=True)
+    mp.spawn(_tp_worker, args=(tp_size, free_port(), str(tmp_path), "phi3", eos), nprocs=tp_size, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]
-    model = model_of("qwen2")
+    model = model_of("phi3")  # 6 KV heads: split 3+3 or 2+2+2
     for key in ("bm", "ed"):
         single = serve(model, _tp_requests(), METHODS[key], 2, eos_token_id=eos, ignore_eos=eos is None,
                        return_logits=True)
