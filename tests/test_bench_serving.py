@@ -1,0 +1,50 @@
+"""launch/bench_serving.py: the workload's prompt lengths, the percentile helper and row methods (no model runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "launch" / "bench_serving.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bs = _load_bench()
+
+
+def test_target_lengths_spread_deterministic():
+    lengths = bs.target_lengths(12, 256, 3584, seed=0)
+    assert len(lengths) == 12 and min(lengths) == 256 and max(lengths) == 3584
+    assert lengths == bs.target_lengths(12, 256, 3584, seed=0)
+    assert sorted(lengths) == sorted(bs.target_lengths(12, 256, 3584, seed=1))  # the seed only shuffles
+    ratios = [b / a for a, b in zip(sorted(lengths), sorted(lengths)[1:])]
+    assert max(ratios) / min(ratios) < 1.05  # log-even
+    assert bs.target_lengths(1, 256, 3584, seed=0) == [3584]
+
+
+def test_percentile_matches_linear_interpolation():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert bs.percentile(xs, 50) == pytest.approx(2.5)
+    assert bs.percentile(xs, 0) == 1.0 and bs.percentile(xs, 100) == 4.0
+    assert bs.percentile(xs, 99) == pytest.approx(3.97)
+    assert bs.percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        bs.percentile([], 50)
+
+
+def test_rows_make_their_methods():
+    for key in bs.ROWS:
+        m = bs.make_method(key, 512, 64)
+        assert m.name == key.split("-")[1]
+    assert bs.make_method("cont-bm-question", 512, 64).rule == "question"
+    assert bs.make_method("static-ed", 512, 64).kv_max == 65
