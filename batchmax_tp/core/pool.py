@@ -161,23 +161,33 @@ class PoolLayer(SlotLayer):
         return self.keys, self.values
 
 
-class RowLayer(BoundedLayer):
-    """A slot's prefill layer: ``BoundedLayer`` on views of row ``row`` of the pool (slots [0, C))."""
+class _RowView:
+    """A batch-1 cache layer whose buffers are views of row ``row`` of a pool (slots [0, C)): the pool is
+    allocated from the first pass's shapes, then the layer binds its views."""
 
-    def __init__(self, cache: BatchMaxCache, layer_idx: int, pool: BoundedPool, row: int):
+    def __init__(self, cache: Cache, layer_idx: int, pool: _Pool, row: int):
         super().__init__(cache, layer_idx)
         self.pool, self.row = pool, row
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def bind(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Allocate the pool if needed; set keys/values to the row's views [1, H, C, D]; return the pool layer."""
         if not self.pool.allocated:
             self.pool.allocate(key_states, value_states)
         src, r, C = self.pool.layers[self.layer_idx], self.row, self.pool.capacity
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys, self.values = src.keys[r : r + 1, :, :C], src.values[r : r + 1, :, :C]  # [1, H, C, D] views
+        self.is_initialized = True
+        return src
+
+
+class RowLayer(_RowView, BoundedLayer):
+    """A slot's prefill layer: ``BoundedLayer`` on views of row ``row`` of the pool (slots [0, C))."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        src, r, C = self.bind(key_states, value_states), self.row, self.pool.capacity
         self.pos, self.score, self.bias = (t[r : r + 1, :, :C] for t in (src.pos, src.score, src.bias))  # [1, H, C]
         if self.cache.method.lookahead:
             self.probe = torch.zeros(1, key_states.shape[1], C, dtype=torch.float32, device=self.device)
-        self.is_initialized = True
 
     def _resize(self, capacity: int) -> None:
         raise RuntimeError("a pool slot never resizes")
@@ -302,20 +312,11 @@ class DensePoolLayer(SlotLayer):
         return self.keys[:, :, : pool.span], self.values[:, :, : pool.span]  # [S, H, span, D] views
 
 
-class _RowDenseLayer(DenseLayer):
+class _RowDenseLayer(_RowView, DenseLayer):
     """FKV's prefill layer: ``DenseLayer`` on views of a pool row (slots [0, C))."""
 
-    def __init__(self, cache: DenseCache, layer_idx: int, pool: DensePool, row: int):
-        super().__init__(cache, layer_idx)
-        self.pool, self.row = pool, row
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if not self.pool.allocated:
-            self.pool.allocate(key_states, value_states)
-        src, r, C = self.pool.layers[self.layer_idx], self.row, self.pool.capacity
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys, self.values = src.keys[r : r + 1, :, :C], src.values[r : r + 1, :, :C]  # [1, H, C, D] views
-        self.is_initialized = True
+        self.bind(key_states, value_states)
 
 
 class _RowDenseCache(DenseCache, _RowBound):
