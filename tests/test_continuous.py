@@ -84,6 +84,23 @@ def test_every_request_equals_generate_alone(family, key, references):
             assert len({slot for _, slot, _ in out.admissions}) == min(slots, len(requests))
 
 
+@pytest.mark.parametrize("key", list(METHODS))
+def test_requests_of_one_length_prefill_together_and_still_equal_generate_alone(key):
+    """Adjacent slots admitted together with prompts of one length run their prefill blocks in one pass."""
+    model = model_of("llama")
+    g = torch.Generator().manual_seed(4)
+    lengths, new = [150, 150, 150, 97, 97, 150, 5], [6, 1, 9, 4, 7, 3, 5]
+    ps = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+    refs = [alone(model, p, METHODS[key], n) for p, n in zip(ps, new)]
+    sched = Scheduler(METHODS[key], lengths, new, 4)
+    step = sched.next_step()
+    assert [w.row for w in step.work] == [0, 1, 2] and [rows for rows, _ in step.admitted] == [range(3), range(3, 4)]
+    for slots in (4, 12):
+        out = serve(model, [Request(p, n) for p, n in zip(ps, new)], METHODS[key], slots, ignore_eos=True,
+                    return_logits=True, keep_positions=True)
+        check_against_alone(out, refs)
+
+
 def test_admission_is_a_pure_function_of_the_inputs():
     model = model_of("llama")
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]

@@ -1,8 +1,9 @@
 """A fixed pool of slots for continuous batching: ``slots`` cache rows allocated once, constant for the whole run.
 
-Each slot holds one request at a time. Its prefill runs on a batch-1 cache bound to the slot's row (views of the
-pool's tensors): the very code, shapes and schedule of ``engine.generate`` on that prompt alone, so the kept
-positions are the same. Then the slot joins the decode steps, where every decoding slot writes its token and
+Each slot holds one request at a time. Its prefill runs on a cache bound to the slot's row (views of the pool's
+tensors), with the rows of the requests admitted beside it when their prompts have its length (``core.scheduler``
+groups): the very code and schedule of ``engine.generate`` on those prompts, unpadded, so the kept positions are
+the same as alone. Then the slot joins the decode steps, where every decoding slot writes its token and
 attends in one pass over the pool, each at its own position and eviction step.
 
 - ``BoundedPool`` (BM): per layer keys/values [S, H, C + 1, D], and per slot ``pos``/``score``/``bias`` as in
@@ -56,7 +57,7 @@ class _Pool(Cache):
         super().__init__(layers=[layer_class(self, i) for i in range(num_layers)])
         self.method, self.slots, self.capacity = method, slots, capacity
         self.rows = [RowState() for _ in range(slots)]
-        self.row_caches: dict[int, Cache] = {}  # slots being prefilled -> their batch-1 cache
+        self.row_caches: dict[int, Cache] = {}  # first slot of each group being prefilled -> the group's cache
         self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
         self.decode_rows: list[int] = []
         self.positions: torch.Tensor | None = None  # [S, 1] position of each row's decode token (0 when idle)
@@ -162,43 +163,44 @@ class PoolLayer(SlotLayer):
 
 
 class _RowView:
-    """A batch-1 cache layer whose buffers are views of row ``row`` of a pool (slots [0, C)): the pool is
+    """A cache layer whose buffers are views of the adjacent rows ``rows`` of a pool (slots [0, C)): the pool is
     allocated from the first pass's shapes, then the layer binds its views."""
 
-    def __init__(self, cache: Cache, layer_idx: int, pool: _Pool, row: int):
+    def __init__(self, cache: Cache, layer_idx: int, pool: _Pool, rows: range):
         super().__init__(cache, layer_idx)
-        self.pool, self.row = pool, row
+        self.pool, self.rows = pool, slice(rows.start, rows.stop)
 
     def bind(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Allocate the pool if needed; set keys/values to the row's views [1, H, C, D]; return the pool layer."""
+        """Allocate the pool if needed; set keys/values to the rows' views [k, H, C, D]; return the pool layer."""
         if not self.pool.allocated:
             self.pool.allocate(key_states, value_states)
-        src, r, C = self.pool.layers[self.layer_idx], self.row, self.pool.capacity
+        src, r, C = self.pool.layers[self.layer_idx], self.rows, self.pool.capacity
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys, self.values = src.keys[r : r + 1, :, :C], src.values[r : r + 1, :, :C]  # [1, H, C, D] views
+        self.keys, self.values = src.keys[r, :, :C], src.values[r, :, :C]  # [k, H, C, D] views
         self.is_initialized = True
         return src
 
 
 class RowLayer(_RowView, BoundedLayer):
-    """A slot's prefill layer: ``BoundedLayer`` on views of row ``row`` of the pool (slots [0, C))."""
+    """A group's prefill layer: ``BoundedLayer`` on views of its rows of the pool (slots [0, C))."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        src, r, C = self.bind(key_states, value_states), self.row, self.pool.capacity
-        self.pos, self.score, self.bias = (t[r : r + 1, :, :C] for t in (src.pos, src.score, src.bias))  # [1, H, C]
+        src, r, C = self.bind(key_states, value_states), self.rows, self.pool.capacity
+        self.pos, self.score, self.bias = (t[r, :, :C] for t in (src.pos, src.score, src.bias))  # [k, H, C]
         if self.cache.method.lookahead:
-            self.probe = torch.zeros(1, key_states.shape[1], C, dtype=torch.float32, device=self.device)
+            k = r.stop - r.start
+            self.probe = torch.zeros(k, key_states.shape[1], C, dtype=torch.float32, device=self.device)
 
     def _resize(self, capacity: int) -> None:
         raise RuntimeError("a pool slot never resizes")
 
 
 class RowCache(BatchMaxCache, _RowBound):
-    """The batch-1 ``BatchMaxCache`` a slot's prefill runs on (its layers: views of the pool row)."""
+    """The ``BatchMaxCache`` a group's prefill runs on (its layers: views of the group's pool rows)."""
 
-    def __init__(self, pool: BoundedPool, row: int):
+    def __init__(self, pool: BoundedPool, rows: range):
         super().__init__(pool.method, num_layers=len(pool.layers))
-        self.layers = [RowLayer(self, i, pool, row) for i in range(len(pool.layers))]
+        self.layers = [RowLayer(self, i, pool, rows) for i in range(len(pool.layers))]
 
     def transient_bytes(self) -> int:
         """Prefill-only bookkeeping: the look-ahead probe's per-slot values and stored queries."""
@@ -222,28 +224,31 @@ class BoundedPool(_Pool):
         held = sum(_bytes(layer.pos, layer.score, layer.bias, layer.free) for layer in self.layers)
         return held + sum(c.transient_bytes() for c in self.row_caches.values())
 
-    def admit(self, row: int, prompt_len: int) -> RowCache:
-        """A request enters ``row``: its slots are emptied; its prefill runs on the returned batch-1 cache."""
-        if self.allocated:
-            for layer in self.layers:
-                layer.reset_row(row)
-        self.rows[row] = RowState()
-        self.row_caches[row] = cache = RowCache(self, row)
+    def admit(self, rows: range, prompt_len: int) -> RowCache:
+        """Requests enter the adjacent slots ``rows``: their slots are emptied; their prefill runs on the returned
+        cache (one row per slot)."""
+        for row in rows:
+            if self.allocated:
+                for layer in self.layers:
+                    layer.reset_row(row)
+            self.rows[row] = RowState()
+        self.row_caches[rows.start] = cache = RowCache(self, rows)
         return cache
 
-    def graduate(self, row: int, decodes: bool = True) -> None:
-        """The slot's prefill is over: its free list and host state move into the pool."""
-        cache = self.row_caches[row]
+    def graduate(self, rows: range, decodes: list[bool]) -> None:
+        """The group's prefill is over: its free lists and host state move into the pool."""
+        cache = self.row_caches[rows.start]
         self.note()
         cache.end_prefill()
         for layer, src in zip(self.layers, cache.layers):
             if src.free is not None:
-                layer.free[row, :, : src.free.shape[-1]] = src.free[0]
-        src = cache.layers[0]  # every layer holds the same host integers
+                layer.free[rows.start : rows.stop, :, : src.free.shape[-1]] = src.free
+        src = cache.layers[0]  # every layer and row holds the same host integers
         contiguous = src.free is None
-        self.rows[row] = RowState(filled=src.filled, seen=src.seen, high=src.high, contiguous=contiguous,
-                                  ptr=src.filled if contiguous else src.free_ptr)
-        del self.row_caches[row]
+        for row in rows:
+            self.rows[row] = RowState(filled=src.filled, seen=src.seen, high=src.high, contiguous=contiguous,
+                                      ptr=src.filled if contiguous else src.free_ptr)
+        del self.row_caches[rows.start]
 
     def begin_decode(self, work: tuple[SlotWork, ...], device: torch.device) -> None:
         """State a decode pass: each decoding row's eviction (its own step's count) and write slot."""
@@ -320,9 +325,9 @@ class _RowDenseLayer(_RowView, DenseLayer):
 
 
 class _RowDenseCache(DenseCache, _RowBound):
-    def __init__(self, pool: DensePool, row: int, prompt_mask: torch.Tensor, impl: str):
+    def __init__(self, pool: DensePool, rows: range, prompt_mask: torch.Tensor, impl: str):
         super().__init__(pool.method, len(pool.layers), pool.capacity, prompt_mask, impl)
-        self.layers = [_RowDenseLayer(self, i, pool, row) for i in range(len(pool.layers))]
+        self.layers = [_RowDenseLayer(self, i, pool, rows) for i in range(len(pool.layers))]
 
 
 class _StagingLayer(DenseLayer):
@@ -357,34 +362,35 @@ class DensePool(_Pool):
         self.span = 0  # slots [0, span) enter this pass's attention
         self.row_bias: torch.Tensor | None = None  # [S, span] additive mask: 0 for each row's held slots, -inf after
 
-    def admit(self, row: int, prompt_len: int) -> DenseCache:
+    def admit(self, rows: range, prompt_len: int) -> DenseCache:
         device = self.layers[0].device if self.allocated else None
-        mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)  # [1, s]: unpadded
+        mask = torch.ones(len(rows), prompt_len, dtype=torch.long, device=device)  # [k, s]: unpadded
         if self.method.name == "fkv":
             if prompt_len > self.capacity:
                 raise ValueError(f"a {prompt_len}-token prompt does not fit FKV slots of {self.capacity}")
-            cache = _RowDenseCache(self, row, mask, self.impl)
+            cache = _RowDenseCache(self, rows, mask, self.impl)
         else:
             cache = _StagingCache(self, mask, self.impl)
-        self.rows[row] = RowState()
-        self.row_caches[row] = cache
+        for row in rows:
+            self.rows[row] = RowState()
+        self.row_caches[rows.start] = cache
         return cache
 
-    def graduate(self, row: int, decodes: bool = True) -> None:
+    def graduate(self, rows: range, decodes: list[bool]) -> None:
         """FKV: the row holds its prompt. ED: the prompt's newest pair moves into slot 0 of the row (Algorithm 3's
         first eviction, done once here; the first decode step's own eviction then finds one pair); a request with
-        no decode step (``decodes`` False) keeps its prompt, as alone."""
-        cache = self.row_caches[row]
+        no decode step (its ``decodes`` entry False) keeps its prompt, as alone."""
+        cache = self.row_caches[rows.start]
         self.note()
-        if self.method.name == "ed" and decodes:
-            newest = cache.length - 1
+        held = cache.length
+        ed = self.method.name == "ed"
+        if ed:
             for layer, src in zip(self.layers, cache.layers):
-                layer.keys[row, :, 0] = src.keys[0, :, newest]
-                layer.values[row, :, 0] = src.values[0, :, newest]
-            self.rows[row] = RowState(seen=cache.seen, length=1)
-        else:
-            self.rows[row] = RowState(seen=cache.seen, length=cache.length)
-        del self.row_caches[row]
+                layer.keys[rows.start : rows.stop, :, 0] = src.keys[:, :, held - 1]
+                layer.values[rows.start : rows.stop, :, 0] = src.values[:, :, held - 1]
+        for row, more in zip(rows, decodes):
+            self.rows[row] = RowState(seen=cache.seen, length=1 if ed and more else held)
+        del self.row_caches[rows.start]
 
     def begin_decode(self, work: tuple[SlotWork, ...], device: torch.device) -> None:
         """State a decode pass: ED's keep-newest where its step evicts; each row's write slot; the row mask."""

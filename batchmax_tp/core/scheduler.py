@@ -6,8 +6,10 @@ preemption). A request runs its own schedule (``core.schedule.plan`` of its unpa
 ``max_new_tokens``), so its tokens do not depend on which requests share its passes.
 
 The policy: when a slot frees (EOS, a stop, or its ``max_new_tokens``), the next queued request enters it (queue
-order, lowest free slot first). Prefill passes (one slot's block or probe at a time, in admission order) run
-before the decode step of the slots already decoding, up to ``prefill_budget`` prompt tokens between two decode
+order, lowest free slot first). Requests admitted together into adjacent slots with prompts of one length form a
+group, whose prefill blocks run in one pass (the same schedule, rows side by side, nothing padded). Prefill passes
+(one group's block or probe at a time, in admission order) run before the decode step of the slots already
+decoding, up to ``prefill_budget`` prompt tokens between two decode
 steps (None: no limit, so a new request is prefilled whole before the next decode step -- the most tokens per
 decode step). Every input is a host integer or the set of slots that finished, which every tensor-parallel rank
 knows alike: all ranks schedule the same passes.
@@ -30,6 +32,7 @@ class SlotRun:
     request: int
     phases: list[Phase]
     admitted: int  # admission order (0, 1, ...)
+    group: range  # the adjacent slots prefilled with it in one pass (its own slot alone, or more)
     cursor: int = 0
 
     @property
@@ -47,12 +50,12 @@ class SlotRun:
 
 @dataclass(frozen=True)
 class Step:
-    """The next pass: ``kind`` and each slot's part (one slot for a prefill block or probe; every decoding slot
-    for a decode step). ``admitted``: (slot, request) pairs that entered a slot just before this pass."""
+    """The next pass: ``kind`` and each slot's part (a group's slots for a prefill block or probe; every decoding
+    slot for a decode step). ``admitted``: the groups that entered their slots just before this pass."""
 
     kind: str
     work: tuple[SlotWork, ...]
-    admitted: tuple[tuple[int, int], ...] = ()
+    admitted: tuple[tuple[range, tuple[int, ...]], ...] = ()  # (slots, their requests) per group admitted
 
 
 @dataclass
@@ -80,14 +83,26 @@ class Scheduler:
         self.queue = deque(range(len(self.lengths)))
         self.running = [None] * self.slots
 
-    def _admit(self) -> tuple[tuple[int, int], ...]:
-        admitted = []
+    def _admit(self) -> tuple[tuple[range, tuple[int, ...]], ...]:
+        entered = []  # (slot, request) in slot order
         for slot in range(self.slots):
             if self.running[slot] is None and self.queue:
-                i = self.queue.popleft()
-                self.running[slot] = SlotRun(i, plan(self.method, self.lengths[i], self.max_new[i]), len(self.log))
+                entered.append((slot, self.queue.popleft()))
+        groups: list[list[tuple[int, int]]] = []
+        for slot, i in entered:  # adjacent slots, prompts of one length
+            last = groups[-1][-1] if groups else None
+            if last is not None and last[0] == slot - 1 and self.lengths[last[1]] == self.lengths[i]:
+                groups[-1].append((slot, i))
+            else:
+                groups.append([(slot, i)])
+        admitted = []
+        for group in groups:
+            rows = range(group[0][0], group[-1][0] + 1)
+            for slot, i in group:
+                self.running[slot] = SlotRun(i, plan(self.method, self.lengths[i], self.max_new[i]), len(self.log),
+                                             rows)
                 self.log.append((self.passes, slot, i))
-                admitted.append((slot, i))
+            admitted.append((rows, tuple(i for _, i in group)))
         return tuple(admitted)
 
     def next_step(self) -> Step | None:
@@ -100,9 +115,9 @@ class Scheduler:
         decoding = tuple(SlotWork(s, run.phase) for s, run in active if not run.prefilling)
         budget_left = self.prefill_budget is None or self._since_decode < self.prefill_budget
         if prefilling and (budget_left or not decoding):
-            slot = prefilling[0][1]
-            phase = self.running[slot].phase
-            return Step(phase.kind, (SlotWork(slot, phase),), admitted)
+            run = self.running[prefilling[0][1]]
+            phase = run.phase  # the whole group is at this phase: its rows advance together
+            return Step(phase.kind, tuple(SlotWork(s, phase) for s in run.group), admitted)
         return Step("decode", decoding, admitted)
 
     def complete(self, step: Step, finished: set[int] | frozenset[int] = frozenset()) -> list[tuple[int, int]]:
@@ -111,7 +126,7 @@ class Scheduler:
         if step.kind == "decode":
             self._since_decode = 0
         elif step.kind == "prefill":
-            self._since_decode += step.work[0].phase.size
+            self._since_decode += step.work[0].phase.size * len(step.work)
         freed = []
         for work in step.work:
             run = self.running[work.row]

@@ -1,7 +1,8 @@
 """Continuous batching over a fixed pool of bounded slots (``core.pool``, scheduled by ``core.scheduler``).
 
 ``serve`` generates for a list of requests in ``slots`` slots: when a request ends (its EOS, a stop, or its
-``max_new_tokens``) the next one enters its slot at once. Each request runs its own schedule on its unpadded
+``max_new_tokens``) the next one enters its slot at once; requests admitted together with prompts of one length
+prefill in one pass. Each request runs its own schedule on its unpadded
 prompt, so its tokens equal ``engine.generate`` of that prompt alone (up to the float rounding of a wider
 decode pass) and do not depend on which requests shared its passes; nothing is padded, and no batch waits for
 its slowest row.
@@ -220,13 +221,14 @@ def serve(
     start = time.perf_counter()
     with use_batchmax_attention(model):
         while (step := sched.next_step()) is not None:
-            for row, i in step.admitted:
-                request_of[row] = i
-                pool.admit(row, lengths[i])
-                outputs[i] = RequestOutput([], row, sched.passes, logits=[] if return_logits else None)
-                if do_sample:
-                    gens[row] = torch.Generator(device=device)
-                    gens[row].manual_seed(0 if requests[i].seed is None else requests[i].seed)
+            for rows, group in step.admitted:
+                pool.admit(rows, lengths[group[0]])
+                for row, i in zip(rows, group):
+                    request_of[row] = i
+                    outputs[i] = RequestOutput([], row, sched.passes, logits=[] if return_logits else None)
+                    if do_sample:
+                        gens[row] = torch.Generator(device=device)
+                        gens[row].manual_seed(0 if requests[i].seed is None else requests[i].seed)
             t0 = time.perf_counter()
             finished = _run_step(model, step, pool, prompts, lengths, max_new, request_of, next_ids, device, dense,
                                  choose, agreed, emit, return_logits, start)
@@ -257,31 +259,32 @@ def _run_step(model, step: Step, pool, prompts, lengths, max_new, request_of, ne
               return_logits: bool, start: float) -> set[int]:
     """Run one pass; returns the slots whose request ended early (EOS or a stop)."""
     finished: set[int] = set()
-    if step.kind != "decode":  # one slot's prefill block or look-ahead probe, on its batch-1 row cache
-        work = step.work[0]
-        row, phase = work.row, work.phase
-        i = request_of[row]
-        cache = pool.row_caches[row]
+    if step.kind != "decode":  # one group's prefill block or look-ahead probe, on its rows' cache
+        rows = range(step.work[0].row, step.work[-1].row + 1)  # adjacent slots, one prompt length
+        phase, group = step.work[0].phase, [request_of[r] for r in rows]
+        cache = pool.row_caches[rows.start]
         cache.begin(phase)
-        ids = prompts[i][phase.start : phase.end][None]  # [1, n]
-        pos = torch.arange(phase.start, phase.end, device=device)[None]  # [1, n]
-        out = forward_pass(model, ForwardPass(phase.kind, cache, (work,)), ids,
+        ids = torch.stack([prompts[i][phase.start : phase.end] for i in group])  # [k, n]
+        pos = torch.arange(phase.start, phase.end, device=device).expand(len(group), -1)  # [k, n]
+        out = forward_pass(model, ForwardPass(phase.kind, cache, step.work), ids,
                            cache.attention_mask() if dense else None, pos)
         if phase.kind == "probe":
             cache.note_meta()
             pool.note()
             return finished
-        if phase.end < lengths[i]:
+        if phase.end < lengths[group[0]]:
             return finished
         if dense:
             cache.note_workspace(model.config)
         cache.begin(None)
-        pool.graduate(row, decodes=max_new[i] > 1)
-        logits = out.logits[:, -1]  # [1, V]
-        token = choose(logits, [row])  # [1]
-        next_ids[row] = token[0]
-        if emit(row, agreed(token)[0], logits[0] if return_logits else None, time.perf_counter() - start):
-            finished.add(row)
+        pool.graduate(rows, [max_new[i] > 1 for i in group])
+        logits = out.logits[:, -1]  # [k, V]
+        tokens = choose(logits, list(rows))  # [k]
+        next_ids[rows.start : rows.stop] = tokens
+        now = time.perf_counter() - start
+        for j, (row, token) in enumerate(zip(rows, agreed(tokens))):
+            if emit(row, token, logits[j] if return_logits else None, now):
+                finished.add(row)
         return finished
     rows = [w.row for w in step.work]
     pool.begin_decode(step.work, device)
