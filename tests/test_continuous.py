@@ -77,7 +77,8 @@ def test_every_request_equals_generate_alone(family, key, references):
     model, refs = model_of(family), references(family, key)
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
     for slots in (1, 2, 3, 12):
-        for budget in (None, P):  # prefill whole before decoding, or one block between decode steps
+        # prefill whole before decoding, or one block between decode steps (one slot: the same passes either way)
+        for budget in (None,) if slots == 1 else (None, P):
             out = serve(model, requests, METHODS[key], slots, ignore_eos=True, prefill_budget=budget,
                         return_logits=True, keep_positions=True)
             check_against_alone(out, refs)
@@ -95,10 +96,9 @@ def test_requests_of_one_length_prefill_together_and_still_equal_generate_alone(
     sched = Scheduler(METHODS[key], lengths, new, 4)
     step = sched.next_step()
     assert [w.row for w in step.work] == [0, 1, 2] and [rows for rows, _ in step.admitted] == [range(3), range(3, 4)]
-    for slots in (4, 12):
-        out = serve(model, [Request(p, n) for p, n in zip(ps, new)], METHODS[key], slots, ignore_eos=True,
-                    return_logits=True, keep_positions=True)
-        check_against_alone(out, refs)
+    out = serve(model, [Request(p, n) for p, n in zip(ps, new)], METHODS[key], 4, ignore_eos=True,
+                return_logits=True, keep_positions=True)
+    check_against_alone(out, refs)
 
 
 def test_admission_is_a_pure_function_of_the_inputs():
@@ -236,7 +236,7 @@ def _tp_worker(rank, world, port, outdir, family, eos):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp_size, eos", [(2, None), (3, 7), (2, 7)])
+@pytest.mark.parametrize("tp_size, eos", [(2, None), (3, 7)])
 def test_tp_serves_the_tokens_of_one_process(tmp_path, tp_size, eos):
     mp.spawn(_tp_worker, args=(tp_size, free_port(), str(tmp_path), "phi3", eos), nprocs=tp_size, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]
