@@ -15,6 +15,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # so tests can `
 # 2-core box (where 2 spinning OpenMP threads made the embedded-model test ~20x slower).
 torch.set_num_threads(int(os.environ.get("BATCHMAX_TEST_THREADS", "1")))
 
+def load_launch_script(name: str):
+    """Import ``launch/<name>.py`` as module ``name`` (registered in ``sys.modules``: dataclasses look their module
+    up while the file runs)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 # The tiny model's default init (initializer_range=0.02) gives near-uniform attention, whose average-attention
 # ranking has near-ties (relative gaps ~1e-5); a larger init gives peaked attention and clear decisions.
 PEAKED = dict(initializer_range=0.2)

@@ -2,24 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import load_launch_script
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_throughput", ROOT / "launch" / "bench_throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bt = _load_bench()
+bt = load_launch_script("bench_throughput")
 
 
 def _row(method, tokens_per_s, kv_max=None, rule=None, batch=4, status="ok"):

@@ -8,27 +8,14 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import importlib.util
 import io
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import load_launch_script
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_retention", ROOT / "launch" / "bench_retention.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
-br = _load_bench()
+br = load_launch_script("bench_retention")
 
 
 @pytest.fixture(scope="module")
