@@ -43,6 +43,7 @@ from batchmax_tp.core.engine import generate  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
 from batchmax_tp.core.rules import get_rule  # noqa: E402
 from batchmax_tp.core.serve import Request, serve  # noqa: E402
+from batchmax_tp.eval.results import percentile  # noqa: E402
 from batchmax_tp.eval.tasks import default_fixture_path, load_jsonl  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 from batchmax_tp.plan.planner import ModelShape, max_batch, max_slots, parse_bytes, predict, predict_pool  # noqa: E402
@@ -88,16 +89,6 @@ def build_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
             j, body = j + 1, enc(text)
         prompts.append(start + body[:room] + end)
     return prompts
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``xs``, linear between the closest ranks (numpy's default)."""
-    s = sorted(xs)
-    if not s:
-        raise ValueError("percentile of nothing")
-    at = (len(s) - 1) * q / 100
-    lo = math.floor(at)
-    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (at - lo)
 
 
 def make_method(key: str, kv_max: int, p: int) -> Method:

@@ -46,6 +46,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def sampling_warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
+    """Temperature, top-k and top-p warping, each only where it changes anything."""
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
 def _next_token(logits: torch.Tensor, warpers: LogitsProcessorList | None, gen: torch.Generator | None):
     """logits [B, V] -> [B] greedy, or sampled after temperature/top-k/top-p warping."""
     if warpers is None:
@@ -128,13 +140,7 @@ def generate(
 
     warpers, gen = None, None
     if do_sample:
-        warpers = LogitsProcessorList()
-        if temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            warpers.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p))
+        warpers = sampling_warpers(temperature, top_k, top_p)
         gen = torch.Generator(device=device)
         gen.manual_seed(0 if seed is None else seed)
 

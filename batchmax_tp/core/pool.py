@@ -63,11 +63,12 @@ class _Pool(Cache):
         self.positions: torch.Tensor | None = None  # [S, 1] position of each row's decode token (0 when idle)
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate every layer's pool from the first pass's local shapes (heads under tensor parallelism)."""
+        """Allocate every layer's pool from the first pass's local shapes (heads under tensor parallelism); once."""
+        if self.allocated:
+            return
         for layer in self.layers:
-            if not layer.is_initialized:
-                layer.allocate(key_states.shape[1], key_states.shape[-1], value_states.shape[-1],
-                               key_states.dtype, key_states.device)
+            layer.allocate(key_states.shape[1], key_states.shape[-1], value_states.shape[-1], key_states.dtype,
+                           key_states.device)
         self.note()
 
     @property
@@ -91,11 +92,9 @@ class _Pool(Cache):
     def note_workspace(self, nbytes: int) -> None:
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
     def _decode_tensors(self, write: list[int], device: torch.device) -> torch.Tensor:
-        """The pass's positions [S, 1] (0 for idle rows) and per-row write index as a device tensor [S, 1, 1]."""
+        """The pass's positions [S, 1] (each decoding row's ``seen`` before the pass, 0 for idle rows) and the
+        per-row write index as a device tensor [S, 1, 1]."""
         seen = [0] * self.slots
         for r in self.decode_rows:
             seen[r] = self.rows[r].seen
@@ -107,29 +106,14 @@ class _RowBound:
     """Marks a batch-1 cache whose layers are views of a pool row (its K/V bytes are the pool's)."""
 
 
-# -- Batch-Max ------------------------------------------------------------------------------------------------------
-class PoolLayer(SlotLayer):
-    """One decoder layer of the BM pool: keys/values [S, H, C + 1, D]; pos, score, bias, free [S, H, C + 1]."""
-
-    def __init__(self, cache: BoundedPool, layer_idx: int):
-        super().__init__(cache, layer_idx)
-        self.pos = self.score = self.bias = self.free = None
+class _PoolLayer(SlotLayer):
+    """One decoder layer of a pool: keys/values [S, H, C + 1, D], allocated by the pool from a prefill's shapes."""
 
     def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         S, C = self.cache.slots, self.cache.capacity
         self.keys = torch.zeros(S, heads, C + 1, k_dim, dtype=dtype, device=device)
         self.values = torch.zeros(S, heads, C + 1, v_dim, dtype=dtype, device=device)
-        self.pos = torch.full((S, heads, C + 1), -1, dtype=torch.long, device=device)
-        self.score = torch.zeros(S, heads, C + 1, dtype=torch.float32, device=device)
-        self.bias = torch.full((S, heads, C + 1), float("-inf"), dtype=dtype, device=device)
-        self.free = torch.arange(C + 1, device=device).repeat(S, heads, 1)  # [S, H, C + 1]: identity, ends in C
         self.dtype, self.device, self.is_initialized = dtype, device, True
-
-    def reset_row(self, row: int) -> None:
-        self.pos[row] = -1
-        self.score[row] = 0.0
-        self.bias[row] = float("-inf")
-        self.free[row] = torch.arange(self.free.shape[-1], device=self.device)
 
     def lazy_initialization(self, key_states, value_states) -> None:  # the pool allocates in a prefill pass first
         raise RuntimeError("a pool's decode pass ran before any prefill allocated it")
@@ -137,11 +121,34 @@ class PoolLayer(SlotLayer):
     def get_seq_length(self) -> int:
         return 0
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.capacity + query_length, 0
-
     def get_max_length(self) -> int:
         return self.cache.capacity
+
+
+# -- Batch-Max ------------------------------------------------------------------------------------------------------
+class PoolLayer(_PoolLayer):
+    """One decoder layer of the BM pool: keys/values [S, H, C + 1, D]; pos, score, bias, free [S, H, C + 1]."""
+
+    def __init__(self, cache: BoundedPool, layer_idx: int):
+        super().__init__(cache, layer_idx)
+        self.pos = self.score = self.bias = self.free = None
+
+    def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().allocate(heads, k_dim, v_dim, dtype, device)
+        S, C = self.cache.slots, self.cache.capacity
+        self.pos = torch.full((S, heads, C + 1), -1, dtype=torch.long, device=device)
+        self.score = torch.zeros(S, heads, C + 1, dtype=torch.float32, device=device)
+        self.bias = torch.full((S, heads, C + 1), float("-inf"), dtype=dtype, device=device)
+        self.free = torch.arange(C + 1, device=device).repeat(S, heads, 1)  # [S, H, C + 1]: identity, ends in C
+
+    def reset_row(self, row: int) -> None:
+        self.pos[row] = -1
+        self.score[row] = 0.0
+        self.bias[row] = float("-inf")
+        self.free[row] = torch.arange(self.free.shape[-1], device=self.device)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.capacity + query_length, 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """A decode pass: evict in the rows whose step says so, write each row's pair [S, H, 1, D] at its free
@@ -172,8 +179,7 @@ class _RowView:
 
     def bind(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """Allocate the pool if needed; set keys/values to the rows' views [k, H, C, D]; return the pool layer."""
-        if not self.pool.allocated:
-            self.pool.allocate(key_states, value_states)
+        self.pool.allocate(key_states, value_states)
         src, r, C = self.pool.layers[self.layer_idx], self.rows, self.pool.capacity
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys, self.values = src.keys[r, :, :C], src.values[r, :, :C]  # [k, H, C, D] views
@@ -282,26 +288,11 @@ class BoundedPool(_Pool):
 
 
 # -- the baselines --------------------------------------------------------------------------------------------------
-class DensePoolLayer(SlotLayer):
+class DensePoolLayer(_PoolLayer):
     """One decoder layer of the baselines' pool: keys/values [S, H, C + 1, D]; row r holds slots [0, length)."""
-
-    def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        S, C = self.cache.slots, self.cache.capacity
-        self.keys = torch.zeros(S, heads, C + 1, k_dim, dtype=dtype, device=device)
-        self.values = torch.zeros(S, heads, C + 1, v_dim, dtype=dtype, device=device)
-        self.dtype, self.device, self.is_initialized = dtype, device, True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        raise RuntimeError("a pool's decode pass ran before any prefill allocated it")
-
-    def get_seq_length(self) -> int:
-        return 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.span + query_length, 0
-
-    def get_max_length(self) -> int:
-        return self.cache.capacity
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """A decode pass: ED rows that evict keep their newest pair (moved to slot 0); each row writes its pair
@@ -325,8 +316,8 @@ class _RowDenseLayer(_RowView, DenseLayer):
 
 
 class _RowDenseCache(DenseCache, _RowBound):
-    def __init__(self, pool: DensePool, rows: range, prompt_mask: torch.Tensor, impl: str):
-        super().__init__(pool.method, len(pool.layers), pool.capacity, prompt_mask, impl)
+    def __init__(self, pool: DensePool, rows: range, prompt_mask: torch.Tensor):
+        super().__init__(pool.method, len(pool.layers), pool.capacity, prompt_mask)
         self.layers = [_RowDenseLayer(self, i, pool, rows) for i in range(len(pool.layers))]
 
 
@@ -338,25 +329,24 @@ class _StagingLayer(DenseLayer):
         self.pool = pool
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if not self.pool.allocated:
-            self.pool.allocate(key_states, value_states)
+        self.pool.allocate(key_states, value_states)
         super().lazy_initialization(key_states, value_states)
 
 
 class _StagingCache(DenseCache):
-    def __init__(self, pool: DensePool, prompt_mask: torch.Tensor, impl: str):
-        super().__init__(pool.method, len(pool.layers), prompt_mask.shape[1], prompt_mask, impl)
+    def __init__(self, pool: DensePool, prompt_mask: torch.Tensor):
+        super().__init__(pool.method, len(pool.layers), prompt_mask.shape[1], prompt_mask)
         self.layers = [_StagingLayer(self, i, pool) for i in range(len(pool.layers))]
 
 
 class DensePool(_Pool):
-    """The baselines' pool (prefill on the model's SDPA, decode on the fused grouped product of ``core.attention``). ``capacity``: ED ``kv_max``; FKV the longest prompt + max_new_tokens - 1."""
+    """The baselines' pool: prefill on the model's SDPA, decode on ``core.attention``'s fused grouped product.
+    ``capacity``: ED ``kv_max``; FKV the longest prompt + max_new_tokens - 1."""
 
-    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, impl: str):
+    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int):
         if method.name not in ("fkv", "ed"):
             raise ValueError(f"DensePool serves the baselines fkv and ed, not {method.name!r}")
         super().__init__(method, num_layers, slots, capacity, DensePoolLayer)
-        self.impl = impl
         self.compact: list[tuple[int, int]] = []  # (row, slot of its newest pair): ED rows evicting this pass
         self.write_ptr: torch.Tensor | None = None  # [S, 1, 1] slot each row writes
         self.span = 0  # slots [0, span) enter this pass's attention
@@ -368,9 +358,9 @@ class DensePool(_Pool):
         if self.method.name == "fkv":
             if prompt_len > self.capacity:
                 raise ValueError(f"a {prompt_len}-token prompt does not fit FKV slots of {self.capacity}")
-            cache = _RowDenseCache(self, rows, mask, self.impl)
+            cache = _RowDenseCache(self, rows, mask)
         else:
-            cache = _StagingCache(self, mask, self.impl)
+            cache = _StagingCache(self, mask)
         for row in rows:
             self.rows[row] = RowState()
         self.row_caches[rows.start] = cache
@@ -402,15 +392,12 @@ class DensePool(_Pool):
                 self.compact.append((w.row, st.length - 1))
                 st.length = 1
             write[w.row] = st.length
-        self.write_ptr = torch.tensor(write, device=device).view(self.slots, 1, 1)  # [S, 1, 1]
-        seen = [0] * self.slots
+        self.write_ptr = self._decode_tensors(write, device)
         lengths = [1] * self.slots  # idle rows see slot 0 only (kept finite, never used)
         for w in work:
             st = self.rows[w.row]
-            seen[w.row] = st.seen  # the token's position in its own sequence
             st.length, st.seen = st.length + 1, st.seen + 1
             lengths[w.row] = st.length
-        self.positions = torch.tensor(seen, device=device).view(self.slots, 1)  # [S, 1]
         self.span = max(lengths[r] for r in self.decode_rows)
         held = torch.tensor(lengths, device=device)  # [S]
         self.row_bias = torch.zeros(self.slots, self.span, dtype=self.layers[0].dtype, device=device)  # [S, span]

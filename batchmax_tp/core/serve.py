@@ -27,20 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from .attention import use_batchmax_attention
-from .engine import forward_pass
+from .engine import forward_pass, sampling_warpers
 from .method import Method
 from .pool import BoundedPool, DensePool
 from .scheduler import Scheduler, Step
 from .step import ForwardPass
-from .workspace import SDPA
 
 logger = logging.getLogger(__name__)
 
@@ -111,17 +104,6 @@ def check_requests(requests: Sequence[Request], slots: int, context: int | None)
                              f"context of {context} positions")
 
 
-def _warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
-    warpers = LogitsProcessorList()
-    if temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
-    return warpers
-
-
 def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int], max_new: list[int]):
     """The method's pool. Every pool runs on the "batchmax" attention, which reads the pass description: BM's
     scoring attention; for the baselines, SDPA in a slot's (unpadded, causal) prefill and, in a decode pass, the
@@ -131,7 +113,7 @@ def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int]
     if method.name == "bm":
         return BoundedPool(method, layers, slots)
     cap = method.kv_max if method.name == "ed" else max(s + t - 1 for s, t in zip(lengths, max_new))
-    return DensePool(method, layers, slots, cap, SDPA)
+    return DensePool(method, layers, slots, cap)
 
 
 def _digest(log: list[tuple[int, int, int]], passes: int) -> int:
@@ -184,7 +166,7 @@ def serve(
     eos = set() if ignore_eos or eos_token_id is None else set(
         [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-    warpers = _warpers(temperature, top_k, top_p) if do_sample else None
+    warpers = sampling_warpers(temperature, top_k, top_p) if do_sample else None
     tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
     token_bound = bool(eos) or stop is not None  # whether finishing depends on the tokens
     gens: list[torch.Generator | None] = [None] * slots
@@ -233,7 +215,7 @@ def serve(
             finished = _run_step(model, step, pool, prompts, lengths, max_new, request_of, next_ids, device, dense,
                                  choose, agreed, emit, return_logits, start)
             times["decode" if step.kind == "decode" else "prefill"] += time.perf_counter() - t0
-            if pool.allocated:
+            if pool.allocated and step.kind != "decode":  # a decode pass never changes what is allocated
                 kv = pool.kv_bytes()
                 kv_low, kv_high = min(kv, kv_low if kv_low is not None else kv), max(kv_high, kv)
             for row, i in sched.complete(step, finished):

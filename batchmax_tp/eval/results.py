@@ -29,6 +29,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -224,19 +225,25 @@ def summarise(samples: Sequence[Mapping[str, Any]], batches: Sequence[Mapping[st
     }
 
 
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``xs``, linear between the closest ranks (numpy's default)."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("percentile of nothing")
+    at = (len(s) - 1) * q / 100
+    lo = math.floor(at)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (at - lo)
+
+
 def latency_fields(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """A continuous run's per-request latency (seconds from the run's start to the request's end, every request
-    queued at the start) and time to first token: p50 and p99 over its samples (nearest rank)."""
-    def pct(values: list[float], q: float) -> float | None:
-        if not values:
-            return None
-        ordered = sorted(values)
-        return ordered[min(len(ordered) - 1, max(0, -(-q * len(ordered) // 100) - 1))]
-
+    queued at the start) and time to first token: p50 and p99 over its samples (``percentile``)."""
     latency = [float(b["latency_s"]) for b in batches if b.get("latency_s") is not None]
     first = [float(b["first_token_s"]) for b in batches if b.get("first_token_s") is not None]
-    return {"scheduler": "continuous", "tokens_per_s_spread": None, "latency_p50_s": pct(latency, 50),
-            "latency_p99_s": pct(latency, 99), "first_token_p50_s": pct(first, 50)}
+    return {"scheduler": "continuous", "tokens_per_s_spread": None,
+            "latency_p50_s": percentile(latency, 50) if latency else None,
+            "latency_p99_s": percentile(latency, 99) if latency else None,
+            "first_token_p50_s": percentile(first, 50) if first else None}
 
 
 def per_replica(batches: Sequence[Mapping[str, Any]], dp: int, tp: int) -> list[dict[str, Any]]:
