@@ -15,6 +15,10 @@ attends in one pass over the pool, each at its own position and eviction step.
   one slot at a time, and the newest pair moves into the row: Algorithm 3's first eviction), the longest prompt +
   generation for FKV (each slot reserves a whole request, so admission never needs more).
 
+A group admitted with ``shared=True`` holds one prompt several times (the choices of a multiple-choice question, scored
+from one context): its prefill runs on the first row alone and ``graduate`` copies that row into the others, which
+is exact, since a slot's state after its prompt depends on the prompt only.
+
 Per-slot state between passes is host integers (``RowState``) advanced by ``begin_decode``; the tensors a decode
 pass needs (write index, positions, which rows decode) are built from them once per pass.
 """
@@ -92,6 +96,12 @@ class _Pool(Cache):
     def note_workspace(self, nbytes: int) -> None:
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
 
+    def fork(self, rows: range) -> None:
+        """Copy row ``rows.start`` (a shared prefill's result) into the other rows of ``rows``, in every layer."""
+        for layer in self.layers:
+            for t in layer.row_tensors():
+                t[rows.start + 1 : rows.stop] = t[rows.start : rows.start + 1]
+
     def _decode_tensors(self, write: list[int], device: torch.device) -> torch.Tensor:
         """The pass's positions [S, 1] (each decoding row's ``seen`` before the pass, 0 for idle rows) and the
         per-row write index as a device tensor [S, 1, 1]."""
@@ -114,6 +124,10 @@ class _PoolLayer(SlotLayer):
         self.keys = torch.zeros(S, heads, C + 1, k_dim, dtype=dtype, device=device)
         self.values = torch.zeros(S, heads, C + 1, v_dim, dtype=dtype, device=device)
         self.dtype, self.device, self.is_initialized = dtype, device, True
+
+    def row_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor with one row per slot (what ``_Pool.fork`` copies)."""
+        return self.keys, self.values
 
     def lazy_initialization(self, key_states, value_states) -> None:  # the pool allocates in a prefill pass first
         raise RuntimeError("a pool's decode pass ran before any prefill allocated it")
@@ -140,6 +154,9 @@ class PoolLayer(_PoolLayer):
         self.score = torch.zeros(S, heads, C + 1, dtype=torch.float32, device=device)
         self.bias = torch.full((S, heads, C + 1), float("-inf"), dtype=dtype, device=device)
         self.free = torch.arange(C + 1, device=device).repeat(S, heads, 1)  # [S, H, C + 1]: identity, ends in C
+
+    def row_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.keys, self.values, self.pos, self.score, self.bias, self.free
 
     def reset_row(self, row: int) -> None:
         self.pos[row] = -1
@@ -230,15 +247,15 @@ class BoundedPool(_Pool):
         held = sum(_bytes(layer.pos, layer.score, layer.bias, layer.free) for layer in self.layers)
         return held + sum(c.transient_bytes() for c in self.row_caches.values())
 
-    def admit(self, rows: range, prompt_len: int) -> RowCache:
+    def admit(self, rows: range, prompt_len: int, shared: bool = False) -> RowCache:
         """Requests enter the adjacent slots ``rows``: their slots are emptied; their prefill runs on the returned
-        cache (one row per slot)."""
+        cache (one row per slot; ``shared``: one prompt for all of them, prefilled on the first row alone)."""
         for row in rows:
             if self.allocated:
                 for layer in self.layers:
                     layer.reset_row(row)
             self.rows[row] = RowState()
-        self.row_caches[rows.start] = cache = RowCache(self, rows)
+        self.row_caches[rows.start] = cache = RowCache(self, rows[:1] if shared else rows)
         return cache
 
     def graduate(self, rows: range, decodes: list[bool]) -> None:
@@ -248,7 +265,9 @@ class BoundedPool(_Pool):
         cache.end_prefill()
         for layer, src in zip(self.layers, cache.layers):
             if src.free is not None:
-                layer.free[rows.start : rows.stop, :, : src.free.shape[-1]] = src.free
+                layer.free[src.rows, :, : src.free.shape[-1]] = src.free
+        if cache.layers[0].rows.stop < rows.stop:  # a shared prefill: its row becomes every row of the group
+            self.fork(rows)
         src = cache.layers[0]  # every layer and row holds the same host integers
         contiguous = src.free is None
         for row in rows:
@@ -352,13 +371,14 @@ class DensePool(_Pool):
         self.span = 0  # slots [0, span) enter this pass's attention
         self.row_bias: torch.Tensor | None = None  # [S, span] additive mask: 0 for each row's held slots, -inf after
 
-    def admit(self, rows: range, prompt_len: int) -> DenseCache:
+    def admit(self, rows: range, prompt_len: int, shared: bool = False) -> DenseCache:
         device = self.layers[0].device if self.allocated else None
-        mask = torch.ones(len(rows), prompt_len, dtype=torch.long, device=device)  # [k, s]: unpadded
+        prefill = rows[:1] if shared else rows  # shared: one prompt for all rows, prefilled once
+        mask = torch.ones(len(prefill), prompt_len, dtype=torch.long, device=device)  # [k, s]: unpadded
         if self.method.name == "fkv":
             if prompt_len > self.capacity:
                 raise ValueError(f"a {prompt_len}-token prompt does not fit FKV slots of {self.capacity}")
-            cache = _RowDenseCache(self, rows, mask)
+            cache = _RowDenseCache(self, prefill, mask)
         else:
             cache = _StagingCache(self, mask)
         for row in rows:
@@ -374,10 +394,12 @@ class DensePool(_Pool):
         self.note()
         held = cache.length
         ed = self.method.name == "ed"
-        if ed:
+        if ed:  # [k or 1, H, D] -> every row of the group
             for layer, src in zip(self.layers, cache.layers):
                 layer.keys[rows.start : rows.stop, :, 0] = src.keys[:, :, held - 1]
                 layer.values[rows.start : rows.stop, :, 0] = src.values[:, :, held - 1]
+        elif cache.layers[0].rows.stop < rows.stop:  # FKV, a shared prefill: its row becomes every row
+            self.fork(rows)
         for row, more in zip(rows, decodes):
             self.rows[row] = RowState(seen=cache.seen, length=1 if ed and more else held)
         del self.row_caches[rows.start]

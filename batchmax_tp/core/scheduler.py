@@ -7,7 +7,9 @@ preemption). A request runs its own schedule (``core.schedule.plan`` of its unpa
 
 The policy: when a slot frees (EOS, a stop, or its ``max_new_tokens``), the next queued request enters it (queue
 order, lowest free slot first). Requests admitted together into adjacent slots with prompts of one length form a
-group, whose prefill blocks run in one pass (the same schedule, rows side by side, nothing padded). Prefill passes
+group, whose prefill blocks run in one pass (the same schedule, rows side by side, nothing padded); with ``keys``,
+adjacent requests of one key form a group instead (``serve(share_prompts=True)`` keys identical prompts, whose
+prefill then runs once for the whole group). Prefill passes
 (one group's block or probe at a time, in admission order) run before the decode step of the slots already
 decoding, up to ``prefill_budget`` prompt tokens between two decode
 steps (None: no limit, so a new request is prefilled whole before the next decode step -- the most tokens per
@@ -62,13 +64,16 @@ class Step:
 class Scheduler:
     """The pass-by-pass schedule of ``lengths[i]``-token prompts generating ``max_new[i]`` tokens each in ``slots``
     slots. Call ``next_step()``, run it, then ``complete(step, finished)`` with the slots whose request ended early
-    (EOS or a stop string); a request that reached its ``max_new_tokens`` ends by itself."""
+    (EOS or a stop string); a request that reached its ``max_new_tokens`` ends by itself. ``keys``: what adjacent
+    requests admitted together must share to form one group (None: their prompt length; equal keys must mean equal
+    lengths)."""
 
     method: Method
     lengths: list[int]
     max_new: list[int]
     slots: int
     prefill_budget: int | None = None
+    keys: list | None = None
     queue: deque = field(init=False)
     running: list[SlotRun | None] = field(init=False)
     log: list[tuple[int, int, int]] = field(init=False, default_factory=list)  # (pass, slot, request) admissions
@@ -78,8 +83,8 @@ class Scheduler:
     def __post_init__(self) -> None:
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
-        if len(self.lengths) != len(self.max_new):
-            raise ValueError("lengths and max_new must have one entry per request")
+        if len(self.lengths) != len(self.max_new) or (self.keys is not None and len(self.keys) != len(self.lengths)):
+            raise ValueError("lengths, max_new and keys must have one entry per request")
         self.queue = deque(range(len(self.lengths)))
         self.running = [None] * self.slots
 
@@ -89,9 +94,10 @@ class Scheduler:
             if self.running[slot] is None and self.queue:
                 entered.append((slot, self.queue.popleft()))
         groups: list[list[tuple[int, int]]] = []
-        for slot, i in entered:  # adjacent slots, prompts of one length
+        key = self.lengths if self.keys is None else self.keys
+        for slot, i in entered:  # adjacent slots, one key (by default: prompts of one length)
             last = groups[-1][-1] if groups else None
-            if last is not None and last[0] == slot - 1 and self.lengths[last[1]] == self.lengths[i]:
+            if last is not None and last[0] == slot - 1 and key[last[1]] == key[i]:
                 groups[-1].append((slot, i))
             else:
                 groups.append([(slot, i)])

@@ -42,11 +42,17 @@ AGREE_EVERY = 64  # passes between two checks that the tensor-parallel ranks sti
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt (token ids, unpadded) and how many tokens to generate for it; ``seed`` for sampling."""
+    """One prompt (token ids, unpadded) and how many tokens to generate for it; ``seed`` for sampling.
+
+    ``continuation``: teacher forcing, for scoring. After the prompt these tokens are fed instead of the chosen
+    ones (at least ``max_new_tokens`` of them), the output's ``logprobs[t]`` is the float32 log-probability of
+    ``continuation[t]`` given the prompt and ``continuation[:t]``, and ``tokens`` still records the model's own
+    choices (greedy: whether the continuation is the greedy one)."""
 
     input_ids: Sequence[int]
     max_new_tokens: int
     seed: int | None = None
+    continuation: Sequence[int] | None = None
 
 
 @dataclass
@@ -65,6 +71,7 @@ class RequestOutput:
     workspace_bytes: int = 0  # the largest attention workspace of the run so far when it ended
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # per token, float32 [V]
     kept_positions: list[list[list[int]]] | None = field(default=None, repr=False)  # per layer, local KV head
+    logprobs: list[float] | None = None  # with a ``continuation``: each of its tokens' log-probability
 
     @property
     def num_generated(self) -> int:
@@ -102,6 +109,9 @@ def check_requests(requests: Sequence[Request], slots: int, context: int | None)
         if context is not None and n + r.max_new_tokens - 1 > context:
             raise ValueError(f"request {i}: a {n}-token prompt + {r.max_new_tokens} new tokens run past the model's "
                              f"context of {context} positions")
+        if r.continuation is not None and len(r.continuation) < r.max_new_tokens:
+            raise ValueError(f"request {i}: a continuation of {len(r.continuation)} tokens cannot be scored over "
+                             f"{r.max_new_tokens} new tokens")
 
 
 def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int], max_new: list[int]):
@@ -129,6 +139,137 @@ def _agree(group, value: int, device: torch.device) -> None:
                            "requests, the settings or the tokens each rank saw are not the same)")
 
 
+class _Run:
+    """One ``serve`` call's state between passes: which request each slot holds, the next input of every row, the
+    outputs, and how a pass's logits become tokens (chosen, agreed across tensor-parallel ranks, teacher-forced)."""
+
+    def __init__(self, model, requests: Sequence[Request], method: Method, slots: int, sampling, eos: set[int],
+                 pad: int, stop, return_logits: bool, tp_group, token_bound: bool):
+        self.model, self.requests, self.method, self.slots = model, requests, method, slots
+        self.device = next(model.parameters()).device
+        self.prompts = [torch.as_tensor(list(r.input_ids), dtype=torch.long, device=self.device)
+                        for r in requests]  # [s_i]
+        self.lengths = [int(p.numel()) for p in self.prompts]
+        self.max_new = [r.max_new_tokens for r in requests]
+        self.dense = method.name != "bm"
+        self.warpers, self.eos, self.stop, self.return_logits = sampling, eos, stop, return_logits
+        self.tp_group, self.token_bound = tp_group, token_bound
+        self.gens: list[torch.Generator | None] = [None] * slots
+        self.outputs: list[RequestOutput | None] = [None] * len(requests)
+        self.request_of: list[int] = [-1] * slots
+        self.shared: set[int] = set()  # first slot of each group prefilled once for all its rows
+        self.next_ids = torch.full((slots,), pad, dtype=torch.long, device=self.device)  # [S] each row's next input
+        self.forcing = any(r.continuation is not None for r in requests)
+        self.start = time.perf_counter()
+
+    def admit(self, pool, rows: range, group: tuple[int, ...], passes: int, shared: bool) -> None:
+        pool.admit(rows, self.lengths[group[0]], shared=shared)
+        if shared:
+            self.shared.add(rows.start)
+        for row, i in zip(rows, group):
+            self.request_of[row] = i
+            self.outputs[i] = RequestOutput([], row, passes, logits=[] if self.return_logits else None,
+                                            logprobs=[] if self.requests[i].continuation is not None else None)
+            if self.warpers is not None:
+                self.gens[row] = torch.Generator(device=self.device)
+                self.gens[row].manual_seed(0 if self.requests[i].seed is None else self.requests[i].seed)
+
+    def choose(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Tokens [k] from logits [k, V] of ``rows``: greedy, or sampled with each row's own generator."""
+        if self.warpers is None:
+            return logits.argmax(dim=-1)
+        picks = [torch.multinomial(torch.softmax(self.warpers(None, logits[j : j + 1].float()), dim=-1), 1,
+                                   generator=self.gens[r]).view(1) for j, r in enumerate(rows)]
+        return torch.cat(picks)
+
+    def teach(self, rows: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The next inputs [k] of ``rows``: the chosen ``tokens``, or, for a request with a continuation, its next
+        continuation token, whose log-probability under ``logits`` [k, V] is recorded (kept on the device)."""
+        if not self.forcing:
+            return tokens
+        targets = []
+        for r in rows:
+            i = self.request_of[r]
+            cont, t = self.requests[i].continuation, len(self.outputs[i].tokens)
+            targets.append(cont[t] if cont is not None and t < len(cont) else -1)
+        target = torch.tensor(targets, device=self.device)  # [k]; -1: not forced
+        logprob = torch.log_softmax(logits.float(), dim=-1).gather(1, target.clamp(min=0)[:, None])[:, 0]  # [k]
+        for j, r in enumerate(rows):
+            out = self.outputs[self.request_of[r]]
+            if out.logprobs is not None and targets[j] >= 0:
+                out.logprobs.append(logprob[j])
+        return torch.where(target >= 0, target, tokens)
+
+    def agreed(self, tokens: torch.Tensor) -> list[int]:
+        """Host tokens; under TP, when finishing depends on them, the group's first rank's."""
+        if self.tp_group is not None and self.token_bound:
+            dist.broadcast(tokens, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+        return tokens.tolist()
+
+    def emit(self, rows: list[int], logits: torch.Tensor) -> set[int]:
+        """Choose, record and feed the next token of each of ``rows`` from their logits [k, V]; returns the rows
+        whose request ended early (EOS or a stop)."""
+        tokens = self.choose(logits, rows)  # [k]
+        feed = self.teach(rows, logits, tokens)  # [k]
+        self.next_ids.index_copy_(0, torch.tensor(rows, device=self.device), feed)
+        now, finished = time.perf_counter() - self.start, set()
+        for j, (row, token) in enumerate(zip(rows, self.agreed(tokens))):
+            i = self.request_of[row]
+            out = self.outputs[i]
+            if not out.tokens:
+                out.first_token_s = now
+            out.tokens.append(token)
+            if self.return_logits:
+                out.logits.append(logits[j].float())
+            if token in self.eos or (self.stop is not None and self.stop(i, out.tokens)):
+                finished.add(row)
+        return finished
+
+    def prefill(self, pool, step: Step) -> set[int]:
+        """One group's prefill block or look-ahead probe, on its rows' cache (a shared group: on its first row)."""
+        rows = range(step.work[0].row, step.work[-1].row + 1)  # adjacent slots, one prompt length
+        phase, group = step.work[0].phase, [self.request_of[r] for r in rows]
+        run = group[:1] if rows.start in self.shared else group  # the prompts this pass computes
+        cache = pool.row_caches[rows.start]
+        cache.begin(phase)
+        ids = torch.stack([self.prompts[i][phase.start : phase.end] for i in run])  # [k, n]
+        pos = torch.arange(phase.start, phase.end, device=self.device).expand(len(run), -1)  # [k, n]
+        out = forward_pass(self.model, ForwardPass(phase.kind, cache, step.work), ids,
+                           cache.attention_mask() if self.dense else None, pos)
+        if phase.kind == "probe":
+            cache.note_meta()
+            pool.note()
+            return set()
+        if phase.end < self.lengths[group[0]]:
+            return set()
+        if self.dense:
+            cache.note_workspace(self.model.config)
+        cache.begin(None)
+        pool.graduate(rows, [self.max_new[i] > 1 for i in group])
+        self.shared.discard(rows.start)
+        return self.emit(list(rows), out.logits[:, -1].expand(len(rows), -1))  # [k, V]
+
+    def decode(self, pool, step: Step) -> set[int]:
+        """One decode step of every decoding slot, in one pass over the pool."""
+        rows = [w.row for w in step.work]
+        pool.begin_decode(step.work, self.device)
+        out = forward_pass(self.model, ForwardPass("decode", pool, step.work), self.next_ids[:, None],
+                           pool.attention_mask(), pool.positions)
+        index = torch.tensor(rows, device=self.device)  # [k] the decoding rows
+        return self.emit(rows, out.logits[:, -1].index_select(0, index))  # [k, V]
+
+    def finish(self, pool, row: int, i: int, times: dict[str, float], kv_high: int, keep_positions: bool):
+        out = self.outputs[i]
+        out.finished_s = time.perf_counter() - self.start
+        out.run_prefill_s, out.run_decode_s, out.kv_bytes = times["prefill"], times["decode"], kv_high
+        out.workspace_bytes = pool.peak_workspace_bytes
+        if out.logprobs is not None:
+            out.logprobs = torch.stack(out.logprobs).tolist() if out.logprobs else []
+        if keep_positions:
+            out.kept_positions = pool.kept_positions(row)
+        return out
+
+
 @torch.inference_mode()
 def serve(
     model: torch.nn.Module,
@@ -144,6 +285,7 @@ def serve(
     top_k: int = 0,
     top_p: float = 1.0,
     prefill_budget: int | None = None,
+    share_prompts: bool = False,
     stop: Callable[[int, list[int]], bool] | None = None,
     on_finish: Callable[[int, RequestOutput], None] | None = None,
     return_logits: bool = False,
@@ -154,131 +296,43 @@ def serve(
     request samples from its own generator, seeded with its ``seed``). A request ends at its ``max_new_tokens``,
     at an EOS unless ``ignore_eos``, or when ``stop(i, tokens)`` says so (stop strings); ``on_finish(i, output)``
     is called as each one ends. ``prefill_budget``: prompt tokens prefilled between two decode steps (None: a new
-    request is prefilled whole first). ``tp_group``: the tensor-parallel group, when there is one."""
+    request is prefilled whole first). ``share_prompts``: adjacent requests with identical prompts admitted together
+    prefill once, on one row copied into the others (the choices of a multiple-choice question). ``tp_group``: the
+    tensor-parallel group, when there is one."""
     check_requests(requests, slots, getattr(model.config, "max_position_embeddings", None))
-    device = next(model.parameters()).device
-    prompts = [torch.as_tensor(list(r.input_ids), dtype=torch.long, device=device) for r in requests]  # [s_i]
-    lengths = [int(p.numel()) for p in prompts]
-    max_new = [r.max_new_tokens for r in requests]
-    sched = Scheduler(method, lengths, max_new, slots, prefill_budget)
-    pool = _pool(model, method, slots, lengths, max_new)
-    dense = method.name != "bm"
     eos = set() if ignore_eos or eos_token_id is None else set(
         [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-    warpers = sampling_warpers(temperature, top_k, top_p) if do_sample else None
     tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
-    token_bound = bool(eos) or stop is not None  # whether finishing depends on the tokens
-    gens: list[torch.Generator | None] = [None] * slots
-    outputs: list[RequestOutput | None] = [None] * len(requests)
-    request_of: list[int] = [-1] * slots
-    next_ids = torch.full((slots,), pad, dtype=torch.long, device=device)  # [S] each row's next input
+    run = _Run(model, requests, method, slots, sampling_warpers(temperature, top_k, top_p) if do_sample else None,
+               eos, pad, stop, return_logits, tp_group if tp else None, bool(eos) or stop is not None)
+    keys = None
+    if share_prompts:
+        first: dict[tuple[int, ...], int] = {}
+        keys = [first.setdefault(tuple(r.input_ids), i) for i, r in enumerate(requests)]  # one key per prompt
+    sched = Scheduler(method, run.lengths, run.max_new, slots, prefill_budget, keys)
+    pool = _pool(model, method, slots, run.lengths, run.max_new)
     kv_low, kv_high = None, 0
     times = {"prefill": 0.0, "decode": 0.0}
-
-    def choose(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Tokens [k] from logits [k, V] of ``rows``: greedy, or sampled with each row's own generator."""
-        if warpers is None:
-            return logits.argmax(dim=-1)
-        picks = [torch.multinomial(torch.softmax(warpers(None, logits[j : j + 1].float()), dim=-1), 1,
-                                   generator=gens[r]).view(1) for j, r in enumerate(rows)]
-        return torch.cat(picks)
-
-    def agreed(tokens: torch.Tensor) -> list[int]:
-        if tp and token_bound:
-            dist.broadcast(tokens, src=dist.get_global_rank(tp_group, 0), group=tp_group)
-        return tokens.tolist()
-
-    def emit(row: int, token: int, logits: torch.Tensor | None, now: float) -> bool:
-        """Record ``token`` for the request in ``row``; True when it ends the request early (EOS or a stop)."""
-        i = request_of[row]
-        out = outputs[i]
-        if not out.tokens:
-            out.first_token_s = now
-        out.tokens.append(token)
-        if logits is not None:
-            out.logits.append(logits.float())
-        return token in eos or (stop is not None and stop(i, out.tokens))
-
-    start = time.perf_counter()
     with use_batchmax_attention(model):
         while (step := sched.next_step()) is not None:
             for rows, group in step.admitted:
-                pool.admit(rows, lengths[group[0]])
-                for row, i in zip(rows, group):
-                    request_of[row] = i
-                    outputs[i] = RequestOutput([], row, sched.passes, logits=[] if return_logits else None)
-                    if do_sample:
-                        gens[row] = torch.Generator(device=device)
-                        gens[row].manual_seed(0 if requests[i].seed is None else requests[i].seed)
+                run.admit(pool, rows, group, sched.passes, share_prompts and len(group) > 1)
             t0 = time.perf_counter()
-            finished = _run_step(model, step, pool, prompts, lengths, max_new, request_of, next_ids, device, dense,
-                                 choose, agreed, emit, return_logits, start)
+            finished = run.decode(pool, step) if step.kind == "decode" else run.prefill(pool, step)
             times["decode" if step.kind == "decode" else "prefill"] += time.perf_counter() - t0
             if pool.allocated and step.kind != "decode":  # a decode pass never changes what is allocated
                 kv = pool.kv_bytes()
                 kv_low, kv_high = min(kv, kv_low if kv_low is not None else kv), max(kv_high, kv)
             for row, i in sched.complete(step, finished):
-                out = outputs[i]
-                out.finished_s = time.perf_counter() - start
-                out.run_prefill_s, out.run_decode_s, out.kv_bytes = times["prefill"], times["decode"], kv_high
-                out.workspace_bytes = pool.peak_workspace_bytes
-                if keep_positions:
-                    out.kept_positions = pool.kept_positions(row)
+                out = run.finish(pool, row, i, times, kv_high, keep_positions)
                 if on_finish is not None:
                     on_finish(i, out)
             if tp and sched.passes % AGREE_EVERY == 0:
-                _agree(tp_group, _digest(sched.log, sched.passes), device)
+                _agree(tp_group, _digest(sched.log, sched.passes), run.device)
     if tp:
-        _agree(tp_group, _digest(sched.log, sched.passes), device)
+        _agree(tp_group, _digest(sched.log, sched.passes), run.device)
     pool.note()
     logger.debug("%s: %d requests in %d slots, %d passes", method.label(), len(requests), slots, sched.passes)
-    return ServeOutput(outputs, list(sched.log), sched.passes, times["prefill"], times["decode"], pool.peak_kv_bytes,
-                       (kv_low or 0, kv_high), pool.peak_meta_bytes, pool.peak_workspace_bytes)
-
-
-def _run_step(model, step: Step, pool, prompts, lengths, max_new, request_of, next_ids, device, dense, choose, agreed, emit,
-              return_logits: bool, start: float) -> set[int]:
-    """Run one pass; returns the slots whose request ended early (EOS or a stop)."""
-    finished: set[int] = set()
-    if step.kind != "decode":  # one group's prefill block or look-ahead probe, on its rows' cache
-        rows = range(step.work[0].row, step.work[-1].row + 1)  # adjacent slots, one prompt length
-        phase, group = step.work[0].phase, [request_of[r] for r in rows]
-        cache = pool.row_caches[rows.start]
-        cache.begin(phase)
-        ids = torch.stack([prompts[i][phase.start : phase.end] for i in group])  # [k, n]
-        pos = torch.arange(phase.start, phase.end, device=device).expand(len(group), -1)  # [k, n]
-        out = forward_pass(model, ForwardPass(phase.kind, cache, step.work), ids,
-                           cache.attention_mask() if dense else None, pos)
-        if phase.kind == "probe":
-            cache.note_meta()
-            pool.note()
-            return finished
-        if phase.end < lengths[group[0]]:
-            return finished
-        if dense:
-            cache.note_workspace(model.config)
-        cache.begin(None)
-        pool.graduate(rows, [max_new[i] > 1 for i in group])
-        logits = out.logits[:, -1]  # [k, V]
-        tokens = choose(logits, list(rows))  # [k]
-        next_ids[rows.start : rows.stop] = tokens
-        now = time.perf_counter() - start
-        for j, (row, token) in enumerate(zip(rows, agreed(tokens))):
-            if emit(row, token, logits[j] if return_logits else None, now):
-                finished.add(row)
-        return finished
-    rows = [w.row for w in step.work]
-    pool.begin_decode(step.work, device)
-    out = forward_pass(model, ForwardPass("decode", pool, step.work), next_ids[:, None], pool.attention_mask(),
-                       pool.positions)
-    logits = out.logits[:, -1]  # [S, V]
-    index = torch.tensor(rows, device=device)  # [k] the decoding rows
-    tokens = choose(logits.index_select(0, index), rows)  # [k]
-    next_ids.index_copy_(0, index, tokens)
-    host = agreed(tokens)
-    now = time.perf_counter() - start
-    for j, row in enumerate(rows):
-        if emit(row, host[j], logits[row] if return_logits else None, now):
-            finished.add(row)
-    return finished
+    return ServeOutput(run.outputs, list(sched.log), sched.passes, times["prefill"], times["decode"],
+                       pool.peak_kv_bytes, (kv_low or 0, kv_high), pool.peak_meta_bytes, pool.peak_workspace_bytes)
