@@ -265,8 +265,11 @@ class _SampleState:
 
 @torch.no_grad()
 def reference_generate(model, input_ids, attention_mask, method_name, kv_max=None, p=None, max_new_tokens=1,
-                       rule="paper", rule_params=None):
+                       rule="paper", rule_params=None, force_tokens=None):
     """Greedy generation with the paper's cache policy (or one of the rules above, BM only), naively.
+
+    ``force_tokens`` ``[B, >= max_new_tokens - 1]``: teacher forcing -- decode step t feeds ``force_tokens[:, t-1]``
+    instead of the previous argmax (``tokens`` still records the argmaxes).
 
     Returns a :class:`RefResult`, which also unpacks as ``(logits_per_step, kept, tokens)``:
     ``logits_per_step`` a list of float32 ``[B, V]`` (one per generated token), ``kept[layer][sample][kv_head]``
@@ -332,7 +335,8 @@ def reference_generate(model, input_ids, attention_mask, method_name, kv_max=Non
                 # that fills the cache; doing it just before the next step is the same computation.
                 st.keep_newest(result, j, curr_id=pos - 1)
             assert method_name == "fkv" or st.size() < kv_max
-            out = st.process([(pos, tok)])
+            fed = tok if force_tokens is None else int(force_tokens[j, t - 1])
+            out = st.process([(pos, fed)])
             logits.append(out)
             history.append(st.kept())
             tok = int(torch.argmax(out))
