@@ -29,7 +29,14 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest"],
+        "test": ["pytest", "lm-eval>=0.4.13,<0.5"],
         "mpi": ["mpi4py"],
+        "lm_eval": ["lm-eval>=0.4.13,<0.5"],  # the ``batchmax`` model for lm-evaluation-harness (batchmax_tp.harness)
+    },
+    entry_points={
+        # lm-eval 0.4.13 discovers no outside model: this script registers ``batchmax`` and runs lm-eval's CLI.
+        "console_scripts": ["batchmax-lm-eval = batchmax_tp.harness:main"],
+        # Newer lm-eval discovers models from this group (its docs/plugins.md).
+        "lm_eval.models": ["batchmax = batchmax_tp.harness:BatchMaxLM"],
     },
 )

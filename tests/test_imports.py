@@ -4,7 +4,7 @@ Walks every module of ``batchmax_tp`` with ``ast`` (nothing is imported) and col
 one imports at run time (imports under ``if TYPE_CHECKING:`` only name types and are left out). Layers, lowest
 first; a module may import its own layer and the ones below:
 
-    core/  <  parallel  <  plan/  <  eval/  <  config  <  models  <  job  <  cli  (<  __init__)
+    core/  <  parallel  <  plan/  <  eval/  <  config  <  models  <  harness  <  job  <  cli  (<  __init__)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "batchmax_tp"
-LAYERS = ["core", "parallel", "plan", "eval", "config", "models", "job", "cli", "__init__"]
+LAYERS = ["core", "parallel", "plan", "eval", "config", "models", "harness", "job", "cli", "__init__"]
 #: The deferred imports the package allows (module, function): the CLI loads the job (torch, transformers) only
 #: once a configuration is valid, and the package's ``__getattr__`` the torch-bound part of the public API.
 DEFERRED = {("batchmax_tp.cli", "main"), ("batchmax_tp", "__getattr__")}
