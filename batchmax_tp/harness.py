@@ -528,12 +528,30 @@ def _rewrite_use_cache(argv: list[str]) -> list[str]:
     return out
 
 
+def _launcher_args(argv: list[str]) -> list[str]:
+    """``argv`` without the ``--local_rank N`` the ``deepspeed`` launcher adds (lm-eval's parser rejects it); the
+    rank goes to ``LOCAL_RANK`` when the launcher has not set it."""
+    out, k = [], 0
+    while k < len(argv):
+        arg = argv[k]
+        if arg == "--local_rank" and k + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[k + 1])
+            k += 2
+            continue
+        if arg.startswith("--local_rank="):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+        k += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``batchmax-lm-eval``: lm-eval's own command line with the ``batchmax`` model registered; a bad
     ``model_args`` is one ``error:`` line and exit 2."""
     from lm_eval.__main__ import cli_evaluate
 
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = _launcher_args(list(sys.argv[1:] if argv is None else argv))
     try:
         _check_model_args(args)
         sys.argv = [sys.argv[0], *_rewrite_use_cache(args)]

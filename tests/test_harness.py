@@ -334,3 +334,10 @@ def test_shared_prefill_equals_separate_prefills(method, monkeypatch):
     for a, b in zip(runs[True].outputs, runs[False].outputs):
         assert a.tokens == b.tokens and a.kept_positions == b.kept_positions
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5) and len(a.logprobs) == len(a.tokens)
+
+
+def test_deepspeed_launchers_local_rank_argument_is_taken_out(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert harness._launcher_args(["--local_rank=1", "--model", "batchmax"]) == ["--model", "batchmax"]
+    assert os.environ["LOCAL_RANK"] == "1"
+    assert harness._launcher_args(["--tasks", "t", "--local_rank", "3"]) == ["--tasks", "t"]
