@@ -175,7 +175,7 @@ class BatchMaxLM(TemplateLM):
         self.layout = parallel.init_distributed(tp, device)
         self._device = torch.device(parallel.local_device(device, self.layout.local_rank) if world > 1 else device)
         self.dtype = models.resolve_dtype(s.dtype, str(self._device), config)
-        self._load(s)
+        self._load(s, config)
         self._rank, self._world_size = self.layout.replica, self.layout.dp
         self._dp_group = self._data_parallel_group()
         if self.layout.tp_rank > 0 and os.environ.get("LOCAL_RANK", "0") == "0":
@@ -209,7 +209,7 @@ class BatchMaxLM(TemplateLM):
         except ValueError as err:
             raise ModelArgsError(f"model_args: pretrained: {err}") from None
 
-    def _load(self, s: Settings) -> None:
+    def _load(self, s: Settings, config) -> None:
         tp = self.layout.tp
         model, tokenizer = models.load_model(s.pretrained, dtype=self.dtype,
                                              device="cpu" if tp > 1 else str(self._device))
@@ -219,7 +219,7 @@ class BatchMaxLM(TemplateLM):
             tokenizer = AutoTokenizer.from_pretrained(models.model_path(s.tokenizer))
         tokenizer.padding_side = "left"
         self.tokenizer = tokenizer
-        self.shape = ModelShape.from_config(models.read_config(s.pretrained))
+        self.shape = ModelShape.from_config(config)
         self.tp_group = getattr(self._model, "batchmax_tp_group", None)
 
     def _data_parallel_group(self):

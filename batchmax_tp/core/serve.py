@@ -206,12 +206,12 @@ class _Run:
             dist.broadcast(tokens, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
         return tokens.tolist()
 
-    def emit(self, rows: list[int], logits: torch.Tensor) -> set[int]:
-        """Choose, record and feed the next token of each of ``rows`` from their logits [k, V]; returns the rows
-        whose request ended early (EOS or a stop)."""
+    def emit(self, rows: list[int], index: torch.Tensor, logits: torch.Tensor) -> set[int]:
+        """Choose, record and feed the next token of each of ``rows`` (``index``: the same rows on the device) from
+        their logits [k, V]; returns the rows whose request ended early (EOS or a stop)."""
         tokens = self.choose(logits, rows)  # [k]
         feed = self.teach(rows, logits, tokens)  # [k]
-        self.next_ids.index_copy_(0, torch.tensor(rows, device=self.device), feed)
+        self.next_ids.index_copy_(0, index, feed)
         now, finished = time.perf_counter() - self.start, set()
         for j, (row, token) in enumerate(zip(rows, self.agreed(tokens))):
             i = self.request_of[row]
@@ -247,7 +247,8 @@ class _Run:
         cache.begin(None)
         pool.graduate(rows, [self.max_new[i] > 1 for i in group])
         self.shared.discard(rows.start)
-        return self.emit(list(rows), out.logits[:, -1].expand(len(rows), -1))  # [k, V]
+        index = torch.arange(rows.start, rows.stop, device=self.device)  # [k] the group's rows
+        return self.emit(list(rows), index, out.logits[:, -1].expand(len(rows), -1))  # [k, V]
 
     def decode(self, pool, step: Step) -> set[int]:
         """One decode step of every decoding slot, in one pass over the pool."""
@@ -256,7 +257,7 @@ class _Run:
         out = forward_pass(self.model, ForwardPass("decode", pool, step.work), self.next_ids[:, None],
                            pool.attention_mask(), pool.positions)
         index = torch.tensor(rows, device=self.device)  # [k] the decoding rows
-        return self.emit(rows, out.logits[:, -1].index_select(0, index))  # [k, V]
+        return self.emit(rows, index, out.logits[:, -1].index_select(0, index))  # [k, V]
 
     def finish(self, pool, row: int, i: int, times: dict[str, float], kv_high: int, keep_positions: bool):
         out = self.outputs[i]
