@@ -174,7 +174,10 @@ class BatchMaxLM(TemplateLM):
             raise ModelArgsError("model_args: batch_size=auto on the CPU needs memory_budget (e.g. 8GiB)")
         self.layout = parallel.init_distributed(tp, device)
         self._device = torch.device(parallel.local_device(device, self.layout.local_rank) if world > 1 else device)
-        self.dtype = models.resolve_dtype(s.dtype, str(self._device), config)
+        try:
+            self.dtype = models.resolve_dtype(s.dtype, str(self._device), config)
+        except ValueError as err:
+            raise ModelArgsError(f"model_args: dtype: {err}") from None
         self._load(s, config)
         self._rank, self._world_size = self.layout.replica, self.layout.dp
         self._dp_group = self._data_parallel_group()

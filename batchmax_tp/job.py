@@ -45,8 +45,9 @@ from .eval.files import atomic_write_text
 from .eval.report import write_report
 from .eval.run import (RankOutOfMemory, encode_prompts, evaluate_run, fill_samples, longest_prompt, model_shape,
                        warm_up, write_config)
-from .plan.budget import (STORY_FKV_BATCH, STORY_MAX_PROMPTS, RunSpec, fmt_bytes, paper_specs, same_memory_plan,
-                          story_methods)
+from .plan.budget import (STORY_FKV_BATCH, STORY_MAX_PROMPTS, RunSpec, fmt_bytes, paper_specs, planned_dtype,
+                          same_memory_plan, story_methods)
+from .plan.planner import ModelShape, predict
 
 logger = logging.getLogger("batchmax_tp.run")
 
@@ -95,6 +96,24 @@ def _warm_up_methods(cfg: RunConfig, same_memory: bool) -> list[Method]:
     return list({s.method: None for s in cfg.run_specs()})
 
 
+def _budget_cannot_hold_one_sample(cfg: RunConfig, model_config) -> str | None:
+    """The one-line error when ``memory_budget`` is below the weights plus one sample of the smallest method (ED
+    with kv_max 2, a one-token prompt, one new token): then no run can start, whatever the task."""
+    budget = cfg.budget_bytes()
+    if budget is None:
+        return None
+    try:
+        shape = ModelShape.from_config(model_config)
+    except (AttributeError, TypeError):
+        return None  # a configuration the planner cannot read: no prediction, the runs' own checks apply
+    least = predict(shape, Method("ed", kv_max=2, p=cfg.p), 1, 1, 1, tp=cfg.tp_size, dtype=planned_dtype(cfg.dtype))
+    if least.total <= budget:
+        return None
+    return (f"memory_budget: {fmt_bytes(budget)} per rank is below the {fmt_bytes(least.total)} that {cfg.model} needs "
+            f"for one sample of the smallest method (ED kv_max 2, {cfg.dtype}; {fmt_bytes(least.weights)} of it "
+            "weights): raise memory_budget or leave it unset")
+
+
 def run(cfg: RunConfig, argv: Sequence[str] | None) -> int:
     """Run the job ``cfg`` describes (``argv``: the command line, empty for a plain run). Returns the exit status."""
     try:
@@ -123,7 +142,13 @@ def run(cfg: RunConfig, argv: Sequence[str] | None) -> int:
     except ValueError as err:
         return fail(f"tp_size: {err} ({cfg.model})")
     device = parallel.local_device(cfg.device, local_rank) if world > 1 else cfg.device
-    cfg.dtype = models.resolve_dtype(cfg.dtype, device, model_config)
+    try:
+        cfg.dtype = models.resolve_dtype(cfg.dtype, device, model_config)
+    except ValueError as err:
+        return fail(f"dtype: {err}")
+    too_small = _budget_cannot_hold_one_sample(cfg, model_config)
+    if too_small is not None:
+        return fail(too_small)
 
     samples, task_data = None, None
     if cfg.task == "jsonl":

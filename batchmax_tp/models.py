@@ -39,6 +39,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .config import EMBEDDED_MODEL
+from .core.attention import SUPPORTED_FAMILIES, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -195,24 +196,55 @@ def read_config(model_id: str):
     except (OSError, ValueError, RuntimeError) as err:
         first = " ".join(str(err).split())[:300]
         raise ValueError(f"cannot read the configuration of {model_id!r}: {first}") from None
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    check_supported(config, model_id)
+    return config
+
+
+def check_supported(config, model_id: str) -> None:
+    """A one-line ``ValueError`` naming the model setting Batch-Max cannot run exactly (``attention.unsupported``)."""
+    reason = unsupported(config)
+    if reason is not None:
+        raise ValueError(f"{model_id} has {reason}, which Batch-Max's attention does not implement; supported: "
+                         f"{', '.join(SUPPORTED_FAMILIES)} models with full causal attention (e.g. Llama-2, "
+                         "Phi-3.5-mini, Mistral v0.2+, Qwen2)")
+
+
+#: bfloat16 runs natively from this CUDA compute capability on (A100 and newer); V100 and TITAN V are 7.0.
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def _native_bf16(device: str) -> tuple[bool, str]:
+    """(whether ``device``'s GPU has bfloat16 units, a description of it). Asked of the rank's own device, not of
+    the current one (``torch.cuda.is_bf16_supported`` also says yes where bfloat16 is only emulated, slowly)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    capability = tuple(torch.cuda.get_device_capability(index))
+    name = torch.cuda.get_device_name(index)
+    return capability >= BF16_MIN_CAPABILITY, f"cuda:{index} ({name}, compute capability {capability[0]}.{capability[1]})"
 
 
 def resolve_dtype(dtype: str, device: str, config=None) -> str:
-    """``auto``: float32 on CPU; on CUDA the checkpoint's own dtype (float16 when it names none), and float16 in
-    place of bfloat16 on GPUs without bfloat16 (V100, TITAN V). Any other value is returned as it is."""
+    """The dtype a rank runs in on ``device`` (its own device: ``cuda:N``).
+
+    ``auto``: float32 on CPU; on CUDA float16 for a float16 checkpoint, otherwise bfloat16 where the GPU has it
+    natively (compute capability >= 8.0) and float16 where it has not (V100, TITAN V). An explicit ``bfloat16`` on
+    a GPU without it is a one-line ``ValueError``; any other value is returned as it is.
+    """
     if dtype != "auto":
         _parse_dtype(dtype)
+        if dtype == "bfloat16" and device.startswith("cuda"):
+            native, gpu = _native_bf16(device)
+            if not native:
+                raise ValueError(f"bfloat16 needs a GPU of compute capability 8.0 or newer, {gpu} only emulates it "
+                                 "(several times slower): use --dtype float16 or auto")
         return dtype
     if not device.startswith("cuda"):
         return "float32"
     own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    name = str(own).removeprefix("torch.") if own is not None else "float16"
-    if name not in _DTYPES:
-        name = "float16"
-    if name == "bfloat16" and not torch.cuda.is_bf16_supported():
-        name = "float16"
-    return name
+    if str(own).removeprefix("torch.") == "float16":
+        return "float16"
+    return "bfloat16" if _native_bf16(device)[0] else "float16"
 
 
 def load_model(
@@ -229,7 +261,7 @@ def load_model(
     if model_id.startswith(ARCH_PREFIX):
         return architecture_model(model_id, dtype=resolve_dtype(dtype, device), device=device), None
     path = model_path(model_id)
-    dtype = resolve_dtype(dtype, device, read_config(model_id) if dtype == "auto" else None)
+    dtype = resolve_dtype(dtype, device, read_config(model_id))  # read_config refuses unsupported models
     start = time.perf_counter()
     # On CUDA the weights go straight to the GPU (no full host copy); on CPU device_map is not needed.
     placement = {"device_map": device} if device.startswith("cuda") else {}
@@ -263,6 +295,7 @@ def architecture_model(spec: str, *, dtype: str = "float16", device: str = "cpu"
     No tokenizer exists for such a model: feed it token ids (random ids measure throughput just as well).
     """
     config = architecture_config(spec, **overrides)
+    check_supported(config, spec)
     torch_dtype = _parse_dtype(dtype)
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]), torch.device(device):

@@ -200,6 +200,31 @@ def _probe_attention(layer, query: torch.Tensor, probe_kv: tuple[torch.Tensor, t
     return out.view(B, Hkv, Hq // Hkv, w, D).permute(0, 3, 1, 2, 4).reshape(B, w, Hq, D)  # [B, w, Hq, D]
 
 
+#: The model families Batch-Max's attention runs exactly (full causal attention, no logit softcapping).
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "phi3")
+
+
+def unsupported(config) -> str | None:
+    """Why the "batchmax" attention cannot run a model of this (text) config exactly, or None when it can.
+
+    It attends over every kept slot: a sliding window (keys older than ``sliding_window`` hidden, e.g.
+    Phi-3-mini-4k's 2047, Mistral v0.1's 4096) or attention logit softcapping (Gemma-2) would be silently ignored.
+    A window at least ``max_position_embeddings`` long never hides anything (Phi-3.5-mini: 262144 > 131072).
+    """
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        return f"attn_logit_softcapping={cap} (attention logit softcapping)"
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        sliding = "sliding_attention" in layer_types
+    else:
+        sliding = window is not None and window < (getattr(config, "max_position_embeddings", None) or window + 1)
+    if sliding:
+        return f"sliding_window={window} (attention limited to the last {window} tokens)"
+    return None
+
+
 def padding_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """Mask builder for "batchmax": the 2D padding mask passes through; slot positions do the causal part."""
     return attention_mask
@@ -214,6 +239,10 @@ def register() -> None:
 @contextlib.contextmanager
 def use_batchmax_attention(model: torch.nn.Module):
     """Run ``model`` with the "batchmax" attention inside the block, restoring its implementation after."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    reason = unsupported(config)
+    if reason is not None:
+        raise ValueError(f"Batch-Max's attention cannot run this model exactly: {reason}")
     register()
     previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)

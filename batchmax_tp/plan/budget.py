@@ -76,7 +76,11 @@ class RunSpec:
 def fmt_bytes(n: int | None) -> str:
     if n is None:
         return "n/a"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"
 
 
 def planned_dtype(dtype: str) -> str:
