@@ -1,7 +1,8 @@
 """The procedures that choose runs by running: the paper's b0 by real ED trials, and the auto-tuner's trials.
 
-- :func:`ed_trials`: ``fits(b)`` for ``plan.tuner.find_b0`` -- ED (kv_max 2) on b copies of the longest prompt,
-  for real (on CUDA; on a CPU the planner's b0 stands, ``plan.budget.paper_specs``);
+- :func:`b0_trials`: ``fits(b)`` for ``plan.tuner.find_b0`` -- ED (kv_max 2) on the task's b longest prompts,
+  left-padded together, for real and under ``memory_budget`` (on CUDA; on a CPU the planner's b0 stands,
+  ``plan.budget.paper_specs``); :func:`ed_trials` is its former version (copies of one prompt, no budget);
 - :func:`run_tuner`: ``plan.tuner.tune`` over real runs (``OUT/tune/<run>/``, resumable), the chosen config
   written as ``OUT/tuned.yaml`` (usable with ``launch/run.py --config``) and every trial in ``OUT/tune.json``
   (:func:`write_tune_results`).
@@ -27,8 +28,9 @@ from ..plan.planner import ModelShape
 from ..plan.tuner import Trial, divisor_batches, kv_grid, tune
 from .files import atomic_write_text, utc_now
 from .report import write_report
-from .run import Collectives, EncodeFn, GenerateFn, RankOutOfMemory, evaluate_run, free_memory, is_oom
-from .tasks import Sample
+from .run import (Collectives, EncodeFn, GenerateFn, RankOutOfMemory, encode_prompts, evaluate_run, free_memory,
+                  is_oom)
+from .tasks import Sample, prompt_ids
 
 if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -37,13 +39,95 @@ if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ed_trials", "run_tuner", "tuned_config", "write_tune_results"]
+__all__ = ["b0_trials", "ed_trials", "run_tuner", "tuned_config", "write_tune_results"]
+
+
+def trial_prompts(tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample]) -> Callable[[int], list]:
+    """``prompts(b)``: the prompts of the ``b`` longest samples (encoded length, chat template applied), longest
+    first, ties in sample order; cycled from the longest again when ``b`` exceeds the samples."""
+    if not samples:
+        raise ValueError("b0 trials need at least one sample")
+    lengths = [len(prompt_ids(tokenizer, s.prompt)) for s in samples]
+    order = sorted(range(len(samples)), key=lambda i: -lengths[i])  # stable: ties keep the samples' order
+    return lambda b: [samples[order[k % len(order)]].prompt for k in range(b)]
+
+
+def b0_trials(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample], cfg: RunConfig,
+              *, rank: int = 0, world: int = 1, generate_fn: GenerateFn | None = None,
+              encode_fn: EncodeFn | None = None) -> Callable[[int], bool]:
+    """``fits(b)`` for ``plan.tuner.find_b0``: ED (kv_max 2), 2 new tokens (ED's peak is its whole-prompt
+    prefill), for real, on the batch a run of size ``b`` meets at its worst: the ``b`` longest samples' prompts
+    (cycled when there are fewer samples, :func:`trial_prompts`) encoded together with left padding
+    (``encode_fn``, ``run.encode_prompts`` unless given), so the trial holds the real lengths and the padding.
+
+    A trial runs under ``cfg.budget_bytes()`` (None: no budget, the whole device): on CUDA the peak is measured
+    with ``torch.cuda.max_memory_allocated`` (reset before each trial; weights included, as in the planner's
+    total), and a peak over the budget is "does not fit" exactly like an out-of-memory error.
+
+    Each verdict is kept in ``OUT/b0-trials/`` (``fits-b<B>.json`` from rank 0, ``oom-b<B>-rank<R>.json`` from the
+    rank that ran out of memory or over the budget; a marker outranks ``fits``, which only speaks for rank 0), so a
+    search resumed after a crash asks no batch twice (OUT must be storage every rank sees). In one process the
+    verdict is returned; in several, the rank that fails cannot tell its peers (after an out-of-memory error they
+    may wait inside the model's all-reduce): it leaves its marker and raises ``RankOutOfMemory``, which ends the
+    job; the same command again goes on from the markers.
+    """
+    folder = Path(cfg.out) / "b0-trials"
+    ed2 = Method("ed", kv_max=2, p=cfg.p)
+    budget = cfg.budget_bytes()
+    prompts = trial_prompts(tokenizer, samples)
+    generate_fn, encode_fn = generate_fn or generate, encode_fn or encode_prompts
+    device = getattr(model, "device", None)
+    cuda = getattr(device, "type", None) == "cuda"
+
+    def fits(b: int) -> bool:
+        if any(folder.glob(f"oom-b{b}-rank*.json")):
+            return False
+        if (folder / f"fits-b{b}.json").is_file():
+            return True
+        input_ids, attention_mask = encode_fn(tokenizer, prompts(b))  # [b, s] left-padded, s = the longest
+        if device is not None:
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        error, peak = None, None
+        try:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            generate_fn(model, input_ids, attention_mask, ed2, 2, ignore_eos=True)
+            if cuda:
+                peak = int(torch.cuda.max_memory_allocated(device))
+        except Exception as err:  # only out-of-memory is a verdict; the rest re-raises
+            if not is_oom(err):
+                raise
+            error = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+        del input_ids, attention_mask
+        if error is None and peak is not None and budget is not None and peak > budget:
+            error = (f"over the memory budget: peak {fmt_bytes(peak)} ({peak} bytes) > memory_budget "
+                     f"{fmt_bytes(budget)} ({budget} bytes)")
+        if error is None:
+            if rank == 0:
+                atomic_write_text(folder / f"fits-b{b}.json", json.dumps(
+                    {"batch": b, "fits": True, "peak_bytes": peak, "budget_bytes": budget}) + "\n")
+            logger.info("paper procedure: ED kv_max 2 at b=%d fits (peak %s, budget %s)", b, fmt_bytes(peak),
+                        fmt_bytes(budget))
+            return True
+        atomic_write_text(folder / f"oom-b{b}-rank{rank}.json", json.dumps(
+            {"batch": b, "error": error, "peak_bytes": peak, "budget_bytes": budget}) + "\n")
+        if world > 1:
+            raise RankOutOfMemory(f"paper procedure: rank {rank} does not fit ED at b={b} ({error}); "
+                                  "run the same command again to go on with the b0 search")
+        free_memory(device)
+        logger.info("paper procedure: ED kv_max 2 at b=%d does not fit (%s)", b, error)
+        return False
+
+    return fits
 
 
 def ed_trials(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg: RunConfig, *,
               rank: int = 0, world: int = 1, generate_fn: GenerateFn | None = None) -> Callable[[int], bool]:
     """``fits(b)`` for ``plan.tuner.find_b0``: ED (kv_max 2) on ``b`` copies of the longest prompt
     (``input_ids [1, s]``), 2 new tokens (ED's peak is its whole-prompt prefill), for real.
+
+    Superseded by :func:`b0_trials` (the task's real, padded prompts, under ``memory_budget``): this one ignores
+    the budget and the padding; kept until its last caller moves.
 
     Each verdict is kept in ``OUT/b0-trials/`` (``fits-b<B>.json`` from rank 0, ``oom-b<B>-rank<R>.json`` from the
     rank that ran out of memory), so a search resumed after a crash asks no batch twice (OUT must be storage every
