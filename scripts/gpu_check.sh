@@ -17,6 +17,18 @@
 #
 # (deepspeed is only needed for the multi-GPU tensor-parallel tests; one GPU runs without it.)
 set -uo pipefail
+
+# pytest_failed NAME RC: whether a pytest run with exit status RC failed, saying why on stderr. Exit 5 ("no tests
+# ran": nothing collected, or every test deselected) is a failure here: a check that ran nothing checked nothing.
+pytest_failed() {
+  case "$2" in
+    0) return 1 ;;
+    5) echo "gpu_check.sh: FAILED: pytest ran no tests for $1 (exit 5: nothing collected or all deselected)" >&2 ;;
+    *) echo "gpu_check.sh: FAILED: pytest exit $2 for $1" >&2 ;;
+  esac
+  return 0
+}
+
 cd "$(dirname "$0")/.."
 OUT="${1:-results/gpu_check}"
 PY="${PYTHON:-python3}"
@@ -62,5 +74,5 @@ with open(os.path.join(out, "gpu_check.json"), "w") as fh:
     json.dump(report, fh, indent=2)
 print(json.dumps({k: v for k, v in report.items() if k != "bench_throughput"}, indent=2))
 PYEOF
-[ "$tests_rc" -eq 0 ] || [ "$tests_rc" -eq 5 ] || exit "$tests_rc"
+pytest_failed "the tests marked cuda" "$tests_rc" && exit "$tests_rc"
 exit "$bench_rc"

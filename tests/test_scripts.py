@@ -1,0 +1,43 @@
+"""The shell scripts' own logic, run with a stand-in Python (no GPU, no torch in the child: seconds)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Stands in for $PYTHON in scripts/gpu_check.sh: the CUDA probe, pip and the benchmark succeed, the report reads its
+# stdin, and `-m pytest` exits with $FAKE_PYTEST_RC (5: pytest's "no tests ran").
+FAKE_PYTHON = """#!/usr/bin/env bash
+case "$1 $2" in
+  "-m pytest"*) echo "fake pytest: exit $FAKE_PYTEST_RC"; exit "$FAKE_PYTEST_RC" ;;
+  "- "*) cat >/dev/null; exit 0 ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+def _gpu_check(tmp_path: Path, pytest_rc: int) -> subprocess.CompletedProcess:
+    stub = tmp_path / "python"
+    stub.write_text(FAKE_PYTHON)
+    stub.chmod(0o755)
+    out = tmp_path / f"out-{pytest_rc}"
+    env = {**os.environ, "PYTHON": str(stub), "FAKE_PYTEST_RC": str(pytest_rc)}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_fails_when_pytest_runs_no_tests(tmp_path):
+    ok = _gpu_check(tmp_path, 0)
+    assert ok.returncode == 0, ok.stderr  # the stand-in is sound: tests and benchmark passing pass
+    none = _gpu_check(tmp_path, 5)
+    assert none.returncode != 0, "pytest's exit 5 (no tests ran) must fail the GPU check"
+    assert "ran no tests" in none.stderr
+    failed = _gpu_check(tmp_path, 1)
+    assert failed.returncode == 1 and "pytest exit 1" in failed.stderr
