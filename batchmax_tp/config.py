@@ -87,7 +87,8 @@ def _field_types(annotation: str) -> tuple[tuple[type, ...], bool]:
 #: in seconds).
 _LOWEST: dict[str, tuple[int, str | None]] = {
     "batch_size": (1, None), "max_new_tokens": (1, None), "num_samples": (1, "all"),
-    "kv_max": (1, "per-method default"), "top_k": (0, None), "tp_size": (1, "the world size"), "setup_timeout": (1, None),
+    "kv_max": (1, "per-method default"), "top_k": (0, None), "tp_size": (1, "the world size"),
+    "dp_size": (1, "world size / tp_size"), "setup_timeout": (1, None),
     "prefill_budget": (1, "no limit"),
 }
 
@@ -128,7 +129,7 @@ class RunConfig:
     data: str | None = None  #: JSONL path; null -> the embedded fixture
     num_samples: int | None = None  #: first N samples of the file; null -> all
     out: str = "results/main"
-    dtype: str = "auto"  #: auto = float32 on CPU; on CUDA the checkpoint's dtype (float16 where bf16 is missing)
+    dtype: str = "auto"  #: auto = float32 on CPU; CUDA: float16 for float16 checkpoints, else bf16 on GPUs >= 8.0
     device: str = "auto"  #: auto = cuda if available, else cpu
     seed: int = 0
     do_sample: bool = False
@@ -137,6 +138,7 @@ class RunConfig:
     top_p: float = 1.0
     log_level: str = "INFO"
     tp_size: int | None = None  #: ranks per tensor-parallel group; null = the world size; dp = world / tp_size
+    dp_size: int | None = None  #: data-parallel replicas; null = world / tp_size (a value must equal it: the resume key)
     setup_timeout: int = 1800  #: seconds the ranks may wait for each other while loading and setting up
     #: FKV, ED, BM and BM with the best rule, each at its largest batch within FKV's memory at batch 4 (not for
     #: sweeps); null = only for a plain ``python launch/run.py`` without arguments
@@ -570,8 +572,8 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
                    "null: all)")
     p.add_argument("--out", metavar="DIR", help="output directory (default results/main)")
     p.add_argument("--dtype", metavar="|".join(DTYPES),
-                   help="model dtype (default auto: float32 on CPU; on CUDA the checkpoint's own, float16 on GPUs "
-                   "without bfloat16)")
+                   help="model dtype (default auto: float32 on CPU; on CUDA float16 for a float16 checkpoint, else "
+                   "bfloat16 on GPUs of compute capability >= 8.0 and float16 below)")
     p.add_argument("--device", metavar="auto|cpu|cuda|cuda:N",
                    help="default auto = cuda if available (multi-process runs: the local rank's GPU)")
     p.add_argument("--seed", type=int, metavar="N", help="random seed (default 0)")
@@ -587,6 +589,8 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=_int_or_null, metavar="N|null",
                    help="tensor-parallel ranks per model replica (default null: every process of the launch splits "
                    "one model); data-parallel replicas = world size / N")
+    p.add_argument("--dp-size", type=_int_or_null, metavar="N|null",
+                   help="data-parallel replicas (default null: world size / tp_size); a value must equal it")
     p.add_argument("--setup-timeout", type=int, metavar="S",
                    help="seconds ranks wait for each other while loading (default 1800); generation collectives "
                    "time out after 60 s")

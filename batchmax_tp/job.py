@@ -16,15 +16,16 @@ split with AutoTP; then the runs:
 Every run goes through ``eval.run.evaluate_run`` into ``OUT/<run>/`` (resumable, with a progress bar on rank 0);
 at the end rank 0 writes ``OUT/report.md``, ``results.csv`` and the plots and prints the report.
 
-Multi-process runs: only rank 0 writes files, prints and shows progress bars; other ranks log warnings and
-errors only. A rank that raises logs the traceback and exits 1 at once, so that the launcher stops the other
-ranks instead of leaving them waiting in a collective.
+Multi-process runs: each replica's first rank writes its shard of every run, the last replica to finish a run
+merges it, rank 0 writes the report, prints and shows progress bars; other ranks log warnings and errors only.
+The ranks meet only through the launcher's store, watched (``eval.replicas``): a rank that raises tells the
+others and exits 1 at once, and a rank that dies silently is noticed within 30 s, so no rank waits for a dead
+one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
 import json
 import logging
@@ -40,10 +41,10 @@ import transformers
 from . import models, parallel
 from .config import RunConfig
 from .core.method import Method, min_kv_max
-from .eval import procedures, results, tasks
+from .eval import procedures, replicas, results, tasks
 from .eval.files import atomic_write_text
 from .eval.report import write_report
-from .eval.run import (RankOutOfMemory, encode_prompts, evaluate_run, fill_samples, longest_prompt, model_shape,
+from .eval.run import (Collectives, RankOutOfMemory, evaluate_run, fill_samples, longest_prompt, model_shape,
                        warm_up, write_config)
 from .plan.budget import (STORY_FKV_BATCH, STORY_MAX_PROMPTS, RunSpec, fmt_bytes, paper_specs, planned_dtype,
                           same_memory_plan, story_methods)
@@ -51,11 +52,7 @@ from .plan.planner import ModelShape, predict
 
 logger = logging.getLogger("batchmax_tp.run")
 
-__all__ = ["RESULTS_TIMEOUT_S", "fail", "resolve_device", "run"]
-
-#: Timeout of the group that gathers results: data-parallel replicas finish a run up to a batch apart, which can
-#: take much longer than the 60 s collective timeout of the model's groups (``parallel.GENERATION_TIMEOUT_S``).
-RESULTS_TIMEOUT_S = 4 * 3600
+__all__ = ["fail", "resolve_device", "run"]
 
 
 def fail(message: str) -> int:
@@ -130,6 +127,10 @@ def run(cfg: RunConfig, argv: Sequence[str] | None) -> int:
             f"tp_size: world size {world} is not a multiple of tp_size {cfg.tp_size}; start dp_size x tp_size "
             f"processes, e.g. torchrun --nproc_per_node {cfg.tp_size} launch/run.py --tp-size {cfg.tp_size} ..."
         )
+    if cfg.dp_size is not None and cfg.dp_size != world // cfg.tp_size:
+        return fail(f"dp_size: {cfg.dp_size} set, but {world} processes at tp_size {cfg.tp_size} make "
+                    f"{world // cfg.tp_size} data-parallel replicas")
+    cfg.dp_size = world // cfg.tp_size  # part of OUT/config.yaml: results are resumed only with the same replicas
     # The model's configuration alone (no weights): an unreadable model is one line here, and its KV heads and
     # dtype settle the layout before anything heavy happens.
     try:
@@ -186,31 +187,36 @@ def run(cfg: RunConfig, argv: Sequence[str] | None) -> int:
     with _setup_stdout(rank == 0):  # DeepSpeed prints while it initialises: keep stdout for the report
         layout = parallel.init_distributed(cfg.tp_size, device, timeout_s=cfg.setup_timeout)
     if layout.world == 1:  # plain python (or an MPI world of one: then a group of one exists)
-        rc = _run(cfg, layout, samples, task_data, methods, device, same_memory)
+        rc = _run(cfg, layout, samples, task_data, methods, device, same_memory, Collectives())
         if dist.is_initialized():
             dist.destroy_process_group()
         return rc
+    comm = _meet(layout)
     try:
-        rc = _run(cfg, layout, samples, task_data, methods, device, same_memory)
-    except BaseException as err:  # noqa: BLE001 - any failure: tell, then leave at once (no collective may wait on us)
+        rc = _run(cfg, layout, samples, task_data, methods, device, same_memory, comm)
+        # Every rank is done (or failed the same check) before any leaves: rank 0's process may host the store.
+        comm.barrier()
+    except BaseException as err:  # noqa: BLE001 - any failure: tell every rank, then leave at once
+        comm.fail(f"{type(err).__name__}: {' '.join(str(err).split())[:200]}")
         if isinstance(err, RankOutOfMemory):
             print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         else:
-            logger.exception("rank %d failed; exiting so that the launcher stops the other ranks", layout.rank)
+            logger.exception("rank %d failed; ending the job (every other rank stops too)", layout.rank)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    if dist.is_initialized():
-        if rc != 0:
-            # Every rank failed the same check. Meet once more before leaving: a rank that exits while a slower
-            # one is still connecting its gloo/nccl mesh makes that one fail with a traceback instead.
-            try:
-                dist.barrier()
-            except Exception:  # noqa: BLE001 - leaving anyway
-                pass
-        dist.destroy_process_group()
+    comm.watchdog.leave()
+    dist.destroy_process_group()
     return rc
+
+
+def _meet(layout: parallel.Layout) -> Collectives:
+    """The job's meetings over the launcher's store, with a watchdog that ends this rank when another dies
+    (``eval.replicas``): from here on no rank waits for a dead one."""
+    store = replicas.connect(layout.rank, layout.world)
+    watchdog = replicas.Watchdog(store, layout.rank, layout.world).start()
+    return Collectives(layout, store, watchdog)
 
 
 def _report(cfg: RunConfig, summaries: list[dict], notes: list[str]) -> int:
@@ -221,18 +227,16 @@ def _report(cfg: RunConfig, summaries: list[dict], notes: list[str]) -> int:
 
 
 def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | None,
-         task_data: tasks.TaskData | None, methods: list[Method], device: str, same_memory: bool) -> int:
+         task_data: tasks.TaskData | None, methods: list[Method], device: str, same_memory: bool,
+         comm: Collectives) -> int:
     torch.manual_seed(cfg.seed)
     with _setup_stdout(layout.is_main):
         # Under tensor parallelism the checkpoint is read on the host and AutoTP moves only this rank's shard to
         # the accelerator; a single process loads straight onto its device.
         model, tokenizer = models.load_model(cfg.model, dtype=cfg.dtype, device="cpu" if layout.tp > 1 else device)
         model = parallel.apply_tensor_parallel(model, layout, getattr(torch, cfg.dtype), device=device)
-    group = None
     if layout.world > 1:
         dist.barrier()  # every rank has loaded (default group: the long set-up timeout) before generation starts
-        # Replicas reach the gathers up to a batch apart: give the result traffic a long timeout of its own.
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=RESULTS_TIMEOUT_S))
         logger.info("world %d = dp_size %d x tp_size %d", layout.world, layout.dp, layout.tp)
 
     if task_data is not None:
@@ -254,7 +258,7 @@ def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | 
         warm_up(model, tokenizer, samples, methods, cfg.seed)
         try:
             info = procedures.run_tuner(model, tokenizer, samples, cfg, shape=shape, prompt_len=prompt_len,
-                                        layout=layout, group=group)
+                                        layout=layout, comm=comm)
         except ValueError as err:
             return fail(str(err))  # the tuner's one-line verdicts (budget too small for FKV, no references)
         if layout.is_main:
@@ -263,10 +267,7 @@ def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | 
     if cfg.procedure == "paper":
         fits = None
         if str(getattr(model, "device", "cpu")).startswith("cuda"):  # b0 by real trials; on CPU the planner's
-            longest = max(samples, key=lambda s: len(tasks.prompt_ids(tokenizer, s.prompt)))
-            ids, mask = encode_prompts(tokenizer, [longest.prompt])
-            fits = procedures.ed_trials(model, ids.to(model.device), mask.to(model.device), cfg, rank=layout.rank,
-                                        world=layout.world)
+            fits = procedures.b0_trials(model, tokenizer, samples, cfg, rank=layout.rank, world=layout.world)
         specs, plan = paper_specs(shape, prompt_len, budget=cfg.budget_bytes(), max_new_tokens=cfg.max_new_tokens,
                                   dtype=cfg.dtype, p=cfg.p, rule=cfg.rule, kv_values=cfg.kv_values,
                                   num_samples=len(samples), tp=layout.tp, fits=fits)
@@ -295,12 +296,10 @@ def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | 
     warm_up(model, tokenizer, samples, methods, cfg.seed)
     summaries = []
     for spec in specs:
-        summary = evaluate_run(model, tokenizer, samples, spec, cfg, layout=layout, group=group,
+        summary = evaluate_run(model, tokenizer, samples, spec, cfg, layout=layout, comm=comm,
                                prompt_len=prompt_len, shape=shape, extra=extra.get(spec))
         if summary is not None:  # rank 0
             summaries.append(summary)
     if layout.is_main:
         _report(cfg, summaries, notes)
-    if group is not None:
-        dist.barrier(group=group)  # nobody leaves while rank 0 may still be reading from it
     return 0

@@ -240,8 +240,8 @@ def localise_head_counts(model: torch.nn.Module) -> int:
     (``num_key_value_heads``), but ``Phi3Attention`` splits its fused ``qkv_proj`` output at
     ``config.num_attention_heads * head_dim``: after sharding that offset runs past the local query width and the
     value slice comes out empty. The local query heads follow from the local KV heads (AutoTP keeps whole GQA
-    groups on a rank). Llama, Mistral and Qwen2 read no head count from the config in their forward; they are
-    given the same view for consistency, which changes nothing for them.
+    groups on a rank). So only Phi-3/3.5 modules are changed: Llama, Mistral and Qwen2 attention modules have no
+    ``num_key_value_heads`` attribute and read no head count from the config in their forward.
     """
     changed = 0
     for module in model.modules():

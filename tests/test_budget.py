@@ -89,6 +89,7 @@ def stack(monkeypatch, tokenizer, tiny_model):
         return real(model, ids, mask, method, new, **kw)
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (tiny_model, tokenizer))
+    monkeypatch.setattr(models, "read_config", lambda *a, **k: tiny_model.config)  # what the job plans with
     monkeypatch.setattr(engine, "generate", counting)
     return state
 

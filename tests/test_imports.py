@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "batchmax_tp"
+ROOT = PACKAGE.parent
 LAYERS = ["core", "parallel", "plan", "eval", "config", "models", "harness", "job", "cli", "__init__"]
 #: The deferred imports the package allows (module, function): the CLI loads the job (torch, transformers) only
 #: once a configuration is valid, and the package's ``__getattr__`` the torch-bound part of the public API.
@@ -173,3 +174,31 @@ def test_cheap_imports_stay_cheap(module, heavy):
     code = f"import sys, {module}; print(','.join(m for m in {list(heavy)!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+def test_every_name_the_docs_give_exists():
+    """Every `batchmax_tp.<module>[.<attribute>]` the README and docs/ name resolves (no stale names after a
+    rename or a removal)."""
+    import importlib
+    import re
+
+    names = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        names |= set(re.findall(r"`(batchmax_tp(?:\.\w+)+)", path.read_text(encoding="utf-8")))
+    missing = []
+    for name in sorted(names):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[cut:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                missing.append(name)
+            break
+        else:
+            missing.append(name)
+    assert names and not missing, missing

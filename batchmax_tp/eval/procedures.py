@@ -2,7 +2,7 @@
 
 - :func:`b0_trials`: ``fits(b)`` for ``plan.tuner.find_b0`` -- ED (kv_max 2) on the task's b longest prompts,
   left-padded together, for real and under ``memory_budget`` (on CUDA; on a CPU the planner's b0 stands,
-  ``plan.budget.paper_specs``); :func:`ed_trials` is its former version (copies of one prompt, no budget);
+  ``plan.budget.paper_specs``);
 - :func:`run_tuner`: ``plan.tuner.tune`` over real runs (``OUT/tune/<run>/``, resumable), the chosen config
   written as ``OUT/tuned.yaml`` (usable with ``launch/run.py --config``) and every trial in ``OUT/tune.json``
   (:func:`write_tune_results`).
@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from ..core.engine import generate
 from ..core.method import Method
@@ -39,7 +38,7 @@ if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["b0_trials", "ed_trials", "run_tuner", "tuned_config", "write_tune_results"]
+__all__ = ["b0_trials", "run_tuner", "tuned_config", "write_tune_results"]
 
 
 def trial_prompts(tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample]) -> Callable[[int], list]:
@@ -121,52 +120,6 @@ def b0_trials(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
     return fits
 
 
-def ed_trials(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, cfg: RunConfig, *,
-              rank: int = 0, world: int = 1, generate_fn: GenerateFn | None = None) -> Callable[[int], bool]:
-    """``fits(b)`` for ``plan.tuner.find_b0``: ED (kv_max 2) on ``b`` copies of the longest prompt
-    (``input_ids [1, s]``), 2 new tokens (ED's peak is its whole-prompt prefill), for real.
-
-    Superseded by :func:`b0_trials` (the task's real, padded prompts, under ``memory_budget``): this one ignores
-    the budget and the padding; kept until its last caller moves.
-
-    Each verdict is kept in ``OUT/b0-trials/`` (``fits-b<B>.json`` from rank 0, ``oom-b<B>-rank<R>.json`` from the
-    rank that ran out of memory), so a search resumed after a crash asks no batch twice (OUT must be storage every
-    rank sees). In one process an out-of-memory error is the verdict; in several, the rank that hits it cannot tell
-    its peers (they may wait inside the model's all-reduce): it leaves its marker and raises ``RankOutOfMemory``,
-    which ends the job; the same command again goes on from the markers.
-    """
-    folder = Path(cfg.out) / "b0-trials"
-    ed2 = Method("ed", kv_max=2, p=cfg.p)
-
-    def fits(b: int) -> bool:
-        if (folder / f"fits-b{b}.json").is_file():
-            return True
-        if any(folder.glob(f"oom-b{b}-rank*.json")):
-            return False
-        error = None
-        try:
-            (generate_fn or generate)(model, input_ids.expand(b, -1), attention_mask.expand(b, -1), ed2, 2, ignore_eos=True)
-        except Exception as err:  # noqa: BLE001 - only out-of-memory is a verdict; the rest re-raises
-            if not is_oom(err):
-                raise
-            error = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-        if error is None:
-            if rank == 0:
-                atomic_write_text(folder / f"fits-b{b}.json", json.dumps({"batch": b, "fits": True}) + "\n")
-            logger.info("paper procedure: ED kv_max 2 at b=%d fits", b)
-            return True
-        atomic_write_text(folder / f"oom-b{b}-rank{rank}.json", json.dumps({"batch": b, "error": error}) + "\n")
-        if world > 1:
-            raise RankOutOfMemory(f"paper procedure: rank {rank} ran out of memory trying ED at b={b} ({error}); "
-                                  "run the same command again to go on with the b0 search")
-        free_memory(input_ids.device)
-        logger.info("paper procedure: ED kv_max 2 at b=%d runs out of memory", b)
-        return False
-
-    return fits
-
-
-
 def tuned_config(cfg: RunConfig, best: Trial) -> RunConfig:
     """The configuration of the chosen BM run: one method at one batch size, into ``OUT/tuned``."""
     return dataclasses.replace(cfg, methods=["bm"], kv_max=best.kv_max, batch_size=best.batch, runs=None,
@@ -175,7 +128,7 @@ def tuned_config(cfg: RunConfig, best: Trial) -> RunConfig:
 
 def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample], cfg: RunConfig,
               *, shape: ModelShape, prompt_len: int, layout: Layout | None = None,
-              group: dist.ProcessGroup | None = None, generate_fn: GenerateFn | None = None,
+              comm: Collectives | None = None, generate_fn: GenerateFn | None = None,
               encode_fn: EncodeFn | None = None) -> dict[str, Any]:
     """``tuner.tune`` with real runs: each trial (method, b) is a run of the harness into ``OUT/tune/<run>/``
     (resumable: a finished trial is read back, not run again); BM runs with ``cfg.rule``, and its batches are sized
@@ -184,7 +137,7 @@ def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
     ``OUT/tuned.yaml`` and ``OUT/tune/report.md``: :func:`write_tune_results`)."""
     if all(getattr(s, "reference", None) is None for s in samples):
         raise ValueError("metric: the tuner compares BM's task metric with FKV's, but no sample has a reference")
-    comm = Collectives(layout, group)
+    comm = comm or Collectives(layout)
     tp = 1 if layout is None else layout.tp
     budget = cfg.budget_bytes()
     trial_cfg = dataclasses.replace(cfg, out=str(Path(cfg.out) / "tune"))
@@ -192,7 +145,7 @@ def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
 
     def run_trial(method: Method, batch: int) -> Trial:
         spec = RunSpec(method, batch)  # the method the tuner sized the batch with (BM with the configured rule)
-        summary = evaluate_run(model, tokenizer, samples, spec, trial_cfg, layout=layout, group=group,
+        summary = evaluate_run(model, tokenizer, samples, spec, trial_cfg, layout=layout, comm=comm,
                                         prompt_len=prompt_len, shape=shape, generate_fn=generate_fn,
                                         encode_fn=encode_fn)
         summary = comm.broadcast(summary)

@@ -11,9 +11,13 @@ Layout of one run's folder (``OUT/<run>/``):
   flight: its line in ``batches.jsonl`` is what makes it count. Torn last lines and the samples of batches without
   a line are dropped when the run is read again (:meth:`RunLog.load`);
 - ``summary.json``: written (atomically) when the run is over; its ``status`` is ``done`` or ``oom``;
+- ``replica<R>/`` (several data-parallel replicas): replica R's shard, the same two logs of its own batches plus
+  :data:`HEAD_FILE` and, once its share is done, :data:`DONE_FILE`; the last replica to finish merges the shards
+  into the run's logs (batch order) and summary (:func:`merge_run`; by hand: ``launch/merge.py``);
 - ``oom-rank<R>.json``: written by rank R of a multi-process run that ran out of memory, just before the job
   ends (its tensor-parallel peers may be waiting inside the model's collectives, so nothing can be gathered);
-  the next run of the same configuration turns it into the run's OOM row and goes on (:func:`read_oom_marker`).
+  the next run of the same configuration turns it into the run's OOM row, clears it, and goes on
+  (:func:`read_oom_marker`); a run that finishes clears any marker too.
 
 Resuming: running the same configuration into the same ``out`` again skips every run whose ``summary.json``
 exists and, inside an unfinished run, every batch that is complete; only the rest runs. Batches are cut the same
@@ -37,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from .files import atomic_write_text
+from .files import atomic_write_text, utc_now
 from .metrics import score as metric_score
 from .report import mask_timings
 
@@ -52,6 +56,9 @@ __all__ = [
     "TIMING_KEYS",
     "RunLog",
     "check_same_config",
+    "merge_run",
+    "read_parts",
+    "shard_folder",
     "per_replica",
     "comparable",
     "read_oom_marker",
@@ -63,6 +70,8 @@ __all__ = [
 SAMPLES_FILE = "samples.jsonl"
 BATCHES_FILE = "batches.jsonl"
 SUMMARY_FILE = "summary.json"
+HEAD_FILE = "run.json"  #: in a replica's shard: the run's settings, batch ids, layout and memory fields
+DONE_FILE = "done.json"  #: in a replica's shard: written when the replica has finished its share of the run
 
 #: The fields of one ``samples.jsonl`` line; ``reference`` is a string, a list of strings (several references) or
 #: null; ``correct`` is null for ROUGE (no yes/no verdict) and samples without a reference.
@@ -262,6 +271,76 @@ def per_replica(batches: Sequence[Mapping[str, Any]], dp: int, tp: int) -> list[
     return out
 
 
+# ---------------------------------------------------------------------- replicas' shards and their merge
+def shard_folder(folder: str | os.PathLike[str], replica: int, dp: int) -> Path:
+    """Where replica ``replica`` of ``dp`` writes its records: the run's folder itself with one replica,
+    ``replica<R>/`` in it with several (each replica's tensor-parallel rank 0 writes only its own)."""
+    return Path(folder) if dp == 1 else Path(folder) / f"replica{replica}"
+
+
+def read_parts(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The replicas' parts of a run as they are on disk (for ``merge_run``): each ``replica<R>/`` shard's head
+    (:data:`HEAD_FILE`), its finished batches and their samples, and its :data:`DONE_FILE` timing when it finished
+    its share; a run of one replica is the folder's own log."""
+    folder = Path(folder)
+    shards = sorted(folder.glob("replica*/"), key=lambda p: int(p.name.removeprefix("replica") or 0))
+    parts = []
+    for shard in shards:
+        head_path, done_path = shard / HEAD_FILE, shard / DONE_FILE
+        head = json.loads(head_path.read_text(encoding="utf-8")) if head_path.is_file() else None
+        done = json.loads(done_path.read_text(encoding="utf-8")) if done_path.is_file() else {}
+        samples, batches = RunLog(shard).load(None if head is None else head["batch_ids"])
+        parts.append({"replica": int(shard.name.removeprefix("replica")), "head": head, "samples": samples,
+                      "batches": batches, "started_at": done.get("started_at"), "wall_s": done.get("wall_s"),
+                      "finished": bool(done), "stop": done.get("stop")})
+    if not shards and (folder / BATCHES_FILE).is_file():
+        samples, batches = RunLog(folder).load()
+        parts.append({"replica": 0, "head": None, "samples": samples, "batches": batches, "started_at": None,
+                      "wall_s": None, "finished": False, "stop": None})
+    return parts
+
+
+def merge_run(folder: str | os.PathLike[str], head: Mapping[str, Any], parts: Sequence[Mapping[str, Any]],
+              metric: str, *, error: str | None = None, cause: str = "runtime") -> dict[str, Any]:
+    """Merge the replicas' ``parts`` of a run into its folder: ``samples.jsonl`` and ``batches.jsonl`` in batch order
+    (rewritten atomically when there are shards) and ``summary.json`` (``status`` done, or oom with ``error`` and
+    ``oom_cause`` ``cause``). Any out-of-memory marker of the run is then cleared: it has become this row, or the
+    run has since succeeded. Returns the summary.
+
+    ``head``: the run's settings, batch ids, layout and memory fields (``eval.run.evaluate_run`` writes it into
+    each shard as :data:`HEAD_FILE`). A part: a replica's ``samples`` and ``batches`` records, its ``started_at``
+    and ``wall_s`` (this session's seconds on its share)."""
+    folder = Path(folder)
+    dp, tp = int(head["dp"]), int(head["tp"])
+    by_index = {int(b["batch"]): b for part in parts for b in part["batches"]}
+    batches = [by_index[i] for i in sorted(by_index)]
+    by_id = {str(r["id"]): r for part in parts for r in part["samples"]}
+    samples = [by_id[str(i)] for b in batches for i in b["ids"]]
+    if dp > 1:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / SAMPLES_FILE, _lines(samples))
+        atomic_write_text(folder / BATCHES_FILE, _lines(batches))
+    summary = dict(head["settings"])
+    summary["status"] = "oom" if error else "done"
+    summary.update(summarise(samples, batches, metric))
+    summary.update(head["budget"])
+    summary.update(head["extra"])
+    if error:
+        summary.update({"error": error, "oom_cause": cause})
+    starts = [p["started_at"] for p in parts if p.get("started_at")]
+    walls = {int(p["replica"]): float(p["wall_s"]) for p in parts if p.get("wall_s") is not None}
+    summary.update({"started_at": min(starts) if starts else utc_now(), "finished_at": utc_now(),
+                    "wall_s": max(walls.values(), default=0.0)})
+    if dp * tp > 1 and not error:
+        summary["per_replica"] = [dict(r, wall_s=walls.get(r["replica"])) for r in per_replica(batches, dp, tp)]
+    if head["continuous"] and not error:
+        summary.update(latency_fields(batches))
+    atomic_write_text(folder / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    for marker in folder.glob("oom-rank*.json"):
+        marker.unlink(missing_ok=True)
+    return summary
+
+
 def read_summary(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     """A finished run's ``summary.json``, or None when the run has not finished."""
     path = Path(folder) / SUMMARY_FILE
@@ -298,6 +377,7 @@ def check_same_config(out: str | os.PathLike[str], config: Mapping[str, Any]) ->
         old = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"out: cannot read {path} to resume: {' '.join(str(err).split())}") from None
+    old.setdefault("dp_size", 1)  # written before dp_size was a key: single-process results
     for key in sorted((set(old) | set(config)) - _NEUTRAL_KEYS):
         if old.get(key) != config.get(key):
             raise ValueError(
@@ -327,6 +407,10 @@ def comparable(folder: str | os.PathLike[str]) -> dict[str, Any]:
         if path.name in (SAMPLES_FILE, BATCHES_FILE):
             lines = path.read_text(encoding="utf-8").splitlines()
             found[rel] = [_drop_timing(json.loads(line)) for line in lines if line.strip()]
+            if path.parent.name.startswith("replica"):  # a shard: in the order its replica finished them
+                found[rel].sort(key=lambda r: json.dumps(r, sort_keys=True))
+        elif path.name in (HEAD_FILE, DONE_FILE) and path.parent.name.startswith("replica"):
+            found[rel] = _drop_timing(json.loads(path.read_text(encoding="utf-8")))
         elif path.name == SUMMARY_FILE:
             found[rel] = _drop_timing(json.loads(path.read_text(encoding="utf-8")))
         elif path.name == "results.csv":

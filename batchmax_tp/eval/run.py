@@ -6,10 +6,11 @@ multi-process -- and the pieces every run shares (encoding, generating a batch, 
 done it writes ``summary.json``. Run again with the same configuration it skips what is already done.
 
 Batches are cut in sample order (``batch_size`` each); batch ``i`` samples with seed ``seed + i`` and runs on
-data-parallel replica ``i % dp_size``. With several processes the replicas advance in rounds (round r: each
-replica's r-th unfinished batch); after each round rank 0 gathers the round's records and appends them, so a
-multi-process run is as crash-safe as a single process and only rank 0 touches the files. A progress bar
-(rank 0) counts samples and shows the session's tokens/s.
+data-parallel replica ``i % dp_size``. With several replicas each one appends its finished batches to its own
+shard (``OUT/<run>/replica<R>/``, written by its tensor-parallel rank 0) at its own pace, and the last replica to
+finish merges the shards into the run's files and summary (``results.merge_run``): no replica waits for another
+before the end of a run, and none waits for a dead one (``eval.replicas``). A progress bar (rank 0) counts
+replica 0's samples and shows the session's tokens/s.
 
 Memory: before a run starts, the planner predicts its peak per rank (``plan.budget.predict_spec``: the run's batch
 size, the longest prompt of its samples); every summary records it (``predicted_peak_bytes``) next to what was
@@ -18,10 +19,10 @@ prediction exceeds ``memory_budget`` (or that has batch size 0: not even one sam
 an OOM row (``oom_cause: "predicted"``). A batch that raises an out-of-memory error ends the run with ``status:
 "oom"`` (``oom_cause: "runtime"``; the paper's OOM rows); the caching allocator is emptied once the exception is
 gone, and the sweep goes on with the next run. In a multi-process run the rank that runs out of memory cannot tell
-its peers (they may be waiting inside the model's all-reduce): it writes ``oom-rank<R>.json`` into the run's folder
-and raises :class:`RankOutOfMemory`, which ends the job at once (peers stuck in a collective time out within
-``parallel.GENERATION_TIMEOUT_S`` if the launcher does not stop them first). Running the same command again turns
-the marker into the run's OOM row and goes on with the next run.
+its peers (they may be waiting inside the model's all-reduce): it writes ``oom-rank<R>.json`` into the run's folder,
+reports the failure through the store (every rank's watchdog then ends it) and raises :class:`RankOutOfMemory`,
+which ends the job at once. Running the same command again turns the marker into the run's OOM row, clears it,
+and goes on with the next run.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ..core.engine import GenerationOutput, generate
 from ..core.method import Method
 from ..core.serve import Request, RequestOutput, serve
 from ..parallel import Layout
+from .replicas import Channel, Watchdog
 from ..plan.budget import RunSpec, over_budget_message, planned_dtype, predict_spec
 from ..plan.planner import MemoryEstimate, ModelShape, predict_pool
 from . import results
@@ -73,11 +75,19 @@ class RankOutOfMemory(RuntimeError):
     """One rank of a multi-process run ran out of memory; its marker is written and the job must end."""
 
 
+#: Messages of the errors that mean an allocation failed: PyTorch's, the host's, and those of the CUDA libraries
+#: (cuBLAS, cuSOLVER, cuSPARSE, cuFFT, cuDNN) and the runtime, which do not raise ``torch.OutOfMemoryError``.
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUSOLVER_STATUS_ALLOC_FAILED",
+                "CUSPARSE_STATUS_ALLOC_FAILED", "CUFFT_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+                "cudaErrorMemoryAllocation", "CUDA_ERROR_OUT_OF_MEMORY")
+
+
 def is_oom(err: BaseException) -> bool:
     """Whether an exception means the device (or host) ran out of memory."""
     if isinstance(err, torch.OutOfMemoryError):
         return True
-    return isinstance(err, RuntimeError) and ("out of memory" in str(err) or "can't allocate memory" in str(err))
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(m.lower() in text for m in OOM_MESSAGES)
 
 
 def free_memory(device: torch.device | None) -> None:
@@ -87,25 +97,43 @@ def free_memory(device: torch.device | None) -> None:
 
 
 class Collectives:
-    """The collectives of a multi-process run (rank 0 decides, everyone follows); no-ops in one process."""
+    """The meetings of a multi-process run, over the launcher's store (``eval.replicas``), never in a collective
+    that waits for a dead rank: ``broadcast``/``gather``/``last_decides`` among every rank, ``replica_share`` and
+    ``replica_gather`` among this replica's tensor-parallel ranks. No-ops in one process (no ``layout``)."""
 
-    def __init__(self, layout: Layout | None, group: dist.ProcessGroup | None):
-        self.layout, self.group = layout, group
+    def __init__(self, layout: Layout | None = None, store: dist.Store | None = None,
+                 watchdog: Watchdog | None = None):
+        self.layout, self.watchdog = layout, watchdog
         self.world = 1 if layout is None else layout.world
+        if self.world > 1:
+            self.all = Channel(store, layout.rank, layout.world)
+            self.peers = Channel(dist.PrefixStore(f"replica{layout.replica}/", store), layout.tp_rank, layout.tp)
 
     def broadcast(self, obj: T) -> T:
-        if self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return obj if self.world == 1 else self.all.broadcast(obj)
 
     def gather(self, obj: T) -> list[T] | None:
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world if self.layout.is_main else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
-        return out
+        return [obj] if self.world == 1 else self.all.gather(obj)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.all.barrier()
+
+    def last_decides(self, part: T, decide: Callable[[list[T]], Any]) -> Any:
+        return decide([part]) if self.world == 1 else self.all.last_decides(part, decide)
+
+    def replica_share(self, obj: T) -> T:
+        """The replica's tensor-parallel rank 0's ``obj`` on each of its ranks."""
+        return obj if self.world == 1 or self.layout.tp == 1 else self.peers.broadcast(obj)
+
+    def replica_gather(self, obj: T) -> list[T] | None:
+        """Each tensor-parallel rank's ``obj`` on the replica's rank 0 (tp rank order), None on the others."""
+        return [obj] if self.world == 1 or self.layout.tp == 1 else self.peers.gather(obj)
+
+    def fail(self, why: str) -> None:
+        """This rank is ending with an error: every other rank's watchdog ends it too."""
+        if self.watchdog is not None:
+            self.watchdog.fail(why)
 
 
 # ---------------------------------------------------------------------- samples and prompts
@@ -350,7 +378,7 @@ def evaluate_run(
     cfg: RunConfig,
     *,
     layout: Layout | None = None,
-    group: dist.ProcessGroup | None = None,
+    comm: Collectives | None = None,
     generate_fn: GenerateFn | None = None,
     encode_fn: EncodeFn | None = None,
     progress: bool | None = None,
@@ -360,158 +388,160 @@ def evaluate_run(
 ) -> dict[str, Any] | None:
     """Run (or finish, or skip) one run into ``cfg.out/<spec.name>``; its summary on rank 0.
 
-    Collective when ``layout.world > 1``: every rank calls it with the same arguments (``group``: a gloo group
-    with a long timeout for the result traffic). Returns the ``summary.json`` object on rank 0, None elsewhere.
-    ``prompt_len`` (the longest encoded prompt of ``samples``) and ``shape`` (``planner.ModelShape``) are
-    computed when not given; a model without a config gets no prediction (and no budget check). ``extra``: more
-    fields for the summary (the same-memory run's budget).
+    Collective when ``layout.world > 1``: every rank calls it with the same arguments and ``comm`` (the job's
+    :class:`Collectives`). Each replica writes its own shard as its batches finish; the last replica to finish
+    merges the shards into the run's files and summary (``results.merge_run``). Returns the ``summary.json``
+    object on rank 0, None elsewhere. ``prompt_len`` (the longest encoded prompt of ``samples``) and ``shape``
+    (``planner.ModelShape``) are computed when not given; a model without a config gets no prediction (and no
+    budget check). ``extra``: more fields for the summary (the same-memory run's budget).
     """
     generate_fn, encode_fn = generate_fn or generate, encode_fn or encode_prompts
-    comm = Collectives(layout, group)
+    comm = comm or Collectives(layout)
     is_main = layout is None or layout.is_main
     dp, tp = (1, 1) if layout is None else (layout.dp, layout.tp)
-    replica, tp_rank = (0, 0) if layout is None else (layout.replica, layout.tp_rank)
-    extra = extra or {}
-
+    replica, lead = (0, True) if layout is None else (layout.replica, layout.tp_rank == 0)
     folder = Path(cfg.out) / spec.name
-    log = results.RunLog(folder)
+    shard = results.RunLog(results.shard_folder(folder, replica, dp))
     continuous = cfg.scheduler == "continuous"  # then every sample is a "batch" of its own: done and resumed alone
     batches = [[s] for s in samples] if continuous else list(batched(list(samples), max(spec.batch_size, 1)))
     batch_ids = [[s.id for s in batch] for batch in batches]
 
-    # Rank 0 reads what is done; every rank learns it.
-    state = None
-    if is_main:
-        finished = results.read_summary(folder)
-        if finished is not None:
-            state = {"finished": finished}
-        else:
-            state = {"done": sorted(b["batch"] for b in log.load(batch_ids)[1]),
-                     "oom": results.read_oom_marker(folder)}
-    state = comm.broadcast(state)
+    state = comm.broadcast(_run_state(folder) if is_main else None)  # rank 0 reads what is finished
     if "finished" in state:
         if is_main:
             logger.info("%s: finished earlier (%s), skipped", spec.name, state["finished"].get("status"))
         return state["finished"] if is_main else None
-    done = set(state["done"])
-
     estimate = _predict(model, tokenizer, batches, spec, cfg, tp, prompt_len, shape, encode_fn)
-    budget = cfg.budget_bytes()
-    if spec.batch_size < 1 or (estimate is not None and budget is not None and estimate.total > budget):
-        # Over the budget on paper: an OOM row, as if the run had failed in its first batch (the same verdict on
-        # every rank: the prediction depends only on the config and the samples).
+
+    def head() -> dict[str, Any]:
+        return {"settings": run_settings(cfg, spec, tp_size=tp, dp_size=dp), "batch_ids": batch_ids, "dp": dp,
+                "tp": tp, "continuous": continuous, "budget": budget_fields(cfg, estimate, model),
+                "extra": extra or {}}
+
+    refusal = _refusal(spec, estimate, cfg.budget_bytes(), state)  # the same verdict on every rank
+    if refusal is not None:
         if not is_main:
             return None
-        message = ("not even one sample fits the memory budget; not run" if spec.batch_size < 1
-                   else over_budget_message(estimate, budget))
+        message, cause = refusal
         logger.warning("%s: %s", spec.name, message)
-        return _write_oom_row(folder, cfg, spec, tp, dp, estimate, model, log, batch_ids, message, "predicted",
-                              time.perf_counter(), extra=extra)
-    if state["oom"] is not None:  # a rank of the last multi-process run ran out of memory here
-        if not is_main:
-            return None
-        marker = state["oom"]
-        message = f"rank {marker['rank']}, batch {marker['batch']}: {marker['error']}"
-        logger.warning("%s: out of memory in the last run (%s); recorded as an OOM row", spec.name, message)
-        return _write_oom_row(folder, cfg, spec, tp, dp, estimate, model, log, batch_ids, message, "runtime",
-                              time.perf_counter(), extra=extra)
+        parts = results.read_parts(folder) if cause == "runtime" else []
+        return results.merge_run(folder, head(), parts, cfg.metric_for_task(), error=message, cause=cause)
 
-    todo = {r: [i for i in range(len(batches)) if i % dp == r and i not in done] for r in range(dp)}
-    mine = todo[replica]
-    rounds = max((len(v) for v in todo.values()), default=0)
-    device = getattr(model, "device", None)
-
-    done_samples = sum(len(batches[i]) for i in done)
+    done = comm.replica_share(sorted(b["batch"] for b in shard.load(batch_ids)[1]) if lead else None)
+    share = [i for i in range(len(batches)) if i % dp == replica]
+    mine = [i for i in share if i not in done]
+    if lead and dp > 1:
+        atomic_write_text(shard.folder / results.HEAD_FILE, _json(head()))
     if is_main:
         logger.info("%s: %s, %d samples in %d batches%s", spec.name, spec.method.label(), len(samples),
                     len(batches), f", resuming after {len(done)} finished batches" if done else "")
-    bar = tqdm(total=len(samples), initial=done_samples, desc=spec.name, unit="sample", dynamic_ncols=True,
-               disable=(not is_main) if progress is None else not (progress and is_main))
-    session_tokens, session_s = 0, 0.0
+    bar = tqdm(total=sum(len(batches[i]) for i in share), initial=sum(len(batches[i]) for i in done),
+               desc=spec.name if dp == 1 else f"{spec.name} (replica {replica} of {dp})", unit="sample",
+               dynamic_ncols=True, disable=(not is_main) if progress is None else not (progress and is_main))
     started_at, start = utc_now(), time.perf_counter()
-    status, stop = "done", None
     try:
         if continuous:
-            stop = _serve_replica(model, tokenizer, samples, mine, spec, cfg, encode_fn, layout, comm, log, bar, folder)
-            status = "oom" if stop is not None else status
-        for r in range(0 if continuous else rounds):
-            index = mine[r] if r < len(mine) else None
-            message: dict[str, Any] = {"replica": replica, "tp_rank": tp_rank, "samples": None, "batch": None,
-                                       "oom": None}
-            if index is not None:
-                try:
-                    message.update(_run_batch(model, tokenizer, batches[index], index, spec, cfg, generate_fn,
-                                              encode_fn, replica))
-                except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
-                    if not is_oom(err):
-                        raise
-                    message["oom"] = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-                    if comm.world > 1:
-                        # Peers may wait inside the model's collectives: nothing can be gathered. Leave the marker
-                        # for the next run and end the job.
-                        path = results.write_oom_marker(folder, layout.rank, message["oom"], index)
-                        raise RankOutOfMemory(
-                            f"{spec.name}: rank {layout.rank} ran out of memory in batch {index} ({message['oom']}); "
-                            f"recorded in {path}: run the same command again to record the OOM row and go on"
-                        ) from None
-                if message["oom"]:
-                    # Outside the handler: the exception (and the frames holding the batch's tensors) is gone,
-                    # so the caching allocator can actually hand their memory back.
-                    free_memory(device)
-                if tp_rank != 0:
-                    message["samples"] = None  # the replica's tp rank 0 reports its (identical) records
-            gathered = comm.gather(message)
-            if is_main:
-                stop, written = _write_round(log, gathered)
-                # Progress: this session's tokens/s; the replicas of a round run side by side.
-                session_tokens += sum(b["generated_tokens"] for b in written)
-                session_s += max((b["prefill_s"] + b["decode_s"] for b in written), default=0.0)
-                bar.update(sum(len(b["ids"]) for b in written))
-                if session_s > 0:
-                    bar.set_postfix_str(f"{session_tokens / session_s:.1f} tokens/s", refresh=False)
-            stop = comm.broadcast(stop)
-            if stop is not None:
-                status = "oom"
-                logger.warning("%s: out of memory (%s); run marked OOM", spec.name, stop)
-                break
+            stop = _serve_replica(model, tokenizer, samples, mine, spec, cfg, encode_fn, layout, shard, bar, folder,
+                                  comm)
+        else:
+            stop = _run_batches(model, tokenizer, batches, mine, spec, cfg, generate_fn, encode_fn, layout, shard,
+                                bar, folder, comm)
     finally:
         bar.close()
+    part = None
+    if lead:
+        part = {"replica": replica, "head": head(), "started_at": started_at, "wall_s": time.perf_counter() - start,
+                "stop": stop}
+        if dp > 1:
+            atomic_write_text(shard.folder / results.DONE_FILE, _json(part))
+        part["samples"], part["batches"] = shard.load(batch_ids)
+    summary = comm.last_decides(part, lambda parts: _merge(folder, parts, cfg))
+    return summary if is_main else None
 
-    if not is_main:
-        return None
-    if status == "oom":
-        return _write_oom_row(folder, cfg, spec, tp, dp, estimate, model, log, batch_ids, stop, "runtime", start,
-                              started_at, extra=extra)
-    summary = run_settings(cfg, spec, tp_size=tp, dp_size=dp)
-    summary["status"] = status
-    samples_done, batches_done = log.load(batch_ids)
-    summary.update(results.summarise(samples_done, batches_done, cfg.metric_for_task()))
-    summary.update(budget_fields(cfg, estimate, model))
-    summary.update(extra)
-    summary.update({"started_at": started_at, "finished_at": utc_now(), "wall_s": time.perf_counter() - start})
-    if dp * tp > 1:
-        summary["per_replica"] = results.per_replica(batches_done, dp, tp)
-    if continuous:
-        summary.update(results.latency_fields(batches_done))
-    atomic_write_text(folder / results.SUMMARY_FILE, _json(summary))
-    logger.info("%s: %d samples, %s %.4f, %.2f tokens/s", spec.name, summary["num_samples"], summary["metric"],
-                summary["score"] or 0.0, summary["tokens_per_s"] or 0.0)
+
+def _run_state(folder: Path) -> dict[str, Any]:
+    """What rank 0 finds of a run: its summary when it has finished, else the out-of-memory marker a rank of the
+    last multi-process run left (or None)."""
+    finished = results.read_summary(folder)
+    return {"finished": finished} if finished is not None else {"oom": results.read_oom_marker(folder)}
+
+
+def _refusal(spec: RunSpec, estimate: MemoryEstimate | None, budget: int | None,
+             state: dict[str, Any]) -> tuple[str, str] | None:
+    """(message, oom_cause) of a run that is recorded as an OOM row without running, or None: over the budget on
+    paper ("predicted"), or out of memory in the last run ("runtime": the marker it left)."""
+    if spec.batch_size < 1:
+        return "not even one sample fits the memory budget; not run", "predicted"
+    if estimate is not None and budget is not None and estimate.total > budget:
+        return over_budget_message(estimate, budget), "predicted"
+    marker = state["oom"]
+    if marker is not None:
+        return (f"rank {marker['rank']}, batch {marker['batch']}: {marker['error']} (out of memory in the last run; "
+                "recorded as an OOM row)"), "runtime"
+    return None
+
+
+def _merge(folder: Path, parts: list[dict[str, Any] | None], cfg: RunConfig) -> dict[str, Any]:
+    """The last rank to finish a run: the replicas' shards into the run's files and summary."""
+    parts = [p for p in parts if p is not None]
+    stops = [p["stop"] for p in parts if p.get("stop")]
+    summary = results.merge_run(folder, parts[0]["head"], parts, cfg.metric_for_task(),
+                                error=stops[0] if stops else None, cause="runtime")
+    if summary["status"] == "oom":
+        logger.warning("%s: out of memory (%s); run marked OOM", summary["run"], stops[0])
+    else:
+        logger.info("%s: %d samples, %s %.4f, %.2f tokens/s", summary["run"], summary["num_samples"],
+                    summary["metric"], summary["score"] or 0.0, summary["tokens_per_s"] or 0.0)
     return summary
 
 
-def _write_oom_row(folder: Path, cfg: RunConfig, spec: RunSpec, tp: int, dp: int, estimate: MemoryEstimate | None,
-                   model: torch.nn.Module, log: results.RunLog, batch_ids: list[list[str]], error: str, cause: str,
-                   start: float, started_at: str | None = None, *, extra: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0: the run's summary as an OOM row (``cause``: predicted or runtime), written atomically."""
-    summary = run_settings(cfg, spec, tp_size=tp, dp_size=dp)
-    summary["status"] = "oom"
-    summary.update(results.summarise(*log.load(batch_ids), cfg.metric_for_task()))
-    summary.update(budget_fields(cfg, estimate, model))
-    summary.update(extra)
-    summary.update({"error": error, "oom_cause": cause, "started_at": started_at or utc_now(),
-                    "finished_at": utc_now(), "wall_s": time.perf_counter() - start})
-    atomic_write_text(folder / results.SUMMARY_FILE, _json(summary))
-    return summary
+def _oom_message(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+
+
+def _end_on_oom(folder: Path, layout: Layout, comm: Collectives, spec: RunSpec, error: str, batch: int) -> None:
+    """A rank of a multi-process run out of memory: its peers may wait inside the model's collectives, so nothing
+    can be gathered. Leave the marker for the next run, tell every rank, and end the job."""
+    path = results.write_oom_marker(folder, layout.rank, error, batch)
+    comm.fail(f"out of memory in {spec.name}")
+    where = f"batch {batch}" if batch >= 0 else "its requests"
+    raise RankOutOfMemory(f"{spec.name}: rank {layout.rank} ran out of memory in {where} ({error}); recorded in "
+                          f"{path}: run the same command again to record the OOM row and go on")
+
+
+def _run_batches(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batches: list[list[Sample]],
+                 mine: list[int], spec: RunSpec, cfg: RunConfig, generate_fn: GenerateFn, encode_fn: EncodeFn,
+                 layout: Layout | None, shard: results.RunLog, bar, folder: Path, comm: Collectives) -> str | None:
+    """This replica's unfinished batches ``mine``, each appended to its shard as it ends (by its tensor-parallel rank
+    0, with the K/V peak of every rank). Returns an out-of-memory message (one process) or None."""
+    replica = 0 if layout is None else layout.replica
+    tokens, seconds = 0, 0.0
+    for index in mine:
+        error = None
+        try:
+            message = _run_batch(model, tokenizer, batches[index], index, spec, cfg, generate_fn, encode_fn, replica)
+        except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
+            if not is_oom(err):
+                raise
+            error = _oom_message(err)
+        if error is not None:
+            # Outside the handler: the exception (and the frames holding the batch's tensors) is gone.
+            if comm.world > 1:
+                _end_on_oom(folder, layout, comm, spec, error, index)
+            free_memory(getattr(model, "device", None))
+            return error
+        record = message["batch"]
+        peaks = comm.replica_gather(int(record["peak_kv_bytes"]))
+        if peaks is None:
+            continue  # the replica's tensor-parallel rank 0 writes its (identical) records
+        record["peak_kv_bytes"], record["peak_kv_bytes_per_rank"] = sum(peaks), peaks
+        shard.append(message["samples"], [record])
+        tokens += record["generated_tokens"]
+        seconds += record["prefill_s"] + record["decode_s"]
+        bar.update(len(record["ids"]))
+        if seconds > 0:
+            bar.set_postfix_str(f"{tokens / seconds:.1f} tokens/s", refresh=False)
+    return None
 
 
 def _predict(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, batches: list[list[Sample]], spec: RunSpec,
@@ -532,19 +562,18 @@ def _predict(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, batches
 
 def _serve_replica(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample],
                    mine: list[int], spec: RunSpec, cfg: RunConfig, encode_fn: EncodeFn, layout: Layout | None,
-                   comm: Collectives, log: results.RunLog, bar, folder: Path) -> str | None:
+                   shard: results.RunLog, bar, folder: Path, comm: Collectives) -> str | None:
     """Continuous batching (``core.serve``) of this replica's samples ``mine`` in ``spec.batch_size`` slots.
 
-    Each sample's records are written as it ends (a single replica; with several, gathered at the end), its
-    timing the run's prefill and decode seconds since the previous sample ended, so the sums are the run's. Each
-    request samples with its own seed (``cfg.seed`` + its sample index). Returns an out-of-memory message or None.
+    Each sample's records are appended to the replica's shard as it ends, its timing the run's prefill and decode
+    seconds since the previous sample ended, so the sums are the run's. Each request samples with its own seed
+    (``cfg.seed`` + its sample index). Returns an out-of-memory message (one process) or None.
     """
     eos, pad = _special_ids(tokenizer)
     replica, tp_rank = (0, 0) if layout is None else (layout.replica, layout.tp_rank)
-    dp = 1 if layout is None else layout.dp
     requests = [Request(encode_fn(tokenizer, [samples[i].prompt])[0][0].tolist(), cfg.max_new_tokens,
                         seed=cfg.seed + i) for i in mine]
-    metric, clock, kept = cfg.metric_for_task(), [0.0, 0.0], []
+    metric, clock = cfg.metric_for_task(), [0.0, 0.0]
 
     def finished(j: int, out: RequestOutput) -> None:
         i, sample = mine[j], samples[mine[j]]
@@ -561,14 +590,11 @@ def _serve_replica(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
                  "cuda_max_memory_allocated": None, "slot": out.slot, "first_token_s": out.first_token_s,
                  "latency_s": out.finished_s}
         clock[:] = [out.run_prefill_s, out.run_decode_s]
-        if tp_rank != 0:
-            return
-        if dp == 1:
-            log.append([record], [batch])
+        if tp_rank == 0:
+            shard.append([record], [batch])
             bar.update(1)
-        else:
-            kept.append((record, batch))
 
+    error = None
     try:
         serve(model, requests, spec.method, spec.batch_size, ignore_eos=cfg.ignore_eos, eos_token_id=eos,
               pad_token_id=pad, do_sample=cfg.do_sample, temperature=cfg.temperature, top_k=cfg.top_k,
@@ -577,40 +603,14 @@ def _serve_replica(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
     except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
         if not is_oom(err):
             raise
-        message = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
-        if comm.world > 1:
-            path = results.write_oom_marker(folder, layout.rank, message, -1)
-            raise RankOutOfMemory(f"{spec.name}: rank {layout.rank} ran out of memory ({message}); recorded in "
-                                  f"{path}: run the same command again to record the OOM row and go on") from None
-        return message
-    if dp > 1:
-        gathered = comm.gather(kept)
-        if gathered is not None:
-            rows = [row for part in gathered for row in part]
-            log.append([r for r, _ in rows], [b for _, b in rows])
-    return None
+        error = _oom_message(err)
+    if error is not None and comm.world > 1:
+        _end_on_oom(folder, layout, comm, spec, error, -1)
+    return error
 
 
 def _json(obj: Any) -> str:
     return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
-
-
-def _write_round(log: results.RunLog, gathered: list[dict[str, Any]]) -> tuple[str | None, list[dict]]:
-    """Rank 0: append one round's records (in batch order, each batch's peak KV summed over its tp ranks).
-    Returns ``(out-of-memory message or None, batch records written)``; nothing is written when a rank ran out of
-    memory."""
-    ooms = [m["oom"] for m in gathered if m["oom"]]
-    if ooms:
-        return ooms[0], []
-    per_rank: dict[int, list[int]] = {}  # replica -> K/V peak of each of its tensor-parallel ranks
-    for m in sorted((m for m in gathered if m["batch"] is not None), key=lambda m: m["tp_rank"]):
-        per_rank.setdefault(m["replica"], []).append(int(m["batch"]["peak_kv_bytes"]))
-    leads = sorted((m for m in gathered if m["samples"] is not None), key=lambda m: m["batch"]["batch"])
-    for m in leads:
-        m["batch"]["peak_kv_bytes"] = sum(per_rank[m["replica"]])
-        m["batch"]["peak_kv_bytes_per_rank"] = per_rank[m["replica"]]
-    log.append([rec for m in leads for rec in m["samples"]], [m["batch"] for m in leads])
-    return None, [m["batch"] for m in leads]
 
 
 def _run_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: list[Sample], index: int,

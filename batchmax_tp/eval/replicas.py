@@ -1,0 +1,194 @@
+"""Ranks that never wait for a dead one: a watchdog and small messages through the launcher's store.
+
+A multi-process job's ranks meet only through the key-value store the launcher already runs for
+torch.distributed (``MASTER_ADDR:MASTER_PORT``: rank 0's TCPStore, or torchrun's agent store), each with a
+client connection of its own:
+
+- :class:`Watchdog`: every rank bumps its own beat counter every ``beat_s`` seconds, and checks every other
+  rank's. A rank whose counter has stood still for ``dead_after_s`` seconds (killed, even by SIGKILL, or hung), a
+  rank that announced its failure (:meth:`Watchdog.fail`: an exception, an out-of-memory marker), or a store that
+  no longer answers ends this process at once, exit status 1, whatever its main thread is waiting for. A job whose
+  replica dies thus exits within ``dead_after_s + 2 * beat_s`` seconds (under a minute), and every sample the
+  others finished is already in their shards (``eval.run``).
+- :class:`Channel`: broadcast from rank 0, gather to rank 0, a barrier, and "the last to arrive decides" (the
+  last replica to finish a run merges the shards), over store keys. Every rank makes the
+  same calls in the same order (as with torch.distributed collectives), so the n-th call's keys are the same
+  everywhere. A call may wait as long as a live peer needs (a replica finishing its last batch): only the
+  watchdog, never a timeout, ends a wait.
+
+Keys live under ``batchmax/<nonce>/``, the nonce broadcast by rank 0 at start, so a restarted job never reads
+an earlier one's keys.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BEAT_S", "DEAD_AFTER_S", "Channel", "Watchdog", "connect"]
+
+BEAT_S = 2.0  #: seconds between two beats of a rank
+DEAD_AFTER_S = 30.0  #: a rank whose beat has not moved for this long is dead (env ``BATCHMAX_DEAD_AFTER_S``)
+_POLL_S = 0.05  #: a waiting call checks its key this often
+_STORE_TIMEOUT_S = 15  #: one store operation; a store that does not answer in time is gone
+
+
+def _exit(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(1)
+
+
+def connect(rank: int, world: int, timeout_s: float = _STORE_TIMEOUT_S) -> dist.Store:
+    """A client of the launcher's store (``MASTER_ADDR``/``MASTER_PORT``), keys prefixed by a nonce of this job.
+
+    Collective over the default process group (the nonce comes from rank 0): call it on every rank once the group
+    exists."""
+    box = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.PrefixStore(f"batchmax/{box[0]}/", store)
+
+
+class Watchdog:
+    """Ends this process when any other rank dies, fails or the store is gone (see the module docstring).
+
+    ``on_dead(message)``: what to do then (default: the message as one ``error:`` line, then ``os._exit(1)``).
+    :meth:`leave` marks a normal end, so that peers still working do not take the silence for a death."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, *, beat_s: float | None = None,
+                 dead_after_s: float | None = None, on_dead: Callable[[str], None] = _exit):
+        if dead_after_s is None:
+            dead_after_s = float(os.environ.get("BATCHMAX_DEAD_AFTER_S", DEAD_AFTER_S))
+        beat_s = min(BEAT_S, dead_after_s / 4) if beat_s is None else beat_s
+        self.store, self.rank, self.world = store, rank, world
+        self.beat_s, self.dead_after_s, self.on_dead = beat_s, dead_after_s, on_dead
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="batchmax-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self.store.add(f"beat/{self.rank}", 1)
+        self._thread.start()
+        return self
+
+    def fail(self, why: str) -> None:
+        """Tell every peer that this rank is ending with an error (they exit at their next check)."""
+        try:
+            self.store.set("failed", f"rank {self.rank}: {why}"[:500])
+        except Exception:  # noqa: BLE001 - the store may be gone too; the peers will see our beat stop
+            pass
+
+    def leave(self, wait_s: float = 30.0) -> None:
+        """A normal end, once every rank is done: stop beating and watching. Rank 0 leaves last (at most ``wait_s``
+        after the others' turn), as its process may host the store."""
+        self._stop.set()
+        try:
+            self.store.add(f"left/{self.rank}", 1)
+            deadline = time.monotonic() + wait_s
+            while self.rank == 0 and time.monotonic() < deadline:
+                if all(self.store.add(f"left/{r}", 0) for r in range(1, self.world)):
+                    break
+                time.sleep(_POLL_S)
+        except Exception:  # noqa: BLE001 - nobody is left to tell
+            pass
+
+    def _watch(self) -> None:
+        seen = {r: (0, time.monotonic()) for r in range(self.world) if r != self.rank}
+        while not self._stop.wait(self.beat_s):
+            try:
+                message = self._check(seen)
+            except Exception as err:  # noqa: BLE001 - a store that fails is a store that is gone
+                message = f"the job's store does not answer ({type(err).__name__}): rank 0's host is gone"
+            if message is not None and not self._stop.is_set():
+                self._stop.set()
+                self.on_dead(f"rank {self.rank}: {message}; ending this rank (finished samples are on disk: run "
+                             "the same command again to complete the missing ones)")
+                return
+
+    def _check(self, seen: dict[int, tuple[int, float]]) -> str | None:
+        self.store.add(f"beat/{self.rank}", 1)
+        if self.store.check(["failed"]):
+            return f"another rank failed ({self.store.get('failed').decode()})"
+        now = time.monotonic()
+        for r, (count, since) in list(seen.items()):
+            if self.store.add(f"left/{r}", 0):
+                del seen[r]
+                continue
+            beat = self.store.add(f"beat/{r}", 0)
+            if beat != count:
+                seen[r] = (beat, now)
+            elif now - since > self.dead_after_s:
+                return f"rank {r} has not answered for {now - since:.0f} s (killed or hung)"
+        return None
+
+
+class Channel:
+    """Rank 0 decides, everyone follows: broadcast, gather and barrier over the store (module docstring)."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int):
+        self.store, self.rank, self.world = store, rank, world
+        self._calls = 0
+
+    def _key(self, name: str) -> str:
+        return f"c{self._calls}/{name}"
+
+    def _wait(self, key: str) -> Any:
+        while not self.store.check([key]):
+            time.sleep(_POLL_S)
+        return pickle.loads(self.store.get(key))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._calls += 1
+        key = self._key("b")
+        if self.rank == src:
+            self.store.set(key, pickle.dumps(obj))
+            return obj
+        return self._wait(key)
+
+    def gather(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` on ``dst`` (in rank order), None elsewhere."""
+        self._calls += 1
+        if self.rank != dst:
+            self.store.set(self._key(f"g{self.rank}"), pickle.dumps(obj))
+            return None
+        out = []
+        for r in range(self.world):
+            if r == dst:
+                out.append(obj)
+                continue
+            key = self._key(f"g{r}")
+            out.append(self._wait(key))
+            self.store.delete_key(key)
+        return out
+
+    def barrier(self) -> None:
+        self.gather(None)
+        self.broadcast(None)
+
+    def last_decides(self, part: Any, decide: Callable[[list[Any]], Any]) -> Any:
+        """Every rank hands in ``part``; the last rank to arrive calls ``decide(parts)`` (rank order) and every rank
+        gets its result. Nobody waits for a rank that is still working unless it has to: the early ones only for
+        the result."""
+        self._calls += 1
+        self.store.set(self._key(f"p{self.rank}"), pickle.dumps(part))
+        if self.store.add(self._key("n"), 1) < self.world:
+            return self._wait(self._key("r"))
+        parts = [pickle.loads(self.store.get(self._key(f"p{r}"))) for r in range(self.world)]
+        for r in range(self.world):
+            self.store.delete_key(self._key(f"p{r}"))
+        result = decide(parts)
+        self.store.set(self._key("r"), pickle.dumps(result))
+        return result

@@ -1,0 +1,276 @@
+"""Replicas that never wait for a dead one (``eval.replicas``), shards merged (``results.merge_run``,
+``launch/merge.py``) and the OOM bookkeeping around them.
+
+The end-to-end test runs two ``torchrun`` "nodes" of one rank each (2 replicas x 1 rank, gloo, a tiny model),
+kills one replica mid-run and checks that the other ends the job on its own within a minute, that both replicas'
+finished samples are on disk, and that the same command again completes only the missing samples and writes the
+report an uninterrupted run writes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from batchmax_tp import models
+from batchmax_tp.config import RunConfig
+from batchmax_tp.eval import merge, results
+from batchmax_tp.eval import run as runner
+from batchmax_tp.eval.replicas import Channel, Watchdog
+
+from test_config import _fake_encode, _FakeTokenizer, _make_fake_generate
+from test_launchers import RUN_PY, clean_env, free_port, tool
+
+
+def local_store(world: int) -> tuple[dist.TCPStore, int]:
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
+                           timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+    return server, port
+
+
+def client(port: int, timeout_s: float = 3) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+# ---------------------------------------------------------------------- the watchdog
+def watch(store, rank: int, world: int, dead_after_s: float = 1.0) -> tuple[Watchdog, threading.Event, list[str]]:
+    dead, why = threading.Event(), []
+
+    def on_dead(message: str) -> None:
+        why.append(message)
+        dead.set()
+
+    return Watchdog(store, rank, world, beat_s=0.1, dead_after_s=dead_after_s, on_dead=on_dead).start(), dead, why
+
+
+def test_watchdog_ends_a_rank_whose_peer_stops_beating():
+    server, port = local_store(2)
+    w0, dead0, why0 = watch(client(port), 0, 2)
+    w1, dead1, _ = watch(client(port), 1, 2)
+    assert not dead0.wait(1.5) and not dead1.is_set()  # both beating: nobody is dead
+    w1._stop.set()  # rank 1 stops beating without leaving (as a killed process does)
+    assert dead0.wait(3.0), "rank 0 never noticed that rank 1 stopped"
+    assert "rank 1 has not answered" in why0[0]
+
+
+def test_watchdog_ends_every_rank_when_one_fails_and_spares_ranks_that_left():
+    server, port = local_store(3)
+    dogs = [watch(client(port), r, 3, dead_after_s=30) for r in range(3)]
+    dogs[2][0].leave(wait_s=0)  # rank 2 is done: its silence is no death
+    time.sleep(0.5)
+    assert not any(d[1].is_set() for d in dogs)
+    dogs[1][0].fail("RuntimeError: injected")
+    assert dogs[0][1].wait(2.0) and "rank 1: RuntimeError: injected" in dogs[0][2][0]
+
+
+def test_watchdog_ends_a_rank_when_the_store_is_gone():
+    server, port = local_store(2)
+    _, dead, why = watch(client(port, timeout_s=1), 1, 2, dead_after_s=30)
+    del server  # rank 0's host is gone, and its store with it
+    assert dead.wait(5.0) and "store does not answer" in why[0]
+
+
+def test_channel_broadcast_gather_and_last_decides():
+    server, port = local_store(3)
+    channels = [Channel(client(port), r, 3) for r in range(3)]
+    out: dict[int, list] = {}
+
+    def rank(r: int) -> None:
+        c = channels[r]
+        time.sleep(0.1 * (2 - r))  # ranks arrive in reverse order
+        got = [c.broadcast(f"from0-{r}" if r == 0 else None), c.gather(r * 10)]
+        got.append(c.last_decides(r, lambda parts: {"parts": parts, "decider": r}))
+        c.barrier()
+        out[r] = got
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert [out[r][0] for r in range(3)] == ["from0-0"] * 3
+    assert out[0][1] == [0, 10, 20] and out[1][1] is None and out[2][1] is None
+    decisions = [out[r][2] for r in range(3)]
+    assert decisions[0] == decisions[1] == decisions[2] and decisions[0]["parts"] == [0, 1, 2]
+    assert decisions[0]["decider"] == 0  # rank 0 slept longest: it arrived last and decided
+
+
+# ---------------------------------------------------------------------- OOM bookkeeping
+@pytest.mark.parametrize("message", [
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "cuSOLVER error: CUSOLVER_STATUS_ALLOC_FAILED", "CUDA driver error: cudaErrorMemoryAllocation",
+    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory",
+])
+def test_cuda_library_allocation_failures_are_out_of_memory(message):
+    assert runner.is_oom(RuntimeError(message))
+    assert not runner.is_oom(RuntimeError("CUDA error: device-side assert triggered"))
+
+
+def test_an_oom_marker_becomes_the_row_once_and_a_later_success_stands(tmp_path):
+    """A marker left by a rank that ran out of memory becomes the run's OOM row and is cleared; run again after
+    that row is removed (more memory free), the run succeeds and no stale marker turns it back into an OOM."""
+    samples = [SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference="w10", tokens_cut=0) for i in range(3)]
+    cfg = RunConfig(methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, out=str(tmp_path))
+    spec = cfg.run_specs()[0]
+    folder = tmp_path / spec.name
+    results.write_oom_marker(folder, 1, "CUDA out of memory (injected)", 0)
+    calls = []
+    run = dict(generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False)
+    first = runner.evaluate_run(SimpleNamespace(), _FakeTokenizer(), samples, spec, cfg, **run)
+    assert first["status"] == "oom" and first["oom_cause"] == "runtime" and "injected" in first["error"]
+    assert calls == [] and not list(folder.glob("oom-rank*.json"))
+    (folder / results.SUMMARY_FILE).unlink()
+    second = runner.evaluate_run(SimpleNamespace(), _FakeTokenizer(), samples, spec, cfg, **run)
+    assert second["status"] == "done" and second["num_samples"] == 3 and len(calls) == 2
+
+
+def test_resuming_with_another_dp_size_is_refused(tmp_path):
+    cfg = RunConfig(out=str(tmp_path), dp_size=2, tp_size=1)
+    runner.write_config(tmp_path, cfg)
+    assert results.check_same_config(tmp_path, cfg.to_dict())
+    with pytest.raises(ValueError, match="dp_size=2, this run has dp_size=1"):
+        results.check_same_config(tmp_path, RunConfig(out=str(tmp_path), dp_size=1, tp_size=1).to_dict())
+
+
+# ---------------------------------------------------------------------- merging shards by hand
+def _shard(folder: Path, replica: int, batches: list[int], ids: list[list[str]], done: bool) -> None:
+    method, kv = folder.name.split("-b1-kv")
+    cfg = RunConfig(methods=[method], kv_max=int(kv), batch_size=1, out=str(folder.parent))
+    settings = runner.run_settings(cfg, cfg.run_specs()[0], dp_size=2)
+    assert settings["run"] == folder.name
+    head = {"settings": settings, "batch_ids": ids, "dp": 2, "tp": 1,
+            "continuous": False, "budget": {}, "extra": {}}
+    shard = folder / f"replica{replica}"
+    log = results.RunLog(shard)
+    shard.mkdir(parents=True)
+    (shard / results.HEAD_FILE).write_text(json.dumps(head))
+    for b in batches:
+        log.append([{"id": i, "prompt_tokens": 3, "output": "w10", "reference": "w10", "correct": True,
+                     "generated_tokens": 4} for i in ids[b]],
+                   [{"batch": b, "replica": replica, "ids": ids[b], "tokens_cut": [0] * len(ids[b]),
+                     "generated_tokens": 4 * len(ids[b]), "prefill_s": 1.0, "decode_s": 1.0, "peak_kv_bytes": 8,
+                     "peak_kv_bytes_per_rank": [8], "peak_workspace_bytes": 0, "cuda_max_memory_allocated": None}])
+    if done:
+        (shard / results.DONE_FILE).write_text(json.dumps({"started_at": "2026-01-01T00:00:00Z", "wall_s": 2.0}))
+
+
+def test_merge_py_merges_complete_runs_and_names_the_rest(tmp_path, capsys):
+    ids = [["a"], ["b"], ["c"]]
+    _shard(tmp_path / "bm-b1-kv128", 0, [0, 2], ids, done=True)
+    _shard(tmp_path / "bm-b1-kv128", 1, [1], ids, done=True)
+    _shard(tmp_path / "ed-b1-kv65", 0, [0, 2], ids, done=True)
+    _shard(tmp_path / "ed-b1-kv65", 1, [], ids, done=False)  # replica 1 died before its batch
+    assert merge.main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "not merged: ed-b1-kv65: 2 of 3 batches done" in err
+    merged = tmp_path / "bm-b1-kv128"
+    assert [json.loads(x)["id"] for x in (merged / "samples.jsonl").read_text().splitlines()] == ["a", "b", "c"]
+    summary = json.loads((merged / "summary.json").read_text())
+    assert summary["status"] == "done" and summary["num_samples"] == 3 and summary["accuracy"] == 1.0
+    assert [r["wall_s"] for r in summary["per_replica"]] == [2.0, 2.0]
+    assert (tmp_path / "report.md").is_file() and not (tmp_path / "ed-b1-kv65" / "summary.json").exists()
+
+
+# ---------------------------------------------------------------------- a killed replica, end to end
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """A tiny random Llama with the embedded tokenizer (loads in a second)."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-ckpt")
+    tokenizer = AutoTokenizer.from_pretrained(models.embedded_model_dir())
+    model = models.tiny_random_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def launch_nodes(checkpoint: str, out: Path) -> list[subprocess.Popen]:
+    """Two torchrun "nodes" of one rank each (static rendezvous): replica 0 on node 0, replica 1 on node 1."""
+    exe = tool("torchrun")
+    port = free_port()
+    env = clean_env(BATCHMAX_DEAD_AFTER_S="6")
+    args = ["--model", checkpoint, "--method", "bm", "--kv-max", "64", "--p", "16", "--batch-size", "1",
+            "--num-samples", "6", "--max-new-tokens", "32", "--ignore-eos", "--tp-size", "1", "--out", str(out)]
+    return [subprocess.Popen([exe, "--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "1",
+                              "--master_addr", "127.0.0.1", "--master_port", str(port), RUN_PY, *args],
+                             env=env, cwd=Path(RUN_PY).parent.parent, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+            for n in range(2)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str, str]]:
+    got = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail(f"a node did not finish in {timeout} s")
+        got.append((proc.returncode, out, err))
+    return got
+
+
+RUN = "bm-b1-kv64"
+
+
+def shard_lines(out: Path, replica: int) -> list[str]:
+    path = out / RUN / f"replica{replica}" / results.BATCHES_FILE
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, tiny_checkpoint) -> Path:
+    """The uninterrupted run of 2 replicas."""
+    out = tmp_path_factory.mktemp("whole") / "out"
+    for code, _, err in finish(launch_nodes(tiny_checkpoint, out)):
+        assert code == 0, err[-4000:]
+    return out
+
+
+@pytest.mark.skipif(tool("torchrun") is None, reason="torchrun is not installed")
+@pytest.mark.parametrize("victim", [1, 0], ids=["replica1", "replica0-rank0"])
+def test_a_killed_replica_ends_the_job_and_the_rerun_completes_only_what_is_missing(tmp_path, tiny_checkpoint,
+                                                                                   whole, victim):
+    out = tmp_path / "killed"
+    procs = launch_nodes(tiny_checkpoint, out)
+    deadline = time.monotonic() + 120
+    while len(shard_lines(out, victim)) < 2:  # the victim has finished two of its three batches
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run ended too early"
+        time.sleep(0.02)
+    psutil.Process(procs[victim].pid).children(recursive=True)[0].kill()  # SIGKILL: no handler runs
+    killed_at = time.monotonic()
+    ended = finish(procs, timeout=90)
+    took = time.monotonic() - killed_at
+    print(f"replica {victim} killed: both nodes exited ({[code for code, _, _ in ended]}) {took:.1f} s later")
+    assert all(code != 0 for code, _, _ in ended), [e[2][-2000:] for e in ended]
+    assert took < 60
+    survivor = ended[1 - victim][2]
+    assert "has not answered" in survivor or "store does not answer" in survivor, survivor[-3000:]
+    kept = [shard_lines(out, r) for r in range(2)]
+    assert len(kept[victim]) >= 2 and kept[1 - victim], kept  # every finished batch of both replicas is on disk
+    assert not (out / RUN / results.SUMMARY_FILE).exists()
+
+    for code, _, err in finish(launch_nodes(tiny_checkpoint, out)):
+        assert code == 0, err[-4000:]
+    for r in range(2):  # the batches finished before the kill were not run again: their lines are unchanged
+        assert shard_lines(out, r)[: len(kept[r])] == kept[r]
+    assert results.comparable(out) == results.comparable(whole)
+    assert json.loads((out / RUN / results.SUMMARY_FILE).read_text())["num_samples"] == 6
