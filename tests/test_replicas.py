@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,6 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-import torch
 import torch.distributed as dist
 
 from batchmax_tp import models
