@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from memtrack import AttentionPasses
 
 from batchmax_tp.core import workspace
 from batchmax_tp.core.engine import generate
+from batchmax_tp.core.method import Method
 from batchmax_tp.models import tiny_random_llama
 from batchmax_tp.plan.planner import ModelShape, max_batch, parse_bytes, predict
-from batchmax_tp.core.method import Method
 
+# The baselines' prompts are multiples of workspace.MASK_ALIGN: a padded prefill's mask then needs no aligned copy
+# on CUDA either, so the planner's count is exactly what the CPU measures (otherwise it also counts that copy).
 CASES = [
     (Method("bm", kv_max=24, p=8), 3, 70, 12),
     (Method("bm", kv_max=24, p=8), 2, 20, 30),  # prompt shorter than kv_max, decode evictions
-    (Method("ed", kv_max=2), 3, 50, 8),
-    (Method("ed", kv_max=65), 2, 30, 8),  # prompt shorter than kv_max
+    (Method("ed", kv_max=2), 3, 48, 8),
+    (Method("ed", kv_max=65), 2, 32, 8),  # prompt shorter than kv_max
     (Method("fkv"), 2, 40, 9),
 ]
 
@@ -32,13 +35,17 @@ def test_prediction_equals_measured_peaks(model, monkeypatch, chunk_bytes, metho
     ids = torch.randint(3, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # a padded batch: the baselines' worst case (HF's prefill mask), the planner's assumption
-    out = generate(model, ids.masked_fill(mask == 0, 0), mask, method, new, ignore_eos=True)
+    passes = AttentionPasses(monkeypatch)  # each forward pass's attention allocations, measured
+    with passes.measure() as measured:
+        out = generate(model, ids.masked_fill(mask == 0, 0), mask, method, new, ignore_eos=True)
     est = predict(ModelShape.from_config(model.config), method, batch, prompt, new)
-    assert est.kv == out.peak_kv_bytes
-    assert est.workspace == out.peak_workspace_bytes
+    assert est.kv == out.peak_kv_bytes  # the cache's K/V tensors
+    assert est.workspace == max(measured), f"planned {est.workspace} bytes, measured {max(measured)}"
     if method.name != "bm":  # unpadded, SDPA runs is_causal without a mask: less than planned, never more
-        unpadded = generate(model, ids, None, method, new, ignore_eos=True)
-        assert unpadded.peak_kv_bytes == est.kv and unpadded.peak_workspace_bytes == 0 < est.workspace
+        with passes.measure() as unpadded_measured:
+            unpadded = generate(model, ids, None, method, new, ignore_eos=True)
+        assert unpadded.peak_kv_bytes == est.kv
+        assert unpadded.peak_workspace_bytes == max(unpadded_measured) < est.workspace
 
 
 def test_bm_peak_does_not_grow_with_the_prompt():

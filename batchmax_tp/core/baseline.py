@@ -12,6 +12,11 @@ its first eviction): with SDPA a view of a preallocated 4D boolean mask, with ot
 
 The kept positions (per layer, sample, KV head) follow from host integers and the padding mask, so nothing is
 tracked per step on the device.
+
+Memory: each pass's attention workspace is counted from host integers as HF's attention path allocates it
+(``workspace.dense_workspace_bytes``: a padded prefill's 4D mask, its additive copy and GQA's K/V copies;
+FlashAttention-2's gathered copies of the real pairs, in every decode step while pads are held) and recorded as
+``peak_workspace_bytes``, the number the planner predicts; ``tests/test_memory.py`` measures it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from transformers.utils import is_flash_attn_2_available
 from .cache import SlotLayer
 from .method import Method
 from .schedule import Phase
-from .workspace import FLASH, SDPA, sdpa_workspace_bytes
+from .workspace import FLASH, SDPA, dense_workspace_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +157,9 @@ class DenseCache(Cache):
         self.prompt_len = attention_mask.shape[1]
         self._host_mask = self.prompt_mask.cpu()  # one host copy, before any timing
         pads = (~self._host_mask).sum(-1)  # [B] left pads per row
+        self._pads = pads.tolist()
         self.max_pads = int(pads.max()) if pads.numel() else 0  # slots [0, max_pads) may hold a pad
+        self._shape = None  # (query heads, KV heads, head dim, element bytes) once ``note_workspace`` saw them
         self._mask2d = self._mask4d = None
         if method.name == "fkv" and self.max_pads and reserve > self.prompt_len:
             full = torch.ones(attention_mask.shape[0], reserve, dtype=torch.bool, device=attention_mask.device)
@@ -176,6 +183,8 @@ class DenseCache(Cache):
         self.start = 1 if self.keep_newest else self.length
         self.length = self.start + phase.size
         self.seen = phase.end
+        if phase.kind == "decode" and self._shape is not None:
+            self._note_pass(1)
 
     def attention_mask(self) -> torch.Tensor | None:
         """The mask to hand the model for the pass stated by ``begin``: None when no held slot can be a pad."""
@@ -192,16 +201,29 @@ class DenseCache(Cache):
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
 
     def note_workspace(self, config) -> None:
-        """Record the attention temporaries' estimate (``sdpa_workspace_bytes``) once the prefill has shown the
-        local shapes (``config``: the model's, for the query heads per KV head)."""
+        """Record the prefill's attention workspace (``workspace.dense_workspace_bytes``) once it has shown the
+        local shapes (``config``: the model's, for the query heads per KV head); from then on each decode step's is
+        recorded as ``begin`` states it."""
         heads = config.num_attention_heads
         groups = heads // (getattr(config, "num_key_value_heads", None) or heads)
         layer = self.layers[0]
         if layer.keys is None:
             return
-        B, H, _, D = layer.keys.shape
-        est = sdpa_workspace_bytes(B, groups * H, H, D, self.prompt_len, layer.keys.element_size(),
-                                   self.max_pads > 0, self.impl)
+        _, H, _, D = layer.keys.shape
+        self._shape = (groups * H, H, D, layer.keys.element_size())
+        self._note_pass(self.prompt_len)
+
+    def _note_pass(self, queries: int) -> None:
+        """Record the workspace of the pass ``begin`` stated: ``queries`` over the slots held, with a mask when a
+        held slot may be a pad; FlashAttention-2 gathers the real pairs among them (counted from the host mask)."""
+        q_heads, kv_heads, D, elem = self._shape
+        first = self.seen - self.length  # padded position of slot 0
+        padded = first < self.max_pads
+        real = None
+        if padded and self.impl == FLASH:
+            real = sum(self.length - max(0, p - first) for p in self._pads)
+        est = dense_workspace_bytes(len(self._pads), q_heads, kv_heads, D, queries, self.length, elem, padded=padded,
+                                    impl=self.impl, real=real, align=self.prompt_mask.device.type == "cuda")
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, est)
 
     def kv_bytes(self) -> int:

@@ -1,8 +1,9 @@
 """Bytes of the temporaries each attention path allocates per call: pure arithmetic on shapes, no torch.
 
-The attention kernels (``attention.batchmax_attention`` and the baselines' SDPA) own these numbers and the
-planner (``batchmax_tp.plan.planner``) predicts with them, so they live here, importable without torch or
-transformers. ``workspace_bytes`` is checked against measured allocations in ``tests/test_memory.py``.
+The attention kernels (``attention.batchmax_attention`` and the baselines' SDPA or FlashAttention-2) own these
+numbers and the planner (``batchmax_tp.plan.planner``) predicts with them, so they live here, importable without
+torch or transformers. ``workspace_bytes`` and ``dense_workspace_bytes`` are checked against measured allocations
+in ``tests/test_memory.py``.
 """
 
 from __future__ import annotations
@@ -114,18 +115,79 @@ def probe_workspace_bytes(batch: int, q_heads: int, kv_heads: int, window: int, 
 
 
 
+#: SDPA's memory-efficient CUDA kernel wants every stride of an additive mask but the last to be a multiple of this
+#: many elements; torch copies any other mask into rows padded to the next multiple (``preprocess_mask``). The CPU
+#: kernel reads the mask as it is.
+MASK_ALIGN = 8
+
+
+@functools.lru_cache(maxsize=4096)  # the baselines note one pass at a time: the shapes repeat
+def dense_workspace_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int, queries: int, slots: int,
+                          elem: int, *, padded: bool, impl: str = SDPA, real: int | None = None,
+                          align: bool = True) -> int:
+    """Peak bytes one forward pass of the baselines (FKV/ED, ``core.baseline``) allocates for attention above the
+    queries, keys, values and the cache: every tensor HF's attention function (``sdpa_attention_forward`` or
+    ``flash_attention_forward``) and the kernel's wrapper hold at the worst moment of a layer's call, the returned
+    output included, plus the 4D mask HF builds for the pass, which every layer's call finds held. The fused
+    kernel's own scratch (the CPU flash kernel's per-thread blocks, FlashAttention's split-KV accumulators) is not
+    counted. Checked against measured allocations in ``tests/test_memory.py`` (the CUDA alignment copy excepted).
+
+    ``queries`` x ``slots``: the pass's queries and the keys they attend over (a baseline's prefill is one block:
+    both the prompt; a decode step: 1 x the slots held); ``padded``: the pass gets a mask (held slots include a
+    pad); ``elem``: bytes per element of the model dtype; ``real`` (FlashAttention-2): the unmasked keys, the pairs
+    HF's varlen path gathers (``None``: all ``batch * slots``, an upper bound); ``align``: count the
+    memory-efficient CUDA kernel's copy of a mask whose rows are not ``MASK_ALIGN``-aligned (False: the CPU).
+
+    SDPA (``impl="sdpa"``): without a mask, ``is_causal`` and ``enable_gqa`` (no copies): the kernel's output and
+    its float32 log-sum-exp (the output takes the queries' memory layout, [B, n, Hq, D] as HF's projections are
+    viewed and transposed, so HF's transpose back is a view). With one (a padded prefill: HF's boolean [B, 1, n, L]; a decode step holding pads: a view of the cache's),
+    also GQA's ``repeat_kv`` copies of K and V (prefill; a decode step packs the query heads instead), the mask
+    converted to an additive one in the model dtype inside ``scaled_dot_product_attention``, and on CUDA its
+    aligned copy.
+
+    FlashAttention-2 (``impl="flash_attention_2"``): without a mask no copy (output and log-sum-exp). With one (a
+    2D mask: a padded prefill, or an FKV decode step while it holds prompt pads), HF's varlen path gathers the
+    unmasked keys and values -- a contiguous copy of the layer's K (then V) [B, L, Hkv, D] and its gathered
+    [real, Hkv, D] -- and, in prefill, the queries alike, with the int64 indices and int32 offsets; then the
+    kernel's output and log-sum-exp, and the output scattered back into a zeroed [B, n, Hq, D]. In a decode step
+    that is a copy of the whole layer's K and V every step.
+    """
+    B, Hq, Hkv, D, n, L, e = batch, q_heads, kv_heads, head_dim, queries, slots, elem
+    if impl == FLASH:
+        out, lse = e * B * n * Hq * D, 4 * B * Hq * n
+        if not padded:
+            return out + lse
+        if n not in (1, L):
+            raise ValueError(f"a baseline pass has one query or attends over its own block, not {n} over {L}")
+        nnz = B * L if real is None else real
+        idx = 8 * nnz + 4 * (B + 1)  # indices (int64) and offsets (int32) of the unmasked keys
+        copy, kept = e * B * L * Hkv * D, e * nnz * Hkv * D  # one of K/V: its contiguous copy, then gathered
+        steps = [idx + copy + kept, idx + kept + copy + kept]  # gathering K, then V
+        if n == 1:  # one query per row: offsets [0, B] (int32); the query is a view
+            base = idx + 2 * kept + 4 * (B + 1)
+            out_r = out
+        else:  # the queries are gathered like the keys
+            q_kept = e * nnz * Hq * D
+            steps.append(idx + 2 * kept + e * B * n * Hq * D + q_kept)
+            base = idx + 2 * kept + q_kept
+            out_r, lse = e * nnz * Hq * D, 4 * Hq * nnz
+        steps += [base + out_r + lse, base + out_r + out]  # the kernel's output; scattered into [B, n, Hq, D]
+        return max(steps)
+    if impl != SDPA:
+        raise ValueError(f"no workspace count for attention implementation {impl!r}")
+    out, lse = e * B * Hq * n * D, 4 * B * Hq * n  # the kernel's output and float32 log-sum-exp
+    if not padded:
+        return out + lse
+    held = B * n * L if n > 1 else 0  # HF's boolean [B, 1, n, L] mask (a decode step's is the cache's view)
+    repeat = 2 * e * B * Hq * L * D if n > 1 and Hq != Hkv else 0  # repeat_kv's K and V (decode: pack_gqa)
+    additive = e * B * n * L  # the boolean mask made additive in the model dtype
+    aligned = e * B * n * (L + MASK_ALIGN - L % MASK_ALIGN) if align and L % MASK_ALIGN else 0
+    return held + repeat + max(additive + aligned, (aligned or additive) + out + lse)
+
+
 def sdpa_workspace_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int, prompt_len: int,
                          dtype_bytes: int, padded: bool, impl: str = SDPA) -> int:
-    """Largest attention temporaries HF's SDPA path materialises beyond Q/K/V and the cache (an estimate).
-
-    Only a padded prompt's prefill allocates any: HF's boolean 4D mask ``[B, 1, s, s]`` and, since SDPA then
-    gets a mask, ``repeat_kv`` copies of one layer's keys and values for GQA. Unpadded prefill runs ``is_causal``
-    with ``enable_gqa``; decode steps use views (mask) and ``pack_gqa`` (no copy). The kernel's own scratch
-    (blockwise on the CPU flash, memory-efficient and FlashAttention kernels) is not counted; with
-    FlashAttention-2 (unpadded inputs) this returns 0.
-    """
-    if impl != SDPA or not padded or prompt_len < 2:
-        return 0
-    mask = batch * prompt_len * prompt_len  # [B, 1, s, s] bool
-    repeat = 2 * batch * q_heads * prompt_len * head_dim * dtype_bytes if q_heads != kv_heads else 0
-    return mask + repeat
+    """A baseline's prefill pass (``dense_workspace_bytes`` with queries = keys = ``prompt_len``); kept for
+    callers of the earlier name."""
+    return dense_workspace_bytes(batch, q_heads, kv_heads, head_dim, prompt_len, prompt_len, dtype_bytes,
+                                 padded=padded, impl=impl)

@@ -11,8 +11,10 @@ Three parts are counted:
   queries and output, the slot positions, the [B, n, Hq, D] result), bounded by the query chunking of
   ``core.workspace.SCORE_CHUNK_BYTES``. The attention reports the same count (``BatchMaxCache.peak_workspace_bytes``),
   and ``tests/test_memory.py`` holds both to the allocations measured on CPU (float32: equal, call by call) and,
-  on CUDA, to ``torch.cuda.max_memory_allocated``; for FKV/ED, which run on the model's SDPA
-  (``core.baseline``), ``core.workspace.sdpa_workspace_bytes``;
+  on CUDA, to ``torch.cuda.max_memory_allocated``; for FKV/ED, which run on the model's SDPA or FlashAttention-2
+  (``core.baseline``), ``core.workspace.dense_workspace_bytes`` of their largest pass (a padded prefill: HF's 4D
+  mask, its additive copy and GQA's K/V copies, or FlashAttention-2's gathered Q/K/V; an FKV decode step holding
+  pads: FlashAttention-2's copies of the layer's whole K/V), held to measured allocations the same way;
 - ``weights`` and ``activations``: the model's parameters (split by tensor parallelism) and an estimate of one
   forward's live activations; exact on no machine, checked against ``torch.cuda.max_memory_allocated`` on GPU.
 
@@ -33,10 +35,12 @@ from dataclasses import asdict, dataclass
 from ..core.method import Method
 from ..core.schedule import Phase, capacity, plan
 from ..core.workspace import (
+    FLASH,
+    SDPA,
     decode_workspace_bytes,
+    dense_workspace_bytes,
     probe_state_bytes,
     probe_workspace_bytes,
-    sdpa_workspace_bytes,
     workspace_bytes,
 )
 
@@ -126,9 +130,10 @@ def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_
     per_token = _per_token(shape, tp, nbytes)
     logits = batch * shape.vocab * 4
     weights = shape.weights_per_rank(tp) * nbytes
-    if method.name != "bm":  # FKV/ED run on the model's SDPA with a DenseCache (core.baseline): no score
-        # blocks, no per-slot bookkeeping; worst case a padded batch (HF's prefill mask, FKV's decode mask).
-        workspace = sdpa_workspace_bytes(batch, q_heads, kv_heads, shape.head_dim, prompt_len, nbytes, padded=True)
+    if method.name != "bm":  # FKV/ED run on the model's SDPA or FlashAttention-2 with a DenseCache
+        # (core.baseline): no score blocks, no per-slot bookkeeping; worst case a padded batch (HF's prefill mask,
+        # FKV's decode mask).
+        workspace = baseline_workspace(shape, method, batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype)
         slot_meta = batch * cap if method.name == "fkv" and max_new_tokens > 1 else 0
         activations = batch * prompt_len * per_token + logits
         return MemoryEstimate(kv, workspace, weights, activations, slot_meta)
@@ -143,6 +148,29 @@ def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_
                        decode_workspace_bytes(batch, q_heads, kv_heads, decode_slots, shape.head_dim, nbytes), 0))
     activations, workspace, transient = max(passes, key=sum)
     return MemoryEstimate(kv, workspace, weights, activations, held + transient)
+
+
+def baseline_workspace(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_new_tokens: int, *,
+                       tp: int = 1, dtype: str = "float32", padded: bool = True,
+                       impls: tuple[str, ...] | None = None) -> int:
+    """The largest attention workspace per rank of an FKV/ED pass (``core.workspace.dense_workspace_bytes``): the
+    prefill (one block over the prompt) or a decode step (FKV's last: over prompt + generation, the prompt's pads
+    still held when ``padded``; ED's: no pad left after its first eviction). ``impls``: the attention
+    implementations the run may get (``core.baseline.fastest_attention``); default SDPA, and FlashAttention-2 too in a
+    half dtype. ``padded``: a left-padded batch, the worst case (FlashAttention-2 counted as if every pair were real,
+    an upper bound); False: no pad, no mask."""
+    nbytes = DTYPE_BYTES[dtype]
+    q_heads, kv_heads = shape.local_heads(tp)
+    if impls is None:
+        impls = (SDPA, FLASH) if nbytes == 2 else (SDPA,)
+    passes = [(prompt_len, prompt_len, padded)]  # (queries, slots, masked)
+    if max_new_tokens > 1:
+        if method.name == "fkv":
+            passes.append((1, capacity(method, prompt_len, max_new_tokens), padded))
+        else:
+            passes.append((1, min(method.kv_max, prompt_len + 1), False))
+    return max(dense_workspace_bytes(batch, q_heads, kv_heads, shape.head_dim, n, slots, nbytes, padded=masked,
+                                     impl=impl) for impl in impls for n, slots, masked in passes)
 
 
 def _per_token(shape: ModelShape, tp: int, nbytes: int) -> int:
@@ -203,7 +231,9 @@ def predict_pool(shape: ModelShape, method: Method, slots: int, prompt_len: int,
     if method.name != "bm":
         if method.name == "ed":
             kv += 2 * L * kv_heads * prompt_len * D * nbytes  # the staging cache of the slot being prefilled
-        prefill = (prompt_len * per_token + shape.vocab * 4, 0, 0)  # unpadded, causal SDPA: no mask, no copies
+        # A slot's prefill: unpadded, causal SDPA (the "batchmax" attention hands it over): no mask, no K/V copies.
+        prefill = (prompt_len * per_token + shape.vocab * 4,
+                   dense_workspace_bytes(1, q_heads, kv_heads, D, prompt_len, prompt_len, nbytes, padded=False), 0)
         activations, workspace, _ = max(prefill, decode, key=sum)
         return MemoryEstimate(kv, workspace, weights, activations, 0)
     phases = plan(method, prompt_len, 1)
