@@ -184,10 +184,3 @@ def dense_workspace_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int
     aligned = e * B * n * (L + MASK_ALIGN - L % MASK_ALIGN) if align and L % MASK_ALIGN else 0
     return held + repeat + max(additive + aligned, (aligned or additive) + out + lse)
 
-
-def sdpa_workspace_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int, prompt_len: int,
-                         dtype_bytes: int, padded: bool, impl: str = SDPA) -> int:
-    """A baseline's prefill pass (``dense_workspace_bytes`` with queries = keys = ``prompt_len``); kept for
-    callers of the earlier name."""
-    return dense_workspace_bytes(batch, q_heads, kv_heads, head_dim, prompt_len, prompt_len, dtype_bytes,
-                                 padded=padded, impl=impl)
