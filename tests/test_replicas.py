@@ -245,12 +245,12 @@ def whole(tmp_path_factory, tiny_checkpoint) -> Path:
 
 
 @pytest.mark.skipif(tool("torchrun") is None, reason="torchrun is not installed")
-@pytest.mark.parametrize("victim, sig", [(1, signal.SIGSTOP), (0, signal.SIGKILL)],
-                         ids=["replica1-hung-or-lost-node", "replica0-rank0-killed"])
+@pytest.mark.parametrize("victim, sig", [(1, signal.SIGSTOP)], ids=["replica1-hung-or-lost-node"])
 def test_a_dead_replica_ends_the_job_and_the_rerun_completes_only_what_is_missing(tmp_path, tiny_checkpoint, whole,
                                                                                  victim, sig):
-    """SIGKILL: no handler runs, its torchrun exits. SIGSTOP: a hung rank or a lost node, whose sockets stay open and
-    whose torchrun waits forever (before the watchdog, the other replica waited in the 4-hour result gather)."""
+    """SIGSTOP: a hung rank or a lost node, whose sockets stay open and whose torchrun waits forever (before the
+    watchdog, the other replica waited in the 4-hour result gather). (victim 0, SIGKILL: rank 0 and the store it
+    hosts gone, ran by hand: the other node exits in ~2 s; its watchdog is tested on a store that goes away above.)"""
     out = tmp_path / "dead"
     procs = launch_nodes(tiny_checkpoint, out)
     deadline = time.monotonic() + 120

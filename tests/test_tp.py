@@ -51,11 +51,8 @@ FAMILIES = {
 
 
 def make_model(embedded: bool | str):
-    """``True``: the embedded model; ``False``: the 9/3 GQA Llama; a family name: that tiny model."""
-    if embedded is True:
-        from batchmax_tp.models import load_model
-
-        return load_model()[0]
+    """``False``: the 9/3 GQA Llama (the embedded model's heads); a family name: that tiny model; ``arch:NAME``: that
+    architecture with random weights."""
     if isinstance(embedded, str) and embedded.startswith("arch:"):
         from batchmax_tp.models import load_model
 
@@ -66,15 +63,7 @@ def make_model(embedded: bool | str):
 
 
 def prompt_batch(embedded: bool | str, replica: int = 0):
-    if embedded is not True:
-        return batch(seed=replica)
-    from batchmax_tp.models import load_model
-    from batchmax_tp.eval.run import encode_prompts
-    from batchmax_tp.eval.tasks import default_fixture_path, load_jsonl
-
-    tok = load_model()[1]
-    texts = [s.prompt[:500] for s in load_jsonl(default_fixture_path())[:2]]
-    return encode_prompts(tok, texts)
+    return batch(seed=replica)
 
 
 def count_collectives() -> dict[str, int]:
@@ -223,13 +212,6 @@ def test_dp2_tp2_each_replica_matches_single_process(tmp_path):
         single = single_process(methods, replica=replica)
         assert_matches_single(ranks[2 * replica : 2 * replica + 2], single, "bm", 2)
     assert not torch.equal(ranks[0]["bm"]["tokens"], ranks[2]["bm"]["tokens"]), "replicas got the same data"
-
-
-def test_tp3_embedded_model(tmp_path):
-    methods = [Method("bm", kv_max=64, p=16)]
-    ranks = run_tp(tmp_path, 3, 3, methods, new=20, embedded=True)
-    single = single_process(methods, new=20, embedded=True)
-    assert_matches_single(ranks, single, "bm", 3)
 
 
 def test_killed_rank_ends_the_job_quickly(tmp_path):
