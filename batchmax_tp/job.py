@@ -44,7 +44,7 @@ from .core.method import Method, min_kv_max
 from .eval import procedures, replicas, results, tasks
 from .eval.files import atomic_write_text
 from .eval.report import write_report
-from .eval.run import (Collectives, RankOutOfMemory, evaluate_run, fill_samples, longest_prompt, model_shape,
+from .eval.run import (Collectives, RankOutOfMemory, error_line, evaluate_run, fill_samples, longest_prompt, model_shape,
                        warm_up, write_config)
 from .plan.budget import (STORY_FKV_BATCH, STORY_MAX_PROMPTS, RunSpec, fmt_bytes, paper_specs, planned_dtype,
                           same_memory_plan, story_methods)
@@ -197,7 +197,7 @@ def run(cfg: RunConfig, argv: Sequence[str] | None) -> int:
         # Every rank is done (or failed the same check) before any leaves: rank 0's process may host the store.
         comm.barrier()
     except BaseException as err:  # noqa: BLE001 - any failure: tell every rank, then leave at once
-        comm.fail(f"{type(err).__name__}: {' '.join(str(err).split())[:200]}")
+        comm.fail(error_line(err))
         if isinstance(err, RankOutOfMemory):
             print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -115,3 +116,20 @@ def assert_kept_equal(got, want, what="kept positions"):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run with -m cuda on a GPU machine")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    """A tiny random Llama (the embedded tokenizer's vocabulary) saved with that tokenizer."""
+    from transformers import AutoTokenizer
+
+    from batchmax_tp.models import embedded_model_dir, tiny_random_model
+
+    folder = tmp_path_factory.mktemp("tiny-lm")
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    model = tiny_random_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096,
+                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id, **PEAKED)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

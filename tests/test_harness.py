@@ -42,21 +42,6 @@ CONTEXTS = [
 CHOICES = [[" Pepper", " Rex the dog", " Max"], [" Rotterdam", " the city of Lyon"], [" seventeen", " eighteen"]]
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> str:
-    """A tiny random Llama (the embedded tokenizer's vocabulary) saved with that tokenizer."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-lm")
-    tokenizer = AutoTokenizer.from_pretrained(models.embedded_model_dir())
-    model = models.tiny_random_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096,
-                                     pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                                     eos_token_id=tokenizer.eos_token_id, **PEAKED)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 def ll_requests(contexts=CONTEXTS, choices=CHOICES) -> list[Instance]:
     return [Instance("loglikelihood", {}, (c, x), i) for i, (c, xs) in enumerate(zip(contexts, choices)) for x in xs]
 

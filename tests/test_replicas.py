@@ -24,7 +24,6 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from batchmax_tp import models
 from batchmax_tp.config import RunConfig
 from batchmax_tp.eval import merge, results
 from batchmax_tp.eval import run as runner
@@ -186,20 +185,6 @@ def test_merge_py_merges_complete_runs_and_names_the_rest(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------- a killed replica, end to end
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> str:
-    """A tiny random Llama with the embedded tokenizer (loads in a second)."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-ckpt")
-    tokenizer = AutoTokenizer.from_pretrained(models.embedded_model_dir())
-    model = models.tiny_random_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 def launch_nodes(checkpoint: str, out: Path) -> list[subprocess.Popen]:
     """Two torchrun "nodes" of one rank each (static rendezvous): replica 0 on node 0, replica 1 on node 1."""
     exe = tool("torchrun")
@@ -236,23 +221,23 @@ def shard_lines(out: Path, replica: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory, tiny_checkpoint) -> Path:
+def whole(tmp_path_factory, tiny_dir) -> Path:
     """The uninterrupted run of 2 replicas."""
     out = tmp_path_factory.mktemp("whole") / "out"
-    for code, _, err in finish(launch_nodes(tiny_checkpoint, out)):
+    for code, _, err in finish(launch_nodes(tiny_dir, out)):
         assert code == 0, err[-4000:]
     return out
 
 
 @pytest.mark.skipif(tool("torchrun") is None, reason="torchrun is not installed")
 @pytest.mark.parametrize("victim, sig", [(1, signal.SIGSTOP)], ids=["replica1-hung-or-lost-node"])
-def test_a_dead_replica_ends_the_job_and_the_rerun_completes_only_what_is_missing(tmp_path, tiny_checkpoint, whole,
+def test_a_dead_replica_ends_the_job_and_the_rerun_completes_only_what_is_missing(tmp_path, tiny_dir, whole,
                                                                                  victim, sig):
     """SIGSTOP: a hung rank or a lost node, whose sockets stay open and whose torchrun waits forever (before the
     watchdog, the other replica waited in the 4-hour result gather). (victim 0, SIGKILL: rank 0 and the store it
     hosts gone, ran by hand: the other node exits in ~2 s; its watchdog is tested on a store that goes away above.)"""
     out = tmp_path / "dead"
-    procs = launch_nodes(tiny_checkpoint, out)
+    procs = launch_nodes(tiny_dir, out)
     deadline = time.monotonic() + 120
     while len(shard_lines(out, victim)) < 2:  # the victim has finished two of its three batches
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run ended too early"
@@ -272,7 +257,7 @@ def test_a_dead_replica_ends_the_job_and_the_rerun_completes_only_what_is_missin
     assert len(kept[victim]) >= 2 and kept[1 - victim], kept  # every finished batch of both replicas is on disk
     assert not (out / RUN / results.SUMMARY_FILE).exists()
 
-    for code, _, err in finish(launch_nodes(tiny_checkpoint, out)):
+    for code, _, err in finish(launch_nodes(tiny_dir, out)):
         assert code == 0, err[-4000:]
     for r in range(2):  # the batches finished before the kill were not run again: their lines are unchanged
         assert shard_lines(out, r)[: len(kept[r])] == kept[r]

@@ -23,25 +23,24 @@ logger = logging.getLogger(__name__)
 __all__ = ["main", "merge_out"]
 
 
-def _merge_one(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(summary, None) for a run whose shards hold every batch (merged now unless it has its summary), else
-    (None, why)."""
-    finished = results.read_summary(folder)
-    if finished is not None:
-        return finished, None
+def _merge_one(folder: Path) -> str | None:
+    """Merge a run whose shards hold every batch (unless it has its summary already); else why not."""
+    if results.read_summary(folder) is not None:
+        return None
     parts = results.read_parts(folder)
     heads = [p["head"] for p in parts if p["head"] is not None]
     if not heads:
-        return None, f"{folder.name}: no replica shard with its {results.HEAD_FILE}"
+        return f"{folder.name}: no replica shard with its {results.HEAD_FILE}"
     head = heads[0]
     done = {int(b["batch"]) for p in parts for b in p["batches"]}
     total = len(head["batch_ids"])
     if len(done) < total:
-        return None, (f"{folder.name}: {len(done)} of {total} batches done; run the same command again to "
-                      "complete the missing ones")
+        return (f"{folder.name}: {len(done)} of {total} batches done; run the same command again to complete "
+                "the missing ones")
     if any(folder.glob("oom-rank*.json")):
-        return None, f"{folder.name}: a rank ran out of memory; run the same command again to record its OOM row"
-    return results.merge_run(folder, head, parts, head["settings"]["metric"]), None
+        return f"{folder.name}: a rank ran out of memory; run the same command again to record its OOM row"
+    results.merge_run(folder, head, parts, head["settings"]["metric"])
+    return None
 
 
 def merge_out(out: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
@@ -50,7 +49,7 @@ def merge_out(out: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     out = Path(out)
     summaries, problems = [], []
     for folder in sorted({p.parent.parent for p in out.glob(f"*/replica*/{results.HEAD_FILE}")}):
-        problem = _merge_one(folder)[1]
+        problem = _merge_one(folder)
         if problem is not None:
             problems.append(problem)
     for path in sorted(out.glob(f"*/{results.SUMMARY_FILE}")):

@@ -27,8 +27,8 @@ from ..plan.planner import ModelShape
 from ..plan.tuner import Trial, divisor_batches, kv_grid, tune
 from .files import atomic_write_text, utc_now
 from .report import write_report
-from .run import (Collectives, EncodeFn, GenerateFn, RankOutOfMemory, encode_prompts, evaluate_run, free_memory,
-                  is_oom)
+from .run import (Collectives, EncodeFn, GenerateFn, RankOutOfMemory, encode_prompts, error_line, evaluate_run,
+                  free_memory, is_oom)
 from .tasks import Sample, prompt_ids
 
 if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
@@ -96,7 +96,7 @@ def b0_trials(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
         except Exception as err:  # only out-of-memory is a verdict; the rest re-raises
             if not is_oom(err):
                 raise
-            error = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+            error = error_line(err)
         del input_ids, attention_mask
         if error is None and peak is not None and budget is not None and peak > budget:
             error = (f"over the memory budget: peak {fmt_bytes(peak)} ({peak} bytes) > memory_budget "

@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its
 logger = logging.getLogger(__name__)
 
 __all__ = ["BatchOutput", "Collectives", "RankOutOfMemory", "batched", "free_memory", "budget_fields", "cut_at_eos",
-           "encode_prompts", "evaluate_run", "fill_samples", "generate_batch", "is_oom", "longest_prompt",
+           "encode_prompts", "error_line", "evaluate_run", "fill_samples", "generate_batch", "is_oom", "longest_prompt",
            "model_shape", "run_settings", "warm_up", "write_config"]
 
 T = TypeVar("T")
@@ -98,7 +98,7 @@ def free_memory(device: torch.device | None) -> None:
 
 class Collectives:
     """The meetings of a multi-process run, over the launcher's store (``eval.replicas``), never in a collective
-    that waits for a dead rank: ``broadcast``/``gather``/``last_decides`` among every rank, ``replica_share`` and
+    that waits for a dead rank: ``broadcast``/``barrier``/``last_decides`` among every rank, ``replica_share`` and
     ``replica_gather`` among this replica's tensor-parallel ranks. No-ops in one process (no ``layout``)."""
 
     def __init__(self, layout: Layout | None = None, store: dist.Store | None = None,
@@ -111,9 +111,6 @@ class Collectives:
 
     def broadcast(self, obj: T) -> T:
         return obj if self.world == 1 else self.all.broadcast(obj)
-
-    def gather(self, obj: T) -> list[T] | None:
-        return [obj] if self.world == 1 else self.all.gather(obj)
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -450,10 +447,10 @@ def evaluate_run(
         bar.close()
     part = None
     if lead:
-        part = {"replica": replica, "head": head(), "started_at": started_at, "wall_s": time.perf_counter() - start,
-                "stop": stop}
+        part = {"replica": replica, "started_at": started_at, "wall_s": time.perf_counter() - start, "stop": stop}
         if dp > 1:
             atomic_write_text(shard.folder / results.DONE_FILE, _json(part))
+        part["head"] = head()
         part["samples"], part["batches"] = shard.load(batch_ids)
     summary = comm.last_decides(part, lambda parts: _merge(folder, parts, cfg))
     return summary if is_main else None
@@ -495,7 +492,8 @@ def _merge(folder: Path, parts: list[dict[str, Any] | None], cfg: RunConfig) -> 
     return summary
 
 
-def _oom_message(err: BaseException) -> str:
+def error_line(err: BaseException) -> str:
+    """An exception as one line: its type and its message, whitespace folded, at most 300 characters."""
     return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
 
 
@@ -523,7 +521,7 @@ def _run_batches(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, bat
         except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
             if not is_oom(err):
                 raise
-            error = _oom_message(err)
+            error = error_line(err)
         if error is not None:
             # Outside the handler: the exception (and the frames holding the batch's tensors) is gone.
             if comm.world > 1:
@@ -603,7 +601,7 @@ def _serve_replica(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
     except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
         if not is_oom(err):
             raise
-        error = _oom_message(err)
+        error = error_line(err)
     if error is not None and comm.world > 1:
         _end_on_oom(folder, layout, comm, spec, error, -1)
     return error
