@@ -6,8 +6,7 @@ setup(
     name="batchmax_tp",
     version="0.1.0",
     description=(
-        "Batch-Max: higher LLM throughput with larger batch sizes and KV-cache compression during prefill "
-        "and decoding"
+        "Batch-Max: higher LLM throughput with larger batch sizes and KV-cache compression during prefill and decoding"
     ),
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
@@ -29,7 +28,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "lm-eval>=0.4.13,<0.5"],
+        "test": ["pytest", "ruff", "lm-eval>=0.4.13,<0.5"],  # ruff: lint + format check (pyproject.toml)
         "mpi": ["mpi4py"],
         "lm_eval": ["lm-eval>=0.4.13,<0.5"],  # the ``batchmax`` model for lm-evaluation-harness (batchmax_tp.harness)
     },

@@ -16,8 +16,9 @@ import dataclasses
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -52,7 +53,8 @@ SCHEDULERS = ("static", "continuous")  #: how prompts share the model's passes (
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 #: Keys of one entry of ``runs`` (``rule``: BM's eviction rule for that run; default the config's ``rule``).
 RUN_KEYS = ("method", "batch_size", "kv_max", "rule")
-#: ``procedure`` values: the paper's batch-size procedure (section 4.1) and the auto-tuner (``batchmax_tp.eval.procedures``).
+#: ``procedure`` values: the paper's batch-size procedure (section 4.1) and the auto-tuner
+#: (``batchmax_tp.eval.procedures``).
 PROCEDURES = ("paper", "tune")
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -72,8 +74,13 @@ EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 
 
 #: The python types a setting's annotation names (``float`` settings take ints too; bool is never an int here).
-_BASE_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
-                                            "list": (list,)}
+_BASE_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "list": (list,),
+}
 
 
 def _field_types(annotation: str) -> tuple[tuple[type, ...], bool]:
@@ -86,9 +93,14 @@ def _field_types(annotation: str) -> tuple[tuple[type, ...], bool]:
 #: Lowest value of each integer setting, and what null means where it is allowed (top_k 0 = disabled, setup_timeout
 #: in seconds).
 _LOWEST: dict[str, tuple[int, str | None]] = {
-    "batch_size": (1, None), "max_new_tokens": (1, None), "num_samples": (1, "all"),
-    "kv_max": (1, "per-method default"), "top_k": (0, None), "tp_size": (1, "the world size"),
-    "dp_size": (1, "world size / tp_size"), "setup_timeout": (1, None),
+    "batch_size": (1, None),
+    "max_new_tokens": (1, None),
+    "num_samples": (1, "all"),
+    "kv_max": (1, "per-method default"),
+    "top_k": (0, None),
+    "tp_size": (1, "the world size"),
+    "dp_size": (1, "world size / tp_size"),
+    "setup_timeout": (1, None),
     "prefill_budget": (1, "no limit"),
 }
 
@@ -138,7 +150,9 @@ class RunConfig:
     top_p: float = 1.0
     log_level: str = "INFO"
     tp_size: int | None = None  #: ranks per tensor-parallel group; null = the world size; dp = world / tp_size
-    dp_size: int | None = None  #: data-parallel replicas; null = world / tp_size (a value must equal it: the resume key)
+    dp_size: int | None = (
+        None  #: data-parallel replicas; null = world / tp_size (a value must equal it: the resume key)
+    )
     setup_timeout: int = 1800  #: seconds the ranks may wait for each other while loading and setting up
     #: FKV, ED, BM and BM with the best rule, each at its largest batch within FKV's memory at batch 4 (not for
     #: sweeps); null = only for a plain ``python launch/run.py`` without arguments
@@ -225,8 +239,9 @@ class RunConfig:
         try:
             story_methods({"ed": self.kv_max_for("ed"), "bm": self.kv_max_for("bm")}, self.p, self.rule)
         except ValueError as err:
-            raise ConfigError("kv_max", f"the same-memory run (FKV, ED, BM, BM with the best rule) cannot use it: "
-                              f"{err}") from None
+            raise ConfigError(
+                "kv_max", f"the same-memory run (FKV, ED, BM, BM with the best rule) cannot use it: {err}"
+            ) from None
 
     def rule_for(self, method: str) -> str:
         """The eviction rule ``method`` runs with: ``rule`` for bm, the paper's (the only one) for ed/fkv."""
@@ -250,8 +265,9 @@ class RunConfig:
                 raise ConfigError("data", f"file not found: {self.data}")
         elif not os.path.isdir(self.data) and (os.path.exists(self.data) or not _HUB_ID_RE.match(self.data)):
             raise ConfigError(
-                "data", f"task {self.task} needs a hub id (owner/name) or a folder with train.jsonl and "
-                f"test.jsonl, got {self.data!r}"
+                "data",
+                f"task {self.task} needs a hub id (owner/name) or a folder with train.jsonl and "
+                f"test.jsonl, got {self.data!r}",
             )
 
     def _validate_budget(self) -> None:
@@ -261,8 +277,11 @@ class RunConfig:
         if self.procedure is not None and self.scheduler == "continuous":
             raise ConfigError("scheduler", f"procedure {self.procedure} plans static batches: use scheduler static")
         if self.procedure is not None and self.memory_budget is None:
-            raise ConfigError("memory_budget", f"procedure {self.procedure} needs a memory budget per rank "
-                              "(e.g. memory_budget: 24GiB or --memory-budget 24GiB)")
+            raise ConfigError(
+                "memory_budget",
+                f"procedure {self.procedure} needs a memory budget per rank "
+                "(e.g. memory_budget: 24GiB or --memory-budget 24GiB)",
+            )
         if not self.target > 0:
             raise ConfigError("target", f"must be > 0 (a fraction of FKV's metric, e.g. 0.95), got {self.target}")
         if self.kv_values is not None:
@@ -287,8 +306,11 @@ class RunConfig:
         except ValueError:
             value = None
         if value is None or value <= 0:
-            raise ConfigError("memory_budget", f"cannot read a positive byte size from {self.memory_budget!r} "
-                              "(examples: 24GiB, 512MiB, 1.5GB, 1000000)")
+            raise ConfigError(
+                "memory_budget",
+                f"cannot read a positive byte size from {self.memory_budget!r} "
+                "(examples: 24GiB, 512MiB, 1.5GB, 1000000)",
+            )
         return value
 
     # ------------------------------------------------------------------ tasks
@@ -329,8 +351,9 @@ class RunConfig:
         for i, entry in enumerate(self.runs):
             where = f"runs[{i}]"
             if not isinstance(entry, dict):
-                raise ConfigError(where, f"must be a mapping like {{method: bm, batch_size: 8, kv_max: 512}}, "
-                                  f"got {entry!r}")
+                raise ConfigError(
+                    where, f"must be a mapping like {{method: bm, batch_size: 8, kv_max: 512}}, got {entry!r}"
+                )
             for key in entry:
                 if key not in RUN_KEYS:
                     raise ConfigError(f"{where}.{key}", f"unknown key; a run has {', '.join(RUN_KEYS)}")
@@ -358,8 +381,15 @@ class RunConfig:
             try:
                 spec = RunSpec(Method(method, kv_max=kv_max, p=self.p, rule=rule), batch_size)
             except ValueError as err:
-                key = ("method" if "unknown method" in str(err) else "p" if str(err).startswith("p ")
-                       else "rule" if "rule" in str(err) and "protects" not in str(err) else "kv_max")
+                key = (
+                    "method"
+                    if "unknown method" in str(err)
+                    else "p"
+                    if str(err).startswith("p ")
+                    else "rule"
+                    if "rule" in str(err) and "protects" not in str(err)
+                    else "kv_max"
+                )
                 raise ConfigError(f"{where}.{key}", str(err)) from None
             if spec.name in names:
                 raise ConfigError(where, f"the same run as runs[{names[spec.name]}] ({spec.name})")
@@ -425,12 +455,12 @@ class RunConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> "RunConfig":
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> RunConfig:
         """Build from a YAML-style mapping (unknown keys rejected; ``method: bm`` is accepted for one method)."""
         return cls(**_normalise_mapping(data, source))
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> "RunConfig":
+    def from_yaml(cls, path: str | os.PathLike) -> RunConfig:
         return cls.from_dict(load_yaml(path), source=str(path))
 
 
@@ -555,65 +585,134 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
         metavar="{bm,ed,fkv}",
         help="method to run; repeat (or comma-separate) for several (default: fkv, ed, bm)",
     )
-    p.add_argument("--rule", metavar="NAME",
-                   help="BM's eviction rule (default paper; --list-rules names them; parameters as "
-                   "NAME:key=value,..., e.g. snapkv:window=64)")
+    p.add_argument(
+        "--rule",
+        metavar="NAME",
+        help="BM's eviction rule (default paper; --list-rules names them; parameters as "
+        "NAME:key=value,..., e.g. snapkv:window=64)",
+    )
     p.add_argument("--list-rules", nargs=0, action=_ListRules, help="print the eviction rule names and exit")
-    p.add_argument("--kv-max", type=_int_or_null, metavar="N|null",
-                   help="bm/ed KV pairs per (sample, KV head) (default null: bm 512, ed 2)")
+    p.add_argument(
+        "--kv-max",
+        type=_int_or_null,
+        metavar="N|null",
+        help="bm/ed KV pairs per (sample, KV head) (default null: bm 512, ed 2)",
+    )
     p.add_argument("--p", type=int, metavar="N", help="BM eviction amount / prefill block (default 64)")
     p.add_argument("--batch-size", type=int, metavar="N", help="samples per batch (default 4)")
     p.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate per sample (default 64)")
-    _bool_flag(p, "ignore-eos", "always generate --max-new-tokens, past EOS (default; throughput runs)",
-               "stop a sample at its first EOS")
+    _bool_flag(
+        p,
+        "ignore-eos",
+        "always generate --max-new-tokens, past EOS (default; throughput runs)",
+        "stop a sample at its first EOS",
+    )
     p.add_argument("--data", metavar="JSONL", help="samples file (default: the embedded fixture)")
-    p.add_argument("--num-samples", type=_int_or_null, metavar="N|null",
-                   help="use N samples drawn with --seed (the same for every run), kept in file order (default "
-                   "null: all)")
+    p.add_argument(
+        "--num-samples",
+        type=_int_or_null,
+        metavar="N|null",
+        help="use N samples drawn with --seed (the same for every run), kept in file order (default null: all)",
+    )
     p.add_argument("--out", metavar="DIR", help="output directory (default results/main)")
-    p.add_argument("--dtype", metavar="|".join(DTYPES),
-                   help="model dtype (default auto: float32 on CPU; on CUDA float16 for a float16 checkpoint, else "
-                   "bfloat16 on GPUs of compute capability >= 8.0 and float16 below)")
-    p.add_argument("--device", metavar="auto|cpu|cuda|cuda:N",
-                   help="default auto = cuda if available (multi-process runs: the local rank's GPU)")
+    p.add_argument(
+        "--dtype",
+        metavar="|".join(DTYPES),
+        help="model dtype (default auto: float32 on CPU; on CUDA float16 for a float16 checkpoint, else "
+        "bfloat16 on GPUs of compute capability >= 8.0 and float16 below)",
+    )
+    p.add_argument(
+        "--device",
+        metavar="auto|cpu|cuda|cuda:N",
+        help="default auto = cuda if available (multi-process runs: the local rank's GPU)",
+    )
     p.add_argument("--seed", type=int, metavar="N", help="random seed (default 0)")
-    _bool_flag(p, "do-sample", "sample (--temperature, --top-k, --top-p) instead of greedy decoding",
-               "greedy decoding (default)")
-    _bool_flag(p, "same-memory", "run FKV, ED, BM and BM with the best rule each at its largest batch within FKV's "
-               "memory at batch 4 (default: only a plain run without arguments)",
-               "run the methods (or runs) as given, at --batch-size")
+    _bool_flag(
+        p,
+        "do-sample",
+        "sample (--temperature, --top-k, --top-p) instead of greedy decoding",
+        "greedy decoding (default)",
+    )
+    _bool_flag(
+        p,
+        "same-memory",
+        "run FKV, ED, BM and BM with the best rule each at its largest batch within FKV's "
+        "memory at batch 4 (default: only a plain run without arguments)",
+        "run the methods (or runs) as given, at --batch-size",
+    )
     p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default 1.0)")
     p.add_argument("--top-k", type=int, metavar="K", help="top-k sampling, 0 = off (default 0)")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling, 1.0 = off (default 1.0)")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ... (default INFO)")
-    p.add_argument("--tp-size", type=_int_or_null, metavar="N|null",
-                   help="tensor-parallel ranks per model replica (default null: every process of the launch splits "
-                   "one model); data-parallel replicas = world size / N")
-    p.add_argument("--dp-size", type=_int_or_null, metavar="N|null",
-                   help="data-parallel replicas (default null: world size / tp_size); a value must equal it")
-    p.add_argument("--setup-timeout", type=int, metavar="S",
-                   help="seconds ranks wait for each other while loading (default 1800); generation collectives "
-                   "time out after 60 s")
-    p.add_argument("--task", metavar="|".join(TASK_NAMES),
-                   help="jsonl (--data = a JSONL file; default) or a paper task (--data = hub id or folder)")
-    p.add_argument("--num-shots", type=_int_or_null, metavar="N|null",
-                   help="few-shot examples (default null: CNN/DM 1, NarrativeQA 2, GSM8K 16)")
-    p.add_argument("--max-input-tokens", type=_int_or_null, metavar="N|null",
-                   help="cut paper-task prompts to N tokens, in the document only (default 3584)")
+    p.add_argument(
+        "--tp-size",
+        type=_int_or_null,
+        metavar="N|null",
+        help="tensor-parallel ranks per model replica (default null: every process of the launch splits "
+        "one model); data-parallel replicas = world size / N",
+    )
+    p.add_argument(
+        "--dp-size",
+        type=_int_or_null,
+        metavar="N|null",
+        help="data-parallel replicas (default null: world size / tp_size); a value must equal it",
+    )
+    p.add_argument(
+        "--setup-timeout",
+        type=int,
+        metavar="S",
+        help="seconds ranks wait for each other while loading (default 1800); generation collectives "
+        "time out after 60 s",
+    )
+    p.add_argument(
+        "--task",
+        metavar="|".join(TASK_NAMES),
+        help="jsonl (--data = a JSONL file; default) or a paper task (--data = hub id or folder)",
+    )
+    p.add_argument(
+        "--num-shots",
+        type=_int_or_null,
+        metavar="N|null",
+        help="few-shot examples (default null: CNN/DM 1, NarrativeQA 2, GSM8K 16)",
+    )
+    p.add_argument(
+        "--max-input-tokens",
+        type=_int_or_null,
+        metavar="N|null",
+        help="cut paper-task prompts to N tokens, in the document only (default 3584)",
+    )
     p.add_argument("--metric", metavar="|".join(METRICS), help="default: the task's (jsonl: contains)")
-    p.add_argument("--memory-budget", type=_int_or_text, metavar="BYTES",
-                   help="peak memory per rank a run may need, e.g. 24GiB (planner prediction; over it = OOM row)")
-    p.add_argument("--procedure", type=_null_or_text, metavar="paper|tune|null",
-                   help="paper: the paper's b0 procedure (launch/sweep.py); tune: the auto-tuner (launch/tune.py)")
-    p.add_argument("--kv-values", type=_int_list, metavar="K1,K2,...|null",
-                   help="BM kv_max values the procedures try (default: multiples of 128 below the longest prompt)")
-    p.add_argument("--target", type=float, metavar="T",
-                   help="tune: BM's metric must reach T x FKV's (default 0.95)")
-    p.add_argument("--scheduler", metavar="|".join(SCHEDULERS),
-                   help="static: padded batches of --batch-size; continuous: --batch-size slots, each refilled as "
-                   "soon as its request ends (default static)")
-    p.add_argument("--prefill-budget", type=_int_or_null, metavar="N|null",
-                   help="continuous: prompt tokens prefilled between two decode steps (default null: no limit)")
+    p.add_argument(
+        "--memory-budget",
+        type=_int_or_text,
+        metavar="BYTES",
+        help="peak memory per rank a run may need, e.g. 24GiB (planner prediction; over it = OOM row)",
+    )
+    p.add_argument(
+        "--procedure",
+        type=_null_or_text,
+        metavar="paper|tune|null",
+        help="paper: the paper's b0 procedure (launch/sweep.py); tune: the auto-tuner (launch/tune.py)",
+    )
+    p.add_argument(
+        "--kv-values",
+        type=_int_list,
+        metavar="K1,K2,...|null",
+        help="BM kv_max values the procedures try (default: multiples of 128 below the longest prompt)",
+    )
+    p.add_argument("--target", type=float, metavar="T", help="tune: BM's metric must reach T x FKV's (default 0.95)")
+    p.add_argument(
+        "--scheduler",
+        metavar="|".join(SCHEDULERS),
+        help="static: padded batches of --batch-size; continuous: --batch-size slots, each refilled as "
+        "soon as its request ends (default static)",
+    )
+    p.add_argument(
+        "--prefill-budget",
+        type=_int_or_null,
+        metavar="N|null",
+        help="continuous: prompt tokens prefilled between two decode steps (default null: no limit)",
+    )
     # Passed by the deepspeed / torch.distributed launchers; accepted and ignored (LOCAL_RANK env is used).
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, help=S)
     return p

@@ -42,8 +42,12 @@ import torch.distributed as dist
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.models.utils import resolve_max_length
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+    resolve_max_length,
+)
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -185,8 +189,13 @@ class BatchMaxLM(TemplateLM):
             os.environ["LOCAL_RANK"] = str(self.layout.tp_rank)  # lm-eval reports where rank and LOCAL_RANK are 0
         self.batch_sizes: dict[int, int] = {}  # lm-eval copies these into its results ("batch_sizes")
         self.stats = defaultdict(float)
-        logger.info("batchmax: %s on %s (%s), %s", self.method.label(), self._device, self.dtype,
-                    f"world {self.layout.world} = dp {self.layout.dp} x tp {self.layout.tp}")
+        logger.info(
+            "batchmax: %s on %s (%s), %s",
+            self.method.label(),
+            self._device,
+            self.dtype,
+            f"world {self.layout.world} = dp {self.layout.dp} x tp {self.layout.tp}",
+        )
 
     # -- construction ------------------------------------------------------------------------------------------------
     @classmethod
@@ -205,8 +214,10 @@ class BatchMaxLM(TemplateLM):
     @staticmethod
     def _read_config(s: Settings):
         if s.pretrained.startswith(models.ARCH_PREFIX) and s.tokenizer is None:
-            raise ModelArgsError(f"model_args: pretrained={s.pretrained} has random weights and no tokenizer: "
-                                 f"name one with tokenizer=<model or folder>")
+            raise ModelArgsError(
+                f"model_args: pretrained={s.pretrained} has random weights and no tokenizer: "
+                f"name one with tokenizer=<model or folder>"
+            )
         try:
             return models.read_config(s.pretrained)
         except ValueError as err:
@@ -214,10 +225,12 @@ class BatchMaxLM(TemplateLM):
 
     def _load(self, s: Settings, config) -> None:
         tp = self.layout.tp
-        model, tokenizer = models.load_model(s.pretrained, dtype=self.dtype,
-                                             device="cpu" if tp > 1 else str(self._device))
-        self._model = parallel.apply_tensor_parallel(model, self.layout, getattr(torch, self.dtype),
-                                                     device=str(self._device))
+        model, tokenizer = models.load_model(
+            s.pretrained, dtype=self.dtype, device="cpu" if tp > 1 else str(self._device)
+        )
+        self._model = parallel.apply_tensor_parallel(
+            model, self.layout, getattr(torch, self.dtype), device=str(self._device)
+        )
         if s.tokenizer is not None:
             tokenizer = AutoTokenizer.from_pretrained(models.model_path(s.tokenizer))
         tokenizer.padding_side = "left"
@@ -231,8 +244,11 @@ class BatchMaxLM(TemplateLM):
             return None
         group = None
         for t in range(self.layout.tp):
-            g = dist.new_group(list(range(t, self.layout.world, self.layout.tp)), backend="gloo",
-                               timeout=datetime.timedelta(seconds=parallel.SETUP_TIMEOUT_S))
+            g = dist.new_group(
+                list(range(t, self.layout.world, self.layout.tp)),
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=parallel.SETUP_TIMEOUT_S),
+            )
             group = g if t == self.layout.tp_rank else group
         return group
 
@@ -269,11 +285,20 @@ class BatchMaxLM(TemplateLM):
         m = self.method
         wall = self.stats["prefill_s"] + self.stats["decode_s"]
         return {
-            "method": m.name, "kv_max": m.kv_max, "p": m.p, "rule": m.rule, "method_label": m.label(),
-            "memory_budget": self.settings.memory_budget, "model_dtype": self.dtype, "tp_size": self.layout.tp,
+            "method": m.name,
+            "kv_max": m.kv_max,
+            "p": m.p,
+            "rule": m.rule,
+            "method_label": m.label(),
+            "memory_budget": self.settings.memory_budget,
+            "model_dtype": self.dtype,
+            "tp_size": self.layout.tp,
             "model_num_parameters": sum(t.numel() for t in self._model.parameters()),
-            "batchmax": {**self.stats, "tokens_per_s": self.stats["tokens"] / wall if wall else 0.0,
-                         "requests_per_s": self.stats["requests"] / wall if wall else 0.0},
+            "batchmax": {
+                **self.stats,
+                "tokens_per_s": self.stats["tokens"] / wall if wall else 0.0,
+                "requests_per_s": self.stats["requests"] / wall if wall else 0.0,
+            },
         }
 
     def set_cache_hook(self, cache_hook) -> None:
@@ -282,8 +307,10 @@ class BatchMaxLM(TemplateLM):
         db = getattr(cache_hook, "dbdict", None)
         name = os.path.basename(getattr(db, "filename", "") or "")
         if db is not None and self.settings.fingerprint() not in name:
-            raise ModelArgsError(f"use_cache: lm-eval's cache ignores model_args, so its file must name the method: "
-                                 f"pass a path containing {self.settings.fingerprint()} (batchmax-lm-eval does)")
+            raise ModelArgsError(
+                f"use_cache: lm-eval's cache ignores model_args, so its file must name the method: "
+                f"pass a path containing {self.settings.fingerprint()} (batchmax-lm-eval does)"
+            )
         super().set_cache_hook(cache_hook)
 
     # -- distributed (replicas) --------------------------------------------------------------------------------------
@@ -292,8 +319,9 @@ class BatchMaxLM(TemplateLM):
             return tensor
         parts = [torch.zeros_like(tensor, device="cpu") for _ in range(self.layout.dp)]
         dist.all_gather(parts, tensor.cpu(), group=self._dp_group)
-        return torch.stack(parts).view(-1).to(tensor.device) if tensor.dim() == 0 else torch.cat(parts).to(
-            tensor.device)
+        return (
+            torch.stack(parts).view(-1).to(tensor.device) if tensor.dim() == 0 else torch.cat(parts).to(tensor.device)
+        )
 
     def gather_object(self, obj, dst: int = 0):
         if self._dp_group is None:
@@ -307,8 +335,9 @@ class BatchMaxLM(TemplateLM):
             dist.barrier(group=self._dp_group)
 
     # -- tokens ------------------------------------------------------------------------------------------------------
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs
+    ) -> list[int]:
         """As lm-eval's ``hf`` model: the tokenizer's own special tokens unless told, none before a leading BOS."""
         special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
         bos = self.tokenizer.bos_token
@@ -321,9 +350,12 @@ class BatchMaxLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
 
     # -- running -----------------------------------------------------------------------------------------------------
     def _slots(self, requests: Sequence[Request]) -> int:
@@ -336,11 +368,21 @@ class BatchMaxLM(TemplateLM):
             budget = self._budget()
             longest = max(len(r.input_ids) for r in requests)
             new = max(r.max_new_tokens for r in requests)
-            slots = max_slots(budget, self.shape, self.method, longest, new, tp=self.layout.tp, dtype=self.dtype,
-                              limit=self.settings.max_batch_size or DEFAULT_MAX_BATCH)
+            slots = max_slots(
+                budget,
+                self.shape,
+                self.method,
+                longest,
+                new,
+                tp=self.layout.tp,
+                dtype=self.dtype,
+                limit=self.settings.max_batch_size or DEFAULT_MAX_BATCH,
+            )
             if slots == 0:
-                raise ModelArgsError(f"model_args: memory_budget {self.settings.memory_budget or budget} cannot hold "
-                                     f"the weights and one {longest}-token request under {self.method.label()}")
+                raise ModelArgsError(
+                    f"model_args: memory_budget {self.settings.memory_budget or budget} cannot hold "
+                    f"the weights and one {longest}-token request under {self.method.label()}"
+                )
         slots = min(slots, len(requests))
         self.batch_sizes[len(self.batch_sizes)] = slots
         return slots
@@ -353,8 +395,16 @@ class BatchMaxLM(TemplateLM):
     def _serve(self, requests: list[Request], slots: int, bar: tqdm, **kwargs) -> list[RequestOutput]:
         """``core.serve`` on this replica's model; the run's time and tokens go into ``stats``."""
         start = time.perf_counter()
-        done = serve(self._model, requests, self.method, slots, pad_token_id=self.tokenizer.pad_token_id,
-                     on_finish=lambda i, out: bar.update(1), tp_group=self.tp_group, **kwargs)
+        done = serve(
+            self._model,
+            requests,
+            self.method,
+            slots,
+            pad_token_id=self.tokenizer.pad_token_id,
+            on_finish=lambda i, out: bar.update(1),
+            tp_group=self.tp_group,
+            **kwargs,
+        )
         self.stats["wall_s"] += time.perf_counter() - start
         self.stats["prefill_s"] += done.prefill_s
         self.stats["decode_s"] += done.decode_s
@@ -375,9 +425,10 @@ class BatchMaxLM(TemplateLM):
         items = []
         for _, context, continuation in requests:
             if not continuation or len(continuation) > self.max_length:
-                raise ValueError(f"a continuation of {len(continuation)} tokens cannot be scored with max_length "
-                                 f"{self.max_length}")
-            whole = (list(context) + list(continuation))[-(self.max_length + 1):]
+                raise ValueError(
+                    f"a continuation of {len(continuation)} tokens cannot be scored with max_length {self.max_length}"
+                )
+            whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
             items.append((tuple(whole[: len(whole) - len(continuation)]), tuple(continuation)))
         results: dict[tuple, tuple[float, bool]] = {}
         unique = list(dict.fromkeys(items))  # each (prompt, continuation) is scored once
@@ -407,9 +458,12 @@ class BatchMaxLM(TemplateLM):
         windows, owner = [], []
         for i, (string,) in enumerate(req.args for req in requests):
             tokens = self.tok_encode(string)
-            for context, continuation in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                    context_len=1)):
+            for context, continuation in map(
+                lm_utils.make_disjoint_window,
+                lm_utils.get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+                ),
+            ):
                 windows.append((None, context, continuation))
                 owner.append(i)
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
@@ -443,8 +497,7 @@ class BatchMaxLM(TemplateLM):
         sampling = _sampling(kwargs)
         if max_gen >= self.max_length:
             raise ValueError(f"max_gen_toks {max_gen} leaves no room for a prompt in max_length {self.max_length}")
-        prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_gen)
-                   for i in indices]
+        prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_gen) for i in indices]
         order = sorted(range(len(indices)), key=lambda j: -len(prompts[j]))  # longest first
         reqs = [Request(prompts[j], max_gen, seed=j) for j in order]
         window = max((len(self.tokenizer.encode(s, add_special_tokens=False)) for s in until), default=0) + 2
@@ -464,12 +517,18 @@ def _sampling(kwargs: dict) -> dict:
     """``serve``'s sampling arguments from lm-eval's normalised generation kwargs (greedy unless ``do_sample``)."""
     unknown = sorted(k for k in kwargs if k not in SAMPLING_KWARGS)
     if unknown:
-        raise ValueError(f"gen_kwargs: batchmax does not support {', '.join(unknown)} (it takes until, max_gen_toks, "
-                         f"{', '.join(SAMPLING_KWARGS)})")
+        raise ValueError(
+            f"gen_kwargs: batchmax does not support {', '.join(unknown)} (it takes until, max_gen_toks, "
+            f"{', '.join(SAMPLING_KWARGS)})"
+        )
     if not kwargs.get("do_sample"):
         return {}
-    return {"do_sample": True, "temperature": float(kwargs.get("temperature") or 1.0),
-            "top_k": int(kwargs.get("top_k") or 0), "top_p": float(kwargs.get("top_p") or 1.0)}
+    return {
+        "do_sample": True,
+        "temperature": float(kwargs.get("temperature") or 1.0),
+        "top_k": int(kwargs.get("top_k") or 0),
+        "top_p": float(kwargs.get("top_p") or 1.0),
+    }
 
 
 def _waves(groups: list[list[tuple]], slots: int) -> list[list[tuple]]:
@@ -517,7 +576,7 @@ def _rewrite_use_cache(argv: list[str]) -> list[str]:
     path = cache_path(_flag(argv, "--use_cache"), _flag(argv, "--model_args") or "")
     out = []
     skip = False
-    for k, arg in enumerate(argv):
+    for arg in argv:
         if skip:
             skip = False
             continue

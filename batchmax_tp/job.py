@@ -44,10 +44,27 @@ from .core.method import Method, min_kv_max
 from .eval import procedures, replicas, results, tasks
 from .eval.files import atomic_write_text
 from .eval.report import write_report
-from .eval.run import (Collectives, RankOutOfMemory, error_line, evaluate_run, fill_samples, longest_prompt, model_shape,
-                       warm_up, write_config)
-from .plan.budget import (STORY_FKV_BATCH, STORY_MAX_PROMPTS, RunSpec, fmt_bytes, paper_specs, planned_dtype,
-                          same_memory_plan, story_methods)
+from .eval.run import (
+    Collectives,
+    RankOutOfMemory,
+    error_line,
+    evaluate_run,
+    fill_samples,
+    longest_prompt,
+    model_shape,
+    warm_up,
+    write_config,
+)
+from .plan.budget import (
+    STORY_FKV_BATCH,
+    STORY_MAX_PROMPTS,
+    RunSpec,
+    fmt_bytes,
+    paper_specs,
+    planned_dtype,
+    same_memory_plan,
+    story_methods,
+)
 from .plan.planner import ModelShape, predict
 
 logger = logging.getLogger("batchmax_tp.run")
@@ -89,7 +106,11 @@ def _warm_up_methods(cfg: RunConfig, same_memory: bool) -> list[Method]:
         return story_methods({"ed": cfg.kv_max_for("ed"), "bm": cfg.kv_max_for("bm")}, cfg.p, cfg.rule)
     if cfg.procedure is not None:
         kv = cfg.kv_values[0] if cfg.kv_values else max(128, cfg.p + 64, min_kv_max(cfg.p, cfg.rule))
-        return [Method("fkv", p=cfg.p), Method("ed", kv_max=2, p=cfg.p), Method("bm", kv_max=kv, p=cfg.p, rule=cfg.rule)]
+        return [
+            Method("fkv", p=cfg.p),
+            Method("ed", kv_max=2, p=cfg.p),
+            Method("bm", kv_max=kv, p=cfg.p, rule=cfg.rule),
+        ]
     return list({s.method: None for s in cfg.run_specs()})
 
 
@@ -106,9 +127,11 @@ def _budget_cannot_hold_one_sample(cfg: RunConfig, model_config) -> str | None:
     least = predict(shape, Method("ed", kv_max=2, p=cfg.p), 1, 1, 1, tp=cfg.tp_size, dtype=planned_dtype(cfg.dtype))
     if least.total <= budget:
         return None
-    return (f"memory_budget: {fmt_bytes(budget)} per rank is below the {fmt_bytes(least.total)} that {cfg.model} needs "
-            f"for one sample of the smallest method (ED kv_max 2, {cfg.dtype}; {fmt_bytes(least.weights)} of it "
-            "weights): raise memory_budget or leave it unset")
+    return (
+        f"memory_budget: {fmt_bytes(budget)} per rank is below the {fmt_bytes(least.total)} that {cfg.model} needs "
+        f"for one sample of the smallest method (ED kv_max 2, {cfg.dtype}; {fmt_bytes(least.weights)} of it "
+        "weights): raise memory_budget or leave it unset"
+    )
 
 
 def run(cfg: RunConfig, argv: Sequence[str] | None) -> int:
@@ -117,8 +140,9 @@ def run(cfg: RunConfig, argv: Sequence[str] | None) -> int:
         cfg.device = resolve_device(cfg.device)
     except ValueError as err:
         return fail(f"device: {err}")
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     rank, world, local_rank = parallel.world_from_env()
     explicit_tp = cfg.tp_size is not None
     cfg.tp_size = parallel.resolve_tp_size(cfg.tp_size, world)
@@ -128,8 +152,10 @@ def run(cfg: RunConfig, argv: Sequence[str] | None) -> int:
             f"processes, e.g. torchrun --nproc_per_node {cfg.tp_size} launch/run.py --tp-size {cfg.tp_size} ..."
         )
     if cfg.dp_size is not None and cfg.dp_size != world // cfg.tp_size:
-        return fail(f"dp_size: {cfg.dp_size} set, but {world} processes at tp_size {cfg.tp_size} make "
-                    f"{world // cfg.tp_size} data-parallel replicas")
+        return fail(
+            f"dp_size: {cfg.dp_size} set, but {world} processes at tp_size {cfg.tp_size} make "
+            f"{world // cfg.tp_size} data-parallel replicas"
+        )
     cfg.dp_size = world // cfg.tp_size  # part of OUT/config.yaml: results are resumed only with the same replicas
     # The model's configuration alone (no weights): an unreadable model is one line here, and its KV heads and
     # dtype settle the layout before anything heavy happens.
@@ -166,8 +192,9 @@ def run(cfg: RunConfig, argv: Sequence[str] | None) -> int:
     else:
         source = cfg.data if cfg.data is not None else f"the bundled fixture {tasks.fixture_dir(cfg.task)}"
         try:
-            task_data = tasks.load_task(cfg.task, cfg.data, num_shots=cfg.num_shots, num_samples=cfg.num_samples,
-                                        seed=cfg.seed)
+            task_data = tasks.load_task(
+                cfg.task, cfg.data, num_shots=cfg.num_shots, num_samples=cfg.num_samples, seed=cfg.seed
+            )
         except Exception as err:  # noqa: BLE001 - datasets raises many kinds; all mean "cannot read the data"
             return fail(f"data: cannot load task {cfg.task} from {source}: {type(err).__name__}: {err}")
     same_memory = cfg.same_memory_for(argv)
@@ -226,9 +253,16 @@ def _report(cfg: RunConfig, summaries: list[dict], notes: list[str]) -> int:
     return 0
 
 
-def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | None,
-         task_data: tasks.TaskData | None, methods: list[Method], device: str, same_memory: bool,
-         comm: Collectives) -> int:
+def _run(
+    cfg: RunConfig,
+    layout: parallel.Layout,
+    samples: list[tasks.Sample] | None,
+    task_data: tasks.TaskData | None,
+    methods: list[Method],
+    device: str,
+    same_memory: bool,
+    comm: Collectives,
+) -> int:
     torch.manual_seed(cfg.seed)
     with _setup_stdout(layout.is_main):
         # Under tensor parallelism the checkpoint is read on the host and AutoTP moves only this rank's shard to
@@ -246,8 +280,10 @@ def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | 
             return fail(f"max_input_tokens: {err}")
     shape = model_shape(model)  # None for a model without a config (test doubles): no predictions
     if shape is None and (cfg.procedure is not None or same_memory):
-        return fail(f"model: {cfg.procedure or 'the same-memory run'} needs the model's configuration to plan "
-                    f"memory ({cfg.model})")
+        return fail(
+            f"model: {cfg.procedure or 'the same-memory run'} needs the model's configuration to plan "
+            f"memory ({cfg.model})"
+        )
     prompt_len = longest_prompt(tokenizer, samples) if shape is not None else None
 
     notes: list[str] = []
@@ -257,8 +293,9 @@ def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | 
             write_config(cfg.out, cfg)
         warm_up(model, tokenizer, samples, methods, cfg.seed)
         try:
-            info = procedures.run_tuner(model, tokenizer, samples, cfg, shape=shape, prompt_len=prompt_len,
-                                        layout=layout, comm=comm)
+            info = procedures.run_tuner(
+                model, tokenizer, samples, cfg, shape=shape, prompt_len=prompt_len, layout=layout, comm=comm
+            )
         except ValueError as err:
             return fail(str(err))  # the tuner's one-line verdicts (budget too small for FKV, no references)
         if layout.is_main:
@@ -268,25 +305,45 @@ def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | 
         fits = None
         if str(getattr(model, "device", "cpu")).startswith("cuda"):  # b0 by real trials; on CPU the planner's
             fits = procedures.b0_trials(model, tokenizer, samples, cfg, rank=layout.rank, world=layout.world)
-        specs, plan = paper_specs(shape, prompt_len, budget=cfg.budget_bytes(), max_new_tokens=cfg.max_new_tokens,
-                                  dtype=cfg.dtype, p=cfg.p, rule=cfg.rule, kv_values=cfg.kv_values,
-                                  num_samples=len(samples), tp=layout.tp, fits=fits)
+        specs, plan = paper_specs(
+            shape,
+            prompt_len,
+            budget=cfg.budget_bytes(),
+            max_new_tokens=cfg.max_new_tokens,
+            dtype=cfg.dtype,
+            p=cfg.p,
+            rule=cfg.rule,
+            kv_values=cfg.kv_values,
+            num_samples=len(samples),
+            tp=layout.tp,
+            fits=fits,
+        )
         if layout.is_main:
             atomic_write_text(Path(cfg.out) / "plan.json", json.dumps(plan, indent=2) + "\n")
         notes.append(plan["b0_note"])
     elif same_memory:
-        budget, plan = same_memory_plan(shape, methods, prompt_len, cfg.max_new_tokens, num_samples=len(samples),
-                                        budget_bytes=cfg.budget_bytes(), tp=layout.tp, dtype=cfg.dtype,
-                                        scheduler=cfg.scheduler)
+        budget, plan = same_memory_plan(
+            shape,
+            methods,
+            prompt_len,
+            cfg.max_new_tokens,
+            num_samples=len(samples),
+            budget_bytes=cfg.budget_bytes(),
+            tp=layout.tp,
+            dtype=cfg.dtype,
+            scheduler=cfg.scheduler,
+        )
         specs = [r.spec for r in plan]
-        extra = {r.spec: {"same_memory_budget_bytes": budget, "largest_fitting_batch": r.largest_fitting}
-                 for r in plan}
+        extra = {r.spec: {"same_memory_budget_bytes": budget, "largest_fitting_batch": r.largest_fitting} for r in plan}
         samples = fill_samples(samples, max(s.batch_size for s in specs))
-        notes.append(f"Same memory: a budget of {fmt_bytes(budget)} per rank (the planner's peak of FKV at batch "
-                     f"{STORY_FKV_BATCH} unless memory_budget is set); every method runs at its largest batch within "
-                     f"it, bounded by the {len(samples)} prompts every method answers (the samples repeated up to the "
-                     f"largest fitting batch, at most {STORY_MAX_PROMPTS}): "
-                     + ", ".join(f"{s.name} (fits {r.largest_fitting})" for s, r in zip(specs, plan)) + ".")
+        notes.append(
+            f"Same memory: a budget of {fmt_bytes(budget)} per rank (the planner's peak of FKV at batch "
+            f"{STORY_FKV_BATCH} unless memory_budget is set); every method runs at its largest batch within "
+            f"it, bounded by the {len(samples)} prompts every method answers (the samples repeated up to the "
+            f"largest fitting batch, at most {STORY_MAX_PROMPTS}): "
+            + ", ".join(f"{s.name} (fits {r.largest_fitting})" for s, r in zip(specs, plan))
+            + "."
+        )
         logger.info("same-memory run: %s", notes[-1])
     else:
         specs = cfg.run_specs()
@@ -296,8 +353,18 @@ def _run(cfg: RunConfig, layout: parallel.Layout, samples: list[tasks.Sample] | 
     warm_up(model, tokenizer, samples, methods, cfg.seed)
     summaries = []
     for spec in specs:
-        summary = evaluate_run(model, tokenizer, samples, spec, cfg, layout=layout, comm=comm,
-                               prompt_len=prompt_len, shape=shape, extra=extra.get(spec))
+        summary = evaluate_run(
+            model,
+            tokenizer,
+            samples,
+            spec,
+            cfg,
+            layout=layout,
+            comm=comm,
+            prompt_len=prompt_len,
+            shape=shape,
+            extra=extra.get(spec),
+        )
         if summary is not None:  # rank 0
             summaries.append(summary)
     if layout.is_main:

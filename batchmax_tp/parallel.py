@@ -113,8 +113,10 @@ def local_device(device: str, local_rank: int) -> str:
 
 def _mpi_launch() -> bool:
     """Started by mpirun/mpiexec (and not by a launcher that already set RANK)."""
-    return "RANK" not in os.environ and "SLURM_PROCID" not in os.environ and any(
-        v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+    return (
+        "RANK" not in os.environ
+        and "SLURM_PROCID" not in os.environ
+        and any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
     )
 
 
@@ -223,8 +225,12 @@ class LocalHeadsConfig:
     switches on the model's own config) reads through to the shared config."""
 
     def __init__(self, base, num_attention_heads: int, num_key_value_heads: int, head_dim: int):
-        self.__dict__.update(_base=base, num_attention_heads=num_attention_heads,
-                             num_key_value_heads=num_key_value_heads, head_dim=head_dim)
+        self.__dict__.update(
+            _base=base,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=head_dim,
+        )
 
     def __getattr__(self, name: str):
         if name == "_base":  # not set yet (copy/unpickle): no recursion
@@ -247,8 +253,13 @@ def localise_head_counts(model: torch.nn.Module) -> int:
     for module in model.modules():
         config = getattr(module, "config", None)
         local_kv = getattr(module, "num_key_value_heads", None)
-        if (config is not None and isinstance(local_kv, int) and hasattr(config, "num_attention_heads") and not isinstance(config, LocalHeadsConfig)
-                and local_kv < (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)):
+        if (
+            config is not None
+            and isinstance(local_kv, int)
+            and hasattr(config, "num_attention_heads")
+            and not isinstance(config, LocalHeadsConfig)
+            and local_kv < (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        ):
             total_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
             groups = config.num_attention_heads // total_kv
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -257,8 +268,9 @@ def localise_head_counts(model: torch.nn.Module) -> int:
     return changed
 
 
-def apply_tensor_parallel(model: torch.nn.Module, layout: Layout, dtype: torch.dtype,
-                          device: str | None = None) -> torch.nn.Module:
+def apply_tensor_parallel(
+    model: torch.nn.Module, layout: Layout, dtype: torch.dtype, device: str | None = None
+) -> torch.nn.Module:
     """Split ``model``'s heads over this replica's TP group with AutoTP (no kernel injection); returns the model.
 
     Under tensor parallelism the model should arrive on the host (CPU): AutoTP slices each weight there and moves

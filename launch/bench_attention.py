@@ -24,12 +24,12 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from batchmax_tp.core import attention  # noqa: E402
-from batchmax_tp.core import cache  # noqa: E402
-from batchmax_tp.core.engine import generate  # noqa: E402
-from batchmax_tp.models import load_model  # noqa: E402
-from batchmax_tp.core.method import Method  # noqa: E402
 from memtrack import AllocationTracker  # noqa: E402
+
+from batchmax_tp.core import attention, cache  # noqa: E402
+from batchmax_tp.core.engine import generate  # noqa: E402
+from batchmax_tp.core.method import Method  # noqa: E402
+from batchmax_tp.models import load_model  # noqa: E402
 
 METHODS = {"fkv": Method("fkv"), "bm": Method("bm", kv_max=256, p=64)}
 
@@ -74,8 +74,13 @@ def call_ratios(model, ids, method, new) -> dict:
         cache.BatchMaxCache.note_workspace = note
         attention.batchmax_attention = fn
     ratios = [m / r for m, r in zip(t.spans("bench::attention_call"), reported)]
-    return {"calls": len(ratios), "min": min(ratios), "max": max(ratios), "max_measured": max(t.spans(
-        "bench::attention_call")), "max_reported": max(reported)}
+    return {
+        "calls": len(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+        "max_measured": max(t.spans("bench::attention_call")),
+        "max_reported": max(reported),
+    }
 
 
 def main() -> None:
@@ -103,8 +108,13 @@ def main() -> None:
             for v, fn in versions.items():
                 times[v].append(timed(model, ids, method, args.new, fn))
         attention.batchmax_attention = current
-        row = {v: {"prefill_s": statistics.median(t[0] for t in ts), "decode_step_ms": 1e3 * statistics.median(
-            t[1] for t in ts)} for v, ts in times.items()}
+        row = {
+            v: {
+                "prefill_s": statistics.median(t[0] for t in ts),
+                "decode_step_ms": 1e3 * statistics.median(t[1] for t in ts),
+            }
+            for v, ts in times.items()
+        }
         if args.baseline:  # the same logits, bit for bit
             row["logits_equal"] = all(torch.equal(a[2], b[2]) for a, b in zip(times["current"], times["baseline"]))
         row["current_calls"] = call_ratios(model, ids[:, : min(args.prompt_len, 320)], method, 4)

@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.core.baseline import fastest_attention, hf_reference_generate  # noqa: E402
 from batchmax_tp.core.engine import generate  # noqa: E402
-from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
+from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -64,14 +64,18 @@ def main(argv=None) -> int:
         row["new_over_hf"] = row["new_step_ms"] / row["hf_step_ms"]
         rows.append(row)
 
-    print(f"\nmodel={a.model} device={a.device} dtype={a.dtype} threads={torch.get_num_threads()} batch={a.batch} "
-          f"prompt={a.prompt_len} new={a.new} attention={fastest_attention(model)} (best of {a.repeats})")
+    print(
+        f"\nmodel={a.model} device={a.device} dtype={a.dtype} threads={torch.get_num_threads()} batch={a.batch} "
+        f"prompt={a.prompt_len} new={a.new} attention={fastest_attention(model)} (best of {a.repeats})"
+    )
     print("| method | old path ms/step | new path ms/step | plain HF ms/step | new/old | new/HF | tokens equal |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         label = r["method"].upper() + (f" (kv_max {r['kv_max']})" if r["kv_max"] else "")
-        print(f"| {label} | {r['old_step_ms']:.1f} | {r['new_step_ms']:.1f} | {r['hf_step_ms']:.1f} | "
-              f"{r['new_over_old']:.3f} | {r['new_over_hf']:.3f} | {r['tokens_equal']} |")
+        print(
+            f"| {label} | {r['old_step_ms']:.1f} | {r['new_step_ms']:.1f} | {r['hf_step_ms']:.1f} | "
+            f"{r['new_over_old']:.3f} | {r['new_over_hf']:.3f} | {r['tokens_equal']} |"
+        )
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".tmp", "w") as f:
         json.dump({"args": vars(a), "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)

@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.core.engine import generate  # noqa: E402
-from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
+from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 
 
 def batch_of(vocab: int, batch: int, length: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +92,12 @@ def main(argv=None) -> int:
             else:
                 out = generate(model, ids, mask, method, T, ignore_eos=True)
                 toks = out.tokens
-                row = {"total_s": out.prefill_s + out.decode_s, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
-                       "peak_kv_bytes": out.peak_kv_bytes}
+                row = {
+                    "total_s": out.prefill_s + out.decode_s,
+                    "prefill_s": out.prefill_s,
+                    "decode_s": out.decode_s,
+                    "peak_kv_bytes": out.peak_kv_bytes,
+                }
             if best is None or row["total_s"] < best["total_s"]:
                 best = row
         best["tokens_per_s"] = a.batch * T / best["total_s"]
@@ -108,14 +112,21 @@ def main(argv=None) -> int:
     bids, bmask = batch_of(model.config.vocab_size, a.book_batch, a.prompt_len, a.device)
     book = bookkeeping_share(model, bids, bmask, Method("bm", kv_max=a.kv_max, p=a.p), max(T, 2 * a.p + 2))
 
-    print(f"model={a.model} device={a.device} dtype={a.dtype} batch={a.batch} prompt={s} new={T} threads={torch.get_num_threads()}")
+    print(
+        f"model={a.model} device={a.device} dtype={a.dtype} batch={a.batch} prompt={s} new={T} "
+        f"threads={torch.get_num_threads()}"
+    )
     print(f"{'run':<22}{'tokens/s':>10}{'vs HF':>8}{'prefill s':>11}{'decode s':>10}{'agree':>7}")
     for name, r in rows.items():
-        print(f"{name:<22}{r['tokens_per_s']:>10.1f}{r['vs_hf']:>8.2f}{r.get('prefill_s', float('nan')):>11.2f}"
-              f"{r.get('decode_s', float('nan')):>10.2f}{r['token_agreement_with_hf']:>7.2f}")
-    print(f"bookkeeping at batch {book['batch']} (kv_max={a.kv_max}, {book['decode_evictions']} decode evictions): "
-          f"evict {book['evict_s']:.3f}s + score {book['score_s']:.3f}s = {100 * book['share']:.1f}% of decode "
-          f"{book['decode_s_profiled']:.2f}s")
+        print(
+            f"{name:<22}{r['tokens_per_s']:>10.1f}{r['vs_hf']:>8.2f}{r.get('prefill_s', float('nan')):>11.2f}"
+            f"{r.get('decode_s', float('nan')):>10.2f}{r['token_agreement_with_hf']:>7.2f}"
+        )
+    print(
+        f"bookkeeping at batch {book['batch']} (kv_max={a.kv_max}, {book['decode_evictions']} decode evictions): "
+        f"evict {book['evict_s']:.3f}s + score {book['score_s']:.3f}s = {100 * book['share']:.1f}% of decode "
+        f"{book['decode_s_profiled']:.2f}s"
+    )
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".tmp", "w") as f:
         json.dump({"args": vars(a), "runs": rows, "bookkeeping": book}, f, indent=2)

@@ -47,9 +47,11 @@ class StepTimer:
 
     def wrap(self) -> list[tuple[object, str, object]]:
         """Install timing wrappers; returns what to restore."""
-        saved = [(attention, "batchmax_attention", attention.batchmax_attention),
-                 (cache.BoundedLayer, "update", cache.BoundedLayer.update),
-                 (cache.BoundedLayer, "_evict", cache.BoundedLayer._evict)]
+        saved = [
+            (attention, "batchmax_attention", attention.batchmax_attention),
+            (cache.BoundedLayer, "update", cache.BoundedLayer.update),
+            (cache.BoundedLayer, "_evict", cache.BoundedLayer._evict),
+        ]
         fn, update, evict = (s[2] for s in saved)
 
         def timed_attention(*args, **kwargs):
@@ -92,9 +94,14 @@ def decode_split(model, method: Method, batch: int, prompt_len: int, new: int) -
     steps = new - 1
     ms = lambda s: 1e3 * s / steps  # noqa: E731
     total = ms(out.decode_s)
-    return {"step_ms": total, "attention_ms": ms(timer.attention), "update_ms": ms(timer.update - timer.evict),
-            "evict_ms": ms(timer.evict), "model_ms": total - ms(timer.attention) - ms(timer.update),
-            "prefill_s": out.prefill_s}
+    return {
+        "step_ms": total,
+        "attention_ms": ms(timer.attention),
+        "update_ms": ms(timer.update - timer.evict),
+        "evict_ms": ms(timer.evict),
+        "model_ms": total - ms(timer.attention) - ms(timer.update),
+        "prefill_s": out.prefill_s,
+    }
 
 
 def model_step(model, batch: int, prompt_len: int, new: int) -> float:
@@ -137,7 +144,7 @@ def attention_vs_sdpa(config, batch: int, kv_max: int, reps: int, calls: int = 1
             return attention.batchmax_attention(module, q, keys, values, None)
 
         def sdpa():
-            return F.scaled_dot_product_attention(q, k_sdpa, v_sdpa, enable_gqa=Hq != Hkv, scale=D ** -0.5)
+            return F.scaled_dot_product_attention(q, k_sdpa, v_sdpa, enable_gqa=Hq != Hkv, scale=D**-0.5)
 
         fns = {"update": update, "bm": bm, "sdpa": sdpa}
         for fn in fns.values():
@@ -150,10 +157,17 @@ def attention_vs_sdpa(config, batch: int, kv_max: int, reps: int, calls: int = 1
                 for _ in range(calls):
                     fn()
                 us[name].append(1e6 * (time.perf_counter() - t) / calls)
-    return {"bm_us": statistics.median(us["bm"]), "sdpa_us": statistics.median(us["sdpa"]),
-            "update_us": statistics.median(us["update"]),
-            "bm_over_sdpa": statistics.median(b / s for b, s in zip(us["bm"], us["sdpa"])),
-            "kept": kv_max, "batch": batch, "q_heads": Hq, "kv_heads": Hkv, "head_dim": D}
+    return {
+        "bm_us": statistics.median(us["bm"]),
+        "sdpa_us": statistics.median(us["sdpa"]),
+        "update_us": statistics.median(us["update"]),
+        "bm_over_sdpa": statistics.median(b / s for b, s in zip(us["bm"], us["sdpa"])),
+        "kept": kv_max,
+        "batch": batch,
+        "q_heads": Hq,
+        "kv_heads": Hkv,
+        "head_dim": D,
+    }
 
 
 def main(argv=None) -> int:
@@ -180,22 +194,39 @@ def main(argv=None) -> int:
     own = model_step(model, a.batch, a.kv_max, a.new)
     micro = attention_vs_sdpa(model.config, a.batch, a.kv_max, a.reps)
 
-    print(f"\nmodel={a.model} dtype={a.dtype} threads={torch.get_num_threads()} batch={a.batch} "
-          f"kv_max={a.kv_max} rule={a.rule}\n")
+    print(
+        f"\nmodel={a.model} dtype={a.dtype} threads={torch.get_num_threads()} batch={a.batch} "
+        f"kv_max={a.kv_max} rule={a.rule}\n"
+    )
     print("| decode step | ms |\n|---|---:|")
-    for key, name in (("step_ms", "BM step"), ("model_ms", "  model outside attention"),
-                      ("attention_ms", "  batchmax attention (+ score sums)"), ("update_ms", "  cache writes"),
-                      ("evict_ms", "  eviction (every p steps, averaged)")):
+    for key, name in (
+        ("step_ms", "BM step"),
+        ("model_ms", "  model outside attention"),
+        ("attention_ms", "  batchmax attention (+ score sums)"),
+        ("update_ms", "  cache writes"),
+        ("evict_ms", "  eviction (every p steps, averaged)"),
+    ):
         print(f"| {name} | {split[key]:.1f} |")
     print(f"| FKV step, same batch, {a.kv_max} pairs (the model's SDPA) | {own:.1f} |")
     print(f"\nBM step / FKV step: {split['step_ms'] / own:.3f}")
-    print(f"\nattention alone, {micro['kept']} kept pairs: BM {micro['bm_us']:.0f} us, SDPA {micro['sdpa_us']:.0f} us, "
-          f"BM/SDPA {micro['bm_over_sdpa']:.3f} (median of {a.reps} interleaved repeats); cache update before BM's "
-          f"call {micro['update_us']:.0f} us")
+    print(
+        f"\nattention alone, {micro['kept']} kept pairs: BM {micro['bm_us']:.0f} us, SDPA {micro['sdpa_us']:.0f} us, "
+        f"BM/SDPA {micro['bm_over_sdpa']:.3f} (median of {a.reps} interleaved repeats); cache update before BM's "
+        f"call {micro['update_us']:.0f} us"
+    )
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".tmp", "w") as f:
-        json.dump({"args": vars(a), "threads": torch.get_num_threads(), "decode_split": split,
-                   "fkv_step_ms": own, "attention": micro}, f, indent=2)
+        json.dump(
+            {
+                "args": vars(a),
+                "threads": torch.get_num_threads(),
+                "decode_split": split,
+                "fkv_step_ms": own,
+                "attention": micro,
+            },
+            f,
+            indent=2,
+        )
     os.replace(a.out + ".tmp", a.out)
     return 0
 

@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TASKS = {"batchmax_needle_mc": ("acc,none", "needle_mc.jsonl"), "batchmax_passkey": ("exact_match,first_number",
-                                                                                     "passkey.jsonl")}
+TASKS = {
+    "batchmax_needle_mc": ("acc,none", "needle_mc.jsonl"),
+    "batchmax_passkey": ("exact_match,first_number", "passkey.jsonl"),
+}
 METHODS = {  # label -> model_args
     "fkv": "method=fkv",
     "ed": "method=ed,kv_max=65",
@@ -74,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         model_args = {k: int(v) if v.isdigit() else v for k, v in model_args.items()}
         if budget is None:  # FKV's pool for 4 slots of the longest request
             probe = BatchMaxLM(method="fkv", **pretrained)
-            fkv = predict_pool(probe.shape, probe.method, 4, longest_request(probe.tokenizer), MAX_GEN,
-                               dtype=probe.dtype)
+            fkv = predict_pool(
+                probe.shape, probe.method, 4, longest_request(probe.tokenizer), MAX_GEN, dtype=probe.dtype
+            )
             budget = str(fkv.total)
             del probe
         lm = BatchMaxLM(batch_size="auto", memory_budget=budget, **pretrained, **model_args)
@@ -84,17 +87,28 @@ def main(argv: list[str] | None = None) -> int:
             lm.stats.clear()
             lm.batch_sizes.clear()
             start = time.perf_counter()
-            res = simple_evaluate(model=lm, tasks=[task], limit=args.limit, task_manager=manager,
-                                  cache_requests=False, bootstrap_iters=0)
+            res = simple_evaluate(
+                model=lm, tasks=[task], limit=args.limit, task_manager=manager, cache_requests=False, bootstrap_iters=0
+            )
             wall = time.perf_counter() - start
             (out / label.replace(" ", "_")).mkdir(exist_ok=True)
             (out / label.replace(" ", "_") / f"{task}.json").write_text(
-                json.dumps(res, indent=2, default=str), encoding="utf-8")
+                json.dumps(res, indent=2, default=str), encoding="utf-8"
+            )
             info = res["config"]["batchmax"]
-            row[task] = {"score": res["results"][task][metric], "tokens_per_s": info["tokens_per_s"],
-                         "slots": int(info["slots"]), "wall_s": wall, "peak_kv_bytes": int(info["peak_kv_bytes"])}
-            print(f"{label:>16} {task:>20}: {metric} {row[task]['score']:.3f}, {info['tokens_per_s']:.1f} tok/s, "
-                  f"{int(info['slots'])} slots, {wall:.0f} s", file=sys.stderr, flush=True)
+            row[task] = {
+                "score": res["results"][task][metric],
+                "tokens_per_s": info["tokens_per_s"],
+                "slots": int(info["slots"]),
+                "wall_s": wall,
+                "peak_kv_bytes": int(info["peak_kv_bytes"]),
+            }
+            print(
+                f"{label:>16} {task:>20}: {metric} {row[task]['score']:.3f}, {info['tokens_per_s']:.1f} tok/s, "
+                f"{int(info['slots'])} slots, {wall:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         rows.append(row)
         del lm
     table = format_table(rows, fmt_bytes(parse_bytes(budget)), args.limit)
@@ -105,15 +119,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(rows: list[dict], budget: str, limit: int | None) -> str:
-    head = (f"Memory budget {budget} (FKV's pool for 4 slots of the longest request); "
-            f"{limit or 'all'} documents per task; accuracy: lm-eval's metric.\n\n"
-            "| method | needle MC acc | tok/s | slots | passkey exact match | tok/s | slots |\n"
-            "|---|---:|---:|---:|---:|---:|---:|\n")
+    head = (
+        f"Memory budget {budget} (FKV's pool for 4 slots of the longest request); "
+        f"{limit or 'all'} documents per task; accuracy: lm-eval's metric.\n\n"
+        "| method | needle MC acc | tok/s | slots | passkey exact match | tok/s | slots |\n"
+        "|---|---:|---:|---:|---:|---:|---:|\n"
+    )
     body = ""
     for r in rows:
         mc, pk = r["batchmax_needle_mc"], r["batchmax_passkey"]
-        body += (f"| {r['method']} | {mc['score']:.2f} | {mc['tokens_per_s']:.0f} | {mc['slots']} | "
-                 f"{pk['score']:.2f} | {pk['tokens_per_s']:.0f} | {pk['slots']} |\n")
+        body += (
+            f"| {r['method']} | {mc['score']:.2f} | {mc['tokens_per_s']:.0f} | {mc['slots']} | "
+            f"{pk['score']:.2f} | {pk['tokens_per_s']:.0f} | {pk['slots']} |\n"
+        )
     return head + body
 
 

@@ -58,9 +58,10 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -77,11 +78,11 @@ KINDS = ("needle", "multi", "summary")
 SPLITS = ("all", "tune", "heldout")
 SPLIT_ABOUT = {
     "all": "the suite the rules were tuned on (facts of needles.json, documents.json, seed stream retention-SEED); "
-           "the same prompts as tune",
+    "the same prompts as tune",
     "tune": "the suite the rules were tuned on (facts of needles.json, documents.json, seed stream retention-SEED); "
-            "the same prompts as all",
+    "the same prompts as all",
     "heldout": "held out: heldout.json's facts, passkey wording and documents (none in any tuned-on prompt), filler "
-               "from seed stream retention-heldout-SEED, passkeys from retention-heldout-passkeys-SEED",
+    "from seed stream retention-heldout-SEED, passkeys from retention-heldout-passkeys-SEED",
 }
 TARGETS = {"hits_vs_fkv": 0.90, "fidelity": 0.45, "speed_vs_paper": 0.85}
 NEEDLE_INSTRUCTION = "Read the text below carefully. A question about it follows the text."
@@ -258,26 +259,40 @@ def build_suite(
         for depth in depths:
             needle = passkey_needle(key_rng, content.passkey) if k % 2 == 0 else fact_needle(next(fact_iter))
             k += 1
-            text, n = build_prompt(count, rng, fx, length, NEEDLE_INSTRUCTION, _question([needle]),
-                                   [(DEPTHS[depth], needle.statement)])
-            out.append(RetentionSample(f"{needle.kind}-{length}-{depth}", "needle", length, text, [needle],
-                                       [depth], n))
+            text, n = build_prompt(
+                count, rng, fx, length, NEEDLE_INSTRUCTION, _question([needle]), [(DEPTHS[depth], needle.statement)]
+            )
+            out.append(RetentionSample(f"{needle.kind}-{length}-{depth}", "needle", length, text, [needle], [depth], n))
         if multi and len(depths) >= 2:
-            needles = [passkey_needle(key_rng, content.passkey) if i == 0 and len(depths) >= 3
-                       else fact_needle(next(fact_iter)) for i in range(len(depths))]
+            needles = [
+                passkey_needle(key_rng, content.passkey)
+                if i == 0 and len(depths) >= 3
+                else fact_needle(next(fact_iter))
+                for i in range(len(depths))
+            ]
             order = list(range(len(depths)))
             rng.shuffle(order)  # which needle sits at which depth
             placed = [(DEPTHS[depths[order[i]]], needles[i].statement) for i in range(len(needles))]
             text, n = build_prompt(count, rng, fx, length, NEEDLE_INSTRUCTION, _question(needles), placed)
-            out.append(RetentionSample(f"multi-{length}", "multi", length, text, needles,
-                                       [depths[order[i]] for i in range(len(needles))], n))
+            out.append(
+                RetentionSample(
+                    f"multi-{length}",
+                    "multi",
+                    length,
+                    text,
+                    needles,
+                    [depths[order[i]] for i in range(len(needles))],
+                    n,
+                )
+            )
     if summaries is None:
         mid = TARGET_LENGTH if TARGET_LENGTH in lengths else sorted(lengths)[len(lengths) // 2]
         summaries = [mid] * 3
     for i, length in enumerate(summaries):
         doc = content.documents[i % len(content.documents)]
-        text, n = build_prompt(count, rng, fx, length, SUMMARY_INSTRUCTION, SUMMARY_QUESTION,
-                               [(0.4, f"{doc['title']}\n\n{doc['text']}")])
+        text, n = build_prompt(
+            count, rng, fx, length, SUMMARY_INSTRUCTION, SUMMARY_QUESTION, [(0.4, f"{doc['title']}\n\n{doc['text']}")]
+        )
         out.append(RetentionSample(f"summary-{length}-{i}", "summary", length, text, [], [], n))
     return out
 
@@ -305,8 +320,9 @@ def passkey_hit(output: str, key: str) -> bool:
 def needle_hits(output: str, needles: Sequence[Needle]) -> list[bool]:
     from batchmax_tp.eval.metrics import is_correct
 
-    return [passkey_hit(output, n.answer) if n.kind == "passkey" else bool(is_correct(output, n.answer))
-            for n in needles]
+    return [
+        passkey_hit(output, n.answer) if n.kind == "passkey" else bool(is_correct(output, n.answer)) for n in needles
+    ]
 
 
 def batches(samples: Sequence[RetentionSample], batch_size: int) -> list[list[RetentionSample]]:
@@ -358,17 +374,24 @@ def available_rules() -> list[str]:
     return list(rule_names())
 
 
-def run_row(model: Any, tokenizer: Any, row: Row, groups: Sequence[list[RetentionSample]], *,
-            needle_tokens: int, summary_tokens: int, generate_fn: Callable[..., Any] | None = None,
-            on_batch: Callable[[], None] | None = None,
-            forced: dict[str, list[int]] | None = None) -> dict[str, Any]:
+def run_row(
+    model: Any,
+    tokenizer: Any,
+    row: Row,
+    groups: Sequence[list[RetentionSample]],
+    *,
+    needle_tokens: int,
+    summary_tokens: int,
+    generate_fn: Callable[..., Any] | None = None,
+    on_batch: Callable[[], None] | None = None,
+    forced: dict[str, list[int]] | None = None,
+) -> dict[str, Any]:
     """Generate every batch with one configuration: outputs per sample id, timings and the peak K/V bytes.
 
     ``tokens``: each summary's generated ids. With ``forced`` (FKV's summary ids per sample id), each summary
     batch runs once more teacher-forced on them (untimed): ``agreement`` per id = share of steps whose own next
     token is the forced one."""
-    from batchmax_tp.eval.run import cut_at_eos
-    from batchmax_tp.eval.run import encode_prompts
+    from batchmax_tp.eval.run import cut_at_eos, encode_prompts
 
     if generate_fn is None:
         from batchmax_tp.core.engine import generate as generate_fn
@@ -383,8 +406,16 @@ def run_row(model: Any, tokenizer: Any, row: Row, groups: Sequence[list[Retentio
         ids, mask = encode_prompts(tokenizer, [s.prompt for s in group])
         if device is not None:
             ids, mask = ids.to(device), mask.to(device)
-        res = generate_fn(model, ids, mask, method, new, ignore_eos=True, eos_token_id=tokenizer.eos_token_id,
-                          pad_token_id=tokenizer.pad_token_id)
+        res = generate_fn(
+            model,
+            ids,
+            mask,
+            method,
+            new,
+            ignore_eos=True,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         for i, s in enumerate(group):
             toks = cut_at_eos(res.tokens[i].tolist(), int(res.num_generated[i]), tokenizer.eos_token_id)
             outputs[s.id] = tokenizer.decode(toks, skip_special_tokens=True)
@@ -392,8 +423,17 @@ def run_row(model: Any, tokenizer: Any, row: Row, groups: Sequence[list[Retentio
                 tokens[s.id] = res.tokens[i].tolist()
         if forced is not None and group[0].kind == "summary":
             want = res.tokens.new_tensor([forced[s.id] for s in group])  # [b, summary_tokens], on the run's device
-            res = generate_fn(model, ids, mask, method, new, ignore_eos=True, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id, force_tokens=want)
+            res = generate_fn(
+                model,
+                ids,
+                mask,
+                method,
+                new,
+                ignore_eos=True,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                force_tokens=want,
+            )
             for i, s in enumerate(group):
                 agreement[s.id] = float((res.tokens[i] == want[i]).float().mean())
         gen_tokens += int(res.num_generated.sum())
@@ -402,14 +442,24 @@ def run_row(model: Any, tokenizer: Any, row: Row, groups: Sequence[list[Retentio
         peak = max(peak, int(res.peak_kv_bytes))
         if on_batch:
             on_batch()
-    return {"outputs": outputs, "tokens": tokens, "agreement": agreement, "generated_tokens": gen_tokens,
-            "prefill_s": prefill_s, "decode_s": decode_s, "peak_kv_bytes": peak}
+    return {
+        "outputs": outputs,
+        "tokens": tokens,
+        "agreement": agreement,
+        "generated_tokens": gen_tokens,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "peak_kv_bytes": peak,
+    }
 
 
 # ---------------------------------------------------------------------- scoring a run and the table
-def score_rows(samples: Sequence[RetentionSample], runs: dict[Row, dict[str, Any]],
-               target_length: int = TARGET_LENGTH,
-               split: str = "all") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def score_rows(
+    samples: Sequence[RetentionSample],
+    runs: dict[Row, dict[str, Any]],
+    target_length: int = TARGET_LENGTH,
+    split: str = "all",
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(table rows, per-sample records). ``runs`` must hold the FKV row (the fidelity reference).
 
     Per row: needle hits (all lengths, and prompts of ``target_length``), as fractions of FKV's; fidelity =
@@ -429,9 +479,18 @@ def score_rows(samples: Sequence[RetentionSample], runs: dict[Row, dict[str, Any
         agree: list[float] = []
         for s in samples:
             out = run["outputs"][s.id]
-            rec = {"row": row.label, "rule": row.rule, "kv_max": row.kv_max, "split": split, "id": s.id,
-                   "kind": s.kind,
-                   "prompt_tokens": s.prompt_tokens, "depths": s.depths, "answers": s.answers, "output": out}
+            rec = {
+                "row": row.label,
+                "rule": row.rule,
+                "kv_max": row.kv_max,
+                "split": split,
+                "id": s.id,
+                "kind": s.kind,
+                "prompt_tokens": s.prompt_tokens,
+                "depths": s.depths,
+                "answers": s.answers,
+                "output": out,
+            }
             if s.kind == "summary":
                 f = 1.0 if row is fkv_row else rouge2(out, fkv_out[s.id]) if fkv_out[s.id].strip() else 0.0
                 fid.append(f)
@@ -452,40 +511,80 @@ def score_rows(samples: Sequence[RetentionSample], runs: dict[Row, dict[str, Any
                 rec["hits"] = h
             records.append(rec)
         total_s = run["prefill_s"] + run["decode_s"]
-        table.append({
-            "method": row.method, "rule": row.rule or "-", "kv_max": row.kv_max, "p": row.p,
-            "needle_hits": hits, "needle_total": total, "hits_2k": hits_t, "total_2k": total_t,
-            "fidelity_rouge2": sum(fid) / len(fid) if fid else None,
-            "fidelity_2k": sum(fid_t) / len(fid_t) if fid_t else None,
-            "forced_agreement": sum(agree) / len(agree) if agree else None,
-            "generated_tokens": run["generated_tokens"], "prefill_s": round(run["prefill_s"], 3),
-            "decode_s": round(run["decode_s"], 3),
-            "tokens_per_s": (statistics.median(run["speed"]) if run.get("speed") else
-                             run["generated_tokens"] / total_s if total_s > 0 else None),
-            "speed": run.get("speed"),
-            "peak_kv_mib": run["peak_kv_bytes"] / 2**20, "split": split,
-        })
+        table.append(
+            {
+                "method": row.method,
+                "rule": row.rule or "-",
+                "kv_max": row.kv_max,
+                "p": row.p,
+                "needle_hits": hits,
+                "needle_total": total,
+                "hits_2k": hits_t,
+                "total_2k": total_t,
+                "fidelity_rouge2": sum(fid) / len(fid) if fid else None,
+                "fidelity_2k": sum(fid_t) / len(fid_t) if fid_t else None,
+                "forced_agreement": sum(agree) / len(agree) if agree else None,
+                "generated_tokens": run["generated_tokens"],
+                "prefill_s": round(run["prefill_s"], 3),
+                "decode_s": round(run["decode_s"], 3),
+                "tokens_per_s": (
+                    statistics.median(run["speed"])
+                    if run.get("speed")
+                    else run["generated_tokens"] / total_s
+                    if total_s > 0
+                    else None
+                ),
+                "speed": run.get("speed"),
+                "peak_kv_mib": run["peak_kv_bytes"] / 2**20,
+                "split": split,
+            }
+        )
     fkv = next(t for t in table if t["method"] == "fkv")
     paper = {t["kv_max"]: t for t in table if t["rule"] == "paper"}
     for t in table:
         t["hits_vs_fkv"] = t["needle_hits"] / fkv["needle_hits"] if fkv["needle_hits"] else None
         t["hits_2k_vs_fkv"] = t["hits_2k"] / fkv["hits_2k"] if fkv["hits_2k"] else None
         ref = paper.get(t["kv_max"])
-        t["speed_vs_paper"] = (t["tokens_per_s"] / ref["tokens_per_s"]
-                               if ref and t["method"] == "bm" and ref["tokens_per_s"] and t["tokens_per_s"] else None)
+        t["speed_vs_paper"] = (
+            t["tokens_per_s"] / ref["tokens_per_s"]
+            if ref and t["method"] == "bm" and ref["tokens_per_s"] and t["tokens_per_s"]
+            else None
+        )
         if t["speed_vs_paper"] is not None and t["speed"] and ref["speed"]:  # interleaved repeats: ratio per repeat
             t["speed_vs_paper"] = statistics.median(a / b for a, b in zip(t["speed"], ref["speed"]))
-        t["meets_targets"] = (None if t["method"] == "fkv" or None in (t["hits_2k_vs_fkv"], t["fidelity_2k"],
-                                                                       t["speed_vs_paper"])
-                              else t["hits_2k_vs_fkv"] >= TARGETS["hits_vs_fkv"]
-                              and t["fidelity_2k"] >= TARGETS["fidelity"]
-                              and t["speed_vs_paper"] >= TARGETS["speed_vs_paper"])
+        t["meets_targets"] = (
+            None
+            if t["method"] == "fkv" or None in (t["hits_2k_vs_fkv"], t["fidelity_2k"], t["speed_vs_paper"])
+            else t["hits_2k_vs_fkv"] >= TARGETS["hits_vs_fkv"]
+            and t["fidelity_2k"] >= TARGETS["fidelity"]
+            and t["speed_vs_paper"] >= TARGETS["speed_vs_paper"]
+        )
     return table, records
 
 
-CSV_COLUMNS = ("method", "rule", "kv_max", "p", "needle_hits", "needle_total", "hits_vs_fkv", "hits_2k", "total_2k",
-               "hits_2k_vs_fkv", "fidelity_rouge2", "fidelity_2k", "forced_agreement", "tokens_per_s", "speed_vs_paper",
-               "meets_targets", "generated_tokens", "prefill_s", "decode_s", "peak_kv_mib", "split")
+CSV_COLUMNS = (
+    "method",
+    "rule",
+    "kv_max",
+    "p",
+    "needle_hits",
+    "needle_total",
+    "hits_vs_fkv",
+    "hits_2k",
+    "total_2k",
+    "hits_2k_vs_fkv",
+    "fidelity_rouge2",
+    "fidelity_2k",
+    "forced_agreement",
+    "tokens_per_s",
+    "speed_vs_paper",
+    "meets_targets",
+    "generated_tokens",
+    "prefill_s",
+    "decode_s",
+    "peak_kv_mib",
+    "split",
+)
 
 
 def format_csv(table: Sequence[dict[str, Any]]) -> str:
@@ -493,8 +592,13 @@ def format_csv(table: Sequence[dict[str, Any]]) -> str:
     w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for t in table:
-        w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else "" if v is None else v)
-                    for k, v in t.items() if k in CSV_COLUMNS})
+        w.writerow(
+            {
+                k: (f"{v:.4f}" if isinstance(v, float) else "" if v is None else v)
+                for k, v in t.items()
+                if k in CSV_COLUMNS
+            }
+        )
     return buf.getvalue()
 
 
@@ -516,16 +620,19 @@ def format_markdown(table: Sequence[dict[str, Any]], target_length: int = TARGET
             f"{_f(t['hits_vs_fkv'], '.2f')} | {t['hits_2k']}/{t['total_2k']} | {_f(t['hits_2k_vs_fkv'], '.2f')} | "
             f"{_f(t['fidelity_rouge2'], '.3f')} | {_f(t['fidelity_2k'], '.3f')} | "
             f"{_f(t.get('forced_agreement'), '.3f')} | {_f(t['tokens_per_s'], '.2f')} | "
-            f"{_f(t['speed_vs_paper'], '.2f')} | {_f(t['peak_kv_mib'], '.1f')} | {met} | {t.get('split', 'all')} |")
+            f"{_f(t['speed_vs_paper'], '.2f')} | {_f(t['peak_kv_mib'], '.1f')} | {met} | {t.get('split', 'all')} |"
+        )
     lines.append("")
-    lines.append(f"Targets (issue 9, stated for kv_max 512 on ~2k-token prompts; 'targets met' checks them on the "
-                 f"{k}-token prompts of every row): hits >= {TARGETS['hits_vs_fkv']:.0%} of FKV's, fidelity >= "
-                 f"{TARGETS['fidelity']}, tokens/s >= {TARGETS['speed_vs_paper']:.0%} of the paper rule's at the same "
-                 "kv_max. Fidelity = ROUGE-2 F of the summary against FKV's summary of the same prompt; forced "
-                 "agreement = share of summary steps where the rule, fed FKV's summary, picks FKV's next token. "
-                 "tokens/s = generated tokens / (prefill + decode s) over the row's batches or, with "
-                 "--speed-repeats k, the median of k interleaved timings of one batch of the target length (vs paper "
-                 "rule: the median of the per-repeat ratios).")
+    lines.append(
+        f"Targets (issue 9, stated for kv_max 512 on ~2k-token prompts; 'targets met' checks them on the "
+        f"{k}-token prompts of every row): hits >= {TARGETS['hits_vs_fkv']:.0%} of FKV's, fidelity >= "
+        f"{TARGETS['fidelity']}, tokens/s >= {TARGETS['speed_vs_paper']:.0%} of the paper rule's at the same "
+        "kv_max. Fidelity = ROUGE-2 F of the summary against FKV's summary of the same prompt; forced "
+        "agreement = share of summary steps where the rule, fed FKV's summary, picks FKV's next token. "
+        "tokens/s = generated tokens / (prefill + decode s) over the row's batches or, with "
+        "--speed-repeats k, the median of k interleaved timings of one batch of the target length (vs paper "
+        "rule: the median of the per-repeat ratios)."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -546,12 +653,19 @@ def plot(table: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
         axes[2].plot(xs, [t.get("forced_agreement") or 0.0 for _, t in pts], marker="o", label=rule)
     axes[0].axhline(TARGETS["hits_vs_fkv"], color="grey", ls="--", lw=1, label="issue target")
     axes[1].axhline(TARGETS["fidelity"], color="grey", ls="--", lw=1, label="issue target")
-    axes[0].set(xlabel="kv_max (KV pairs per sample and KV head)", ylabel="needle hits / FKV's hits (fraction)",
-                title="Needle retention (all prompt lengths)")
-    axes[1].set(xlabel="kv_max (KV pairs per sample and KV head)", ylabel="ROUGE-2 F vs FKV's summary",
-                title="Summary fidelity")
-    axes[2].set(xlabel="kv_max (KV pairs per sample and KV head)", ylabel="next token = FKV's (fraction of steps)",
-                title="Summary agreement, fed FKV's summary")
+    axes[0].set(
+        xlabel="kv_max (KV pairs per sample and KV head)",
+        ylabel="needle hits / FKV's hits (fraction)",
+        title="Needle retention (all prompt lengths)",
+    )
+    axes[1].set(
+        xlabel="kv_max (KV pairs per sample and KV head)", ylabel="ROUGE-2 F vs FKV's summary", title="Summary fidelity"
+    )
+    axes[2].set(
+        xlabel="kv_max (KV pairs per sample and KV head)",
+        ylabel="next token = FKV's (fraction of steps)",
+        title="Summary agreement, fed FKV's summary",
+    )
     for ax in axes:
         ax.set_xticks(sorted({t["kv_max"] for t in bm}))
         ax.set_ylim(0, 1.05)
@@ -568,12 +682,17 @@ def _atomic(path: Path, text: str) -> None:
     atomic_write_text(path, text)
 
 
-def write_outputs(out: str | os.PathLike[str], table: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]],
-                  settings: dict[str, Any]) -> dict[str, Path]:
+def write_outputs(
+    out: str | os.PathLike[str],
+    table: Sequence[dict[str, Any]],
+    records: Sequence[dict[str, Any]],
+    settings: dict[str, Any],
+) -> dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / name for name in ("table.md", "results.csv", "samples.jsonl", "settings.json",
-                                          "retention.png")}
+    paths = {
+        name: out / name for name in ("table.md", "results.csv", "samples.jsonl", "settings.json", "retention.png")
+    }
     _atomic(paths["table.md"], format_markdown(table, settings.get("target_length", TARGET_LENGTH)))
     _atomic(paths["results.csv"], format_csv(table))
     _atomic(paths["samples.jsonl"], "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -598,24 +717,43 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF id or local checkpoint (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--rules", default=None, help="comma-separated rule names (default: every registered rule); rules with parameters, e.g. "
-                    "'paper;snapkv:window=64,kernel=5', are separated by ';'")
+    ap.add_argument(
+        "--rules",
+        default=None,
+        help="comma-separated rule names (default: every registered rule); rules with parameters, e.g. "
+        "'paper;snapkv:window=64,kernel=5', are separated by ';'",
+    )
     ap.add_argument("--kv-max", type=_ints, default=None, help="comma-separated kv_max values (default 512,256)")
     ap.add_argument("--p", type=int, default=64)
     ap.add_argument("--lengths", type=_ints, default=None, help="prompt lengths in tokens (default 1024,2048,3072)")
-    ap.add_argument("--kinds", default="needle,multi,summary",
-                    help="prompt kinds to run, comma-separated (default all: needle,multi,summary); the prompts are "
-                         "drawn as for the whole suite, then filtered")
-    ap.add_argument("--split", default="all", choices=SPLITS,
-                    help="prompt set: all (default, today's suite, = tune: the prompts the rules were tuned on) or "
-                         "heldout (new facts, passkey wording, documents and seeds; see the module docstring)")
+    ap.add_argument(
+        "--kinds",
+        default="needle,multi,summary",
+        help="prompt kinds to run, comma-separated (default all: needle,multi,summary); the prompts are "
+        "drawn as for the whole suite, then filtered",
+    )
+    ap.add_argument(
+        "--split",
+        default="all",
+        choices=SPLITS,
+        help="prompt set: all (default, today's suite, = tune: the prompts the rules were tuned on) or "
+        "heldout (new facts, passkey wording, documents and seeds; see the module docstring)",
+    )
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--needle-tokens", type=int, default=None, help="new tokens for needle prompts (default 40: "
-                    "multi-fact answers need room)")
+    ap.add_argument(
+        "--needle-tokens",
+        type=int,
+        default=None,
+        help="new tokens for needle prompts (default 40: multi-fact answers need room)",
+    )
     ap.add_argument("--summary-tokens", type=int, default=None, help="new tokens for summaries (default 64)")
-    ap.add_argument("--speed-repeats", type=int, default=0,
-                    help="after the run, time one batch of the target length k more times per row, rows interleaved "
-                         "(drift on a shared machine hits every row alike); tokens/s and its ratio become medians")
+    ap.add_argument(
+        "--speed-repeats",
+        type=int,
+        default=0,
+        help="after the run, time one batch of the target length k more times per row, rows interleaved "
+        "(drift on a shared machine hits every row alike); tokens/s and its ratio become medians",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     ap.add_argument("--device", default="cpu")
@@ -659,17 +797,21 @@ def cli_suite(count: Callable[[str], int], a: argparse.Namespace, split: str) ->
     """The command line's prompts of ``split`` (every kind; ``--kinds`` filters later)."""
     if not a.quick:
         return build_suite(count, lengths=a.lengths, seed=a.seed, split=split)
-    samples = build_suite(count, lengths=a.lengths, depths=("middle",), multi=False, summaries=a.lengths,
-                          seed=a.seed, split=split)
-    samples.insert(1, build_suite(count, lengths=a.lengths, depths=("early", "late"), multi=True,
-                                  summaries=[], seed=a.seed + 1, split=split)[-1])
+    samples = build_suite(
+        count, lengths=a.lengths, depths=("middle",), multi=False, summaries=a.lengths, seed=a.seed, split=split
+    )
+    samples.insert(
+        1,
+        build_suite(
+            count, lengths=a.lengths, depths=("early", "late"), multi=True, summaries=[], seed=a.seed + 1, split=split
+        )[-1],
+    )
     return samples
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     import torch
     from tqdm.auto import tqdm
 
@@ -688,9 +830,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     target_length = TARGET_LENGTH if TARGET_LENGTH in a.lengths else sorted(a.lengths)[len(a.lengths) // 2]
     groups = batches(samples, a.batch_size)
     rows = [Row("fkv", None, None, a.p)] + [Row("bm", r, k, a.p) for k in a.kv_max for r in a.rules]
-    logger.info("split %s: %d prompts (%s tokens), %d batches, %d rows: %s", a.split, len(samples),
-                ",".join(str(s.prompt_tokens) for s in samples), len(groups), len(rows),
-                ", ".join(r.label for r in rows))
+    logger.info(
+        "split %s: %d prompts (%s tokens), %d batches, %d rows: %s",
+        a.split,
+        len(samples),
+        ",".join(str(s.prompt_tokens) for s in samples),
+        len(groups),
+        len(rows),
+        ", ".join(r.label for r in rows),
+    )
 
     # untimed warm-up of every code path: FKV and each rule once, on the last 128 tokens of one prompt
     from batchmax_tp.core.engine import generate
@@ -707,13 +855,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in rows:
             bar.set_postfix_str(row.label)
             forced = None if row.method == "fkv" else runs[rows[0]]["tokens"]  # FKV runs first
-            runs[row] = run_row(model, tokenizer, row, groups, needle_tokens=a.needle_tokens,
-                                summary_tokens=a.summary_tokens, on_batch=lambda: bar.update(1), forced=forced)
+            runs[row] = run_row(
+                model,
+                tokenizer,
+                row,
+                groups,
+                needle_tokens=a.needle_tokens,
+                summary_tokens=a.summary_tokens,
+                on_batch=lambda: bar.update(1),
+                forced=forced,
+            )
         for _ in range(a.speed_repeats):  # rows interleaved: a slow minute on the machine hits every row alike
             for row in rows:
                 bar.set_postfix_str(f"timing {row.label}")
-                r = run_row(model, tokenizer, row, [timed], needle_tokens=a.needle_tokens,
-                            summary_tokens=a.summary_tokens, on_batch=lambda: bar.update(1))
+                r = run_row(
+                    model,
+                    tokenizer,
+                    row,
+                    [timed],
+                    needle_tokens=a.needle_tokens,
+                    summary_tokens=a.summary_tokens,
+                    on_batch=lambda: bar.update(1),
+                )
                 runs[row].setdefault("speed", []).append(r["generated_tokens"] / (r["prefill_s"] + r["decode_s"]))
     finally:
         bar.close()
@@ -721,16 +884,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.perf_counter() - start
     settings = {
         "command": " ".join([os.path.basename(sys.executable), "launch/bench_retention.py", *(argv or sys.argv[1:])]),
-        "model": a.model or EMBEDDED_MODEL, "rules": a.rules, "kv_max": a.kv_max, "p": a.p, "lengths": a.lengths,
-        "target_length": target_length, "kinds": a.kinds, "split": a.split, "split_about": SPLIT_ABOUT[a.split],
+        "model": a.model or EMBEDDED_MODEL,
+        "rules": a.rules,
+        "kv_max": a.kv_max,
+        "p": a.p,
+        "lengths": a.lengths,
+        "target_length": target_length,
+        "kinds": a.kinds,
+        "split": a.split,
+        "split_about": SPLIT_ABOUT[a.split],
         "shared_with_tune": shared,
         "batch_size": a.batch_size,
-        "needle_tokens": a.needle_tokens, "summary_tokens": a.summary_tokens, "speed_repeats": a.speed_repeats,
-        "timed_batch": [x.id for x in timed], "decoding": "greedy, ignore_eos", "seed": a.seed, "dtype": a.dtype,
-        "device": a.device, "quick": a.quick, "threads": torch.get_num_threads(), "targets": TARGETS,
+        "needle_tokens": a.needle_tokens,
+        "summary_tokens": a.summary_tokens,
+        "speed_repeats": a.speed_repeats,
+        "timed_batch": [x.id for x in timed],
+        "decoding": "greedy, ignore_eos",
+        "seed": a.seed,
+        "dtype": a.dtype,
+        "device": a.device,
+        "quick": a.quick,
+        "threads": torch.get_num_threads(),
+        "targets": TARGETS,
         "wall_s": round(wall, 1),
-        "samples": [{"id": s.id, "kind": s.kind, "length": s.length, "prompt_tokens": s.prompt_tokens,
-                     "depths": s.depths, "needles": [asdict(n) for n in s.needles]} for s in samples],
+        "samples": [
+            {
+                "id": s.id,
+                "kind": s.kind,
+                "length": s.length,
+                "prompt_tokens": s.prompt_tokens,
+                "depths": s.depths,
+                "needles": [asdict(n) for n in s.needles],
+            }
+            for s in samples
+        ],
         "batches": [[s.id for s in g] for g in groups],
     }
     paths = write_outputs(a.out, table, records, settings)

@@ -50,11 +50,22 @@ from batchmax_tp.plan.planner import ModelShape, max_batch, max_slots, parse_byt
 
 logger = logging.getLogger("bench_serving")
 
-ROWS = ("cont-bm-paper", "cont-bm-question", "static-bm-paper", "static-bm-question",
-        "cont-fkv", "cont-ed", "static-fkv", "static-ed")
+ROWS = (
+    "cont-bm-paper",
+    "cont-bm-question",
+    "static-bm-paper",
+    "static-bm-question",
+    "cont-fkv",
+    "cont-ed",
+    "static-fkv",
+    "static-ed",
+)
 EQUAL_ROWS = ("cont-bm-paper", "static-bm-paper", "cont-bm-question", "static-bm-question")
-INSTRUCTIONS = (None, "Summarize the text above in three sentences.",
-                "Retell the text above in detail, paragraph by paragraph.")  # None: the story's own question
+INSTRUCTIONS = (
+    None,
+    "Summarize the text above in three sentences.",
+    "Retell the text above in detail, paragraph by paragraph.",
+)  # None: the story's own question
 CONT_OVER_STATIC_TARGET, EQUAL_TARGET = 1.3, 0.95
 
 
@@ -71,8 +82,9 @@ def build_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     """Chat-templated prompts of exactly ``lengths[i]`` tokens: story text cut to fit, then an instruction."""
     stories = [s.prompt.rsplit("\n\nQuestion:", 1) for s in load_jsonl(default_fixture_path())]
     mark = "\x00BODY\x00"
-    head, tail = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
-                                               tokenize=False).split(mark)
+    head, tail = tokenizer.apply_chat_template(
+        [{"role": "user", "content": mark}], add_generation_prompt=True, tokenize=False
+    ).split(mark)
     enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     prompts = []
     for i, n in enumerate(lengths):
@@ -81,8 +93,9 @@ def build_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
         start, end = enc(head), enc("\n\n" + ask + tail)
         room = n - len(start) - len(end)
         if room < 1:
-            raise ValueError(f"prompt {i}: {n} tokens leave no room for text (template + instruction: "
-                             f"{len(start) + len(end)})")
+            raise ValueError(
+                f"prompt {i}: {n} tokens leave no room for text (template + instruction: {len(start) + len(end)})"
+            )
         j, text, body = k, "", []
         while len(body) < room:  # the stories from k on, cycled until long enough
             text += ("\n\n" if text else "") + stories[j % len(stories)][0]
@@ -114,9 +127,16 @@ def run_continuous(model, prompts, method: Method, slots: int, new: int, ignore_
     t = time.perf_counter()
     out = serve(model, reqs, method, slots, ignore_eos=ignore_eos, eos_token_id=eos, pad_token_id=pad)
     wall = time.perf_counter() - t
-    return {"wall_s": wall, "generated": out.generated_tokens, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
-            "latency_s": [o.finished_s for o in out.outputs], "ttft_s": [o.first_token_s for o in out.outputs],
-            "num_generated": [o.num_generated for o in out.outputs], "peak_kv_bytes": out.peak_kv_bytes}
+    return {
+        "wall_s": wall,
+        "generated": out.generated_tokens,
+        "prefill_s": out.prefill_s,
+        "decode_s": out.decode_s,
+        "latency_s": [o.finished_s for o in out.outputs],
+        "ttft_s": [o.first_token_s for o in out.outputs],
+        "num_generated": [o.num_generated for o in out.outputs],
+        "peak_kv_bytes": out.peak_kv_bytes,
+    }
 
 
 def run_static(model, prompts, method: Method, batch: int, new: int, ignore_eos: bool, eos, pad) -> dict:
@@ -128,40 +148,63 @@ def run_static(model, prompts, method: Method, batch: int, new: int, ignore_eos:
         ids = torch.full((len(chunk), s), pad, dtype=torch.long)  # [B, s] LEFT-padded to this batch's longest
         mask = torch.zeros((len(chunk), s), dtype=torch.long)
         for j, p in enumerate(chunk):
-            ids[j, s - len(p):], mask[j, s - len(p):] = torch.tensor(p), 1
+            ids[j, s - len(p) :], mask[j, s - len(p) :] = torch.tensor(p), 1
         t = time.perf_counter() - start
-        out = generate(model, ids.to(model.device), mask.to(model.device), method, new, ignore_eos=ignore_eos,
-                       eos_token_id=eos, pad_token_id=pad)
+        out = generate(
+            model,
+            ids.to(model.device),
+            mask.to(model.device),
+            method,
+            new,
+            ignore_eos=ignore_eos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
         end = time.perf_counter() - start
         lat += [end] * len(chunk)
         ttft += [t + out.prefill_s] * len(chunk)
         gen += [int(n) for n in out.num_generated.tolist()]
         peak, pre, dec = max(peak, out.peak_kv_bytes), pre + out.prefill_s, dec + out.decode_s
-    return {"wall_s": time.perf_counter() - start, "generated": sum(gen), "prefill_s": pre, "decode_s": dec,
-            "latency_s": lat, "ttft_s": ttft, "num_generated": gen, "peak_kv_bytes": peak}
+    return {
+        "wall_s": time.perf_counter() - start,
+        "generated": sum(gen),
+        "prefill_s": pre,
+        "decode_s": dec,
+        "latency_s": lat,
+        "ttft_s": ttft,
+        "num_generated": gen,
+        "peak_kv_bytes": peak,
+    }
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| row | method | slots / batch (fits) | generated | wall s | tokens/s | latency p50 s | latency p99 s | "
-          "TTFT p50 s | peak K/V MiB | predicted total MiB |")
+    print(
+        "| row | method | slots / batch (fits) | generated | wall s | tokens/s | latency p50 s | latency p99 s | "
+        "TTFT p50 s | peak K/V MiB | predicted total MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["size"] == 0:
             print(f"| {r['row']} | {r['label']} | OOM (0) | | | | | | | | |")
             continue
-        print(f"| {r['row']} | {r['label']} | {r['size']} ({r['fits']}) | {r['generated']} | {r['wall_s']:.1f} | "
-              f"{r['tokens_per_s']:.2f} | {r['latency_p50_s']:.1f} | {r['latency_p99_s']:.1f} | "
-              f"{r['ttft_p50_s']:.1f} | {r['peak_kv_bytes'] / 2**20:.1f} | {r['predicted_total'] / 2**20:.1f} |")
+        print(
+            f"| {r['row']} | {r['label']} | {r['size']} ({r['fits']}) | {r['generated']} | {r['wall_s']:.1f} | "
+            f"{r['tokens_per_s']:.2f} | {r['latency_p50_s']:.1f} | {r['latency_p99_s']:.1f} | "
+            f"{r['ttft_p50_s']:.1f} | {r['peak_kv_bytes'] / 2**20:.1f} | {r['predicted_total'] / 2**20:.1f} |"
+        )
 
 
 def ratio_table(rows: list[dict], equal: bool) -> list[dict]:
     """Continuous BM over static BM per rule (and, mixed, over continuous FKV and ED), where both rows ran."""
     tps = {r["row"]: r["tokens_per_s"] for r in rows if r["size"]}
-    pairs = [(f"cont-bm-{rule}", f"static-bm-{rule}", EQUAL_TARGET if equal else CONT_OVER_STATIC_TARGET)
-             for rule in ("paper", "question")]
+    pairs = [
+        (f"cont-bm-{rule}", f"static-bm-{rule}", EQUAL_TARGET if equal else CONT_OVER_STATIC_TARGET)
+        for rule in ("paper", "question")
+    ]
     if not equal:
-        pairs += [(f"cont-bm-{rule}", other, None) for rule in ("paper", "question")
-                  for other in ("cont-fkv", "cont-ed")]
+        pairs += [
+            (f"cont-bm-{rule}", other, None) for rule in ("paper", "question") for other in ("cont-fkv", "cont-ed")
+        ]
     out = [{"ratio": f"{a} / {b}", "value": tps[a] / tps[b], "target": t} for a, b, t in pairs if a in tps and b in tps]
     print("\n| ratio (tokens/s) | value | target |\n|---|---|---|")
     for r in out:
@@ -176,8 +219,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--equal", action="store_true", help="the guard: equal prompts, EOS ignored, BM rows only")
-    ap.add_argument("--requests", type=int, default=None,
-                    help="default 12; --equal: the paper rule's static batch (capped by --max-batch)")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="default 12; --equal: the paper rule's static batch (capped by --max-batch)",
+    )
     ap.add_argument("--min-len", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=3584)
     ap.add_argument("--prompt-len", type=int, default=1536, help="--equal: every prompt's length")
@@ -188,14 +235,16 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-max", type=int, default=512)
     ap.add_argument("--p", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=64, help="cap on any batch or slot count")
-    ap.add_argument("--methods", default=None, help=f"comma-separated rows of {','.join(ROWS)} (default all; "
-                                                    f"--equal: the BM rows)")
+    ap.add_argument(
+        "--methods", default=None, help=f"comma-separated rows of {','.join(ROWS)} (default all; --equal: the BM rows)"
+    )
     ap.add_argument("--out", default=None, help="JSON file (default results/bench_serving/<mixed|equal>.json)")
     a = ap.parse_args(argv)
     keys = [k.strip() for k in (a.methods or ",".join(EQUAL_ROWS if a.equal else ROWS)).split(",") if k.strip()]
     if not keys or any(k not in ROWS for k in keys):
-        ap.error(f"--methods: {', '.join(k for k in keys if k not in ROWS) or 'none given'}; choose from "
-                 f"{', '.join(ROWS)}")
+        ap.error(
+            f"--methods: {', '.join(k for k in keys if k not in ROWS) or 'none given'}; choose from {', '.join(ROWS)}"
+        )
     mode = "equal" if a.equal else "mixed"
     a.new = a.new or (128 if a.equal else 512)
     out_path = a.out or os.path.join("results", "bench_serving", f"{mode}.json")
@@ -205,13 +254,24 @@ def main(argv=None) -> int:
     shape = ModelShape.from_config(model.config)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     longest = a.prompt_len if a.equal else a.max_len
-    budget = (parse_bytes(a.memory_budget) if a.memory_budget
-              else predict(shape, Method("fkv"), a.fkv_batch, longest, a.new, dtype=a.dtype).total)
+    budget = (
+        parse_bytes(a.memory_budget)
+        if a.memory_budget
+        else predict(shape, Method("fkv"), a.fkv_batch, longest, a.new, dtype=a.dtype).total
+    )
     methods = {k: make_method(k, a.kv_max, a.p) for k in keys}
-    fits = {k: (max_slots if k.startswith("cont") else max_batch)(budget, shape, m, longest, a.new, dtype=a.dtype)
-            for k, m in methods.items()}
-    n = a.requests or (min(max_batch(budget, shape, make_method("static-bm-paper", a.kv_max, a.p), longest, a.new,
-                                     dtype=a.dtype), a.max_batch) if a.equal else 12)
+    fits = {
+        k: (max_slots if k.startswith("cont") else max_batch)(budget, shape, m, longest, a.new, dtype=a.dtype)
+        for k, m in methods.items()
+    }
+    n = a.requests or (
+        min(
+            max_batch(budget, shape, make_method("static-bm-paper", a.kv_max, a.p), longest, a.new, dtype=a.dtype),
+            a.max_batch,
+        )
+        if a.equal
+        else 12
+    )
     lengths = [a.prompt_len] * n if a.equal else target_lengths(n, a.min_len, a.max_len, a.seed)
     prompts = build_prompts(tokenizer, lengths)
     logger.info("%s: %d requests, prompt lengths %s, new %d, budget %.1f MiB", mode, n, lengths, a.new, budget / 2**20)
@@ -225,23 +285,46 @@ def main(argv=None) -> int:
             run = run_continuous if k.startswith("cont") else run_static
             row.update(run(model, prompts, m, size, a.new, a.equal, eos, pad))
             est = (predict_pool if k.startswith("cont") else predict)(shape, m, size, longest, a.new, dtype=a.dtype)
-            row.update(tokens_per_s=row["generated"] / row["wall_s"], predicted_total=est.total,
-                       latency_p50_s=percentile(row["latency_s"], 50), latency_p99_s=percentile(row["latency_s"], 99),
-                       ttft_p50_s=percentile(row["ttft_s"], 50))
-            logger.info("%-18s size %2d: %5d tokens in %6.1f s = %6.2f tok/s", k, size, row["generated"],
-                        row["wall_s"], row["tokens_per_s"])
+            row.update(
+                tokens_per_s=row["generated"] / row["wall_s"],
+                predicted_total=est.total,
+                latency_p50_s=percentile(row["latency_s"], 50),
+                latency_p99_s=percentile(row["latency_s"], 99),
+                ttft_p50_s=percentile(row["ttft_s"], 50),
+            )
+            logger.info(
+                "%-18s size %2d: %5d tokens in %6.1f s = %6.2f tok/s",
+                k,
+                size,
+                row["generated"],
+                row["wall_s"],
+                row["tokens_per_s"],
+            )
         rows.append(row)
 
-    print(f"\nmodel={a.model} device={a.device} dtype={a.dtype} threads={torch.get_num_threads()} mode={mode} "
-          f"requests={n} prompt tokens={min(lengths)}..{max(lengths)} (total {sum(lengths)}) new<={a.new} "
-          f"eos={'ignored' if a.equal else 'honoured'} budget={budget / 2**20:.1f} MiB kv_max={a.kv_max} p={a.p}\n")
+    print(
+        f"\nmodel={a.model} device={a.device} dtype={a.dtype} threads={torch.get_num_threads()} mode={mode} "
+        f"requests={n} prompt tokens={min(lengths)}..{max(lengths)} (total {sum(lengths)}) new<={a.new} "
+        f"eos={'ignored' if a.equal else 'honoured'} budget={budget / 2**20:.1f} MiB kv_max={a.kv_max} p={a.p}\n"
+    )
     print_table(rows)
     ratios = ratio_table(rows, a.equal)
 
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path + ".tmp", "w") as f:
-        json.dump({"args": vars(a), "mode": mode, "budget_bytes": budget, "prompt_lengths": lengths,
-                   "threads": torch.get_num_threads(), "rows": rows, "ratios": ratios}, f, indent=2)
+        json.dump(
+            {
+                "args": vars(a),
+                "mode": mode,
+                "budget_bytes": budget,
+                "prompt_lengths": lengths,
+                "threads": torch.get_num_threads(),
+                "rows": rows,
+                "ratios": ratios,
+            },
+            f,
+            indent=2,
+        )
     os.replace(out_path + ".tmp", out_path)
     return 0
 

@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.core.baseline import fastest_attention, hf_reference_generate  # noqa: E402
 from batchmax_tp.core.engine import generate  # noqa: E402
+from batchmax_tp.core.method import Method  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 from batchmax_tp.plan.planner import ModelShape, max_batch, parse_bytes, predict  # noqa: E402
-from batchmax_tp.core.method import Method  # noqa: E402
 
 
 def prompts(vocab: int, batch: int, length: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -86,7 +86,9 @@ def ratios(rows: list[dict], rule: str | None) -> dict:
     bm = fastest(rows, "bm", rule) if rule else None
     ed, fkv = fastest(rows, "ed"), fastest(rows, "fkv")
     return {
-        "rule": rule, "bm_kv_max": bm and bm["kv_max"], "bm_batch": bm and bm["batch"],
+        "rule": rule,
+        "bm_kv_max": bm and bm["kv_max"],
+        "bm_batch": bm and bm["batch"],
         "bm_over_ed": bm["tokens_per_s"] / ed["tokens_per_s"] if bm and ed else None,
         "bm_over_fkv": bm["tokens_per_s"] / fkv["tokens_per_s"] if bm and fkv else None,
     }
@@ -117,9 +119,13 @@ def timed(model, method: Method, batch: int, length: int, new: int, device: str,
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         tokens, prefill_s, decode_s = hf_reference_generate(model, ids, None, method, new)
-        row["hf"] = {"prefill_s": prefill_s, "decode_s": decode_s, "decode_step_ms": 1e3 * decode_s / max(new - 1, 1),
-                     "tokens_per_s": batch * new / (prefill_s + decode_s),
-                     "tokens_equal": torch.equal(tokens, out.tokens)}
+        row["hf"] = {
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "decode_step_ms": 1e3 * decode_s / max(new - 1, 1),
+            "tokens_per_s": batch * new / (prefill_s + decode_s),
+            "tokens_equal": torch.equal(tokens, out.tokens),
+        }
         if device.startswith("cuda"):
             row["hf"]["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
         row["ours_over_hf"] = row["tokens_per_s"] / row["hf"]["tokens_per_s"]
@@ -134,8 +140,9 @@ def warm_method(rule: str) -> Method:
     return Method("bm", kv_max=max(64, 2 * p + get_rule(rule).protected()), p=p, rule=rule)
 
 
-def measure_memory(model, shape, bm: Method, fkv: Method, lengths: list[int], batch: int, device: str,
-                   dtype: str) -> list[dict]:
+def measure_memory(
+    model, shape, bm: Method, fkv: Method, lengths: list[int], batch: int, device: str, dtype: str
+) -> list[dict]:
     """Measured (and predicted) peak K/V + workspace bytes of ``bm`` and ``fkv`` at ``batch`` per prompt length."""
     memory = []
     for L in lengths:
@@ -143,10 +150,16 @@ def measure_memory(model, shape, bm: Method, fkv: Method, lengths: list[int], ba
             ids = prompts(model.config.vocab_size, batch, L, device, seed=1)
             out = generate(model, ids, None, m, 2, ignore_eos=True)
             est = predict(shape, m, batch, L, 2, dtype=dtype)
-            memory.append({"method": m.name, "prompt_len": L, "batch": batch,
-                           "measured_kv_plus_workspace": out.peak_kv_bytes + out.peak_workspace_bytes,
-                           "predicted_kv_plus_workspace": est.kv + est.workspace,
-                           "predicted_total": est.total})
+            memory.append(
+                {
+                    "method": m.name,
+                    "prompt_len": L,
+                    "batch": batch,
+                    "measured_kv_plus_workspace": out.peak_kv_bytes + out.peak_workspace_bytes,
+                    "predicted_kv_plus_workspace": est.kv + est.workspace,
+                    "predicted_total": est.total,
+                }
+            )
     return memory
 
 
@@ -155,8 +168,10 @@ def _fmt(x) -> str:
 
 
 def print_runs(rows: list[dict]) -> None:
-    print("| method | batch | tokens/s | prefill s | decode s | ms/step | peak KV MiB | plain HF tokens/s | HF ms/step "
-          "| ours/HF | same tokens |")
+    print(
+        "| method | batch | tokens/s | prefill s | decode s | ms/step | peak KV MiB | plain HF tokens/s | HF ms/step "
+        "| ours/HF | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         name = label(r["method"], r["kv_max"], r.get("rule"))
@@ -164,10 +179,18 @@ def print_runs(rows: list[dict]) -> None:
             print(f"| {name} | OOM | | | | | | | | | |")
             continue
         h = r.get("hf")
-        hf_cols = (f"{h['tokens_per_s']:.1f} | {h['decode_step_ms']:.0f} | {r['ours_over_hf']:.3f} | "
-                   f"{'yes' if h['tokens_equal'] else 'NO'}") if h else " | | |"
-        print(f"| {name} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['prefill_s']:.1f} | {r['decode_s']:.1f} | "
-              f"{r['decode_step_ms']:.0f} | {r['peak_kv_bytes'] / 2**20:.1f} | {hf_cols} |")
+        hf_cols = (
+            (
+                f"{h['tokens_per_s']:.1f} | {h['decode_step_ms']:.0f} | {r['ours_over_hf']:.3f} | "
+                f"{'yes' if h['tokens_equal'] else 'NO'}"
+            )
+            if h
+            else " | | |"
+        )
+        print(
+            f"| {name} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['prefill_s']:.1f} | {r['decode_s']:.1f} | "
+            f"{r['decode_step_ms']:.0f} | {r['peak_kv_bytes'] / 2**20:.1f} | {hf_cols} |"
+        )
 
 
 def print_ratios(paper: dict, best: dict) -> None:
@@ -179,8 +202,9 @@ def print_ratios(paper: dict, best: dict) -> None:
     if best["rule"]:
         print(f"| BM ({best['rule']})/ED | {_fmt(best['bm_over_ed'])} | - | {where(best)} |")
         print(f"| BM ({best['rule']})/FKV | {_fmt(best['bm_over_fkv'])} | - | {where(best)} |")
-    print("BM/...: the paper rule's BM; BM (rule)/...: that rule's; each its fastest kv_max row. ED: the fastest "
-          "ED row.")
+    print(
+        "BM/...: the paper rule's BM; BM (rule)/...: that rule's; each its fastest kv_max row. ED: the fastest ED row."
+    )
 
 
 def print_memory(memory: list[dict], lengths: list[int], batch: int, growth) -> None:
@@ -202,14 +226,18 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-budget", default=None, help="bytes or e.g. 24GiB; default: FKV's peak at --fkv-batch")
     ap.add_argument("--fkv-batch", type=int, default=4)
     ap.add_argument("--kv-max", default="512", help="comma-separated BM kv_max values to try")
-    ap.add_argument("--rules", default="paper,question",
-                    help="BM's eviction rules, each run at every --kv-max (core.rules names; ';'-separated when a "
-                         "rule has parameters, e.g. 'paper;question:every=1'); the first non-paper one is the best "
-                         "rule whose ratios are shown beside the paper rule's")
+    ap.add_argument(
+        "--rules",
+        default="paper,question",
+        help="BM's eviction rules, each run at every --kv-max (core.rules names; ';'-separated when a "
+        "rule has parameters, e.g. 'paper;question:every=1'); the first non-paper one is the best "
+        "rule whose ratios are shown beside the paper rule's",
+    )
     ap.add_argument("--p", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=64, help="cap on any batch (time on a CPU)")
-    ap.add_argument("--lengths", default="512,1024,2048,4096",
-                    help="prompt lengths of the memory-by-length part ('' skips it)")
+    ap.add_argument(
+        "--lengths", default="512,1024,2048,4096", help="prompt lengths of the memory-by-length part ('' skips it)"
+    )
     ap.add_argument("--length-batch", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip the plain-HF runs of FKV and ED")
     ap.add_argument("--out", default="results/bench_throughput.json")
@@ -225,7 +253,9 @@ def main(argv=None) -> int:
     shape = ModelShape.from_config(model.config)
     s, T = a.prompt_len, a.new
     fkv = Method("fkv")
-    budget = parse_bytes(a.memory_budget) if a.memory_budget else predict(shape, fkv, a.fkv_batch, s, T, dtype=a.dtype).total
+    budget = (
+        parse_bytes(a.memory_budget) if a.memory_budget else predict(shape, fkv, a.fkv_batch, s, T, dtype=a.dtype).total
+    )
     methods = [fkv, Method("ed", kv_max=2), Method("ed", kv_max=65)]
     methods += [Method("bm", kv_max=int(k), p=a.p, rule=r) for k in a.kv_max.split(",") for r in a.rules]
 
@@ -243,25 +273,47 @@ def main(argv=None) -> int:
             rows.append({"method": m.name, "rule": rule, "kv_max": m.kv_max, "batch": 0, "status": "OOM"})
             continue
         t = time.perf_counter()
-        row = {"method": m.name, "rule": rule, "kv_max": m.kv_max, "largest_fitting_batch": fit, "status": "ok",
-               "predicted": predict(shape, m, b, s, T, dtype=a.dtype).as_dict(),
-               **timed(model, m, b, s, T, a.device, hf=not a.no_hf)}
+        row = {
+            "method": m.name,
+            "rule": rule,
+            "kv_max": m.kv_max,
+            "largest_fitting_batch": fit,
+            "status": "ok",
+            "predicted": predict(shape, m, b, s, T, dtype=a.dtype).as_dict(),
+            **timed(model, m, b, s, T, a.device, hf=not a.no_hf),
+        }
         row["wall_s"] = time.perf_counter() - t
         rows.append(row)
-        hf = "" if "hf" not in row else (
-            f"  plain HF {row['hf']['tokens_per_s']:7.1f} tok/s (ours/HF {row['ours_over_hf']:.3f})")
-        print(f"{m.label():<40} b={b:<3} {row['tokens_per_s']:7.1f} tok/s  prefill {row['prefill_s']:7.1f}s  "
-              f"decode {row['decode_s']:7.1f}s ({row['decode_step_ms']:.0f} ms/step){hf}", flush=True)
+        hf = (
+            ""
+            if "hf" not in row
+            else (f"  plain HF {row['hf']['tokens_per_s']:7.1f} tok/s (ours/HF {row['ours_over_hf']:.3f})")
+        )
+        print(
+            f"{m.label():<40} b={b:<3} {row['tokens_per_s']:7.1f} tok/s  prefill {row['prefill_s']:7.1f}s  "
+            f"decode {row['decode_s']:7.1f}s ({row['decode_step_ms']:.0f} ms/step){hf}",
+            flush=True,
+        )
 
     by_rule = {r: ratios(rows, r) for r in a.rules}
     paper, by_best = by_rule.get("paper", ratios(rows, None)), by_rule.get(best, ratios(rows, None))
-    memory = measure_memory(model, shape, Method("bm", kv_max=int(a.kv_max.split(",")[0]), p=a.p), fkv, lengths,
-                            a.length_batch, a.device, a.dtype)
+    memory = measure_memory(
+        model,
+        shape,
+        Method("bm", kv_max=int(a.kv_max.split(",")[0]), p=a.p),
+        fkv,
+        lengths,
+        a.length_batch,
+        a.device,
+        a.dtype,
+    )
     bm_at = {r["prompt_len"]: r["measured_kv_plus_workspace"] for r in memory if r["method"] == "bm"}
     growth = bm_at[max(lengths)] / bm_at[1024] if 1024 in bm_at and max(lengths) in bm_at else None
 
-    print(f"\nmodel={a.model} device={a.device} dtype={a.dtype} threads={torch.get_num_threads()} prompt={s} new={T} "
-          f"budget={budget / 2**30:.3f} GiB (planner total: weights + activations + K/V + workspace)")
+    print(
+        f"\nmodel={a.model} device={a.device} dtype={a.dtype} threads={torch.get_num_threads()} prompt={s} new={T} "
+        f"budget={budget / 2**30:.3f} GiB (planner total: weights + activations + K/V + workspace)"
+    )
     attn = fastest_attention(model)
     print(f"FKV/ED attention: {attn} (no score bookkeeping); BM: batchmax\n")
     print_runs(rows)
@@ -276,12 +328,27 @@ def main(argv=None) -> int:
 
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".tmp", "w") as f:
-        json.dump({"args": vars(a), "budget_bytes": budget, "attention": {"fkv_ed": attn, "bm": "batchmax"},
-                   "threads": torch.get_num_threads(), "runs": rows, "ratios": paper, "best_rule": best,
-                   "ratios_best_rule": by_best, "ratios_by_rule": by_rule, "ratios_before": OLD_RATIOS,
-                   "memory": memory, "bm_peak_growth_4096_over_1024": growth}, f, indent=2)
+        json.dump(
+            {
+                "args": vars(a),
+                "budget_bytes": budget,
+                "attention": {"fkv_ed": attn, "bm": "batchmax"},
+                "threads": torch.get_num_threads(),
+                "runs": rows,
+                "ratios": paper,
+                "best_rule": best,
+                "ratios_best_rule": by_best,
+                "ratios_by_rule": by_rule,
+                "ratios_before": OLD_RATIOS,
+                "memory": memory,
+                "bm_peak_growth_4096_over_1024": growth,
+            },
+            f,
+            indent=2,
+        )
     os.replace(a.out + ".tmp", a.out)
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

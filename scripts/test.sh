@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the test suite offline. Exits non-zero on any failure and when no test actually ran.
+# Lint (ruff), then run the test suite offline. Exits non-zero on a lint error, any failure, and when no test
+# actually ran.
 #   bash scripts/test.sh [extra pytest args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -7,6 +8,10 @@ PY="${PYTHON:-python}"
 export HF_HUB_OFFLINE=1
 report="$(mktemp -t batchmax_junit.XXXXXX.xml)"
 trap 'rm -f "$report"' EXIT
+
+# Lint and format first (settings: pyproject.toml): a lint error fails the run like a failing test.
+"$PY" -m ruff check . || exit 1
+"$PY" -m ruff format --check . || exit 1
 
 "$PY" -m pytest -q tests --junitxml="$report" "$@"
 rc=$?

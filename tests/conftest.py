@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # so tests can `
 # 2-core box (where 2 spinning OpenMP threads made the embedded-model test ~20x slower).
 torch.set_num_threads(int(os.environ.get("BATCHMAX_TEST_THREADS", "1")))
 
+
 def load_launch_script(name: str):
     """Import ``launch/<name>.py`` as module ``name`` (registered in ``sys.modules``: dataclasses look their module
     up while the file runs)."""
@@ -47,8 +48,8 @@ def left_padded_batch(lengths, vocab: int = 128, seed: int = 0, low: int = 3):
     ids = torch.zeros(len(lengths), s, dtype=torch.long)
     mask = torch.zeros(len(lengths), s, dtype=torch.long)
     for j, n in enumerate(lengths):
-        ids[j, s - n:] = torch.randint(low, vocab, (n,), generator=g)
-        mask[j, s - n:] = 1
+        ids[j, s - n :] = torch.randint(low, vocab, (n,), generator=g)
+        mask[j, s - n :] = 1
     return ids, mask
 
 
@@ -115,7 +116,9 @@ def assert_kept_equal(got, want, what="kept positions"):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run with -m cuda on a GPU machine")
+    config.addinivalue_line(
+        "markers", "cuda: needs a CUDA GPU (skipped without one); run with -m cuda on a GPU machine"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -127,9 +130,15 @@ def tiny_dir(tmp_path_factory) -> str:
 
     folder = tmp_path_factory.mktemp("tiny-lm")
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    model = tiny_random_model("llama", vocab_size=len(tokenizer), max_position_embeddings=4096,
-                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                              eos_token_id=tokenizer.eos_token_id, **PEAKED)
+    model = tiny_random_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **PEAKED,
+    )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)

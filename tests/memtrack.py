@@ -4,7 +4,8 @@
 sign, time): kernel-internal temporaries (a BLAS packing buffer, a ``contiguous`` copy inside ``matmul``) are seen
 too, not only the tensors Python holds. Tensors that existed before the tracker started are the baseline (0);
 ``peak`` is the largest net total allocated above it. Freeing such an older tensor inside is not subtracted (the
-profiler never saw its size), so the peak is then an upper bound; no code measured here frees its inputs. ``spans(label)`` gives the same peak inside each
+profiler never saw its size), so the peak is then an upper bound; no code measured here frees its inputs.
+``spans(label)`` gives the same peak inside each
 ``torch.profiler.record_function(label)`` region, relative to the bytes held when the region opened, and
 ``nets(label)`` what each region still holds when it closes. ``spans(label, scratch=ops)`` leaves out a fused
 kernel's own scratch: blocks allocated and freed inside one call of an op named in ``ops`` (``KERNEL_SCRATCH``).
@@ -137,6 +138,7 @@ class AttentionPasses:
                 self.order.append(kind)
                 with torch.profiler.record_function(kind):
                     return fn(*args, **kwargs)
+
             return wrapped
 
         for name in ("sdpa", "flash_attention_2"):

@@ -154,7 +154,7 @@ class _SampleState:
                         values = torch.stack([e.value for e in visible])
                         scores = (keys @ q[0, qh, i]) * self.scaling
                         probs = torch.softmax(scores.float(), dim=-1)
-                        out[i, qh] = (probs.to(values.dtype) @ values)
+                        out[i, qh] = probs.to(values.dtype) @ values
                         for e, pr in zip(visible, probs.tolist()):
                             e.sum += pr
                 if probe:  # probe queries: all real kept entries, then the probe tokens up to themselves
@@ -193,8 +193,16 @@ class _SampleState:
         assert len(sizes) == 1, sizes
         return sizes.pop()
 
-    def evict_bm(self, p: int, curr_id: int, result: RefResult, sample: int, rule: str = "paper",
-                 params: dict | None = None, prefill: bool = False):
+    def evict_bm(
+        self,
+        p: int,
+        curr_id: int,
+        result: RefResult,
+        sample: int,
+        rule: str = "paper",
+        params: dict | None = None,
+        prefill: bool = False,
+    ):
         params = params or {}
         for layer in range(self.n_layers):
             for h in range(self.n_kv):
@@ -259,13 +267,25 @@ class _SampleState:
                 result.evictions += 1
 
     def kept(self):
-        return [[sorted(e.pos for e in self.kv[layer][h] if not e.is_pad) for h in range(self.n_kv)]
-                for layer in range(self.n_layers)]
+        return [
+            [sorted(e.pos for e in self.kv[layer][h] if not e.is_pad) for h in range(self.n_kv)]
+            for layer in range(self.n_layers)
+        ]
 
 
 @torch.no_grad()
-def reference_generate(model, input_ids, attention_mask, method_name, kv_max=None, p=None, max_new_tokens=1,
-                       rule="paper", rule_params=None, force_tokens=None):
+def reference_generate(
+    model,
+    input_ids,
+    attention_mask,
+    method_name,
+    kv_max=None,
+    p=None,
+    max_new_tokens=1,
+    rule="paper",
+    rule_params=None,
+    force_tokens=None,
+):
     """Greedy generation with the paper's cache policy (or one of the rules above, BM only), naively.
 
     ``force_tokens`` ``[B, >= max_new_tokens - 1]``: teacher forcing -- decode step t feeds ``force_tokens[:, t-1]``
@@ -279,9 +299,14 @@ def reference_generate(model, input_ids, attention_mask, method_name, kv_max=Non
         raise ValueError(f"unknown method {method_name!r}")
     if method_name == "bm":
         assert p is not None and p >= 1 and kv_max is not None and kv_max > p
-    need = {"paper": set(), "pooled": {"kernel", "pool"}, "sinks": {"sinks", "recent"},
-            "probe": {"window", "every", "weight"}, "snapkv": {"window", "every", "weight", "kernel", "pool"},
-            "question": {"window", "every", "kernel", "pool", "sinks", "recent"}}
+    need = {
+        "paper": set(),
+        "pooled": {"kernel", "pool"},
+        "sinks": {"sinks", "recent"},
+        "probe": {"window", "every", "weight"},
+        "snapkv": {"window", "every", "weight", "kernel", "pool"},
+        "question": {"window", "every", "kernel", "pool", "sinks", "recent"},
+    }
     rule_params = dict(rule_params or {})
     assert rule in need and set(rule_params) == need[rule], (rule, rule_params)
     every = rule_params.get("every", 1)

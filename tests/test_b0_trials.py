@@ -43,8 +43,7 @@ class Recorder:
 def test_b0_trial_batch_is_the_b_longest_prompts_left_padded(tokenizer, tmp_path):
     cfg = RunConfig(out=str(tmp_path), memory_budget=None)
     gen = Recorder()
-    fits = procedures.b0_trials(SimpleNamespace(device=torch.device("cpu")), tokenizer, SAMPLES, cfg,
-                                generate_fn=gen)
+    fits = procedures.b0_trials(SimpleNamespace(device=torch.device("cpu")), tokenizer, SAMPLES, cfg, generate_fn=gen)
     lengths = {s.id: len(prompt_ids(tokenizer, s.prompt)) for s in SAMPLES}
     prompt_of = {s.id: s.prompt for s in SAMPLES}
     for b in (1, 3, 5, 7):

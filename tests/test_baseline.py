@@ -78,8 +78,12 @@ def test_fast_baseline_equals_batchmax_path_and_reference(method, attention_call
     ref = reference_generate(model, ids, mask, method.name, method.kv_max, None, n)
     assert_tokens_equal(new.tokens, ref.tokens, what=f"{method.label()}: fast vs reference")
     assert_kept_equal(new.cache.kept_positions(), ref.kept, what=f"{method.label()}: fast vs Algorithm 3")
-    assert_logits_close(new.logits, hf_full_cache_logits(model, ids, mask, new.tokens) if method.name == "fkv"
-                        else ref.logits, ATOL, what=f"{method.label()}: fast vs HF full forward / reference")
+    assert_logits_close(
+        new.logits,
+        hf_full_cache_logits(model, ids, mask, new.tokens) if method.name == "fkv" else ref.logits,
+        ATOL,
+        what=f"{method.label()}: fast vs HF full forward / reference",
+    )
     # Same K/V memory as before (ED: the prompt during prefill), and no per-slot score or position buffers.
     assert new.peak_kv_bytes == old.peak_kv_bytes > 0
     assert new.cache.kv_bytes() == old.cache.kv_bytes()
@@ -98,8 +102,11 @@ def test_ed_kept_sets_follow_algorithm_3_step_by_step(kv_max):
     ref = reference_generate(model, ids, mask, "ed", kv_max, None, n)
     for steps in range(1, n + 1):
         out = run(model, ids, mask, Method("ed", kv_max=kv_max), steps)
-        assert_kept_equal(out.cache.kept_positions(), ref.kept_history[steps - 1],
-                          what=f"[ed kv_max={kv_max}] kept after {steps} token(s)")
+        assert_kept_equal(
+            out.cache.kept_positions(),
+            ref.kept_history[steps - 1],
+            what=f"[ed kv_max={kv_max}] kept after {steps} token(s)",
+        )
         assert_tokens_equal(out.tokens, ref.tokens[:, :steps])
         held = out.cache.kept_positions()[0][0][0]
         if steps == 1:  # prefill only: the whole (real) prompt
@@ -119,8 +126,9 @@ def test_fkv_equals_hf_generate(padded, monkeypatch):
     with AttentionPasses(monkeypatch).measure() as measured:  # every pass's attention allocations
         out = run(model, ids, mask, Method("fkv"), n)
     with torch.no_grad():
-        want = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              pad_token_id=0)[:, ids.shape[1]:]
+        want = model.generate(
+            ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )[:, ids.shape[1] :]
     assert_tokens_equal(out.tokens, want, what="fkv vs HF generate")
     assert_logits_close(out.logits, hf_full_cache_logits(model, ids, mask, out.tokens), ATOL, what="fkv vs HF")
     assert (out.cache.max_pads > 0) == padded
@@ -130,9 +138,19 @@ def test_fkv_equals_hf_generate(padded, monkeypatch):
     assert out.peak_workspace_bytes == max(measured) > 0
 
 
-COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=128, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              initializer_range=0.2)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.2,
+)
 ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
@@ -160,8 +178,14 @@ def test_fastest_attention_on_cpu_is_sdpa():
 
 
 # (batch, query heads, KV heads, head dim, queries, keys, mask): a prefill (queries = keys) or a decode step
-SDPA_CALLS = [(2, 4, 2, 16, 10, 10, True), (2, 4, 4, 16, 10, 10, True), (2, 4, 2, 16, 10, 10, False),
-              (3, 4, 2, 16, 1, 13, True), (3, 4, 2, 16, 1, 13, False), (2, 6, 2, 8, 24, 24, True)]
+SDPA_CALLS = [
+    (2, 4, 2, 16, 10, 10, True),
+    (2, 4, 4, 16, 10, 10, True),
+    (2, 4, 2, 16, 10, 10, False),
+    (3, 4, 2, 16, 1, 13, True),
+    (3, 4, 2, 16, 1, 13, False),
+    (2, 6, 2, 8, 24, 24, True),
+]
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,D,n,L,masked", SDPA_CALLS)
@@ -190,7 +214,7 @@ def test_sdpa_calls_allocate_what_is_counted(B, Hq, Hkv, D, n, L, masked):
         num_key_value_groups, is_causal = Hq // Hkv, True
 
     with AllocationTracker() as t, torch.profiler.record_function("call"):
-        out, _ = sdpa_attention_forward(Layer(), query, keys[:, :, :L], values[:, :, :L], mask, scaling=D ** -0.5)
+        out, _ = sdpa_attention_forward(Layer(), query, keys[:, :, :L], values[:, :, :L], mask, scaling=D**-0.5)
     assert out.shape == (B, n, Hq, D)
     measured = held + t.spans("call", scratch=KERNEL_SCRATCH)[0]
     assert measured == dense_workspace_bytes(B, Hq, Hkv, D, n, L, 4, padded=masked, align=False)
@@ -205,8 +229,9 @@ def test_dense_cache_refuses_bm_and_hf_generate():
         model.generate(torch.randint(3, 100, (1, 4)), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
 
 
-@pytest.mark.parametrize("method", [Method("fkv"), Method("ed", kv_max=2), Method("ed", kv_max=4)],
-                         ids=["fkv", "ed2", "ed4"])
+@pytest.mark.parametrize(
+    "method", [Method("fkv"), Method("ed", kv_max=2), Method("ed", kv_max=4)], ids=["fkv", "ed2", "ed4"]
+)
 def test_plain_hf_references_give_the_engines_tokens(method):
     """The benchmark's plain-HF versions (HF generate; DynamicCache cut to its newest pair) agree with the engine."""
     from batchmax_tp.core.baseline import hf_reference_generate

@@ -9,8 +9,14 @@ bt = load_launch_script("bench_throughput")
 
 
 def _row(method, tokens_per_s, kv_max=None, rule=None, batch=4, status="ok"):
-    return {"method": method, "rule": rule, "kv_max": kv_max, "batch": batch, "status": status,
-            "tokens_per_s": tokens_per_s}
+    return {
+        "method": method,
+        "rule": rule,
+        "kv_max": kv_max,
+        "batch": batch,
+        "status": status,
+        "tokens_per_s": tokens_per_s,
+    }
 
 
 ROWS = [
@@ -31,8 +37,13 @@ def test_ratios_use_each_rules_fastest_bm_and_the_fastest_ed():
     question = bt.ratios(ROWS, "question")
     assert question["bm_over_ed"] == pytest.approx(18.0 / 16.0) and question["bm_over_fkv"] == pytest.approx(1.8)
     assert (question["bm_kv_max"], question["bm_batch"]) == (512, 11)
-    assert bt.ratios(ROWS, "snapkv") == {"rule": "snapkv", "bm_kv_max": None, "bm_batch": None,
-                                         "bm_over_ed": None, "bm_over_fkv": None}
+    assert bt.ratios(ROWS, "snapkv") == {
+        "rule": "snapkv",
+        "bm_kv_max": None,
+        "bm_batch": None,
+        "bm_over_ed": None,
+        "bm_over_fkv": None,
+    }
     assert bt.ratios(ROWS, None)["bm_over_ed"] is None
     no_ed = [r for r in ROWS if r["method"] != "ed"]
     assert bt.ratios(no_ed, "paper")["bm_over_ed"] is None and bt.ratios(no_ed, "paper")["bm_over_fkv"] == 2.4

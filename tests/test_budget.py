@@ -23,14 +23,13 @@ import yaml
 from transformers import AutoTokenizer
 
 from batchmax_tp import cli
-from batchmax_tp.plan import budget
-from batchmax_tp.eval import run as evaluate
-from batchmax_tp.eval import report
-from batchmax_tp.eval import tasks
 from batchmax_tp.config import ConfigError, parse_args
-from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
-from batchmax_tp.plan.planner import ModelShape, max_batch, predict
 from batchmax_tp.core.method import Method
+from batchmax_tp.eval import report, tasks
+from batchmax_tp.eval import run as evaluate
+from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
+from batchmax_tp.plan import budget
+from batchmax_tp.plan.planner import ModelShape, max_batch, predict
 from batchmax_tp.plan.tuner import paper_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,8 +94,16 @@ def stack(monkeypatch, tokenizer, tiny_model):
 
 
 def _nqa(out, **extra):
-    data = {"task": "narrativeqa", "num_samples": 4, "max_input_tokens": 420, "max_new_tokens": 3, "p": 32,
-            "device": "cpu", "log_level": "WARNING", "out": str(out)}
+    data = {
+        "task": "narrativeqa",
+        "num_samples": 4,
+        "max_input_tokens": 420,
+        "max_new_tokens": 3,
+        "p": 32,
+        "device": "cpu",
+        "log_level": "WARNING",
+        "out": str(out),
+    }
     data.update(extra)
     return data
 
@@ -115,22 +122,25 @@ def _csv(out):
 
 
 # ---------------------------------------------------------------------- configuration
-@pytest.mark.parametrize("data, key", [
-    ({"memory_budget": "lots"}, "memory_budget"),
-    ({"memory_budget": "1.5.3GiB"}, "memory_budget"),
-    ({"memory_budget": 0}, "memory_budget"),
-    ({"memory_budget": "-2GiB"}, "memory_budget"),
-    ({"memory_budget": True}, "memory_budget"),
-    ({"memory_budget": 1.5}, "memory_budget"),
-    ({"memory_budget": [1]}, "memory_budget"),
-    ({"procedure": "paper"}, "memory_budget"),  # a procedure needs a budget
-    ({"procedure": "grid", "memory_budget": "1GiB"}, "procedure"),
-    ({"kv_values": [64]}, "kv_values"),  # BM needs kv_max > p (64)
-    ({"kv_values": []}, "kv_values"),
-    ({"kv_values": [128, 128]}, "kv_values"),
-    ({"kv_values": ["128"]}, "kv_values"),
-    ({"target": 0}, "target"),
-])
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"memory_budget": "lots"}, "memory_budget"),
+        ({"memory_budget": "1.5.3GiB"}, "memory_budget"),
+        ({"memory_budget": 0}, "memory_budget"),
+        ({"memory_budget": "-2GiB"}, "memory_budget"),
+        ({"memory_budget": True}, "memory_budget"),
+        ({"memory_budget": 1.5}, "memory_budget"),
+        ({"memory_budget": [1]}, "memory_budget"),
+        ({"procedure": "paper"}, "memory_budget"),  # a procedure needs a budget
+        ({"procedure": "grid", "memory_budget": "1GiB"}, "procedure"),
+        ({"kv_values": [64]}, "kv_values"),  # BM needs kv_max > p (64)
+        ({"kv_values": []}, "kv_values"),
+        ({"kv_values": [128, 128]}, "kv_values"),
+        ({"kv_values": ["128"]}, "kv_values"),
+        ({"target": 0}, "target"),
+    ],
+)
 def test_bad_budget_configs_are_one_line_errors_naming_the_key(tmp_path, data, key):
     with pytest.raises(ConfigError) as info:
         parse_args(["--config", _yaml(tmp_path, data)])
@@ -150,7 +160,12 @@ def test_budget_values_and_flags(tmp_path, capsys):
     assert rc == 2 and err.startswith("error: memory_budget: ") and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
     assert cli.procedure_argv(["--kv-max", "896,1024", "--kv-max=5"], "paper") == [
-        "--kv-values", "896,1024", "--kv-values=5", "--procedure", "paper"]
+        "--kv-values",
+        "896,1024",
+        "--kv-values=5",
+        "--procedure",
+        "paper",
+    ]
 
 
 # ---------------------------------------------------------------------- budget in the main job
@@ -160,8 +175,11 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
     limit = _predict(tiny_model, bm, 4, s) + 1  # both BM runs fit, FKV at b=4 does not (no score block: b=2 fits)
     assert _predict(tiny_model, Method("fkv"), 4, s) > limit
     out = tmp_path / "res"
-    runs = [{"method": "fkv", "batch_size": 4}, {"method": "bm", "batch_size": 2, "kv_max": 128},
-            {"method": "bm", "batch_size": 4, "kv_max": 128}]
+    runs = [
+        {"method": "fkv", "batch_size": 4},
+        {"method": "bm", "batch_size": 2, "kv_max": 128},
+        {"method": "bm", "batch_size": 4, "kv_max": 128},
+    ]
     assert _load("run").main(["--config", _yaml(tmp_path, _nqa(out, runs=runs, memory_budget=limit))]) == 0
     assert stack.calls == [("bm", 128, 2), ("bm", 128, 2), ("bm", 128, 4)]  # FKV never ran
 
@@ -169,7 +187,7 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
     assert fkv["status"] == "oom" and fkv["oom_cause"] == "predicted" and fkv["num_samples"] == 0
     assert fkv["predicted_peak_bytes"] > fkv["memory_budget_bytes"] == limit
     assert "exceeds memory_budget" in fkv["error"] and not (out / "fkv-b4" / "samples.jsonl").exists()
-    for name, b in (("bm-b2-kv128", 2), ("bm-b4-kv128", 4)):
+    for name in ("bm-b2-kv128", "bm-b4-kv128"):
         summary = json.loads((out / name / "summary.json").read_text())
         assert summary["status"] == "done" and summary["num_samples"] == 4
         assert summary["predicted_peak_bytes"] <= limit and summary["memory_budget_bytes"] == limit
@@ -184,7 +202,7 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
     text = (out / "report.md").read_text()
     assert "| FKV | 4 | N/A | OOM | - | OOM | OOM |" in text and "## Memory per rank (MiB)" in text
     assert "| FKV | 4 | N/A | OOM (predicted) |" in text
-    memory = text[text.index("## Memory"):]
+    memory = text[text.index("## Memory") :]
     assert report.mask_timings(text).endswith(memory)  # no timing there: masking leaves the memory table alone
     assert capsys.readouterr().out == text
     rows = _csv(out)
@@ -227,11 +245,34 @@ def test_free_memory_empties_the_cuda_cache(monkeypatch):
 
 def test_single_method_summaries_report_memory(tmp_path, stack):
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"id": i, "prompt": f"Say the number {i} " * 10, "reference": str(i)}) + "\n"
-                            for i in range(3)))
+    data.write_text(
+        "".join(
+            json.dumps({"id": i, "prompt": f"Say the number {i} " * 10, "reference": str(i)}) + "\n" for i in range(3)
+        )
+    )
     out = tmp_path / "res"
-    rc = _load("run").main(["--data", str(data), "--method", "bm", "--kv-max", "24", "--p", "8", "--batch-size", "2",
-                            "--max-new-tokens", "3", "--device", "cpu", "--out", str(out), "--log-level", "WARNING"])
+    rc = _load("run").main(
+        [
+            "--data",
+            str(data),
+            "--method",
+            "bm",
+            "--kv-max",
+            "24",
+            "--p",
+            "8",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--log-level",
+            "WARNING",
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "bm-b2-kv24" / "summary.json").read_text())  # the one layout (no budget)
     assert summary["peak_workspace_bytes"] > 0 and summary["cuda_max_memory_allocated"] is None
@@ -253,12 +294,14 @@ def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_mo
     assert [k for k, _ in bm] == [128, 192] and all(b in (2, 4) for _, b in bm)  # divisors of 4, >= b0 - 1
 
     out = tmp_path / "res"
-    rc = _load("sweep").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit),
-                              "--kv-max", "128,192"])
+    rc = _load("sweep").main(
+        ["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit), "--kv-max", "128,192"]
+    )
     assert rc == 0
     # ED at b0 is the OOM row (never run); the rest ran in the plan's order.
     assert stack.calls == [("ed", 2, 2)] * 2 + [("ed", 65, 2)] * 2 + [("fkv", None, 2)] * 2 + [
-        ("bm", k, b) for k, b in bm for _ in range(4 // b)]
+        ("bm", k, b) for k, b in bm for _ in range(4 // b)
+    ]
     planned = json.loads((out / "plan.json").read_text())
     assert planned["b0"] == 3 and planned["prompt_len"] == s and [r["run"] for r in planned["runs"]] == names
     assert [r["fits"] for r in planned["runs"]] == [False] + [True] * 5 and planned["adjusted"] is None
@@ -272,20 +315,34 @@ def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_mo
     assert summary["status"] == "oom" and summary["oom_cause"] == "predicted"
     # Resume: nothing runs again.
     stack.calls.clear()
-    assert _load("sweep").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit),
-                                "--kv-max", "128,192"]) == 0
+    assert (
+        _load("sweep").main(
+            ["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit), "--kv-max", "128,192"]
+        )
+        == 0
+    )
     assert stack.calls == []
 
 
 def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
-    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
-                       params=134_515_008)
+    shape = ModelShape(
+        layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, params=134_515_008
+    )
     cfg = parse_args(["--memory-budget", "1", "--max-new-tokens", "512", "--kv-values", "512", "--device", "cpu"])
     s, ed2 = 1024, Method("ed", kv_max=2)
     cfg.memory_budget = predict(shape, ed2, 6, s, 512).total  # ED fits 6 exactly; FKV (+512 pairs) does not
     assert predict(shape, Method("fkv"), 6, s, 512).total > cfg.budget_bytes()
-    specs, info = budget.paper_specs(shape, s, budget=cfg.budget_bytes(), max_new_tokens=512, dtype="float32", p=64,
-                                      rule="paper", kv_values=[512], num_samples=960)
+    specs, info = budget.paper_specs(
+        shape,
+        s,
+        budget=cfg.budget_bytes(),
+        max_new_tokens=512,
+        dtype="float32",
+        p=64,
+        rule="paper",
+        kv_values=[512],
+        num_samples=960,
+    )
     fit = max_batch(cfg.budget_bytes(), shape, Method("fkv"), s, 512)
     assert 0 < fit < 6 and predict(shape, Method("fkv"), fit, s, 512).total <= cfg.budget_bytes()
     assert [x.name for x in specs[:4]] == ["ed-b7-kv2", "ed-b6-kv2", "ed-b6-kv65", f"fkv-b{fit}"]
@@ -295,17 +352,28 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
 def test_paper_procedure_sizes_bm_with_the_rule_it_runs():
     """``--procedure paper --rule question``: BM's batch is the largest the question rule fits (probe tokens and
     stored probe queries counted), not the paper rule's, which would overflow the budget."""
-    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
-                       params=134_515_008)
-    cfg = parse_args(["--procedure", "paper", "--memory-budget", "1", "--rule", "question", "--kv-values", "512",
-                      "--device", "cpu"])
+    shape = ModelShape(
+        layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, params=134_515_008
+    )
+    cfg = parse_args(
+        ["--procedure", "paper", "--memory-budget", "1", "--rule", "question", "--kv-values", "512", "--device", "cpu"]
+    )
     s, new = 1024, 64
     paper, question = Method("bm", kv_max=512, p=64), Method("bm", kv_max=512, p=64, rule=cfg.rule)
     limit = predict(shape, paper, 40, s, new).total  # the paper's rule fits b=40 (a divisor of 960) exactly
     assert paper_plan(limit, shape, s, new, dtype="float32", kv_values=[512])[-1] == (paper, 40)
     assert predict(shape, question, 40, s, new).total > limit  # premise: the paper's sizing overflows question
-    specs, info = budget.paper_specs(shape, s, budget=limit, max_new_tokens=new, dtype="float32", p=cfg.p,
-                                     rule=cfg.rule, kv_values=cfg.kv_values, num_samples=960)
+    specs, info = budget.paper_specs(
+        shape,
+        s,
+        budget=limit,
+        max_new_tokens=new,
+        dtype="float32",
+        p=cfg.p,
+        rule=cfg.rule,
+        kv_values=cfg.kv_values,
+        num_samples=960,
+    )
     bm = [x for x in specs if x.method.name == "bm"]
     assert [x.method for x in bm] == [question] and bm[0].name == f"bm-question-b{bm[0].batch_size}-kv512"
     assert 0 < bm[0].batch_size < 40 and predict(shape, question, bm[0].batch_size, s, new).total <= limit
@@ -318,8 +386,9 @@ def test_sweep_with_a_rule_runs_bm_at_the_batch_that_rule_fits(tmp_path, stack, 
     limit = _predict(tiny_model, paper, 4, s)  # the paper's rule fits all 4 samples in one batch
     assert _predict(tiny_model, question, 4, s) > limit >= _predict(tiny_model, question, 2, s)  # question fits 2
     out = tmp_path / "res"
-    rc = _load("sweep").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit),
-                              "--kv-max", "128", "--rule", "question"])
+    rc = _load("sweep").main(
+        ["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit), "--kv-max", "128", "--rule", "question"]
+    )
     assert rc == 0
     planned = json.loads((out / "plan.json").read_text())
     bm = [r for r in planned["runs"] if r["method"] == "bm"]
@@ -336,8 +405,20 @@ def test_tune_with_a_rule_sizes_and_names_its_trials_by_it(tmp_path, stack, toke
     limit = _predict(tiny_model, paper, 4, s)
     assert _predict(tiny_model, question, 4, s) > limit >= _predict(tiny_model, question, 2, s)
     out = tmp_path / "res"
-    rc = _load("tune").main(["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit),
-                             "--kv-max", "128", "--rule", "question", "--target", "0.01"])
+    rc = _load("tune").main(
+        [
+            "--config",
+            _yaml(tmp_path, _nqa(out)),
+            "--memory-budget",
+            str(limit),
+            "--kv-max",
+            "128",
+            "--rule",
+            "question",
+            "--target",
+            "0.01",
+        ]
+    )
     assert rc in (0, 1)  # the tiny random model's metric decides; the trials are what is checked
     info = json.loads((out / "tune.json").read_text())
     bm = [t for t in info["trials"] if t["method"] == "bm"]
@@ -362,18 +443,50 @@ def test_tune_on_the_embedded_model_writes_a_usable_tuned_config(tmp_path, monke
     monkeypatch.setattr(engine, "generate", counting)
     data = tmp_path / "d.jsonl"
     data.write_text(
-        json.dumps({"id": "a", "prompt": "Mara has a red kite, a blue ball and a green hat. The kite is her favourite "
-                    "toy and she flies it every Sunday with her brother Jonah. What colour is the kite?",
-                    "reference": "red"}) + "\n"
-        + json.dumps({"id": "b", "prompt": "Tom bought three apples, then two pears, then one more apple at the "
-                      "market near the old bridge. How many apples did Tom buy in all?", "reference": "four"}) + "\n")
+        json.dumps(
+            {
+                "id": "a",
+                "prompt": "Mara has a red kite, a blue ball and a green hat. The kite is her favourite "
+                "toy and she flies it every Sunday with her brother Jonah. What colour is the kite?",
+                "reference": "red",
+            }
+        )
+        + "\n"
+        + json.dumps(
+            {
+                "id": "b",
+                "prompt": "Tom bought three apples, then two pears, then one more apple at the "
+                "market near the old bridge. How many apples did Tom buy in all?",
+                "reference": "four",
+            }
+        )
+        + "\n"
+    )
     shape = ModelShape.from_config(loaded[0].config)
     samples = tasks.load_jsonl(data)
     s = evaluate.longest_prompt(loaded[1], samples)
     limit = predict(shape, Method("fkv"), 2, s, 4).total  # FKV fits both samples in one batch
     out = tmp_path / "res"
-    args = ["--data", str(data), "--max-new-tokens", "4", "--p", "16", "--device", "cpu", "--out", str(out),
-            "--log-level", "WARNING", "--memory-budget", str(limit), "--kv-max", "24,40", "--target", "0.5"]
+    args = [
+        "--data",
+        str(data),
+        "--max-new-tokens",
+        "4",
+        "--p",
+        "16",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--log-level",
+        "WARNING",
+        "--memory-budget",
+        str(limit),
+        "--kv-max",
+        "24,40",
+        "--target",
+        "0.5",
+    ]
     rc = _load("tune").main(args)
     printed = capsys.readouterr().out
     assert rc == 0, printed

@@ -194,9 +194,17 @@ def no_model_load(monkeypatch):
 
 @pytest.mark.parametrize(
     "bad",
-    [["--bogus-flag"], ["--p", "0"], ["--method", "bm", "--kv-max", "10"], ["--batch-size", "x"],
-     ["--data", "/nonexistent.jsonl"], ["--model", "/no/such/dir"], ["--model", "nobody/no-such-model"],
-     ["--dtype", "float8"], ["--setup-timeout", "0"]],
+    [
+        ["--bogus-flag"],
+        ["--p", "0"],
+        ["--method", "bm", "--kv-max", "10"],
+        ["--batch-size", "x"],
+        ["--data", "/nonexistent.jsonl"],
+        ["--model", "/no/such/dir"],
+        ["--model", "nobody/no-such-model"],
+        ["--dtype", "float8"],
+        ["--setup-timeout", "0"],
+    ],
 )
 def test_run_py_bad_config_exits_2_before_loading(tmp_path, capsys, no_model_load, bad):
     out = tmp_path / "out"
@@ -209,8 +217,16 @@ def test_run_py_bad_config_exits_2_before_loading(tmp_path, capsys, no_model_loa
     assert not out.exists()
 
 
-KV_VALUES_THE_RULE_CANNOT_RUN = ["--procedure", "paper", "--memory-budget", "2GiB", "--rule", "question",
-                                 "--kv-values", "96"]
+KV_VALUES_THE_RULE_CANNOT_RUN = [
+    "--procedure",
+    "paper",
+    "--memory-budget",
+    "2GiB",
+    "--rule",
+    "question",
+    "--kv-values",
+    "96",
+]
 
 
 def test_kv_values_the_rule_cannot_run_exit_2_before_loading(tmp_path, capsys, no_model_load):
@@ -222,8 +238,14 @@ def test_kv_values_the_rule_cannot_run_exit_2_before_loading(tmp_path, capsys, n
     assert captured.err.startswith("error: kv_values: ") and "kv_max=96" in captured.err and "question" in captured.err
     assert not out.exists()
     assert parse_args([*KV_VALUES_THE_RULE_CANNOT_RUN[:-1], "128"]).kv_values == [128]  # p + 64 is enough
-    proc = subprocess.run([sys.executable, str(RUN_PY), *KV_VALUES_THE_RULE_CANNOT_RUN], capture_output=True,
-                          text=True, cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, str(RUN_PY), *KV_VALUES_THE_RULE_CANNOT_RUN],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: kv_values: ") and os.listdir(tmp_path) == []  # no results/main either
 
@@ -232,7 +254,10 @@ def test_run_py_subprocess_bad_flag(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(RUN_PY), "--bogus", "--out", str(out)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stdout == ""
@@ -247,8 +272,11 @@ def _fake_result(num_generated, prefill_s, decode_s, peak, tokens=None):
     if tokens is None:
         tokens = torch.full((len(num_generated), int(num_generated.max())), 7)
     return SimpleNamespace(
-        tokens=torch.as_tensor(tokens), num_generated=num_generated,
-        prefill_s=prefill_s, decode_s=decode_s, peak_kv_bytes=peak,
+        tokens=torch.as_tensor(tokens),
+        num_generated=num_generated,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        peak_kv_bytes=peak,
     )
 
 
@@ -267,15 +295,49 @@ def test_cut_at_eos():
 
 
 def test_summary_with_fake_batches():
-    batches = [{"batch": 0, "replica": 0, "ids": ["a", "b"], "tokens_cut": [0, 3], "generated_tokens": 16,
-                "prefill_s": 1.0, "decode_s": 3.0, "peak_kv_bytes": 1000},
-               {"batch": 1, "replica": 0, "ids": ["c", "d"], "tokens_cut": [0, 0], "generated_tokens": 13,
-                "prefill_s": 0.5, "decode_s": 1.5, "peak_kv_bytes": 3000},
-               {"batch": 2, "replica": 0, "ids": ["e"], "tokens_cut": [0], "generated_tokens": 2,
-                "prefill_s": 0.25, "decode_s": 0.75, "peak_kv_bytes": 500}]
+    batches = [
+        {
+            "batch": 0,
+            "replica": 0,
+            "ids": ["a", "b"],
+            "tokens_cut": [0, 3],
+            "generated_tokens": 16,
+            "prefill_s": 1.0,
+            "decode_s": 3.0,
+            "peak_kv_bytes": 1000,
+        },
+        {
+            "batch": 1,
+            "replica": 0,
+            "ids": ["c", "d"],
+            "tokens_cut": [0, 0],
+            "generated_tokens": 13,
+            "prefill_s": 0.5,
+            "decode_s": 1.5,
+            "peak_kv_bytes": 3000,
+        },
+        {
+            "batch": 2,
+            "replica": 0,
+            "ids": ["e"],
+            "tokens_cut": [0],
+            "generated_tokens": 2,
+            "prefill_s": 0.25,
+            "decode_s": 0.75,
+            "peak_kv_bytes": 500,
+        },
+    ]
     outputs = {"a": ("the w10 x", "w10"), "b": ("w11", "w10"), "c": ("x", None), "d": ("w10", "w10"), "e": ("y", None)}
-    samples = [{"id": k, "output": o, "reference": r, "correct": None if r is None else "w10" in o.split(),
-                "generated_tokens": n} for (k, (o, r)), n in zip(outputs.items(), [8, 8, 8, 5, 2])]
+    samples = [
+        {
+            "id": k,
+            "output": o,
+            "reference": r,
+            "correct": None if r is None else "w10" in o.split(),
+            "generated_tokens": n,
+        }
+        for (k, (o, r)), n in zip(outputs.items(), [8, 8, 8, 5, 2])
+    ]
     agg = results.summarise(samples, batches, "contains")
     assert agg["generated_tokens"] == 31
     assert agg["prefill_s"] == pytest.approx(1.75) and agg["decode_s"] == pytest.approx(5.25)
@@ -304,7 +366,7 @@ def _fake_encode(tokenizer, prompts, chat_template=True):
     width = max(lengths)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for row, n in enumerate(lengths):
-        mask[row, width - n:] = 1
+        mask[row, width - n :] = 1
     return torch.full((len(prompts), width), 3) * mask + 2 * (1 - mask), mask
 
 
@@ -314,27 +376,43 @@ def _make_fake_generate(calls):
         bsz = input_ids.shape[0]
         tokens = torch.tensor([[10 + j, 11, 2, 12][:max_new_tokens] for j in range(bsz)])
         return SimpleNamespace(
-            tokens=tokens, num_generated=torch.full((bsz,), max_new_tokens),
-            prefill_s=0.5, decode_s=1.5, peak_kv_bytes=1024 * bsz,
+            tokens=tokens,
+            num_generated=torch.full((bsz,), max_new_tokens),
+            prefill_s=0.5,
+            decode_s=1.5,
+            peak_kv_bytes=1024 * bsz,
         )
 
     return fake_generate
 
 
 def test_evaluate_run_with_fake_engine(tmp_path):
-    samples = [SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference=ref, tokens_cut=0)
-               for i, ref in enumerate(["w10 w11", "w99", None])]
+    samples = [
+        SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference=ref, tokens_cut=0)
+        for i, ref in enumerate(["w10 w11", "w99", None])
+    ]
     cfg = RunConfig(methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, seed=5, out=str(tmp_path))
     calls = []
     spec = cfg.run_specs()[0]
-    summary = runner.evaluate_run(SimpleNamespace(), _FakeTokenizer(), samples, spec, cfg,
-                                  generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False)
+    summary = runner.evaluate_run(
+        SimpleNamespace(),
+        _FakeTokenizer(),
+        samples,
+        spec,
+        cfg,
+        generate_fn=_make_fake_generate(calls),
+        encode_fn=_fake_encode,
+        progress=False,
+    )
     assert [c["batch"] for c in calls] == [2, 1]
     assert [c["seed"] for c in calls] == [5, 6]
     assert all(c["ignore_eos"] is True and c["eos_token_id"] == 2 and c["max_new_tokens"] == 4 for c in calls)
     folder = tmp_path / spec.name
-    assert spec.name == "bm-b2-kv128" and sorted(os.listdir(folder)) == ["batches.jsonl", "samples.jsonl",
-                                                                         "summary.json"]
+    assert spec.name == "bm-b2-kv128" and sorted(os.listdir(folder)) == [
+        "batches.jsonl",
+        "samples.jsonl",
+        "summary.json",
+    ]
     records = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
     assert [tuple(r) for r in records] == [results.SAMPLE_KEYS] * 3
     assert [r["id"] for r in records] == ["0", "1", "2"]
@@ -364,10 +442,12 @@ def fake_stack(monkeypatch, tmp_path):
     import batchmax_tp.models as models
 
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(
-        json.dumps({"id": i, "prompt": "x " * (i + 2), "reference": "w10" if i % 2 == 0 else "nope"}) + "\n"
-        for i in range(5)
-    ))
+    data.write_text(
+        "".join(
+            json.dumps({"id": i, "prompt": "x " * (i + 2), "reference": "w10" if i % 2 == 0 else "nope"}) + "\n"
+            for i in range(5)
+        )
+    )
     calls = []
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (SimpleNamespace(), _FakeTokenizer()))
     # The run path looks its engine and encoder up at call time.
@@ -378,20 +458,47 @@ def fake_stack(monkeypatch, tmp_path):
 
 def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
     out = tmp_path / "res"
-    rc = cli.main([
-        "--data", fake_stack.data, "--out", str(out), "--batch-size", "2", "--max-new-tokens", "3",
-        "--device", "cpu", "--log-level", "WARNING",
-    ])
+    rc = cli.main(
+        [
+            "--data",
+            fake_stack.data,
+            "--out",
+            str(out),
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--device",
+            "cpu",
+            "--log-level",
+            "WARNING",
+        ]
+    )
     assert rc == 0
     runs = ["fkv-b2", "ed-b2-kv2", "bm-b2-kv512"]
-    assert sorted(os.listdir(out)) == sorted([*runs, "config.yaml", "metric_vs_kv.png", "report.md", "results.csv",
-                                              "throughput.png"])
+    assert sorted(os.listdir(out)) == sorted(
+        [*runs, "config.yaml", "metric_vs_kv.png", "report.md", "results.csv", "throughput.png"]
+    )
     for name, method in zip(runs, ("fkv", "ed", "bm")):
         assert sorted(os.listdir(out / name)) == ["batches.jsonl", "samples.jsonl", "summary.json"]
         summary = json.loads((out / name / "summary.json").read_text())
-        for key in ("method", "batch_size", "kv_max", "p", "tp_size", "num_samples", "generated_tokens",
-                    "tokens_per_s", "prefill_s", "decode_s", "peak_kv_bytes", "accuracy", "model",
-                    "started_at", "finished_at"):
+        for key in (
+            "method",
+            "batch_size",
+            "kv_max",
+            "p",
+            "tp_size",
+            "num_samples",
+            "generated_tokens",
+            "tokens_per_s",
+            "prefill_s",
+            "decode_s",
+            "peak_kv_bytes",
+            "accuracy",
+            "model",
+            "started_at",
+            "finished_at",
+        ):
             assert key in summary, key
         assert summary["method"] == method and summary["num_samples"] == 5 and summary["generated_tokens"] == 15
         assert summary["kv_max"] == {"fkv": None, "ed": 2, "bm": 512}[method]
@@ -410,17 +517,48 @@ def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
     assert all(c["max_new_tokens"] == 2 and c["batch"] == 1 for c in warm)
     assert len(timed) == 9 and all(c["max_new_tokens"] == 3 for c in timed)
     # The same command again: every run is finished, nothing is generated, the same report is printed.
-    assert cli.main(["--data", fake_stack.data, "--out", str(out), "--batch-size", "2", "--max-new-tokens", "3",
-                     "--device", "cpu", "--log-level", "WARNING"]) == 0
+    assert (
+        cli.main(
+            [
+                "--data",
+                fake_stack.data,
+                "--out",
+                str(out),
+                "--batch-size",
+                "2",
+                "--max-new-tokens",
+                "3",
+                "--device",
+                "cpu",
+                "--log-level",
+                "WARNING",
+            ]
+        )
+        == 0
+    )
     assert len(fake_stack.calls) == 12 and capsys.readouterr().out == printed
 
 
 def test_run_py_single_method_layout(tmp_path, capsys, fake_stack):
     out = tmp_path / "res"
-    rc = cli.main([
-        "--data", fake_stack.data, "--out", str(out), "--method", "ed", "--kv-max", "8",
-        "--num-samples", "3", "--device", "cpu", "--log-level", "WARNING",
-    ])
+    rc = cli.main(
+        [
+            "--data",
+            fake_stack.data,
+            "--out",
+            str(out),
+            "--method",
+            "ed",
+            "--kv-max",
+            "8",
+            "--num-samples",
+            "3",
+            "--device",
+            "cpu",
+            "--log-level",
+            "WARNING",
+        ]
+    )
     assert rc == 0
     assert sorted(os.listdir(out / "ed-b4-kv8")) == ["batches.jsonl", "samples.jsonl", "summary.json"]
     summary = json.loads((out / "ed-b4-kv8" / "summary.json").read_text())

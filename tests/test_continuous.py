@@ -26,8 +26,12 @@ P, KV = 16, 96
 # 5 tokens to 3 x kv_max: kv_max - 1, kv_max, kv_max + 1, multiples of p and not, and one more than a block.
 LENGTHS = [5, 16, 63, 95, 96, 97, 100, 160, 191, 192, 250, 288]
 NEW = [7, 1, 12, 20, 3, 15, 9, 11, 2, 18, 6, 14]
-METHODS = {"fkv": Method("fkv"), "ed": Method("ed", kv_max=65), "bm": Method("bm", KV, P),
-           "bm-question": Method("bm", KV, P, rule="question")}
+METHODS = {
+    "fkv": Method("fkv"),
+    "ed": Method("ed", kv_max=65),
+    "bm": Method("bm", KV, P),
+    "bm-question": Method("bm", KV, P, rule="question"),
+}
 
 
 def model_of(family: str):
@@ -42,8 +46,9 @@ def prompts(seed: int = 1) -> list[list[int]]:
 
 def alone(model, prompt, method, new, eos=None):
     """``generate()`` of one unpadded prompt: (tokens through EOS, logits per token [V], kept positions)."""
-    out = generate(model, torch.tensor([prompt]), None, method, new, ignore_eos=eos is None, eos_token_id=eos,
-                   return_logits=True)
+    out = generate(
+        model, torch.tensor([prompt]), None, method, new, ignore_eos=eos is None, eos_token_id=eos, return_logits=True
+    )
     n = int(out.num_generated[0])
     kept = [layer[0] for layer in out.cache.kept_positions()]
     return out.tokens[0, :n].tolist(), [x[0] for x in out.logits[:n]], kept
@@ -66,8 +71,9 @@ def references():
 def check_against_alone(out, refs):
     for i, (o, (tokens, logits, kept)) in enumerate(zip(out.outputs, refs)):
         assert o.tokens == tokens, f"request {i} ({LENGTHS[i]} tokens): tokens differ from generate() alone"
-        torch.testing.assert_close(torch.stack(o.logits), torch.stack(logits), atol=1e-4, rtol=0,
-                                   msg=lambda m, i=i: f"request {i}: {m}")
+        torch.testing.assert_close(
+            torch.stack(o.logits), torch.stack(logits), atol=1e-4, rtol=0, msg=lambda m, i=i: f"request {i}: {m}"
+        )
         assert o.kept_positions == kept, f"request {i}: kept positions differ from generate() alone"
 
 
@@ -79,8 +85,16 @@ def test_every_request_equals_generate_alone(family, key, references):
     for slots in (1, 2, 3, 12):
         # prefill whole before decoding, or one block between decode steps (one slot: the same passes either way)
         for budget in (None,) if slots == 1 else (None, P):
-            out = serve(model, requests, METHODS[key], slots, ignore_eos=True, prefill_budget=budget,
-                        return_logits=True, keep_positions=True)
+            out = serve(
+                model,
+                requests,
+                METHODS[key],
+                slots,
+                ignore_eos=True,
+                prefill_budget=budget,
+                return_logits=True,
+                keep_positions=True,
+            )
             check_against_alone(out, refs)
             assert len({slot for _, slot, _ in out.admissions}) == min(slots, len(requests))
 
@@ -96,8 +110,15 @@ def test_requests_of_one_length_prefill_together_and_still_equal_generate_alone(
     sched = Scheduler(METHODS[key], lengths, new, 4)
     step = sched.next_step()
     assert [w.row for w in step.work] == [0, 1, 2] and [rows for rows, _ in step.admitted] == [range(3), range(3, 4)]
-    out = serve(model, [Request(p, n) for p, n in zip(ps, new)], METHODS[key], 4, ignore_eos=True,
-                return_logits=True, keep_positions=True)
+    out = serve(
+        model,
+        [Request(p, n) for p, n in zip(ps, new)],
+        METHODS[key],
+        4,
+        ignore_eos=True,
+        return_logits=True,
+        keep_positions=True,
+    )
     check_against_alone(out, refs)
 
 
@@ -157,9 +178,11 @@ def test_attention_calls_hold_what_they_report(monkeypatch, key):
     label, reported, notes, kinds = "pool-attention", [], [], []
     fn = attention.batchmax_attention
     for cls in (cache.BatchMaxCache, pool._Pool):
+
         def recording(self, nbytes, _note=cls.note_workspace):
             notes.append(nbytes)
             _note(self, nbytes)
+
         monkeypatch.setattr(cls, "note_workspace", recording)
 
     def labelled(*args, **kwargs):
@@ -184,12 +207,15 @@ def test_attention_calls_hold_what_they_report(monkeypatch, key):
     assert out.peak_workspace_bytes <= est.workspace
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(slots=0), "slots must be"),
-    (dict(new=0), "max_new_tokens must be"),
-    (dict(length=2000), "run past the model's context"),
-    (dict(length=0), "prompt is empty"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(slots=0), "slots must be"),
+        (dict(new=0), "max_new_tokens must be"),
+        (dict(length=2000), "run past the model's context"),
+        (dict(length=0), "prompt is empty"),
+    ],
+)
 def test_bad_input_is_one_line(bad, message):
     reqs = [Request([5] * bad.get("length", 10), bad.get("new", 4))]
     with pytest.raises(ValueError, match=message) as err:
@@ -197,15 +223,23 @@ def test_bad_input_is_one_line(bad, message):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("argv, key", [
-    (["--scheduler", "continuous", "--batch-size", "0"], "batch_size"),
-    (["--scheduler", "continuous", "--max-new-tokens", "0"], "max_new_tokens"),
-    (["--scheduler", "sometimes"], "scheduler"),
-    (["--scheduler", "continuous", "--prefill-budget", "0"], "prefill_budget"),
-])
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["--scheduler", "continuous", "--batch-size", "0"], "batch_size"),
+        (["--scheduler", "continuous", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["--scheduler", "sometimes"], "scheduler"),
+        (["--scheduler", "continuous", "--prefill-budget", "0"], "prefill_budget"),
+    ],
+)
 def test_bad_scheduler_settings_exit_2_before_loading(argv, key):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "run.py"), *argv], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "run.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and key in proc.stderr
 
@@ -216,8 +250,9 @@ def _tp_requests():
 
 
 def _tp_worker(rank, world, port, outdir, family, eos):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -227,10 +262,21 @@ def _tp_worker(rank, world, port, outdir, family, eos):
     model = tp.apply_tensor_parallel(model_of(family), layout, torch.float32)
     results = {}
     for key in ("bm", "ed"):
-        out = serve(model, _tp_requests(), METHODS[key], 2, eos_token_id=eos, ignore_eos=eos is None,
-                    return_logits=True, tp_group=model.batchmax_tp_group)
-        results[key] = dict(tokens=[o.tokens for o in out.outputs], admissions=out.admissions,
-                            logits=[torch.stack(o.logits) for o in out.outputs])
+        out = serve(
+            model,
+            _tp_requests(),
+            METHODS[key],
+            2,
+            eos_token_id=eos,
+            ignore_eos=eos is None,
+            return_logits=True,
+            tp_group=model.batchmax_tp_group,
+        )
+        results[key] = dict(
+            tokens=[o.tokens for o in out.outputs],
+            admissions=out.admissions,
+            logits=[torch.stack(o.logits) for o in out.outputs],
+        )
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -242,8 +288,9 @@ def test_tp_serves_the_tokens_of_one_process(tmp_path, tp_size, eos):
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]
     model = model_of("phi3")  # 6 KV heads: split 3+3 or 2+2+2
     for key in ("bm", "ed"):
-        single = serve(model, _tp_requests(), METHODS[key], 2, eos_token_id=eos, ignore_eos=eos is None,
-                       return_logits=True)
+        single = serve(
+            model, _tp_requests(), METHODS[key], 2, eos_token_id=eos, ignore_eos=eos is None, return_logits=True
+        )
         for got in ranks:
             assert got[key]["tokens"] == [o.tokens for o in single.outputs]
             assert got[key]["admissions"] == single.admissions
@@ -292,8 +339,22 @@ def test_killed_rank_ends_continuous_serving_quickly(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(script)], env=env, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     elapsed = time.monotonic() - t
     assert proc.returncode != 0
     assert elapsed < 90, f"took {elapsed:.0f}s"

@@ -43,11 +43,13 @@ def test_large_kv_max_equals_hf_full_cache_tiny(method):
     model = tiny_llama(0, **PEAKED)
     ids, mask = left_padded_batch([37, 52, 60], seed=1)
     s, n = ids.shape[1], 12  # s + n <= 80: BM never evicts
-    want_plain = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[:, s:]
+    want_plain = model.generate(
+        ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[:, s:]
     out = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
-    assert_logits_close(out.logits, hf_full_cache_logits(model, ids, mask, out.tokens), ATOL,
-                        what=f"{method.name} vs HF full forward")
+    assert_logits_close(
+        out.logits, hf_full_cache_logits(model, ids, mask, out.tokens), ATOL, what=f"{method.name} vs HF full forward"
+    )
     assert_tokens_equal(out.tokens, want_plain, what=f"{method.name} vs HF generate")
     for layer in out.cache.kept_positions():
         for j, heads in enumerate(layer):
@@ -96,12 +98,26 @@ def test_embedded_model_greedy_equals_hf_generate(embedded):
     s, n = ids.shape[1], 16
     assert 60 <= s <= 160 and mask.sum(1).min() < s  # ~100 tokens, really padded
     with torch.no_grad():
-        want = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, s:]
+        want = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )[:, s:]
     want = torch.nn.functional.pad(want, (0, n - want.shape[1]), value=tok.pad_token_id)  # all may stop early
     full_logits = hf_full_cache_logits(model, ids, mask, want)
-    out = generate(model, ids, mask, Method("bm", kv_max=s + n + 8, p=16), n,
-                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, return_logits=True)
+    out = generate(
+        model,
+        ids,
+        mask,
+        Method("bm", kv_max=s + n + 8, p=16),
+        n,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        return_logits=True,
+    )
     assert_tokens_equal(out.tokens, want, what="embedded model: engine BM vs HF generate")
     # logits of the steps before any EOS (after it the continuation differs only by padding conventions)
     first_eos = [int(out.num_generated[j]) for j in range(len(PROMPTS))]
@@ -112,9 +128,19 @@ def test_embedded_model_greedy_equals_hf_generate(embedded):
 
 
 # --------------------------------------------------------------------------------------- HF drop-in cache
-COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=128, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              initializer_range=0.2)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.2,
+)
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
@@ -136,15 +162,22 @@ def tiny_arch(name, seed=0):
 def hf_generate(model, ids, mask, n, cache=None, **kw):
     from batchmax_tp.core.attention import use_batchmax_attention
 
-    args = dict(attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
-                return_dict_in_generate=True, output_logits=True, **kw)
+    args = dict(
+        attention_mask=mask,
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kw,
+    )
     with torch.no_grad():
         if cache is None:
             res = model.generate(ids, **args)
         else:
             with use_batchmax_attention(model):
                 res = model.generate(ids, past_key_values=cache, **args)
-    return res.sequences[:, ids.shape[1]:], [x.float() for x in res.logits]
+    return res.sequences[:, ids.shape[1] :], [x.float() for x in res.logits]
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -212,8 +245,10 @@ def test_right_padded_batch_is_rejected_in_one_line():
 
 # ------------------------------------------------------------------------------------------ KV memory
 def kv_buffer_bytes(cache):
-    return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-               for layer in cache.layers)
+    return sum(
+        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        for layer in cache.layers
+    )
 
 
 def test_bm_kv_bytes_bounded_and_independent_of_prompt_length():
@@ -232,8 +267,12 @@ def test_bm_kv_bytes_bounded_and_independent_of_prompt_length():
         seen.append(kv_buffer_bytes(out.cache))
     assert seen[0] == seen[1]
     # and the full cache does grow with the prompt (the measure is not a constant)
-    fkv = [kv_buffer_bytes(generate(model, *left_padded_batch([m - 7, m], seed=m), Method("fkv"), n,
-                                    ignore_eos=True).cache) for m in (40, 120)]
+    fkv = [
+        kv_buffer_bytes(
+            generate(model, *left_padded_batch([m - 7, m], seed=m), Method("fkv"), n, ignore_eos=True).cache
+        )
+        for m in (40, 120)
+    ]
     assert fkv[0] < fkv[1] and fkv[1] > expected
 
 
@@ -246,11 +285,12 @@ def test_samples_alone_equal_batch_without_eviction():
     method = Method("bm", kv_max=s + n, p=8)
     batch = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
     for j, length in enumerate(lengths):
-        alone_ids = ids[j:j + 1, s - length:]
+        alone_ids = ids[j : j + 1, s - length :]
         alone = generate(model, alone_ids, torch.ones_like(alone_ids), method, n, ignore_eos=True, return_logits=True)
         assert_tokens_equal(alone.tokens[0], batch.tokens[j], what=f"sample {j} alone vs in batch")
-        assert_logits_close([x[0] for x in alone.logits], [x[j] for x in batch.logits], ATOL,
-                            what=f"sample {j} alone vs in batch")
+        assert_logits_close(
+            [x[0] for x in alone.logits], [x[j] for x in batch.logits], ATOL, what=f"sample {j} alone vs in batch"
+        )
 
 
 def test_samples_alone_equal_batch_with_eviction():
@@ -266,26 +306,33 @@ def test_samples_alone_equal_batch_with_eviction():
     kept = batch.cache.kept_positions()
     assert all(len(h) < min(lengths) for layer in kept for row in layer for h in row)  # evicted
     for j in range(len(lengths)):
-        alone = generate(model, ids[j:j + 1], mask[j:j + 1], method, n, ignore_eos=True, return_logits=True)
+        alone = generate(model, ids[j : j + 1], mask[j : j + 1], method, n, ignore_eos=True, return_logits=True)
         assert_tokens_equal(alone.tokens[0], batch.tokens[j], what=f"row {j} alone vs in batch")
-        assert_logits_close([x[0] for x in alone.logits], [x[j] for x in batch.logits], ATOL,
-                            what=f"row {j} alone vs in batch")
-        assert_kept_equal([[layer[0]] for layer in alone.cache.kept_positions()],
-                          [[layer[j]] for layer in kept], what=f"row {j} alone vs in batch")
+        assert_logits_close(
+            [x[0] for x in alone.logits], [x[j] for x in batch.logits], ATOL, what=f"row {j} alone vs in batch"
+        )
+        assert_kept_equal(
+            [[layer[0]] for layer in alone.cache.kept_positions()],
+            [[layer[j]] for layer in kept],
+            what=f"row {j} alone vs in batch",
+        )
     assert mask[2].all()  # the longest row has no pads
 
 
 # ------------------------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("args,kwargs", [
-    (("bm",), dict(kv_max=16, p=0)),
-    (("bm",), dict(kv_max=16, p=-3)),
-    (("bm",), dict(kv_max=4, p=4)),
-    (("bm",), dict(kv_max=3, p=4)),
-    (("ed",), dict(kv_max=1)),
-    (("ed",), dict(kv_max=0)),
-    (("h2o",), dict(kv_max=16, p=4)),
-    (("",), dict()),
-])
+@pytest.mark.parametrize(
+    "args,kwargs",
+    [
+        (("bm",), dict(kv_max=16, p=0)),
+        (("bm",), dict(kv_max=16, p=-3)),
+        (("bm",), dict(kv_max=4, p=4)),
+        (("bm",), dict(kv_max=3, p=4)),
+        (("ed",), dict(kv_max=1)),
+        (("ed",), dict(kv_max=0)),
+        (("h2o",), dict(kv_max=16, p=4)),
+        (("",), dict()),
+    ],
+)
 def test_method_validation(args, kwargs):
     with pytest.raises(ValueError) as err:
         Method(*args, **kwargs)

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import PEAKED, left_padded_batch, tiny_llama
 
 from batchmax_tp.core.engine import generate
-from batchmax_tp.plan.planner import ModelShape, predict
 from batchmax_tp.core.method import Method
-
-from conftest import PEAKED, left_padded_batch, tiny_llama
+from batchmax_tp.plan.planner import ModelShape, predict
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

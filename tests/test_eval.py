@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from batchmax_tp.eval import metrics, report, results, tasks
 from batchmax_tp import cli
-from batchmax_tp.eval.run import encode_prompts
-from batchmax_tp.plan.budget import run_dir_name
 from batchmax_tp.config import ConfigError, RunConfig, parse_args
+from batchmax_tp.eval import metrics, report, results, tasks
+from batchmax_tp.eval.run import encode_prompts
 from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
+from batchmax_tp.plan.budget import run_dir_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,8 +43,11 @@ def _render(tokenizer, prompt) -> str:
 def test_fixtures_load_through_datasets_in_the_real_schemas():
     import datasets
 
-    for name, keys in [("cnn_dailymail", {"article", "highlights", "id"}), ("gsm8k", {"question", "answer"}),
-                       ("narrativeqa", {"document", "question", "answers"})]:
+    for name, keys in [
+        ("cnn_dailymail", {"article", "highlights", "id"}),
+        ("gsm8k", {"question", "answer"}),
+        ("narrativeqa", {"document", "question", "answers"}),
+    ]:
         folder = tasks.fixture_dir(name)
         for split in ("train", "test"):
             data = datasets.load_dataset("json", data_files=str(folder / f"{split}.jsonl"), split="train")
@@ -125,11 +128,16 @@ def test_cut_counts_are_recorded(tokenizer):
 
 
 def test_encode_prompts_accepts_chats_and_strings(tokenizer):
-    chat = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
-            {"role": "user", "content": "Q2"}]
+    chat = [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+    ]
     ids, mask = encode_prompts(tokenizer, [chat, "Q2"])
     text = tokenizer.decode(ids[0][mask[0].bool()])
-    assert "<|im_start|>assistant\nA1<|im_end|>" in text and text.endswith("user\nQ2<|im_end|>\n<|im_start|>assistant\n")
+    assert "<|im_start|>assistant\nA1<|im_end|>" in text and text.endswith(
+        "user\nQ2<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert int(mask[1].sum()) < int(mask[0].sum())
 
 
@@ -213,13 +221,23 @@ def test_exact_and_contains():
 
 # ---------------------------------------------------------------------- crash-safe run log
 def _samples(ids):
-    return [{"id": i, "prompt_tokens": 5, "output": f"out {i}", "reference": "out", "correct": True,
-             "generated_tokens": 3} for i in ids]
+    return [
+        {"id": i, "prompt_tokens": 5, "output": f"out {i}", "reference": "out", "correct": True, "generated_tokens": 3}
+        for i in ids
+    ]
 
 
 def _batch(index, ids, decode_s=0.2):
-    return {"batch": index, "replica": 0, "ids": list(ids), "tokens_cut": [0] * len(ids),
-            "generated_tokens": 3 * len(ids), "prefill_s": 0.1, "decode_s": decode_s, "peak_kv_bytes": 64}
+    return {
+        "batch": index,
+        "replica": 0,
+        "ids": list(ids),
+        "tokens_cut": [0] * len(ids),
+        "generated_tokens": 3 * len(ids),
+        "prefill_s": 0.1,
+        "decode_s": decode_s,
+        "peak_kv_bytes": 64,
+    }
 
 
 def test_run_log_drops_a_torn_line_and_an_incomplete_batch(tmp_path):
@@ -271,31 +289,57 @@ def test_run_dir_names():
 
 # ---------------------------------------------------------------------- report
 def _paper_table1_cnn():
-    rows = [("ed", 5, 2, None, None), ("ed", 4, 2, 0.0, 42.0), ("ed", 4, 65, 0.003, 41.5),
-            ("fkv", 4, None, 0.145, 30.3), ("bm", 32, 1024, 0.146, 73.8), ("bm", 40, 896, 0.142, 80.3)]
-    return [dict(method=m, batch_size=b, kv_max=kv, score=sc, tokens_per_s=t, status="oom" if sc is None else "done",
-                 task="cnn_dailymail", metric="rouge2", model="meta-llama/Llama-2-13b-chat-hf", num_samples=960,
-                 max_new_tokens=512, peak_kv_mib=1.0, samples_cut=3) for m, b, kv, sc, t in rows]
+    rows = [
+        ("ed", 5, 2, None, None),
+        ("ed", 4, 2, 0.0, 42.0),
+        ("ed", 4, 65, 0.003, 41.5),
+        ("fkv", 4, None, 0.145, 30.3),
+        ("bm", 32, 1024, 0.146, 73.8),
+        ("bm", 40, 896, 0.142, 80.3),
+    ]
+    return [
+        dict(
+            method=m,
+            batch_size=b,
+            kv_max=kv,
+            score=sc,
+            tokens_per_s=t,
+            status="oom" if sc is None else "done",
+            task="cnn_dailymail",
+            metric="rouge2",
+            model="meta-llama/Llama-2-13b-chat-hf",
+            num_samples=960,
+            max_new_tokens=512,
+            peak_kv_mib=1.0,
+            samples_cut=3,
+        )
+        for m, b, kv, sc, t in rows
+    ]
 
 
 def test_report_is_laid_out_like_the_paper(tmp_path):
     summaries = _paper_table1_cnn()
     text = report.format_report(summaries)
     lines = text.splitlines()
-    head = lines.index("| Method | b | kv_max | rouge-2 | correct | tokens/s | peak KV MiB | predicted peak MiB | "
-                       "prompts cut |")
+    head = lines.index(
+        "| Method | b | kv_max | rouge-2 | correct | tokens/s | peak KV MiB | predicted peak MiB | prompts cut |"
+    )
     assert lines[head + 2] == "| ED | 5 | 2 | OOM | - | OOM | OOM | n/a | |"
     assert lines[head + 4] == "| ED | 4 | 65 | 0.003 | - | 41.5 | 1.0 | n/a | 3/960 |"
     assert lines[head + 5] == "| FKV | 4 | N/A | 0.145 | - | 30.3 | 1.0 | n/a | 3/960 |"
     # The paper: BM b=32 is 75.7% faster than ED (73.8 / 42.0) at 100.7% of FKV's rouge-2; the spread of each run's
     # own batches is shown next to the ratio (one batch each here: none measured).
-    assert ("- BM b=32 kv_max=1024: throughput +75.7% vs ED (spread BM 1 full batch, ED 1 full batch), rouge-2 "
-            "100.7% of FKV") in lines
+    assert (
+        "- BM b=32 kv_max=1024: throughput +75.7% vs ED (spread BM 1 full batch, ED 1 full batch), rouge-2 "
+        "100.7% of FKV"
+    ) in lines
     masked = report.mask_timings(text)
     assert "41.5" not in masked and "+75.7%" not in masked and "0.003" in masked and "OOM | OOM" in masked
     noisy = report.format_report([dict(s, tokens_per_s_spread=0.8, num_batches=4) for s in summaries]).splitlines()
-    assert ("- BM b=32 kv_max=1024: throughput +75.7% vs ED (spread BM +/-80% over 4 batches, ED +/-80% over 4 "
-            "batches -- within that noise), rouge-2 100.7% of FKV") in noisy
+    assert (
+        "- BM b=32 kv_max=1024: throughput +75.7% vs ED (spread BM +/-80% over 4 batches, ED +/-80% over 4 "
+        "batches -- within that noise), rouge-2 100.7% of FKV"
+    ) in noisy
 
     paths = report.write_report(tmp_path, summaries)
     assert sorted(os.listdir(tmp_path)) == sorted(report.REPORT_FILES)
@@ -308,22 +352,46 @@ def test_report_is_laid_out_like_the_paper(tmp_path):
 
 def _same_memory_runs(speed: float = 1.0):
     """The plain run's rows (README: the plain run): FKV, ED, BM with the paper's rule and with question."""
-    rows = [("fkv", "paper", 4, None, 1.0, 12.0), ("ed", "paper", 4, 2, 0.0, 12.5), ("ed", "paper", 2, 2, 0.0, 9.0),
-            ("bm", "paper", 13, 512, 0.385, 17.0), ("bm", "question", 11, 512, 0.846, 12.6)]
-    return [dict(method=m, rule=r, batch_size=b, kv_max=kv, score=sc, tokens_per_s=tps * speed, status="done",
-                 metric="contains", task="jsonl", model="embedded:smollm2-135m-instruct", num_samples=13,
-                 max_new_tokens=64, peak_kv_mib=1.0, same_memory_budget_bytes=2**30, largest_fitting_batch=b)
-            for m, r, b, kv, sc, tps in rows]
+    rows = [
+        ("fkv", "paper", 4, None, 1.0, 12.0),
+        ("ed", "paper", 4, 2, 0.0, 12.5),
+        ("ed", "paper", 2, 2, 0.0, 9.0),
+        ("bm", "paper", 13, 512, 0.385, 17.0),
+        ("bm", "question", 11, 512, 0.846, 12.6),
+    ]
+    return [
+        dict(
+            method=m,
+            rule=r,
+            batch_size=b,
+            kv_max=kv,
+            score=sc,
+            tokens_per_s=tps * speed,
+            status="done",
+            metric="contains",
+            task="jsonl",
+            model="embedded:smollm2-135m-instruct",
+            num_samples=13,
+            max_new_tokens=64,
+            peak_kv_mib=1.0,
+            same_memory_budget_bytes=2**30,
+            largest_fitting_batch=b,
+        )
+        for m, r, b, kv, sc, tps in rows
+    ]
 
 
 def test_same_memory_report_shows_each_rules_ratios_over_fkv_and_ed(tmp_path):
     text = report.format_report(_same_memory_runs())
     lines = text.splitlines()
     head = lines.index("| BM rule | b | kv_max | contains | tokens/s | tokens/s / FKV | tokens/s / ED |")
-    assert lines[head - 2].startswith("Each BM rule's tokens/s divided by those of FKV (b=4) and of the fastest ED "
-                                      "run (b=4, kv_max=2)")
-    assert lines[head + 2:head + 4] == ["| BM (paper) | 13 | 512 | 0.385 | 17.0 | 1.42x | 1.36x |",
-                                        "| BM (question) | 11 | 512 | 0.846 | 12.6 | 1.05x | 1.01x |"]
+    assert lines[head - 2].startswith(
+        "Each BM rule's tokens/s divided by those of FKV (b=4) and of the fastest ED run (b=4, kv_max=2)"
+    )
+    assert lines[head + 2 : head + 4] == [
+        "| BM (paper) | 13 | 512 | 0.385 | 17.0 | 1.42x | 1.36x |",
+        "| BM (question) | 11 | 512 | 0.846 | 12.6 | 1.05x | 1.01x |",
+    ]
     masked = report.mask_timings(text).splitlines()
     assert masked[head + 3] == "| BM (question) | 11 | 512 | 0.846 | t/s | t/s | t/s |"
     assert report.mask_timings(text) == report.mask_timings(report.format_report(_same_memory_runs(speed=3.0)))
@@ -399,10 +467,23 @@ def test_bad_configs_are_rejected_naming_the_key(tmp_path, data, key):
 
 
 def test_good_task_configs(tmp_path):
-    cfg = parse_args(["--config", _yaml(tmp_path, {
-        "task": "narrativeqa", "data": "deepmind/narrativeqa",
-        "runs": [{"method": "ed", "batch_size": 5, "kv_max": 2}, {"method": "fkv", "batch_size": 4},
-                 {"method": "bm", "batch_size": 16}]})])
+    cfg = parse_args(
+        [
+            "--config",
+            _yaml(
+                tmp_path,
+                {
+                    "task": "narrativeqa",
+                    "data": "deepmind/narrativeqa",
+                    "runs": [
+                        {"method": "ed", "batch_size": 5, "kv_max": 2},
+                        {"method": "fkv", "batch_size": 4},
+                        {"method": "bm", "batch_size": 16},
+                    ],
+                },
+            ),
+        ]
+    )
     assert [s.name for s in cfg.run_specs()] == ["ed-b5-kv2", "fkv-b4", "bm-b16-kv512"]
     assert cfg.shots_for_task() == 2 and cfg.metric_for_task() == "rouge2" and not cfg.same_memory_for([])
     assert cfg.max_input_tokens == 3584 and RunConfig().task == "jsonl" and RunConfig().same_memory_for([])
@@ -416,9 +497,17 @@ def test_default_yaml_is_the_builtin_defaults_plus_the_default_sweep():
 
     cfg = RunConfig.from_yaml(ROOT / "configs" / "default.yaml")
     # ... and its own out: the plain run (results/main) and this sweep never write into one folder.
-    assert cfg == dataclasses.replace(RunConfig(), max_new_tokens=24, device="cpu", runs=cfg.runs, out="results/default")
+    assert cfg == dataclasses.replace(
+        RunConfig(), max_new_tokens=24, device="cpu", runs=cfg.runs, out="results/default"
+    )
     assert RunConfig().out != cfg.out and [s.name for s in cfg.run_specs()] == [
-        "fkv-b3", "ed-b1-kv2", "ed-b3-kv2", "bm-b3-kv256", "bm-b3-kv512", "bm-b6-kv512"]
+        "fkv-b3",
+        "ed-b1-kv2",
+        "ed-b3-kv2",
+        "bm-b3-kv256",
+        "bm-b3-kv512",
+        "bm-b6-kv512",
+    ]
 
 
 def test_paper_configs_match_the_paper_tables():
@@ -441,9 +530,17 @@ def test_paper_configs_match_the_paper_tables():
         raw["device"] = "cpu"  # validation only: no GPU here
         cfg = RunConfig.from_dict(raw)
         assert " ".join(s.name for s in cfg.run_specs()) == runs, name
-        assert (cfg.tp_size, cfg.num_samples, cfg.max_new_tokens, cfg.max_input_tokens, cfg.p) == (tp, 960, 512, 3584, 64)
+        assert (cfg.tp_size, cfg.num_samples, cfg.max_new_tokens, cfg.max_input_tokens, cfg.p) == (
+            tp,
+            960,
+            512,
+            3584,
+            64,
+        )
         assert cfg.ignore_eos and cfg.task in name and cfg.data == tasks.TASKS[cfg.task].hub_id
-        assert cfg.model == ("meta-llama/Llama-2-13b-chat-hf" if "llama2" in name else "microsoft/Phi-3.5-mini-instruct")
+        assert cfg.model == (
+            "meta-llama/Llama-2-13b-chat-hf" if "llama2" in name else "microsoft/Phi-3.5-mini-instruct"
+        )
         assert all(960 % s.batch_size == 0 for s in cfg.run_specs())
 
 
@@ -476,10 +573,22 @@ def tiny_stack(monkeypatch, tokenizer):
 
 
 def _sweep_args(out, **extra):
-    args = {"task": "narrativeqa", "max_input_tokens": 420, "max_new_tokens": 3, "p": 32, "device": "cpu",
-            "log_level": "WARNING", "out": str(out), "num_samples": 5,
-            "runs": [{"method": "fkv", "batch_size": 2}, {"method": "ed", "batch_size": 2, "kv_max": 2},
-                     {"method": "bm", "batch_size": 2, "kv_max": 128}, {"method": "bm", "batch_size": 5, "kv_max": 128}]}
+    args = {
+        "task": "narrativeqa",
+        "max_input_tokens": 420,
+        "max_new_tokens": 3,
+        "p": 32,
+        "device": "cpu",
+        "log_level": "WARNING",
+        "out": str(out),
+        "num_samples": 5,
+        "runs": [
+            {"method": "fkv", "batch_size": 2},
+            {"method": "ed", "batch_size": 2, "kv_max": 2},
+            {"method": "bm", "batch_size": 2, "kv_max": 128},
+            {"method": "bm", "batch_size": 5, "kv_max": 128},
+        ],
+    }
     args.update(extra)
     return args
 
@@ -491,7 +600,10 @@ def test_sweep_writes_results_report_and_plots(tmp_path, tiny_stack, capsys):
     runs = ["fkv-b2", "ed-b2-kv2", "bm-b2-kv128", "bm-b5-kv128"]
     assert sorted(os.listdir(out)) == sorted(["config.yaml", *report.REPORT_FILES, *runs])
     printed = capsys.readouterr().out
-    assert printed == (out / "report.md").read_text() and "| Method | b | kv_max | rouge-2 | correct | tokens/s |" in printed
+    assert (
+        printed == (out / "report.md").read_text()
+        and "| Method | b | kv_max | rouge-2 | correct | tokens/s |" in printed
+    )
     ids = None
     for name in runs:
         assert sorted(os.listdir(out / name)) == ["batches.jsonl", "samples.jsonl", "summary.json"]
@@ -594,14 +706,34 @@ def test_sigkill_loses_at_most_the_batch_in_flight(tmp_path, tokenizer):
     tiny_random_llama(vocab_size=len(tokenizer), max_position_embeddings=2048).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"id": i, "prompt": f"Question {i}: say something about the number {i}.",
-                                        "reference": str(i)}) + "\n" for i in range(12)))
+    data.write_text(
+        "".join(
+            json.dumps({"id": i, "prompt": f"Question {i}: say something about the number {i}.", "reference": str(i)})
+            + "\n"
+            for i in range(12)
+        )
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
     def cmd(out):
-        return [sys.executable, str(RUN_PY), "--config", _yaml(tmp_path, {
-            "model": str(model_dir), "data": str(data), "device": "cpu", "max_new_tokens": 32, "p": 4, "out": str(out),
-            "log_level": "WARNING", "runs": [{"method": "bm", "batch_size": 1, "kv_max": 8}]})]
+        return [
+            sys.executable,
+            str(RUN_PY),
+            "--config",
+            _yaml(
+                tmp_path,
+                {
+                    "model": str(model_dir),
+                    "data": str(data),
+                    "device": "cpu",
+                    "max_new_tokens": 32,
+                    "p": 4,
+                    "out": str(out),
+                    "log_level": "WARNING",
+                    "runs": [{"method": "bm", "batch_size": 1, "kv_max": 8}],
+                },
+            ),
+        ]
 
     def batches_done(out):
         log = out / "bm-b1-kv8" / "batches.jsonl"

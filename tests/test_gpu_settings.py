@@ -65,14 +65,26 @@ def test_explicit_bfloat16_on_a_gpu_without_it_is_one_line(monkeypatch, tmp_path
 
 
 UNSUPPORTED = {
-    "phi-3-mini-4k": (dict(model_type="phi3", sliding_window=2047, max_position_embeddings=4096), "sliding_window=2047"),
-    "mistral-v0.1": (dict(model_type="mistral", sliding_window=4096, max_position_embeddings=32768),
-                     "sliding_window=4096"),
+    "phi-3-mini-4k": (
+        dict(model_type="phi3", sliding_window=2047, max_position_embeddings=4096),
+        "sliding_window=2047",
+    ),
+    "mistral-v0.1": (
+        dict(model_type="mistral", sliding_window=4096, max_position_embeddings=32768),
+        "sliding_window=4096",
+    ),
     "gemma-2": (dict(model_type="gemma2"), "attn_logit_softcapping=50.0"),
     "qwen2-sliding": (dict(model_type="qwen2", use_sliding_window=True, max_window_layers=1), "sliding_window=4096"),
 }
-TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=128)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+)
 
 
 @pytest.mark.parametrize("name", UNSUPPORTED)

@@ -47,8 +47,11 @@ def ll_requests(contexts=CONTEXTS, choices=CHOICES) -> list[Instance]:
 
 
 def gen_requests() -> list[Instance]:
-    kwargs = [{"until": ["."], "max_gen_toks": 12}, {"until": ["\n", "the"], "max_gen_toks": 9},
-              {"until": ["."], "max_gen_toks": 12}]
+    kwargs = [
+        {"until": ["."], "max_gen_toks": 12},
+        {"until": ["\n", "the"], "max_gen_toks": 9},
+        {"until": ["."], "max_gen_toks": 12},
+    ]
     return [Instance("generate_until", {}, (c, k), i) for i, (c, k) in enumerate(zip(CONTEXTS, kwargs))]
 
 
@@ -69,10 +72,17 @@ def test_fkv_equals_lm_eval_hf_model_on_the_bundled_tasks(tiny_dir, monkeypatch)
     monkeypatch.chdir(ROOT)  # the tasks' data_files are relative to the repository root
     tasks = ["batchmax_needle_mc", "batchmax_passkey"]
     runs = {}
-    for name, lm in (("hf", HFLM(pretrained=tiny_dir, device="cpu", dtype="float32", batch_size=4)),
-                     ("batchmax", BatchMaxLM(pretrained=tiny_dir, method="fkv", batch_size=4))):
-        out = simple_evaluate(model=lm, tasks=tasks, limit=2, log_samples=True,
-                              task_manager=TaskManager(include_path=TASKS, include_defaults=False))
+    for name, lm in (
+        ("hf", HFLM(pretrained=tiny_dir, device="cpu", dtype="float32", batch_size=4)),
+        ("batchmax", BatchMaxLM(pretrained=tiny_dir, method="fkv", batch_size=4)),
+    ):
+        out = simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            limit=2,
+            log_samples=True,
+            task_manager=TaskManager(include_path=TASKS, include_defaults=False),
+        )
         runs[name] = {t: [s["resps"] for s in out["samples"][t]] for t in tasks}
     mc_hf, mc_bm = runs["hf"]["batchmax_needle_mc"], runs["batchmax"]["batchmax_needle_mc"]
     assert len(mc_hf) == 2 and len(mc_hf[0]) == 4
@@ -119,8 +129,16 @@ def test_bm_small_kv_max_scores_equal_the_naive_reference_and_differ_from_fkv(ti
     for (context, continuation), (score, greedy), (full_score, _) in zip((r.args for r in reqs), got, full):
         ctx, cont = bm._encode_pair(context, continuation)
         assert len(ctx) > 24
-        ref = reference_generate(bm.model, torch.tensor([ctx]), torch.ones(1, len(ctx), dtype=torch.long), "bm",
-                                 kv_max=24, p=8, max_new_tokens=len(cont), force_tokens=torch.tensor([cont]))
+        ref = reference_generate(
+            bm.model,
+            torch.tensor([ctx]),
+            torch.ones(1, len(ctx), dtype=torch.long),
+            "bm",
+            kv_max=24,
+            p=8,
+            max_new_tokens=len(cont),
+            force_tokens=torch.tensor([cont]),
+        )
         want = sum(float(torch.log_softmax(ref.logits[t][0], -1)[c]) for t, c in enumerate(cont))
         assert score == pytest.approx(want, abs=1e-4)
         assert greedy == (ref.tokens[0].tolist() == cont)
@@ -153,25 +171,36 @@ def test_batch_size_auto_fits_the_budget_for_the_longest_request(tiny_dir):
     longest, new = max(len(c) for c, _ in pairs), max(len(x) for _, x in pairs)
     fits = lambda n: predict_pool(lm.shape, lm.method, n, longest, new, dtype="float32").total  # noqa: E731
     budget = fits(3) + 1  # room for 3 slots of the longest real request, not for 4
-    lm.settings = harness.Settings.parse({"pretrained": tiny_dir, "method": "bm", "kv_max": 24, "p": 8,
-                                          "batch_size": "auto", "memory_budget": str(budget)})
+    lm.settings = harness.Settings.parse(
+        {
+            "pretrained": tiny_dir,
+            "method": "bm",
+            "kv_max": 24,
+            "p": 8,
+            "batch_size": "auto",
+            "memory_budget": str(budget),
+        }
+    )
     lm.loglikelihood(reqs)
     assert lm.batch_sizes[0] == 3 and fits(4) > budget
     assert lm.get_model_info()["batchmax"]["slots"] == 3
 
 
 # -- model_args, the cache, the command line ------------------------------------------------------------------------
-@pytest.mark.parametrize("args, key", [
-    ({"method": "xyz"}, "method"),
-    ({"kv_max": 10, "p": 64}, "kv_max"),
-    ({"rule": "nope"}, "rule"),
-    ({"batch_size": "many"}, "batch_size"),
-    ({"memory_budget": "lots"}, "memory_budget"),
-    ({"dtype": "int3"}, "dtype"),
-    ({"kv_maxx": 3}, "kv_maxx"),
-    ({"batch_size": "auto"}, "memory_budget"),
-    ({"pretrained": "/no/such/model"}, "pretrained"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        ({"method": "xyz"}, "method"),
+        ({"kv_max": 10, "p": 64}, "kv_max"),
+        ({"rule": "nope"}, "rule"),
+        ({"batch_size": "many"}, "batch_size"),
+        ({"memory_budget": "lots"}, "memory_budget"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"kv_maxx": 3}, "kv_maxx"),
+        ({"batch_size": "auto"}, "memory_budget"),
+        ({"pretrained": "/no/such/model"}, "pretrained"),
+    ],
+)
 def test_bad_model_args_are_one_line_before_any_load(monkeypatch, args, key):
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
@@ -201,8 +230,11 @@ def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``batchmax-lm-eval ARGS`` (the installed console script; its entry function where none is installed)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     script = shutil.which("batchmax-lm-eval")
-    command = [script] if script else [sys.executable, "-c", "import sys; from batchmax_tp.harness import main; "
-                                                             "sys.exit(main())"]
+    command = (
+        [script]
+        if script
+        else [sys.executable, "-c", "import sys; from batchmax_tp.harness import main; sys.exit(main())"]
+    )
     return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -210,9 +242,20 @@ def test_console_script_runs_a_bundled_task_and_keeps_hf(tiny_dir, tmp_path):
     """The documented command (``batchmax-lm-eval ...``) from the repository root writes lm-eval's
     results JSON with the method in its config; lm-eval's own models stay registered beside ours."""
     out = tmp_path / "out"
-    done = _cli("--model", "batchmax", "--model_args", f"pretrained={tiny_dir},method=bm,kv_max=256",
-                "--tasks", "batchmax_needle_mc", "--include_path", "configs/lm_eval", "--limit", "2",
-                "--output_path", str(out))
+    done = _cli(
+        "--model",
+        "batchmax",
+        "--model_args",
+        f"pretrained={tiny_dir},method=bm,kv_max=256",
+        "--tasks",
+        "batchmax_needle_mc",
+        "--include_path",
+        "configs/lm_eval",
+        "--limit",
+        "2",
+        "--output_path",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())
     assert results["config"]["method"] == "bm" and results["config"]["kv_max"] == 256
@@ -223,8 +266,16 @@ def test_console_script_runs_a_bundled_task_and_keeps_hf(tiny_dir, tmp_path):
 
 
 def test_console_script_bad_model_args_exit_2_with_one_line():
-    done = _cli("--model", "batchmax", "--model_args", "method=bm,kv_max=32,p=64", "--tasks", "batchmax_passkey",
-                "--include_path", "configs/lm_eval")
+    done = _cli(
+        "--model",
+        "batchmax",
+        "--model_args",
+        "method=bm,kv_max=32,p=64",
+        "--tasks",
+        "batchmax_passkey",
+        "--include_path",
+        "configs/lm_eval",
+    )
     assert done.returncode == 2
     lines = [x for x in done.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and "kv_max" in lines[0], done.stderr[-2000:]
@@ -246,8 +297,13 @@ if res is not None:
 """
 
 
-_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1"}
+_ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "PYTHONPATH": str(ROOT),
+    "OMP_NUM_THREADS": "1",
+}
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +312,14 @@ def worker(tmp_path_factory, tiny_dir):
     folder = tmp_path_factory.mktemp("harness-tp")
     script, single = folder / "worker.py", folder / "single.json"
     script.write_text(_WORKER)
-    subprocess.run([sys.executable, str(script), tiny_dir, "1", str(single)], cwd=ROOT, env=_ENV, check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, str(script), tiny_dir, "1", str(single)],
+        cwd=ROOT,
+        env=_ENV,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return script, single
 
 
@@ -270,9 +332,26 @@ def test_tp_and_replicas_give_the_results_of_one_process(tiny_dir, tmp_path, wor
     script, single = worker
     multi = tmp_path / "multi.json"
     env = _ENV
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(free_port()), str(script), tiny_dir, str(tp), str(multi)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+            tiny_dir,
+            str(tp),
+            str(multi),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     got, want = json.loads(multi.read_text()), json.loads(single.read_text())
     assert got.keys() == want.keys()
@@ -291,10 +370,11 @@ def test_shared_prefill_equals_separate_prefills(method, monkeypatch):
     """``serve(share_prompts=True)``: three requests with one prompt prefill once (one row), then each is
     teacher-forced along its own continuation; tokens, log-probabilities and kept positions equal three
     separate prefills."""
+    from conftest import tiny_llama
+
     from batchmax_tp import Method
     from batchmax_tp.core import serve as serving
     from batchmax_tp.core.serve import Request, serve
-    from conftest import tiny_llama
 
     rows = []  # prompt rows each prefill pass computes
 

@@ -72,7 +72,8 @@ def _scan(path: Path) -> tuple[set[str], list[str], list[str]]:
                 targets = [a.name for a in child.names if a.name.startswith("batchmax_tp")]
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 if any(a.name == "importlib" or a.name.startswith("importlib.") for a in child.names) or (
-                        isinstance(child, ast.ImportFrom) and (child.module or "").startswith("importlib")):
+                    isinstance(child, ast.ImportFrom) and (child.module or "").startswith("importlib")
+                ):
                     importlib_uses.append(f"{module}: line {child.lineno}")
                 imports.update(targets)
                 if function is not None and targets:
@@ -98,14 +99,20 @@ def test_every_module_has_a_layer():
 
 
 def test_imports_only_go_down():
-    upward = [f"{m} imports {t}" for m, (imports, _, _) in SCANS.items() for t in sorted(imports)
-              if _layer(t) > _layer(m)]
+    upward = [
+        f"{m} imports {t}" for m, (imports, _, _) in SCANS.items() for t in sorted(imports) if _layer(t) > _layer(m)
+    ]
     assert upward == []
 
 
 def test_core_imports_nothing_else_from_the_package():
-    outside = [f"{m} imports {t}" for m, (imports, _, _) in SCANS.items() if m.startswith("batchmax_tp.core")
-               for t in sorted(imports) if not t.startswith("batchmax_tp.core")]
+    outside = [
+        f"{m} imports {t}"
+        for m, (imports, _, _) in SCANS.items()
+        if m.startswith("batchmax_tp.core")
+        for t in sorted(imports)
+        if not t.startswith("batchmax_tp.core")
+    ]
     assert outside == []
 
 
@@ -118,7 +125,7 @@ def test_no_import_cycle():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]) if nxt in path else f"{node} -> {nxt}")
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]) if nxt in path else f"{node} -> {nxt}")
             elif nxt not in state:
                 walk(nxt, [*path, nxt])
         state[node] = 2
@@ -130,11 +137,11 @@ def test_no_import_cycle():
 
 
 def test_no_deferred_imports_and_no_importlib_indirection():
-    deferred = [f"{m}.{d}" for m, (_, found, _) in SCANS.items() for d in found
-                if (m, d.split(":")[0]) not in DEFERRED]
+    deferred = [f"{m}.{d}" for m, (_, found, _) in SCANS.items() for d in found if (m, d.split(":")[0]) not in DEFERRED]
     assert deferred == []
-    assert [use for _, (_, _, uses) in SCANS.items() for use in uses
-            if not use.startswith("batchmax_tp.models:")] == []  # models finds the embedded package's files
+    assert [
+        use for _, (_, _, uses) in SCANS.items() for use in uses if not use.startswith("batchmax_tp.models:")
+    ] == []  # models finds the embedded package's files
 
 
 def test_the_walker_sees_what_it_must_refuse(tmp_path):
@@ -157,17 +164,24 @@ def test_the_walker_sees_what_it_must_refuse(tmp_path):
         globals()["PACKAGE"], MODULES = saved
     assert scans["batchmax_tp.core.a"][0] == {"batchmax_tp.config", "batchmax_tp.core.b"}
     assert scans["batchmax_tp.core.b"][0] == {"batchmax_tp.core.a"} and scans["batchmax_tp.core.b"][1] == [
-        "f: batchmax_tp.core.a"]
+        "f: batchmax_tp.core.a"
+    ]
     assert scans["batchmax_tp.config"][0] == set()  # a TYPE_CHECKING import is not a run-time import
 
 
-@pytest.mark.parametrize("module, heavy", [
-    ("batchmax_tp.config", ("torch", "transformers")),
-    ("batchmax_tp.plan.planner", ("torch", "transformers")),
-    ("batchmax_tp", ("torch", "transformers")),
-    # (the package's __init__ brings the public API, plan/ included; nothing above plan/ is loaded)
-    ("batchmax_tp.core.engine", ("batchmax_tp.eval", "batchmax_tp.config", "batchmax_tp.models", "batchmax_tp.job")),
-])
+@pytest.mark.parametrize(
+    "module, heavy",
+    [
+        ("batchmax_tp.config", ("torch", "transformers")),
+        ("batchmax_tp.plan.planner", ("torch", "transformers")),
+        ("batchmax_tp", ("torch", "transformers")),
+        # (the package's __init__ brings the public API, plan/ included; nothing above plan/ is loaded)
+        (
+            "batchmax_tp.core.engine",
+            ("batchmax_tp.eval", "batchmax_tp.config", "batchmax_tp.models", "batchmax_tp.job"),
+        ),
+    ],
+)
 def test_cheap_imports_stay_cheap(module, heavy):
     """Validation and planning import no torch (a configuration error is reported before it loads); core loads
     nothing from the layers above it."""

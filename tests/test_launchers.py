@@ -29,10 +29,33 @@ from batchmax_tp.config import ConfigError, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PY = str(ROOT / "launch" / "run.py")
-SMALL = ["--method", "bm", "--num-samples", "2", "--batch-size", "1", "--max-new-tokens", "4", "--kv-max", "128",
-         "--p", "32"]
-SUMMARY_KEYS = ("method", "batch_size", "kv_max", "p", "tp_size", "num_samples", "generated_tokens", "tokens_per_s",
-                "prefill_s", "decode_s", "peak_kv_bytes")
+SMALL = [
+    "--method",
+    "bm",
+    "--num-samples",
+    "2",
+    "--batch-size",
+    "1",
+    "--max-new-tokens",
+    "4",
+    "--kv-max",
+    "128",
+    "--p",
+    "32",
+]
+SUMMARY_KEYS = (
+    "method",
+    "batch_size",
+    "kv_max",
+    "p",
+    "tp_size",
+    "num_samples",
+    "generated_tokens",
+    "tokens_per_s",
+    "prefill_s",
+    "decode_s",
+    "peak_kv_bytes",
+)
 TIMEOUT_S = 240
 # Launcher/rank variables that must not leak from the environment pytest runs in.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
@@ -61,8 +84,15 @@ def tool(name: str) -> str | None:
 def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = TIMEOUT_S) -> SimpleNamespace:
     """Run a launcher in its own process group; on timeout the whole group (launcher + ranks) is killed."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env or clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env or clean_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -98,7 +128,7 @@ def _short_data(folder: Path) -> Path:
     for line in default_fixture_path().read_text().splitlines()[:2]:
         record = json.loads(line)
         prompt = record["prompt"]
-        record["prompt"] = prompt[:1400] + "\n\n" + prompt[prompt.rindex("Question:"):]
+        record["prompt"] = prompt[:1400] + "\n\n" + prompt[prompt.rindex("Question:") :]
         lines.append(json.dumps(record) + "\n")
     path.write_text("".join(lines))
     return path
@@ -189,8 +219,21 @@ def test_dp2_equals_single_process(tmp_path, single, small):
     if exe is None:
         pytest.skip("torchrun is not installed")
     out = tmp_path / "DP"
-    res = run([exe, "--nproc_per_node", "2", "--master_port", str(free_port()), RUN_PY, *small, "--tp-size", "1",
-               "--out", str(out)])
+    res = run(
+        [
+            exe,
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            RUN_PY,
+            *small,
+            "--tp-size",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert_ok(res)
     s = check_matches_single(out, single, tp_size=1, dp_size=2)
     # Batch i went to replica i % 2: one sample each.
@@ -208,8 +251,10 @@ def test_mpiexec_tp2_equals_single_process(tmp_path, single, small):
         pytest.skip("mpi4py is not installed (DeepSpeed's MPI support needs it)")
     out = tmp_path / "MPI"
     # The rank's environment reaches each process (MPICH and Open MPI both forward it by default).
-    res = run([exe, "-n", "2", sys.executable, RUN_PY, *small, "--tp-size", "2", "--out", str(out)],
-              env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+    res = run(
+        [exe, "-n", "2", sys.executable, RUN_PY, *small, "--tp-size", "2", "--out", str(out)],
+        env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())),
+    )
     assert_ok(res)
     check_matches_single(out, single, tp_size=2, dp_size=1)
     check_stdout_is_one_table(res.stdout)
@@ -232,8 +277,14 @@ print(json.dumps(results))
 
 
 def _worlds_in_subprocess(cases: list[dict[str, str]]) -> list[tuple[int, int, int]]:
-    proc = subprocess.run([sys.executable, "-c", _WORLD_CHECK, json.dumps(cases)], env=clean_env(),
-                          capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORLD_CHECK, json.dumps(cases)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return [tuple(r) for r in json.loads(proc.stdout)]
 
 
@@ -242,8 +293,9 @@ def test_slurm_and_mpi_environment_mapping():
         (0, 1, 0): {},
         (5, 8, 1): dict(SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1"),
         # torchrun/deepspeed variables win over SLURM ones (torchrun inside an sbatch allocation).
-        (2, 4, 2): dict(RANK="2", WORLD_SIZE="4", LOCAL_RANK="2", SLURM_PROCID="0", SLURM_NTASKS="1",
-                        SLURM_LOCALID="0"),
+        (2, 4, 2): dict(
+            RANK="2", WORLD_SIZE="4", LOCAL_RANK="2", SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0"
+        ),
         (3, 4, 3): dict(OMPI_COMM_WORLD_RANK="3", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="3"),
         (1, 2, 1): dict(PMI_RANK="1", PMI_SIZE="2", MPI_LOCALRANKID="1"),
     }
@@ -260,11 +312,25 @@ def test_srun_style_environment_end_to_end(tmp_path, single, small):
     port = str(free_port())
     procs, start = [], time.monotonic()
     for rank in range(2):
-        env = clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODEID="0",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, RUN_PY, *small, "--tp-size", "2", "--out", str(out)],
-                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      start_new_session=True))
+        env = clean_env(
+            SLURM_PROCID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, RUN_PY, *small, "--tp-size", "2", "--out", str(out)],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     results = []
     try:
         for proc in procs:
@@ -342,13 +408,18 @@ def test_tp_larger_than_kv_heads_fails_before_loading_weights(tmp_path, small, e
         pytest.skip("torchrun is not installed")
     out = tmp_path / "E2"
     flags = ["--tp-size", "4"] if explicit else []
-    res = run([exe, "--nproc_per_node", "4", "--master_port", str(free_port()), RUN_PY, *small, *flags,
-               "--out", str(out)], timeout=180)
+    res = run(
+        [exe, "--nproc_per_node", "4", "--master_port", str(free_port()), RUN_PY, *small, *flags, "--out", str(out)],
+        timeout=180,
+    )
     assert res.returncode != 0
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
     assert errors, res.stderr
-    want = ("error: tp_size: tp_size 4 exceeds the model's 3 KV heads" if explicit
-            else "error: tp_size: 4 processes would split the model's 3 KV heads")
+    want = (
+        "error: tp_size: tp_size 4 exceeds the model's 3 KV heads"
+        if explicit
+        else "error: tp_size: 4 processes would split the model's 3 KV heads"
+    )
     assert all(line.startswith(want) for line in errors), errors
     if not explicit:
         assert all("--tp-size" in line for line in errors)
@@ -373,8 +444,22 @@ def test_failing_rank_ends_the_job(tmp_path, small):
     if exe is None:
         pytest.skip("torchrun is not installed")
     out = tmp_path / "F"
-    res = run([exe, "--nproc_per_node", "2", "--master_port", str(free_port()), str(wrapper), *small,
-               "--tp-size", "1", "--out", str(out)], timeout=120)
+    res = run(
+        [
+            exe,
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(wrapper),
+            *small,
+            "--tp-size",
+            "1",
+            "--out",
+            str(out),
+        ],
+        timeout=120,
+    )
     assert res.returncode != 0
     assert "injected failure on rank 1" in res.stderr and "rank 1 failed" in res.stderr
     assert res.elapsed < 60, f"took {res.elapsed:.0f} s"
@@ -393,9 +478,18 @@ def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path,
     data = small[small.index("--data") + 1]
     config = tmp_path / "sweep.yaml"
     out = tmp_path / "O"
-    config.write_text(yaml.safe_dump(dict(
-        data=data, num_samples=2, max_new_tokens=4, p=32, out=str(out),
-        runs=[dict(method="bm", batch_size=1, kv_max=128), dict(method="ed", batch_size=1, kv_max=2)])))
+    config.write_text(
+        yaml.safe_dump(
+            dict(
+                data=data,
+                num_samples=2,
+                max_new_tokens=4,
+                p=32,
+                out=str(out),
+                runs=[dict(method="bm", batch_size=1, kv_max=128), dict(method="ed", batch_size=1, kv_max=2)],
+            )
+        )
+    )
     wrapper = tmp_path / "oom_rank1.py"
     wrapper.write_text(
         "import os, runpy, sys, torch\n"
@@ -416,19 +510,22 @@ def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path,
         f"sys.argv = [{RUN_PY!r}, *sys.argv[1:]]\n"
         f"runpy.run_path({RUN_PY!r}, run_name='__main__')\n"
     )
-    res = run([exe, "--nproc_per_node", "2", "--master_port", str(free_port()), str(wrapper), "--config",
-               str(config)], timeout=180)
+    res = run(
+        [exe, "--nproc_per_node", "2", "--master_port", str(free_port()), str(wrapper), "--config", str(config)],
+        timeout=180,
+    )
     assert res.returncode != 0
     assert res.elapsed < 60, f"took {res.elapsed:.0f} s"
     # rank 0's progress bar may precede the line on the terminal (\r, no newline)
-    errors = [line[line.index("error: "):] for line in re.split(r"[\r\n]", res.stderr) if "error: " in line]
+    errors = [line[line.index("error: ") :] for line in re.split(r"[\r\n]", res.stderr) if "error: " in line]
     assert any("rank 1 ran out of memory in batch 0" in line for line in errors), (errors, res.stderr[-3000:])
     marker = json.loads((out / "bm-b1-kv128" / "oom-rank1.json").read_text())
     assert marker["rank"] == 1 and marker["batch"] == 0 and "injected" in marker["error"]
     assert not (out / "bm-b1-kv128" / "summary.json").exists()
 
-    res = run([exe, "--nproc_per_node", "2", "--master_port", str(free_port()), RUN_PY, "--config", str(config)],
-              timeout=240)
+    res = run(
+        [exe, "--nproc_per_node", "2", "--master_port", str(free_port()), RUN_PY, "--config", str(config)], timeout=240
+    )
     assert_ok(res)
     bm, ed = summary(out / "bm-b1-kv128"), summary(out / "ed-b1-kv2")
     assert bm["status"] == "oom" and bm["oom_cause"] == "runtime" and "injected" in bm["error"]
@@ -441,18 +538,31 @@ def test_per_replica_uses_each_replicas_batches_and_ranks():
     from batchmax_tp.eval.results import per_replica, summarise
 
     def batch(index, replica, ids, tokens, prefill, decode, ranks):
-        return {"batch": index, "replica": replica, "ids": ids, "tokens_cut": [0] * len(ids), "generated_tokens": tokens,
-                "prefill_s": prefill, "decode_s": decode, "peak_kv_bytes": sum(ranks), "peak_kv_bytes_per_rank": ranks}
+        return {
+            "batch": index,
+            "replica": replica,
+            "ids": ids,
+            "tokens_cut": [0] * len(ids),
+            "generated_tokens": tokens,
+            "prefill_s": prefill,
+            "decode_s": decode,
+            "peak_kv_bytes": sum(ranks),
+            "peak_kv_bytes_per_rank": ranks,
+        }
 
-    batches = [batch(0, 0, ["s0", "s1"], 8, 0.5, 1.0, [300, 200]), batch(1, 1, ["s2", "s3"], 8, 3.0, 1.5, [400, 300]),
-               batch(2, 0, ["s4"], 4, 0.5, 1.0, [100, 50])]
+    batches = [
+        batch(0, 0, ["s0", "s1"], 8, 0.5, 1.0, [300, 200]),
+        batch(1, 1, ["s2", "s3"], 8, 3.0, 1.5, [400, 300]),
+        batch(2, 0, ["s4"], 4, 0.5, 1.0, [100, 50]),
+    ]
     reps = per_replica(batches, dp=3, tp=2)
     assert [r["ranks"] for r in reps] == [[0, 1], [2, 3], [4, 5]]
     assert [r["num_samples"] for r in reps] == [3, 2, 0] and [r["num_batches"] for r in reps] == [2, 1, 0]
     assert reps[0]["peak_kv_bytes_per_rank"] == [300, 200] and reps[0]["peak_kv_bytes"] == 500
     assert reps[0]["tokens_per_s"] == pytest.approx(12 / 3.0) and reps[2]["tokens_per_s"] is None
-    samples = [{"id": f"s{i}", "output": "x", "reference": None, "correct": None, "generated_tokens": 4}
-               for i in range(5)]
+    samples = [
+        {"id": f"s{i}", "output": "x", "reference": None, "correct": None, "generated_tokens": 4} for i in range(5)
+    ]
     s = summarise(samples, batches, "contains")
     assert (s["prefill_s"], s["decode_s"]) == (3.0, 1.5)  # replica 1 took longest (4.5 s)
     assert s["tokens_per_s"] == pytest.approx(20 / 4.5) and s["peak_kv_bytes"] == 700

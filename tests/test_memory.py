@@ -91,7 +91,8 @@ def test_tracker_sees_temporaries_inside_kernels():
 @pytest.mark.parametrize("chunk_bytes", CHUNKS)
 @pytest.mark.parametrize("method,batch,prompt,new", CASES)
 def test_attention_calls_hold_what_they_report_and_the_planner_predicts(
-        model, monkeypatch, per_call, chunk_bytes, method, batch, prompt, new):
+    model, monkeypatch, per_call, chunk_bytes, method, batch, prompt, new
+):
     monkeypatch.setattr(workspace, "SCORE_CHUNK_BYTES", chunk_bytes)
     # FKV/ED run on SDPA by default; their score-collecting path (fast_baselines=False, also HF's drop-in) is the
     # same "batchmax" attention call and must hold what it reports too.
@@ -119,8 +120,13 @@ def test_padded_and_hf_masks_are_counted(model, per_call):
     assert t.spans(LABEL) == per_call
     per_call.clear()
     with torch.inference_mode(), attention.use_batchmax_attention(model), AllocationTracker() as t:
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache.BatchMaxCache(Method("fkv")),
-              use_cache=True, logits_to_keep=1)
+        model(
+            input_ids=ids,
+            attention_mask=mask,
+            past_key_values=cache.BatchMaxCache(Method("fkv")),
+            use_cache=True,
+            logits_to_keep=1,
+        )
     assert t.spans(LABEL) == per_call and len(per_call) == model.config.num_hidden_layers
 
 
@@ -148,8 +154,9 @@ def _expected_passes(model, mask, method, new, impl):
     real = int(mask.sum())
 
     def count(n, slots, padded, real):
-        return workspace.dense_workspace_bytes(B, Hq, Hkv, D, n, slots, 4, padded=padded, impl=impl, real=real,
-                                               align=False)
+        return workspace.dense_workspace_bytes(
+            B, Hq, Hkv, D, n, slots, 4, padded=padded, impl=impl, real=real, align=False
+        )
 
     passes = [count(s, s, True, real)]
     for t in range(1, new):
@@ -178,17 +185,43 @@ def test_padded_baselines_hold_what_the_planner_predicts(model, monkeypatch, met
     assert measured == _expected_passes(model, mask, method, new, workspace.SDPA)
 
 
-def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-                  causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                  return_attn_probs=False, block_table=None):
+def _flash_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     """flash_attn_varlen_func's allocations: its output [total_q, Hq, D] and float32 log-sum-exp [Hq, total_q]."""
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)  # noqa: F841 (freed on return)
     return out
 
 
-def _flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-           alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def _flash(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """flash_attn_func's allocations: its output [B, n, Hq, D] and float32 log-sum-exp [B, Hq, n]."""
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)  # noqa: F841 (freed on return)
@@ -202,8 +235,11 @@ def flash_on_cpu(monkeypatch):
     from transformers import modeling_flash_attention_utils as fa
 
     process = fa._lazy_define_process_function(_flash_varlen)
-    monkeypatch.setattr(fa, "lazy_import_flash_attention",
-                        lambda *a, **k: ((_flash, _flash_varlen, None, fa._pad_input, fa._unpad_input), (process, dict)))
+    monkeypatch.setattr(
+        fa,
+        "lazy_import_flash_attention",
+        lambda *a, **k: ((_flash, _flash_varlen, None, fa._pad_input, fa._unpad_input), (process, dict)),
+    )
 
     @contextlib.contextmanager
     def use(model, name):  # set_attn_implementation would refuse: no flash_attn package, no CUDA
@@ -238,8 +274,10 @@ def test_padded_flash_attention_copies_are_counted(model, monkeypatch, flash_on_
         assert min(measured[1:]) > B * shape.kv_heads * (s + 1) * shape.head_dim * 4
     # A half dtype plans for FlashAttention-2 as well as SDPA
     half = predict(shape, method, B, s, new, dtype="float16").workspace
-    assert half == max(baseline_workspace(shape, method, B, s, new, dtype="float16", impls=(impl,))
-                       for impl in (workspace.SDPA, workspace.FLASH))
+    assert half == max(
+        baseline_workspace(shape, method, B, s, new, dtype="float16", impls=(impl,))
+        for impl in (workspace.SDPA, workspace.FLASH)
+    )
 
 
 # -- a whole generation ---------------------------------------------------------------------------------------------
@@ -249,8 +287,11 @@ def test_padded_flash_attention_copies_are_counted(model, monkeypatch, flash_on_
 # here: the planner's total (weights excluded) is 1.12x-1.37x a whole generation's peak on the tiny model (a
 # baseline's prompt length off a multiple of workspace.MASK_ALIGN adds the CUDA kernel's aligned mask copy, made on
 # no CPU); asserted within [1.0, 1.6]: below 1.0 is an OOM at the planned batch.
-WHOLE_CASES = CASES + [(Method("bm", kv_max=256, p=64), 4, 600, 8), (Method("fkv"), 4, 304, 8),
-                       (Method("bm", kv_max=24, p=8, rule="question:window=8,every=2,sinks=1,recent=4"), 3, 70, 12)]
+WHOLE_CASES = CASES + [
+    (Method("bm", kv_max=256, p=64), 4, 600, 8),
+    (Method("fkv"), 4, 304, 8),
+    (Method("bm", kv_max=24, p=8, rule="question:window=8,every=2,sinks=1,recent=4"), 3, 70, 12),
+]
 
 
 @pytest.mark.parametrize("chunk_bytes", CHUNKS)
@@ -322,8 +363,15 @@ def test_cuda_planner_total_covers_a_whole_generation(method, batch, prompt, new
 
 
 # -- every rule: K/V and bookkeeping exactly as planned --------------------------------------------------------------
-RULES = ["paper", "pooled", "sinks:sinks=2,recent=6", "probe:window=6", "snapkv:window=6,kernel=3,every=2",
-         "question:window=6,every=3,kernel=3,sinks=1,recent=4", "question:window=8,every=1,kernel=5,sinks=2,recent=3"]
+RULES = [
+    "paper",
+    "pooled",
+    "sinks:sinks=2,recent=6",
+    "probe:window=6",
+    "snapkv:window=6,kernel=3,every=2",
+    "question:window=6,every=3,kernel=3,sinks=1,recent=4",
+    "question:window=8,every=1,kernel=5,sinks=2,recent=3",
+]
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])

@@ -49,8 +49,9 @@ def test_prediction_equals_measured_peaks(model, monkeypatch, chunk_bytes, metho
 
 
 def test_bm_peak_does_not_grow_with_the_prompt():
-    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
-                       params=134_515_008)
+    shape = ModelShape(
+        layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, params=134_515_008
+    )
     bm = Method("bm", kv_max=512, p=64)
     peaks = [predict(shape, bm, 8, s, 256).total for s in (1024, 4096)]
     assert peaks[1] == peaks[0]
@@ -70,8 +71,9 @@ def test_tp_splits_heads_like_autotp():
 
 
 def test_max_batch_is_the_boundary():
-    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
-                       params=134_515_008)
+    shape = ModelShape(
+        layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, params=134_515_008
+    )
     for method in (Method("bm", kv_max=512, p=64), Method("ed", kv_max=2), Method("fkv")):
         budget = predict(shape, method, 7, 2000, 256).total + 1
         b = max_batch(budget, shape, method, 2000, 256)
@@ -80,13 +82,16 @@ def test_max_batch_is_the_boundary():
     assert max_batch(10, shape, Method("fkv"), 2000, 256) == 0
     # At one budget, BM fits a larger batch than ED, and ED (decoding-only) than FKV.
     budget = parse_bytes("2GiB")
-    sizes = [max_batch(budget, shape, m, 3000, 512) for m in (Method("bm", kv_max=512, p=64), Method("ed", kv_max=2),
-                                                                Method("fkv"))]
+    sizes = [
+        max_batch(budget, shape, m, 3000, 512)
+        for m in (Method("bm", kv_max=512, p=64), Method("ed", kv_max=2), Method("fkv"))
+    ]
     assert sizes[0] > sizes[1] >= sizes[2] > 0
 
 
-@pytest.mark.parametrize("text,value", [("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
-                                        ("123", 123), (77, 77)])
+@pytest.mark.parametrize(
+    "text,value", [("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("123", 123), (77, 77)]
+)
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 

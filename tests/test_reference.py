@@ -79,11 +79,15 @@ def test_reference_equals_hf_full_cache(method_name, peaked):
 
     # each sample alone, unpadded, through HF's plain forward: pads really are invisible
     for j, length in enumerate(LENGTHS):
-        alone = torch.cat([ids[j, s - length:], ref.tokens[j, : n - 1]])[None]
+        alone = torch.cat([ids[j, s - length :], ref.tokens[j, : n - 1]])[None]
         with torch.no_grad():
-            logits = model(alone).logits[0, length - 1:].float()
-        assert_logits_close([logits], [torch.stack([ref.logits[t][j] for t in range(n)])], ATOL,
-                            what=f"reference sample {j} vs HF unpadded")
+            logits = model(alone).logits[0, length - 1 :].float()
+        assert_logits_close(
+            [logits],
+            [torch.stack([ref.logits[t][j] for t in range(n)])],
+            ATOL,
+            what=f"reference sample {j} vs HF unpadded",
+        )
 
 
 def test_reference_bm_bookkeeping():
@@ -127,8 +131,11 @@ def test_bm_matches_reference(kv_max, p):
     # intermediate states: rerunning the engine for fewer tokens must give the reference's state then
     for steps in sorted({1, 2, p + 1, n // 2}):
         out_k = engine_generate(model, ids, mask, "bm", kv_max, p, steps)
-        assert_kept_equal(out_k.cache.kept_positions(), ref.kept_history[steps - 1],
-                          what=f"[bm kv_max={kv_max} p={p}] kept positions after {steps} generated token(s)")
+        assert_kept_equal(
+            out_k.cache.kept_positions(),
+            ref.kept_history[steps - 1],
+            what=f"[bm kv_max={kv_max} p={p}] kept positions after {steps} generated token(s)",
+        )
         assert_tokens_equal(out_k.tokens, ref.tokens[:, :steps])
 
 
@@ -213,8 +220,11 @@ def test_ed_matches_algorithm_3(kv_max):
                 assert heads == [kept, kept], (t, heads, kept)
     for steps in (2, kv_max + 1):  # intermediate states of the engine
         out_k = engine_generate(model, ids, mask, "ed", kv_max, None, steps)
-        assert_kept_equal(out_k.cache.kept_positions(), ref.kept_history[steps - 1],
-                          what=f"[ed kv_max={kv_max}] kept after {steps} token(s)")
+        assert_kept_equal(
+            out_k.cache.kept_positions(),
+            ref.kept_history[steps - 1],
+            what=f"[ed kv_max={kv_max}] kept after {steps} token(s)",
+        )
 
 
 def test_fkv_never_evicts_and_equals_hf():
@@ -226,8 +236,9 @@ def test_fkv_never_evicts_and_equals_hf():
     for layer in out.cache.kept_positions():
         for j, heads in enumerate(layer):
             assert heads == [real_positions(mask[j]) + list(range(s, s + n - 1))] * 2
-    assert_logits_close(out.logits, hf_full_cache_logits(model, ids, mask, out.tokens), ATOL,
-                        what="fkv vs HF full forward")
+    assert_logits_close(
+        out.logits, hf_full_cache_logits(model, ids, mask, out.tokens), ATOL, what="fkv vs HF full forward"
+    )
 
 
 def test_hf_position_ids_helper():

@@ -23,26 +23,32 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch.distributed as dist
+from test_config import _fake_encode, _FakeTokenizer, _make_fake_generate
+from test_launchers import RUN_PY, clean_env, free_port, tool
 
 from batchmax_tp.config import RunConfig
 from batchmax_tp.eval import merge, results
 from batchmax_tp.eval import run as runner
 from batchmax_tp.eval.replicas import Channel, Watchdog
 
-from test_config import _fake_encode, _FakeTokenizer, _make_fake_generate
-from test_launchers import RUN_PY, clean_env, free_port, tool
-
 
 def local_store(world: int) -> tuple[dist.TCPStore, int]:
     port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
-                           timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+    server = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size=None,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=5),
+        wait_for_workers=False,
+    )
     return server, port
 
 
 def client(port: int, timeout_s: float = 3) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 # ---------------------------------------------------------------------- the watchdog
@@ -109,11 +115,16 @@ def test_channel_broadcast_gather_and_last_decides():
 
 
 # ---------------------------------------------------------------------- OOM bookkeeping
-@pytest.mark.parametrize("message", [
-    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
-    "cuSOLVER error: CUSOLVER_STATUS_ALLOC_FAILED", "CUDA driver error: cudaErrorMemoryAllocation",
-    "cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory",
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuSOLVER error: CUSOLVER_STATUS_ALLOC_FAILED",
+        "CUDA driver error: cudaErrorMemoryAllocation",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory",
+    ],
+)
 def test_cuda_library_allocation_failures_are_out_of_memory(message):
     assert runner.is_oom(RuntimeError(message))
     assert not runner.is_oom(RuntimeError("CUDA error: device-side assert triggered"))
@@ -151,18 +162,40 @@ def _shard(folder: Path, replica: int, batches: list[int], ids: list[list[str]],
     cfg = RunConfig(methods=[method], kv_max=int(kv), batch_size=1, out=str(folder.parent))
     settings = runner.run_settings(cfg, cfg.run_specs()[0], dp_size=2)
     assert settings["run"] == folder.name
-    head = {"settings": settings, "batch_ids": ids, "dp": 2, "tp": 1,
-            "continuous": False, "budget": {}, "extra": {}}
+    head = {"settings": settings, "batch_ids": ids, "dp": 2, "tp": 1, "continuous": False, "budget": {}, "extra": {}}
     shard = folder / f"replica{replica}"
     log = results.RunLog(shard)
     shard.mkdir(parents=True)
     (shard / results.HEAD_FILE).write_text(json.dumps(head))
     for b in batches:
-        log.append([{"id": i, "prompt_tokens": 3, "output": "w10", "reference": "w10", "correct": True,
-                     "generated_tokens": 4} for i in ids[b]],
-                   [{"batch": b, "replica": replica, "ids": ids[b], "tokens_cut": [0] * len(ids[b]),
-                     "generated_tokens": 4 * len(ids[b]), "prefill_s": 1.0, "decode_s": 1.0, "peak_kv_bytes": 8,
-                     "peak_kv_bytes_per_rank": [8], "peak_workspace_bytes": 0, "cuda_max_memory_allocated": None}])
+        log.append(
+            [
+                {
+                    "id": i,
+                    "prompt_tokens": 3,
+                    "output": "w10",
+                    "reference": "w10",
+                    "correct": True,
+                    "generated_tokens": 4,
+                }
+                for i in ids[b]
+            ],
+            [
+                {
+                    "batch": b,
+                    "replica": replica,
+                    "ids": ids[b],
+                    "tokens_cut": [0] * len(ids[b]),
+                    "generated_tokens": 4 * len(ids[b]),
+                    "prefill_s": 1.0,
+                    "decode_s": 1.0,
+                    "peak_kv_bytes": 8,
+                    "peak_kv_bytes_per_rank": [8],
+                    "peak_workspace_bytes": 0,
+                    "cuda_max_memory_allocated": None,
+                }
+            ],
+        )
     if done:
         (shard / results.DONE_FILE).write_text(json.dumps({"started_at": "2026-01-01T00:00:00Z", "wall_s": 2.0}))
 
@@ -190,13 +223,53 @@ def launch_nodes(checkpoint: str, out: Path) -> list[subprocess.Popen]:
     exe = tool("torchrun")
     port = free_port()
     env = clean_env(BATCHMAX_DEAD_AFTER_S="6")
-    args = ["--model", checkpoint, "--method", "bm", "--kv-max", "64", "--p", "16", "--batch-size", "1",
-            "--num-samples", "6", "--max-new-tokens", "32", "--ignore-eos", "--tp-size", "1", "--out", str(out)]
-    return [subprocess.Popen([exe, "--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "1",
-                              "--master_addr", "127.0.0.1", "--master_port", str(port), RUN_PY, *args],
-                             env=env, cwd=Path(RUN_PY).parent.parent, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-            for n in range(2)]
+    args = [
+        "--model",
+        checkpoint,
+        "--method",
+        "bm",
+        "--kv-max",
+        "64",
+        "--p",
+        "16",
+        "--batch-size",
+        "1",
+        "--num-samples",
+        "6",
+        "--max-new-tokens",
+        "32",
+        "--ignore-eos",
+        "--tp-size",
+        "1",
+        "--out",
+        str(out),
+    ]
+    return [
+        subprocess.Popen(
+            [
+                exe,
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(n),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                RUN_PY,
+                *args,
+            ],
+            env=env,
+            cwd=Path(RUN_PY).parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for n in range(2)
+    ]
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str, str]]:
@@ -231,8 +304,9 @@ def whole(tmp_path_factory, tiny_dir) -> Path:
 
 @pytest.mark.skipif(tool("torchrun") is None, reason="torchrun is not installed")
 @pytest.mark.parametrize("victim, sig", [(1, signal.SIGSTOP)], ids=["replica1-hung-or-lost-node"])
-def test_a_dead_replica_ends_the_job_and_the_rerun_completes_only_what_is_missing(tmp_path, tiny_dir, whole,
-                                                                                 victim, sig):
+def test_a_dead_replica_ends_the_job_and_the_rerun_completes_only_what_is_missing(
+    tmp_path, tiny_dir, whole, victim, sig
+):
     """SIGSTOP: a hung rank or a lost node, whose sockets stay open and whose torchrun waits forever (before the
     watchdog, the other replica waited in the 4-hour result gather). (victim 0, SIGKILL: rank 0 and the store it
     hosts gone, ran by hand: the other node exits in ~2 s; its watchdog is tested on a store that goes away above.)"""

@@ -70,12 +70,43 @@ def _word_count(text):
 
 #: The default suite as built before --split existed (with ``_word_count``): ids, needle answers, prompts' hash.
 FROZEN_ALL = {
-    "ids": ["passkey-1024-early", "fact-1024-middle", "passkey-1024-late", "multi-1024", "fact-2048-early",
-            "passkey-2048-middle", "fact-2048-late", "multi-2048", "passkey-3072-early", "fact-3072-middle",
-            "passkey-3072-late", "multi-3072", "summary-2048-0", "summary-2048-1", "summary-2048-2"],
-    "answers": ["59951", "Rotterdam", "57965", "34348", "Skomer", "cello", "Northern Wren", "25154", "blue flowerpot",
-                "33165", "Amber Lantern", "Lyon", "54405", "Midnight Clover", "94022", "53491", "Jasper Quill",
-                "Rotterdam"],
+    "ids": [
+        "passkey-1024-early",
+        "fact-1024-middle",
+        "passkey-1024-late",
+        "multi-1024",
+        "fact-2048-early",
+        "passkey-2048-middle",
+        "fact-2048-late",
+        "multi-2048",
+        "passkey-3072-early",
+        "fact-3072-middle",
+        "passkey-3072-late",
+        "multi-3072",
+        "summary-2048-0",
+        "summary-2048-1",
+        "summary-2048-2",
+    ],
+    "answers": [
+        "59951",
+        "Rotterdam",
+        "57965",
+        "34348",
+        "Skomer",
+        "cello",
+        "Northern Wren",
+        "25154",
+        "blue flowerpot",
+        "33165",
+        "Amber Lantern",
+        "Lyon",
+        "54405",
+        "Midnight Clover",
+        "94022",
+        "53491",
+        "Jasper Quill",
+        "Rotterdam",
+    ],
     "sha256": "a36a786f50973bf01ea9178f3b62811d59027daef8b837db87e3d647165ab653",
 }
 
@@ -159,20 +190,36 @@ def test_batches_keep_kinds_apart_and_lengths_together():
 def _fake_runs():
     key = br.Needle("passkey", "", "", "11111")
     city = br.Needle("fact", "", "", "Lyon")
-    samples = [_sample("a", "needle", 2048, [key]), _sample("b", "multi", 2048, [key, city]),
-               _sample("c", "needle", 1024, [city]), _sample("s", "summary", 2048)]
+    samples = [
+        _sample("a", "needle", 2048, [key]),
+        _sample("b", "multi", 2048, [key, city]),
+        _sample("c", "needle", 1024, [city]),
+        _sample("s", "summary", 2048),
+    ]
     summary = "the harbour wall was repaired after the storm and the boats came back"
     rows = {
-        br.Row("fkv", None, None, 64): {"outputs": {"a": "11111", "b": "11111 Lyon", "c": "Lyon", "s": summary},
-                                        "generated_tokens": 100, "prefill_s": 1.0, "decode_s": 1.0,
-                                        "peak_kv_bytes": 4 * 2**20},
-        br.Row("bm", "paper", 512, 64): {"outputs": {"a": "no", "b": "11111", "c": "Lyon", "s": "nothing alike"},
-                                         "generated_tokens": 100, "prefill_s": 0.5, "decode_s": 0.5,
-                                         "peak_kv_bytes": 2**20},
-        br.Row("bm", "other", 512, 64): {"outputs": {"a": "11111", "b": "11111 Lyon", "c": "Paris", "s": summary},
-                                         "agreement": {"s": 0.5},
-                                         "generated_tokens": 100, "prefill_s": 1.0, "decode_s": 1.0,
-                                         "peak_kv_bytes": 2**20},
+        br.Row("fkv", None, None, 64): {
+            "outputs": {"a": "11111", "b": "11111 Lyon", "c": "Lyon", "s": summary},
+            "generated_tokens": 100,
+            "prefill_s": 1.0,
+            "decode_s": 1.0,
+            "peak_kv_bytes": 4 * 2**20,
+        },
+        br.Row("bm", "paper", 512, 64): {
+            "outputs": {"a": "no", "b": "11111", "c": "Lyon", "s": "nothing alike"},
+            "generated_tokens": 100,
+            "prefill_s": 0.5,
+            "decode_s": 0.5,
+            "peak_kv_bytes": 2**20,
+        },
+        br.Row("bm", "other", 512, 64): {
+            "outputs": {"a": "11111", "b": "11111 Lyon", "c": "Paris", "s": summary},
+            "agreement": {"s": 0.5},
+            "generated_tokens": 100,
+            "prefill_s": 1.0,
+            "decode_s": 1.0,
+            "peak_kv_bytes": 2**20,
+        },
     }
     return samples, rows
 
@@ -193,7 +240,10 @@ def test_score_rows_table_and_csv():
     assert other["meets_targets"] is False  # hits and fidelity met, but half the paper rule's speed
     assert len(records) == len(samples) * len(runs)
     assert {r["id"]: r["hits"] for r in records if r["row"] == "bm/paper@512" and "hits" in r} == {
-        "a": [False], "b": [True, False], "c": [True]}
+        "a": [False],
+        "b": [True, False],
+        "c": [True],
+    }
 
     rows = list(csv.DictReader(io.StringIO(br.format_csv(table))))
     assert list(rows[0]) == list(br.CSV_COLUMNS) and len(rows) == 3
@@ -271,8 +321,17 @@ def test_cli_rejects_bad_settings(capsys):
 
 
 # ---------------------------------------------------------------------- the main job's same-memory run (runner)
-SMOL = dict(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
-            params=134_515_008, tied=True)
+SMOL = dict(
+    layers=30,
+    hidden=576,
+    intermediate=1536,
+    heads=9,
+    kv_heads=3,
+    head_dim=64,
+    vocab=49152,
+    params=134_515_008,
+    tied=True,
+)
 
 
 def test_same_memory_plan_gives_bm_the_larger_batch(caplog):
@@ -289,7 +348,12 @@ def test_same_memory_plan_gives_bm_the_larger_batch(caplog):
     assert bm > 2 * fkv
     # same K/V per kv_max; the probe's extra queries only add to a prefill block's activations and score block
     assert 2 * fkv < probe <= bm
-    assert [r.spec.name for r in plan] == [f"fkv-b{fkv}", f"ed-b{ed}-kv2", f"bm-b{bm}-kv512", f"bm-probe-b{probe}-kv512"]
+    assert [r.spec.name for r in plan] == [
+        f"fkv-b{fkv}",
+        f"ed-b{ed}-kv2",
+        f"bm-b{bm}-kv512",
+        f"bm-probe-b{probe}-kv512",
+    ]
     for run in plan:
         assert run.predicted_peak_bytes <= budget
         assert planner.predict(shape, run.spec.method, run.spec.batch_size + 1, 1800, 64).total > budget  # the largest
@@ -361,20 +425,54 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
 
     def fake_generate(model, input_ids, attention_mask, method, max_new_tokens, **kw):
         b = input_ids.shape[0]
-        return SimpleNamespace(tokens=torch.full((b, max_new_tokens), 5), num_generated=torch.full((b,), max_new_tokens),
-                               prefill_s=0.1, decode_s=0.2, peak_kv_bytes=100 * b)
+        return SimpleNamespace(
+            tokens=torch.full((b, max_new_tokens), 5),
+            num_generated=torch.full((b,), max_new_tokens),
+            prefill_s=0.1,
+            decode_s=0.2,
+            peak_kv_bytes=100 * b,
+        )
 
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"id": i, "prompt": "w " * (40 + i), "reference": "answer"}) + "\n"
-                            for i in range(3)))
-    model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=100, tie_word_embeddings=True)))
+    data.write_text(
+        "".join(json.dumps({"id": i, "prompt": "w " * (40 + i), "reference": "answer"}) + "\n" for i in range(3))
+    )
+    model = SimpleNamespace(
+        config=SimpleNamespace(
+            get_text_config=lambda: SimpleNamespace(
+                num_hidden_layers=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                vocab_size=100,
+                tie_word_embeddings=True,
+            )
+        )
+    )
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, Tok()))
     monkeypatch.setattr(runner, "generate", fake_generate)
     out = tmp_path / "out"
-    rc = cli.main(["--same-memory", "--data", str(data), "--out", str(out), "--kv-max", "96", "--p", "32",
-                   "--max-new-tokens", "2", "--device", "cpu", "--log-level", "WARNING"])
+    rc = cli.main(
+        [
+            "--same-memory",
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--kv-max",
+            "96",
+            "--p",
+            "32",
+            "--max-new-tokens",
+            "2",
+            "--device",
+            "cpu",
+            "--log-level",
+            "WARNING",
+        ]
+    )
     assert rc == 0
     folders = sorted(p.name for p in out.iterdir() if p.is_dir())
     assert folders[0].startswith("bm-b") and any(f.startswith("bm-question-b") for f in folders)  # the best rule
@@ -387,7 +485,7 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
     assert prompts > 3 and all(s["batch_size"] == min(s["largest_fitting_batch"], prompts) for s in summaries)
     assert all(s["num_samples"] == prompts for s in summaries if s["status"] == "done")
     # the claim's ratios: BM with the paper's rule and with the best rule over FKV and the fastest ED run
-    section = report[report.index("## Same memory: BM's tokens/s over FKV's and ED's"):report.index("## Memory")]
+    section = report[report.index("## Same memory: BM's tokens/s over FKV's and ED's") : report.index("## Memory")]
     rows = [line.split("|") for line in section.splitlines() if line.startswith("| BM (")]
     assert [r[1].strip() for r in rows] == ["BM (paper)", "BM (question)"], section
     fkv = next(s for s in summaries if s["method"] == "fkv")

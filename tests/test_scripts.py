@@ -28,8 +28,14 @@ def _gpu_check(tmp_path: Path, pytest_rc: int) -> subprocess.CompletedProcess:
     stub.chmod(0o755)
     out = tmp_path / f"out-{pytest_rc}"
     env = {**os.environ, "PYTHON": str(stub), "FAKE_PYTEST_RC": str(pytest_rc)}
-    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -41,3 +47,31 @@ def test_gpu_check_fails_when_pytest_runs_no_tests(tmp_path):
     assert "ran no tests" in none.stderr
     failed = _gpu_check(tmp_path, 1)
     assert failed.returncode == 1 and "pytest exit 1" in failed.stderr
+
+
+# Stands in for $PYTHON in scripts/test.sh: `-m ruff check` exits $FAKE_RUFF_RC, every call is logged.
+FAKE_LINT_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$FAKE_LOG"
+case "$1 $2 $3" in
+  "-m ruff check"*) exit "$FAKE_RUFF_RC" ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("ruff_rc", [0, 1])
+def test_test_command_fails_on_a_lint_error_before_any_test(tmp_path, ruff_rc):
+    stub, log = tmp_path / "python", tmp_path / "calls.log"
+    stub.write_text(FAKE_LINT_PYTHON)
+    stub.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(stub), "FAKE_RUFF_RC": str(ruff_rc), "FAKE_LOG": str(log)}
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "test.sh")], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("-m ruff check")
+    if ruff_rc:
+        assert run.returncode != 0 and calls == [calls[0]]  # nothing else ran: no format check, no pytest
+    else:
+        assert any(c.startswith("-m ruff format --check") for c in calls)
+        assert any(c.startswith("-m pytest") for c in calls)

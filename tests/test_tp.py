@@ -41,12 +41,20 @@ def batch(seed: int = 0):
 # heads); Qwen2 has q/k/v biases; Mistral is Llama-like with its own classes. 6 heads allow tp 2 and 3.
 FAMILIES = {
     "llama": dict(family="llama", **GQA_9_3),
-    "phi3": dict(family="phi3", hidden_size=96, num_attention_heads=6, num_key_value_heads=6, head_dim=16,
-                 initializer_range=0.2),
-    "qwen2": dict(family="qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                  initializer_range=0.2),
-    "mistral": dict(family="mistral", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                    initializer_range=0.2),
+    "phi3": dict(
+        family="phi3", hidden_size=96, num_attention_heads=6, num_key_value_heads=6, head_dim=16, initializer_range=0.2
+    ),
+    "qwen2": dict(
+        family="qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16, initializer_range=0.2
+    ),
+    "mistral": dict(
+        family="mistral",
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.2,
+    ),
 }
 
 
@@ -83,8 +91,9 @@ def count_collectives() -> dict[str, int]:
 
 
 def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_collectives_):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -99,18 +108,28 @@ def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_col
     for m in method:
         counts.clear()
         out = generate(model, ids, mask, m, new, ignore_eos=True, return_logits=True)
-        results[m.name] = dict(tokens=out.tokens, logits=torch.stack(out.logits), kept=out.cache.kept_positions(),
-                               local_kv_heads=out.cache.layers[0].keys.shape[1], collectives=dict(counts),
-                               forwards=len(out.phases), params=sum(p.numel() for p in model.parameters()),
-                               host_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        results[m.name] = dict(
+            tokens=out.tokens,
+            logits=torch.stack(out.logits),
+            kept=out.cache.kept_positions(),
+            local_kv_heads=out.cache.layers[0].keys.shape[1],
+            collectives=dict(counts),
+            forwards=len(out.phases),
+            params=sum(p.numel() for p in model.parameters()),
+            host_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run_tp(tmp_path, world, tp_size, methods, new=12, embedded=False, count_collectives=False):
-    mp.spawn(_worker, args=(world, tp_size, free_port(), str(tmp_path), methods, new, embedded, count_collectives),
-             nprocs=world, join=True)
+    mp.spawn(
+        _worker,
+        args=(world, tp_size, free_port(), str(tmp_path), methods, new, embedded, count_collectives),
+        nprocs=world,
+        join=True,
+    )
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -176,9 +195,22 @@ def test_architecture_model_loads_half_per_rank_under_tp2(tmp_path):
     """An architecture-only model (random weights, no checkpoint) split over 2 ranks: each rank's parameters
     outside the embeddings are half the model's, exactly as the planner predicts; peak host memory is reported."""
     spec = tmp_path / "small-llama.json"
-    spec.write_text(json.dumps(dict(model_type="llama", vocab_size=1024, hidden_size=256, intermediate_size=768,
-                                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-                                    max_position_embeddings=512, tie_word_embeddings=False)))
+    spec.write_text(
+        json.dumps(
+            dict(
+                model_type="llama",
+                vocab_size=1024,
+                hidden_size=256,
+                intermediate_size=768,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                head_dim=32,
+                max_position_embeddings=512,
+                tie_word_embeddings=False,
+            )
+        )
+    )
     arch = f"arch:{spec}"
     methods = [Method("bm", kv_max=16, p=4)]
     ranks = run_tp(tmp_path, 2, 2, methods, new=4, embedded=arch)
@@ -189,7 +221,10 @@ def test_architecture_model_loads_half_per_rank_under_tp2(tmp_path):
     embed = shape.vocab * shape.hidden  # the input embedding stays whole on every rank
     per_rank = [r["bm"]["params"] for r in ranks]
     assert all(abs((p - embed) - (shape.params - embed) / 2) <= 0.01 * shape.params for p in per_rank), (
-        per_rank, shape.params, embed)
+        per_rank,
+        shape.params,
+        embed,
+    )
     assert max(per_rank) == shape.weights_per_rank(2)
     assert all(r["bm"]["host_peak"] > 0 for r in ranks)
 
@@ -234,9 +269,20 @@ def test_killed_rank_ends_the_job_quickly(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     t = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(script)],
-        env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     elapsed = time.monotonic() - t
     assert proc.returncode != 0

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchmax_tp.plan.planner import ModelShape, max_batch, predict
 from batchmax_tp.core.method import Method
+from batchmax_tp.plan.planner import ModelShape, max_batch, predict
 from batchmax_tp.plan.tuner import Trial, divisor_batches, kv_grid, largest_batch, paper_plan, tune
 
-SHAPE = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
-                   params=134_515_008)
+SHAPE = ModelShape(
+    layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, params=134_515_008
+)
 S, T = 2048, 256
 
 
@@ -110,9 +111,9 @@ def test_grids():
 
 def test_tuner_on_the_embedded_model_with_a_small_budget():
     from batchmax_tp.core.engine import generate
-    from batchmax_tp.models import load_model
     from batchmax_tp.eval.run import encode_prompts
     from batchmax_tp.eval.tasks import default_fixture_path, load_jsonl
+    from batchmax_tp.models import load_model
 
     model, tok = load_model()
     samples = load_jsonl(default_fixture_path())[:2]
@@ -125,8 +126,11 @@ def test_tuner_on_the_embedded_model_with_a_small_budget():
         # Metric: greedy-token agreement with FKV (b rows of the 2 prompts; throughput measured on that batch).
         rows = torch.arange(b) % ids.shape[0]
         out = generate(model, ids[rows], mask[rows], method, new, ignore_eos=True)
-        agree = (out.tokens[: ids.shape[0]] == ref).float().mean().item() if b >= ids.shape[0] else \
-            (out.tokens == ref[:b]).float().mean().item()
+        agree = (
+            (out.tokens[: ids.shape[0]] == ref).float().mean().item()
+            if b >= ids.shape[0]
+            else (out.tokens == ref[:b]).float().mean().item()
+        )
         return Trial(method.name, method.kv_max, b, b * new / (out.prefill_s + out.decode_s), agree)
 
     budget = predict(shape, Method("fkv"), 2, s, new).total
@@ -151,19 +155,31 @@ def test_find_b0_searches_real_trials_from_the_planners_guess(true_b0, start):
 
 
 def test_paper_specs_use_a_measured_b0_and_say_so():
-    from batchmax_tp.plan import budget
     from batchmax_tp.config import parse_args
+    from batchmax_tp.plan import budget
 
-    shape = ModelShape(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152,
-                       params=134_515_008)
+    shape = ModelShape(
+        layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, params=134_515_008
+    )
     cfg = parse_args(["--memory-budget", "2GiB", "--max-new-tokens", "64", "--kv-values", "512", "--device", "cpu"])
-    kw = dict(budget=cfg.budget_bytes(), max_new_tokens=64, dtype="float32", p=64, rule="paper", kv_values=[512],
-              num_samples=960)
+    kw = dict(
+        budget=cfg.budget_bytes(),
+        max_new_tokens=64,
+        dtype="float32",
+        p=64,
+        rule="paper",
+        kv_values=[512],
+        num_samples=960,
+    )
     planned, info = budget.paper_specs(shape, 1024, **kw)
     assert info["b0_source"] == "planner" and "planner" in info["b0_note"]
     guess = info["b0_planned"]
     assert planned[0].batch_size == guess
     specs, info = budget.paper_specs(shape, 1024, **kw, fits=lambda b: b < guess - 2)
     assert info["b0_source"] == "measured" and info["b0"] == guess - 2 and "real ED trials" in info["b0_note"]
-    assert [(s.method.name, s.batch_size) for s in specs[:4]] == [("ed", guess - 2), ("ed", guess - 3),
-                                                                 ("ed", guess - 3), ("fkv", guess - 3)]
+    assert [(s.method.name, s.batch_size) for s in specs[:4]] == [
+        ("ed", guess - 2),
+        ("ed", guess - 3),
+        ("ed", guess - 3),
+        ("fkv", guess - 3),
+    ]

@@ -6,8 +6,9 @@ position is not after the query's (causal inside the block). Each query's attent
 the slots' running sums, which the eviction rule reads. GQA: queries are grouped per KV head, so one KV head's slot
 sums the probabilities of its whole query group, and no ``repeat_kv`` copy is made.
 
-Memory: long blocks run in query chunks (``workspace.SCORE_CHUNK_BYTES``), one chunk's tensors alive at a time; each call
-reports its peak allocation, counted by ``workspace.workspace_bytes`` (what the planner predicts, checked against measured
+Memory: long blocks run in query chunks (``workspace.SCORE_CHUNK_BYTES``), one chunk's tensors alive at a time;
+each call reports its peak allocation, counted by ``workspace.workspace_bytes`` (what the planner predicts, checked
+against measured
 allocations in ``tests/test_memory.py``).
 
 A decode step (one query, no mask: the engine's) is one fused product: ``baddbmm`` adds the layer's additive slot
@@ -59,8 +60,10 @@ def batchmax_attention(
     Returns [B, n, Hq, D]."""
     layer = take_updated_layer(key) if batchmax is None else batchmax.layer(module)
     if isinstance(layer, (BoundedLayer, PoolLayer)) and layer.keys is not key:
-        raise RuntimeError(f"the 'batchmax' attention of layer {module.layer_idx} got keys that are not its cache "
-                           "layer's: the model must pass the cache's keys straight to its attention function")
+        raise RuntimeError(
+            f"the 'batchmax' attention of layer {module.layer_idx} got keys that are not its cache "
+            "layer's: the model must pass the cache's keys straight to its attention function"
+        )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if isinstance(layer, PoolLayer):  # a continuous-batching decode pass over the whole pool
         pool = layer.cache
@@ -68,11 +71,12 @@ def batchmax_attention(
     if isinstance(layer, DensePoolLayer):  # the baselines' pool: rows of different lengths, no scores
         return _decode_attention(layer, query, key, value, scaling, key.shape[2], bias=layer.cache.row_bias), None
     if isinstance(layer, DenseLayer):  # a baseline slot's prefill: the model's SDPA, causal and unpadded
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     if layer.probe_kv is not None:  # a look-ahead probe pass: nothing was written, the probe only reads
         probe_kv, layer.probe_kv = layer.probe_kv, None
-        probe_mask = None if attention_mask is None else attention_mask[:, -query.shape[2]:].bool()  # [B, w]
+        probe_mask = None if attention_mask is None else attention_mask[:, -query.shape[2] :].bool()  # [B, w]
         return _probe_attention(layer, query, probe_kv, probe_mask, scaling), None
     if query.shape[2] == 1 and attention_mask is None:
         layer.new_slots = None
@@ -80,8 +84,16 @@ def batchmax_attention(
     return _block_attention(layer, query, key, value, attention_mask, scaling), None
 
 
-def _decode_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, hi: int,
-                      active: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _decode_attention(
+    layer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    hi: int,
+    active: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One decode step (engine-driven, no mask): every kept slot precedes the query, so the layer's additive
     mask (``bias``: -inf on empty/evicted slots) is all the masking needed; slots [hi, C) were never written and
     stay out of every product. ``active`` [B, 1, 1] (a pool's pass): 1 for the rows decoding, 0 for idle rows,
@@ -111,8 +123,14 @@ def _decode_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.view(B, 1, Hq, D)  # [B, 1, Hq, D]: (Hkv, g) rows are the query heads in order
 
 
-def _block_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+def _block_attention(
+    layer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
     """A prefill block (or a masked decode step): causal over the kept slots in query chunks. Returns [B, n, Hq, D]."""
     B, Hq, n, D = query.shape
     Hkv = key.shape[1]
@@ -136,9 +154,12 @@ def _block_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch
     # [B, n, Hq, D] layout. ``workspace_bytes`` counts what remains, allocation by allocation.
     ordered = layer.free is None
     converted = 0 if attention_mask is None or attention_mask.dtype == torch.bool else B * n  # token_mask bytes
-    layer.cache.note_workspace(converted + workspace.workspace_bytes(B, Hq, Hkv, n, hi, D, ordered=ordered,
-                                                                     padded=token_mask is not None,
-                                                                     elem=query.element_size()))
+    layer.cache.note_workspace(
+        converted
+        + workspace.workspace_bytes(
+            B, Hq, Hkv, n, hi, D, ordered=ordered, padded=token_mask is not None, elem=query.element_size()
+        )
+    )
     out = None  # [B, n, Hkv, g, D]: allocated once when the block takes more than one chunk
     for a, b, lim in workspace.query_chunks(B, Hq, n, hi, ordered):
         m = b - a
@@ -176,8 +197,13 @@ def _block_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch
     return out.view(B, n, Hq, D)  # [B, n, Hq, D]
 
 
-def _probe_attention(layer, query: torch.Tensor, probe_kv: tuple[torch.Tensor, torch.Tensor],
-                     probe_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+def _probe_attention(
+    layer,
+    query: torch.Tensor,
+    probe_kv: tuple[torch.Tensor, torch.Tensor],
+    probe_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
     """A look-ahead probe pass: queries [B, Hq, w, D] over the slots [0, high) and the probe's own keys (causal).
 
     Writes the probe's attention per slot into ``layer.probe`` (and keeps the queries for re-scoring when the rule

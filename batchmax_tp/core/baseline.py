@@ -73,8 +73,9 @@ class DenseLayer(SlotLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self._allocate(key_states.shape[0], key_states.shape[1], key_states.shape[-1], value_states.shape[-1],
-                       self.cache.reserve)
+        self._allocate(
+            key_states.shape[0], key_states.shape[1], key_states.shape[-1], value_states.shape[-1], self.cache.reserve
+        )
         self.is_initialized = True
 
     def _allocate(self, batch: int, heads: int, k_dim: int, v_dim: int, capacity: int) -> None:
@@ -142,8 +143,7 @@ class DenseCache(Cache):
 
     peak_meta_bytes = 0  # no per-slot bookkeeping (the decode mask is counted by the planner as slot_meta)
 
-    def __init__(self, method: Method, num_layers: int, reserve: int, attention_mask: torch.Tensor,
-                 impl: str = SDPA):
+    def __init__(self, method: Method, num_layers: int, reserve: int, attention_mask: torch.Tensor, impl: str = SDPA):
         if method.name not in ("fkv", "ed"):
             raise ValueError(f"DenseCache serves the baselines fkv and ed, not {method.name!r}")
         super().__init__(layers=[DenseLayer(self, i) for i in range(num_layers)])
@@ -222,8 +222,19 @@ class DenseCache(Cache):
         real = None
         if padded and self.impl == FLASH:
             real = sum(self.length - max(0, p - first) for p in self._pads)
-        est = dense_workspace_bytes(len(self._pads), q_heads, kv_heads, D, queries, self.length, elem, padded=padded,
-                                    impl=self.impl, real=real, align=self.prompt_mask.device.type == "cuda")
+        est = dense_workspace_bytes(
+            len(self._pads),
+            q_heads,
+            kv_heads,
+            D,
+            queries,
+            self.length,
+            elem,
+            padded=padded,
+            impl=self.impl,
+            real=real,
+            align=self.prompt_mask.device.type == "cuda",
+        )
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, est)
 
     def kv_bytes(self) -> int:
@@ -254,8 +265,13 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def hf_reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                          method: Method, max_new_tokens: int) -> tuple[torch.Tensor, float, float]:
+def hf_reference_generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    method: Method,
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, float, float]:
     """Greedy ``max_new_tokens`` (EOS ignored) by plain HF on the model's current attention, for benchmarks.
 
     FKV: ``model.generate`` with its default cache (``min_new_tokens`` ignores EOS). ED: a loop over a
@@ -284,8 +300,15 @@ def hf_reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, atten
         clock = Clock()
         _sync(device)
         t0 = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=T, min_new_tokens=T,
-                             do_sample=False, pad_token_id=0, streamer=clock)
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=T,
+            min_new_tokens=T,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=clock,
+        )
         _sync(device)
         t2 = time.perf_counter()
         t1 = clock.times[1] if len(clock.times) > 1 else t2
@@ -297,8 +320,14 @@ def hf_reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, atten
     cache = DynamicCache(config=model.config)
     _sync(device)
     t0 = time.perf_counter()
-    out = model(input_ids=input_ids, attention_mask=attention_mask if padded else None, position_ids=pos,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask if padded else None,
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     tokens[:, 0] = out.logits[:, -1].argmax(-1)
     _sync(device)
     t1 = time.perf_counter()
@@ -308,8 +337,13 @@ def hf_reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, atten
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, -1:], layer.values[:, :, -1:]
             held = 1
-        out = model(input_ids=tokens[:, t - 1 : t], position_ids=next_pos, past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=tokens[:, t - 1 : t],
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         tokens[:, t] = out.logits[:, -1].argmax(-1)
         held, next_pos = held + 1, next_pos + 1
     _sync(device)

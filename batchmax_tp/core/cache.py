@@ -62,8 +62,9 @@ def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.T
     return (bits * 2**32 + low).topk(n, dim=-1, largest=False, sorted=True).indices  # [B, H, n]
 
 
-def free_slots(priority: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, bias: torch.Tensor,
-               n: int) -> torch.Tensor:
+def free_slots(
+    priority: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, bias: torch.Tensor, n: int
+) -> torch.Tensor:
     """Free the ``n`` slots of lowest ``priority`` (``slots_to_evict``) in the slot state ``pos``/``score``/``bias``
     [B, H, C] (views are written through) and return their indices [B, H, n]."""
     freed = slots_to_evict(priority, pos, n)  # [B, H, n]

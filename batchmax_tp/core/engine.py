@@ -67,16 +67,30 @@ def _next_token(logits: torch.Tensor, warpers: LogitsProcessorList | None, gen: 
 
 
 @torch.inference_mode()
-def forward_pass(model: torch.nn.Module, step: ForwardPass, ids: torch.Tensor, mask: torch.Tensor | None,
-                 pos: torch.Tensor):
+def forward_pass(
+    model: torch.nn.Module, step: ForwardPass, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor
+):
     """One forward pass into ``step.cache``: ids/pos [B, n], mask [B, n] or the baselines' own; ``step``, the
     pass's description, goes to every attention call. A prefill block or decode step returns the last position's
     logits; a look-ahead probe runs through the decoder layers only (its outputs are never used: no logits)."""
     if step.kind == "probe":
-        return model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                   past_key_values=step.cache, use_cache=True, batchmax=step)
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=step.cache, use_cache=True,
-                 logits_to_keep=1, batchmax=step)
+        return model.get_decoder()(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=step.cache,
+            use_cache=True,
+            batchmax=step,
+        )
+    return model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        past_key_values=step.cache,
+        use_cache=True,
+        logits_to_keep=1,
+        batchmax=step,
+    )
 
 
 def generate(
@@ -118,8 +132,10 @@ def generate(
     # One check per call (a host sync, never per step): pads must all sit on the left of each row, or the block
     # schedule and the positions below would silently treat pads as the prompt's end.
     if not bool((attention_mask[:, 1:] >= attention_mask[:, :-1]).all() and attention_mask[:, -1].all()):
-        raise ValueError("input_ids must be LEFT-padded (every pad before the first real token, the last position "
-                         "real): set tokenizer.padding_side = 'left' (batchmax_tp.eval.run.encode_prompts does)")
+        raise ValueError(
+            "input_ids must be LEFT-padded (every pad before the first real token, the last position "
+            "real): set tokenizer.padding_side = 'left' (batchmax_tp.eval.run.encode_prompts does)"
+        )
     if force_tokens is not None and (force_tokens.shape[0] != B or force_tokens.shape[1] < max_new_tokens):
         raise ValueError(f"force_tokens must be [{B}, >= {max_new_tokens}], got {list(force_tokens.shape)}")
     eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().view(-1)
@@ -188,8 +204,9 @@ def generate(
                 break
             cache.begin(phase)
             # generated tokens are never pads; the baselines mask prompt pads they still hold
-            out = forward_pass(model, ForwardPass.static(cache, phase), next_input,
-                               cache.attention_mask() if dense else None, next_pos)
+            out = forward_pass(
+                model, ForwardPass.static(cache, phase), next_input, cache.attention_mask() if dense else None, next_pos
+            )
             next_input = emit(phase.step, out.logits[:, -1])
             next_pos = next_pos + 1
         _sync(device)

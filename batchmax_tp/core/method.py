@@ -1,9 +1,9 @@
 """Eviction methods: Batch-Max (BM), extreme decoding-only (ED) and the full cache (FKV).
 
 A method is a small validated dataclass. Scoring is pure tensor math on one cache layer's slot state:
-``score() -> sort (cache.slots_to_evict) -> the first n slots are evicted``. Lower scores are evicted first; empty and pad slots score
-``-inf``; exact score ties evict the older pair (smaller position) first, so the kept set is deterministic and
-identical on every tensor-parallel rank that holds the same head.
+``score() -> sort (cache.slots_to_evict) -> the first n slots are evicted``. Lower scores are evicted first;
+empty and pad slots score ``-inf``; exact score ties evict the older pair (smaller position) first, so the kept set
+is deterministic and identical on every tensor-parallel rank that holds the same head.
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ class Method:
         if self.name == "bm" and self.kv_max <= self.p:
             raise ValueError(f"kv_max must be > p for method 'bm', got kv_max={self.kv_max} p={self.p}")
         if self.name == "bm" and self.kv_max < min_kv_max(self.p, self.rule):
-            raise ValueError(f"rule {self.rule!r} protects {rule.protected()} pairs: kv_max must be >= p + "
-                             f"{rule.protected()}, got kv_max={self.kv_max} p={self.p}")
+            raise ValueError(
+                f"rule {self.rule!r} protects {rule.protected()} pairs: kv_max must be >= p + "
+                f"{rule.protected()}, got kv_max={self.kv_max} p={self.p}"
+            )
         if self.name == "ed" and self.kv_max < 2:
             raise ValueError(f"kv_max must be >= 2 for method 'ed', got {self.kv_max}")
 
@@ -123,8 +125,7 @@ def newest_first(score: Tensor, pos: Tensor, curr_id: int) -> Tensor:
     return pos.float()
 
 
-def eviction_priority(method: Method, score: Tensor, pos: Tensor, curr_id: int,
-                      probe: Tensor | None = None) -> Tensor:
+def eviction_priority(method: Method, score: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
     """Priority [B, H, C] of each slot (lower evicted first): ED newest-first, BM its rule (``probe``: the
     look-ahead attention of the last prefill pass, or None)."""
     if method.name == "ed":

@@ -71,8 +71,9 @@ class _Pool(Cache):
         if self.allocated:
             return
         for layer in self.layers:
-            layer.allocate(key_states.shape[1], key_states.shape[-1], value_states.shape[-1], key_states.dtype,
-                           key_states.device)
+            layer.allocate(
+                key_states.shape[1], key_states.shape[-1], value_states.shape[-1], key_states.dtype, key_states.device
+            )
         self.note()
 
     @property
@@ -81,7 +82,8 @@ class _Pool(Cache):
 
     def kv_bytes(self) -> int:
         return sum(_bytes(layer.keys, layer.values) for layer in self.layers) + sum(
-            c.kv_bytes() for c in self.row_caches.values() if not isinstance(c, _RowBound))
+            c.kv_bytes() for c in self.row_caches.values() if not isinstance(c, _RowBound)
+        )
 
     def meta_bytes(self) -> int:
         return 0
@@ -227,8 +229,10 @@ class RowCache(BatchMaxCache, _RowBound):
 
     def transient_bytes(self) -> int:
         """Prefill-only bookkeeping: the look-ahead probe's per-slot values and stored queries."""
-        return sum(_bytes(layer.probe) + (layer.probe_state.nbytes() if layer.probe_state is not None else 0)
-                   for layer in self.layers)
+        return sum(
+            _bytes(layer.probe) + (layer.probe_state.nbytes() if layer.probe_state is not None else 0)
+            for layer in self.layers
+        )
 
 
 class BoundedPool(_Pool):
@@ -271,8 +275,13 @@ class BoundedPool(_Pool):
         src = cache.layers[0]  # every layer and row holds the same host integers
         contiguous = src.free is None
         for row in rows:
-            self.rows[row] = RowState(filled=src.filled, seen=src.seen, high=src.high, contiguous=contiguous,
-                                      ptr=src.filled if contiguous else src.free_ptr)
+            self.rows[row] = RowState(
+                filled=src.filled,
+                seen=src.seen,
+                high=src.high,
+                contiguous=contiguous,
+                ptr=src.filled if contiguous else src.free_ptr,
+            )
         del self.row_caches[rows.start]
 
     def begin_decode(self, work: tuple[SlotWork, ...], device: torch.device) -> None:
@@ -302,8 +311,10 @@ class BoundedPool(_Pool):
     def kept_positions(self, row: int) -> list[list[list[int]]]:
         """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
         C = self.capacity
-        return [[sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[row, :, :C].cpu()]
-                for layer in self.layers]
+        return [
+            [sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[row, :, :C].cpu()]
+            for layer in self.layers
+        ]
 
 
 # -- the baselines --------------------------------------------------------------------------------------------------

@@ -54,8 +54,9 @@ def own_logits(q: torch.Tensor, own_keys: torch.Tensor, weights: torch.Tensor) -
     return own.masked_fill_(hidden, NEG).view(B, Hkv, gw, w)
 
 
-def slot_probabilities(q: torch.Tensor, slot_keys: torch.Tensor, slot_pos: torch.Tensor,
-                       own_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_probabilities(
+    q: torch.Tensor, slot_keys: torch.Tensor, slot_pos: torch.Tensor, own_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The probe's attention probabilities over the slots [B, Hkv, g*w, hi] (float32) and each query's log-sum-exp
     over slots and own keys together [B, Hkv, g*w, 1].
 

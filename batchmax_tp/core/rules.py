@@ -58,8 +58,21 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:  # tensors arrive as arguments: the rules import no torch, so config validation stays instant
     from torch import Tensor
 
-__all__ = ["RULES", "Rule", "PaperRule", "PooledRule", "SinksRule", "ProbeRule", "SnapKVRule", "QuestionRule",
-           "get_rule", "rule_names", "average_attention", "pool_by_position", "protect"]
+__all__ = [
+    "RULES",
+    "Rule",
+    "PaperRule",
+    "PooledRule",
+    "SinksRule",
+    "ProbeRule",
+    "SnapKVRule",
+    "QuestionRule",
+    "get_rule",
+    "rule_names",
+    "average_attention",
+    "pool_by_position",
+    "protect",
+]
 
 POOLS = ("max", "avg")
 #: Larger than any position (slot positions are int64): what an empty slot holds when the smallest is wanted.
@@ -131,8 +144,9 @@ def _check(rule: str, name: str, value: object) -> None:
             raise ValueError(f"rule {rule!r}: kernel must be odd (centred on the slot), got {value}")
     elif name == "pool" and value not in POOLS:
         raise ValueError(f"rule {rule!r}: pool must be one of {', '.join(POOLS)}, got {value!r}")
-    elif name == "weight" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0
-                               or value == float("inf")):
+    elif name == "weight" and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf")
+    ):
         raise ValueError(f"rule {rule!r}: weight must be a finite number >= 0, got {value!r}")
 
 
@@ -147,8 +161,7 @@ class Rule:
         for f in fields(self):
             _check(self.name, f.name, getattr(self, f.name))
 
-    def score(self, attn: Tensor, pos: Tensor, curr_id: int,
-              probe: Tensor | None = None) -> Tensor:
+    def score(self, attn: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
     def lookahead(self) -> int:
@@ -168,8 +181,11 @@ class Rule:
     def describe(self) -> str:
         """``name`` or ``name(k=v, ...)`` with the parameters that differ from the defaults."""
         cls = type(self)
-        diff = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                if getattr(self, f.name) != getattr(cls, f.name, None)]
+        diff = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(cls, f.name, None)
+        ]
         return f"{self.name}({', '.join(diff)})" if diff else self.name
 
 
@@ -261,8 +277,9 @@ class QuestionRule(Rule):
         return protect(pool_by_position(x, pos, self.kernel, self.pool, curr_id), pos, curr_id, self.sinks, self.recent)
 
 
-RULES: dict[str, type] = {cls.name: cls for cls in (PaperRule, PooledRule, SinksRule, ProbeRule, SnapKVRule,
-                                                  QuestionRule)}
+RULES: dict[str, type] = {
+    cls.name: cls for cls in (PaperRule, PooledRule, SinksRule, ProbeRule, SnapKVRule, QuestionRule)
+}
 
 
 def rule_names() -> list[str]:
@@ -270,7 +287,7 @@ def rule_names() -> list[str]:
     return list(RULES)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_rule(name: str) -> Rule:
     """The rule ``name`` with its default parameters, or ``name:key=value,...`` with some set, e.g.
     ``snapkv:window=64,kernel=5``. Unknown names, keys or bad values: a one-line ValueError."""

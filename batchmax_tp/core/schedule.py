@@ -77,7 +77,8 @@ def plan(method: Method, prompt_len: int, max_new_tokens: int) -> list[Phase]:
         evict = method.num_to_evict(filled, end - start, cap, first_decode=False)
         filled += end - start - evict
         phases.append(Phase("prefill", start, end, evict))
-        # Look-ahead probe: the prompt's positions [max(end, s - window), s), after every ``every``-th block but the last.
+        # Look-ahead probe: the prompt's positions [max(end, s - window), s), after every ``every``-th block but
+        # the last.
         if window and end < prompt_len and i % method.probe_every == 0:
             phases.append(Phase("probe", max(end, prompt_len - window), prompt_len, 0))
     for t in range(1, max_new_tokens):

@@ -105,8 +105,9 @@ class Scheduler:
         for group in groups:
             rows = range(group[0][0], group[-1][0] + 1)
             for slot, i in group:
-                self.running[slot] = SlotRun(i, plan(self.method, self.lengths[i], self.max_new[i]), len(self.log),
-                                             rows)
+                self.running[slot] = SlotRun(
+                    i, plan(self.method, self.lengths[i], self.max_new[i]), len(self.log), rows
+                )
                 self.log.append((self.passes, slot, i))
             admitted.append((rows, tuple(i for _, i in group)))
         return tuple(admitted)

@@ -107,11 +107,15 @@ def check_requests(requests: Sequence[Request], slots: int, context: int | None)
         if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
             raise ValueError(f"request {i}: max_new_tokens must be an integer >= 1, got {r.max_new_tokens!r}")
         if context is not None and n + r.max_new_tokens - 1 > context:
-            raise ValueError(f"request {i}: a {n}-token prompt + {r.max_new_tokens} new tokens run past the model's "
-                             f"context of {context} positions")
+            raise ValueError(
+                f"request {i}: a {n}-token prompt + {r.max_new_tokens} new tokens run past the model's "
+                f"context of {context} positions"
+            )
         if r.continuation is not None and len(r.continuation) < r.max_new_tokens:
-            raise ValueError(f"request {i}: a continuation of {len(r.continuation)} tokens cannot be scored over "
-                             f"{r.max_new_tokens} new tokens")
+            raise ValueError(
+                f"request {i}: a continuation of {len(r.continuation)} tokens cannot be scored over "
+                f"{r.max_new_tokens} new tokens"
+            )
 
 
 def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int], max_new: list[int]):
@@ -135,20 +139,35 @@ def _agree(group, value: int, device: torch.device) -> None:
     t = torch.tensor([value, -value], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if int(t[0]) != value or -int(t[1]) != value:
-        raise RuntimeError("tensor-parallel ranks diverged: their continuous-batching schedules differ (the "
-                           "requests, the settings or the tokens each rank saw are not the same)")
+        raise RuntimeError(
+            "tensor-parallel ranks diverged: their continuous-batching schedules differ (the "
+            "requests, the settings or the tokens each rank saw are not the same)"
+        )
 
 
 class _Run:
     """One ``serve`` call's state between passes: which request each slot holds, the next input of every row, the
     outputs, and how a pass's logits become tokens (chosen, agreed across tensor-parallel ranks, teacher-forced)."""
 
-    def __init__(self, model, requests: Sequence[Request], method: Method, slots: int, sampling, eos: set[int],
-                 pad: int, stop, return_logits: bool, tp_group, token_bound: bool):
+    def __init__(
+        self,
+        model,
+        requests: Sequence[Request],
+        method: Method,
+        slots: int,
+        sampling,
+        eos: set[int],
+        pad: int,
+        stop,
+        return_logits: bool,
+        tp_group,
+        token_bound: bool,
+    ):
         self.model, self.requests, self.method, self.slots = model, requests, method, slots
         self.device = next(model.parameters()).device
-        self.prompts = [torch.as_tensor(list(r.input_ids), dtype=torch.long, device=self.device)
-                        for r in requests]  # [s_i]
+        self.prompts = [
+            torch.as_tensor(list(r.input_ids), dtype=torch.long, device=self.device) for r in requests
+        ]  # [s_i]
         self.lengths = [int(p.numel()) for p in self.prompts]
         self.max_new = [r.max_new_tokens for r in requests]
         self.dense = method.name != "bm"
@@ -168,8 +187,13 @@ class _Run:
             self.shared.add(rows.start)
         for row, i in zip(rows, group):
             self.request_of[row] = i
-            self.outputs[i] = RequestOutput([], row, passes, logits=[] if self.return_logits else None,
-                                            logprobs=[] if self.requests[i].continuation is not None else None)
+            self.outputs[i] = RequestOutput(
+                [],
+                row,
+                passes,
+                logits=[] if self.return_logits else None,
+                logprobs=[] if self.requests[i].continuation is not None else None,
+            )
             if self.warpers is not None:
                 self.gens[row] = torch.Generator(device=self.device)
                 self.gens[row].manual_seed(0 if self.requests[i].seed is None else self.requests[i].seed)
@@ -178,8 +202,12 @@ class _Run:
         """Tokens [k] from logits [k, V] of ``rows``: greedy, or sampled with each row's own generator."""
         if self.warpers is None:
             return logits.argmax(dim=-1)
-        picks = [torch.multinomial(torch.softmax(self.warpers(None, logits[j : j + 1].float()), dim=-1), 1,
-                                   generator=self.gens[r]).view(1) for j, r in enumerate(rows)]
+        picks = [
+            torch.multinomial(
+                torch.softmax(self.warpers(None, logits[j : j + 1].float()), dim=-1), 1, generator=self.gens[r]
+            ).view(1)
+            for j, r in enumerate(rows)
+        ]
         return torch.cat(picks)
 
     def teach(self, rows: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -234,8 +262,13 @@ class _Run:
         cache.begin(phase)
         ids = torch.stack([self.prompts[i][phase.start : phase.end] for i in run])  # [k, n]
         pos = torch.arange(phase.start, phase.end, device=self.device).expand(len(run), -1)  # [k, n]
-        out = forward_pass(self.model, ForwardPass(phase.kind, cache, step.work), ids,
-                           cache.attention_mask() if self.dense else None, pos)
+        out = forward_pass(
+            self.model,
+            ForwardPass(phase.kind, cache, step.work),
+            ids,
+            cache.attention_mask() if self.dense else None,
+            pos,
+        )
         if phase.kind == "probe":
             cache.note_meta()
             pool.note()
@@ -254,8 +287,13 @@ class _Run:
         """One decode step of every decoding slot, in one pass over the pool."""
         rows = [w.row for w in step.work]
         pool.begin_decode(step.work, self.device)
-        out = forward_pass(self.model, ForwardPass("decode", pool, step.work), self.next_ids[:, None],
-                           pool.attention_mask(), pool.positions)
+        out = forward_pass(
+            self.model,
+            ForwardPass("decode", pool, step.work),
+            self.next_ids[:, None],
+            pool.attention_mask(),
+            pool.positions,
+        )
         index = torch.tensor(rows, device=self.device)  # [k] the decoding rows
         return self.emit(rows, index, out.logits[:, -1].index_select(0, index))  # [k, V]
 
@@ -301,12 +339,26 @@ def serve(
     prefill once, on one row copied into the others (the choices of a multiple-choice question). ``tp_group``: the
     tensor-parallel group, when there is one."""
     check_requests(requests, slots, getattr(model.config, "max_position_embeddings", None))
-    eos = set() if ignore_eos or eos_token_id is None else set(
-        [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    eos = (
+        set()
+        if ignore_eos or eos_token_id is None
+        else set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    )
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
-    run = _Run(model, requests, method, slots, sampling_warpers(temperature, top_k, top_p) if do_sample else None,
-               eos, pad, stop, return_logits, tp_group if tp else None, bool(eos) or stop is not None)
+    run = _Run(
+        model,
+        requests,
+        method,
+        slots,
+        sampling_warpers(temperature, top_k, top_p) if do_sample else None,
+        eos,
+        pad,
+        stop,
+        return_logits,
+        tp_group if tp else None,
+        bool(eos) or stop is not None,
+    )
     keys = None
     if share_prompts:
         first: dict[tuple[int, ...], int] = {}
@@ -335,5 +387,14 @@ def serve(
         _agree(tp_group, _digest(sched.log, sched.passes), run.device)
     pool.note()
     logger.debug("%s: %d requests in %d slots, %d passes", method.label(), len(requests), slots, sched.passes)
-    return ServeOutput(run.outputs, list(sched.log), sched.passes, times["prefill"], times["decode"],
-                       pool.peak_kv_bytes, (kv_low or 0, kv_high), pool.peak_meta_bytes, pool.peak_workspace_bytes)
+    return ServeOutput(
+        run.outputs,
+        list(sched.log),
+        sched.passes,
+        times["prefill"],
+        times["decode"],
+        pool.peak_kv_bytes,
+        (kv_low or 0, kv_high),
+        pool.peak_meta_bytes,
+        pool.peak_workspace_bytes,
+    )

@@ -21,8 +21,9 @@ SDPA = "sdpa"
 FLASH = "flash_attention_2"
 
 
-def query_chunks(batch: int, q_heads: int, queries: int, slots: int, ordered: bool,
-                 chunk_bytes: int | None = None) -> Iterator[tuple[int, int, int]]:
+def query_chunks(
+    batch: int, q_heads: int, queries: int, slots: int, ordered: bool, chunk_bytes: int | None = None
+) -> Iterator[tuple[int, int, int]]:
     """(start, end, visible slots) of each query chunk of a block of ``queries`` over ``slots`` written slots.
 
     A chunk holds as many queries as keep its float32 score block within ``SCORE_CHUNK_BYTES``. ``ordered``
@@ -38,8 +39,18 @@ def query_chunks(batch: int, q_heads: int, queries: int, slots: int, ordered: bo
         yield a, b, (slots - queries + b if ordered else slots)
 
 
-def workspace_bytes(batch: int, q_heads: int, kv_heads: int, queries: int, slots: int, head_dim: int, *,
-                    ordered: bool, padded: bool, elem: int = 4) -> int:
+def workspace_bytes(
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    queries: int,
+    slots: int,
+    head_dim: int,
+    *,
+    ordered: bool,
+    padded: bool,
+    elem: int = 4,
+) -> int:
     """Peak bytes one block call of ``attention.batchmax_attention`` (a prefill block, or a decode step with a mask)
     allocates above what it was given: every tensor it (and the kernels it calls) holds at the worst moment, the
     returned output included.
@@ -48,13 +59,24 @@ def workspace_bytes(batch: int, q_heads: int, kv_heads: int, queries: int, slots
     block (the engine's prefill passes one, decode steps none); ``elem``: bytes per element of the model dtype.
     Checked against measured allocations in ``tests/test_memory.py``.
     """
-    return _workspace_bytes(batch, q_heads, kv_heads, queries, slots, head_dim, ordered, padded, elem,
-                            SCORE_CHUNK_BYTES)
+    return _workspace_bytes(
+        batch, q_heads, kv_heads, queries, slots, head_dim, ordered, padded, elem, SCORE_CHUNK_BYTES
+    )
 
 
 @functools.lru_cache(maxsize=4096)  # called by every attention call: the shapes repeat, the arithmetic need not
-def _workspace_bytes(batch: int, q_heads: int, kv_heads: int, queries: int, slots: int, head_dim: int,
-                     ordered: bool, padded: bool, elem: int, chunk_bytes: int) -> int:
+def _workspace_bytes(
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    queries: int,
+    slots: int,
+    head_dim: int,
+    ordered: bool,
+    padded: bool,
+    elem: int,
+    chunk_bytes: int,
+) -> int:
     B, Hq, Hkv, n, D, e = batch, q_heads, kv_heads, queries, head_dim, elem
     g = Hq // Hkv
     # Held through the loop: the slot positions with empty slots pushed last (int64; a prefill block), or the
@@ -93,8 +115,11 @@ def decode_workspace_bytes(batch: int, q_heads: int, kv_heads: int, slots: int, 
     B, Hq, Hkv, hi, D, e = batch, q_heads, kv_heads, slots, head_dim, elem
     half = 0 if e == 4 else 4 * B * Hq * hi
     probs = 4 * B * Hq * hi
-    return max(e * B * Hq * hi + half + probs, probs + 4 * B * Hkv * hi,
-               probs + (0 if e == 4 else e * B * Hq * hi) + e * B * Hq * D)
+    return max(
+        e * B * Hq * hi + half + probs,
+        probs + 4 * B * Hkv * hi,
+        probs + (0 if e == 4 else e * B * Hq * hi) + e * B * Hq * D,
+    )
 
 
 def probe_state_bytes(batch: int, q_heads: int, window: int, head_dim: int, elem: int) -> int:
@@ -104,15 +129,22 @@ def probe_state_bytes(batch: int, q_heads: int, window: int, head_dim: int, elem
 
 
 @functools.lru_cache(maxsize=4096)
-def probe_workspace_bytes(batch: int, q_heads: int, kv_heads: int, window: int, slots: int, head_dim: int,
-                          elem: int = 4) -> int:
+def probe_workspace_bytes(
+    batch: int, q_heads: int, kv_heads: int, window: int, slots: int, head_dim: int, elem: int = 4
+) -> int:
     """An upper bound on the peak bytes of a look-ahead probe pass (``attention._probe_attention``): the scaled
     queries, the logits over the own keys and over the slots (model dtype and float32, with log-sum-exp's
     temporary), the slot mask and per-slot sums, the outputs and their layout copy."""
     B, Hq, Hkv, w, hi, D, e = batch, q_heads, kv_heads, window, slots, head_dim, elem
-    return (e * B * Hq * w * D + (e + 4) * B * Hq * w * w + 4 * B * Hq * w + (e + 8) * B * Hq * w * hi
-            + 5 * B * Hkv * hi + 3 * e * B * Hq * w * D + 8 * B * w)
-
+    return (
+        e * B * Hq * w * D
+        + (e + 4) * B * Hq * w * w
+        + 4 * B * Hq * w
+        + (e + 8) * B * Hq * w * hi
+        + 5 * B * Hkv * hi
+        + 3 * e * B * Hq * w * D
+        + 8 * B * w
+    )
 
 
 #: SDPA's memory-efficient CUDA kernel wants every stride of an additive mask but the last to be a multiple of this
@@ -122,9 +154,20 @@ MASK_ALIGN = 8
 
 
 @functools.lru_cache(maxsize=4096)  # the baselines note one pass at a time: the shapes repeat
-def dense_workspace_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int, queries: int, slots: int,
-                          elem: int, *, padded: bool, impl: str = SDPA, real: int | None = None,
-                          align: bool = True) -> int:
+def dense_workspace_bytes(
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    queries: int,
+    slots: int,
+    elem: int,
+    *,
+    padded: bool,
+    impl: str = SDPA,
+    real: int | None = None,
+    align: bool = True,
+) -> int:
     """Peak bytes one forward pass of the baselines (FKV/ED, ``core.baseline``) allocates for attention above the
     queries, keys, values and the cache: every tensor HF's attention function (``sdpa_attention_forward`` or
     ``flash_attention_forward``) and the kernel's wrapper hold at the worst moment of a layer's call, the returned
@@ -140,7 +183,8 @@ def dense_workspace_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int
 
     SDPA (``impl="sdpa"``): without a mask, ``is_causal`` and ``enable_gqa`` (no copies): the kernel's output and
     its float32 log-sum-exp (the output takes the queries' memory layout, [B, n, Hq, D] as HF's projections are
-    viewed and transposed, so HF's transpose back is a view). With one (a padded prefill: HF's boolean [B, 1, n, L]; a decode step holding pads: a view of the cache's),
+    viewed and transposed, so HF's transpose back is a view). With one (a padded prefill: HF's boolean [B, 1, n, L];
+    a decode step holding pads: a view of the cache's),
     also GQA's ``repeat_kv`` copies of K and V (prefill; a decode step packs the query heads instead), the mask
     converted to an additive one in the model dtype inside ``scaled_dot_product_attention``, and on CUDA its
     aligned copy.
@@ -183,4 +227,3 @@ def dense_workspace_bytes(batch: int, q_heads: int, kv_heads: int, head_dim: int
     additive = e * B * n * L  # the boolean mask made additive in the model dtype
     aligned = e * B * n * (L + MASK_ALIGN - L % MASK_ALIGN) if align and L % MASK_ALIGN else 0
     return held + repeat + max(additive + aligned, (aligned or additive) + out + lse)
-

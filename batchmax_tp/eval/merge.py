@@ -35,8 +35,10 @@ def _merge_one(folder: Path) -> str | None:
     done = {int(b["batch"]) for p in parts for b in p["batches"]}
     total = len(head["batch_ids"])
     if len(done) < total:
-        return (f"{folder.name}: {len(done)} of {total} batches done; run the same command again to complete "
-                "the missing ones")
+        return (
+            f"{folder.name}: {len(done)} of {total} batches done; run the same command again to complete "
+            "the missing ones"
+        )
     if any(folder.glob("oom-rank*.json")):
         return f"{folder.name}: a rank ran out of memory; run the same command again to record its OOM row"
     results.merge_run(folder, head, parts, head["settings"]["metric"])

@@ -18,9 +18,9 @@ is the mean over its samples.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
-from typing import Sequence
 
 __all__ = [
     "METRICS",

@@ -27,8 +27,17 @@ from ..plan.planner import ModelShape
 from ..plan.tuner import Trial, divisor_batches, kv_grid, tune
 from .files import atomic_write_text, utc_now
 from .report import write_report
-from .run import (Collectives, EncodeFn, GenerateFn, RankOutOfMemory, encode_prompts, error_line, evaluate_run,
-                  free_memory, is_oom)
+from .run import (
+    Collectives,
+    EncodeFn,
+    GenerateFn,
+    RankOutOfMemory,
+    encode_prompts,
+    error_line,
+    evaluate_run,
+    free_memory,
+    is_oom,
+)
 from .tasks import Sample, prompt_ids
 
 if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
@@ -51,9 +60,17 @@ def trial_prompts(tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample])
     return lambda b: [samples[order[k % len(order)]].prompt for k in range(b)]
 
 
-def b0_trials(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample], cfg: RunConfig,
-              *, rank: int = 0, world: int = 1, generate_fn: GenerateFn | None = None,
-              encode_fn: EncodeFn | None = None) -> Callable[[int], bool]:
+def b0_trials(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: Sequence[Sample],
+    cfg: RunConfig,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    generate_fn: GenerateFn | None = None,
+    encode_fn: EncodeFn | None = None,
+) -> Callable[[int], bool]:
     """``fits(b)`` for ``plan.tuner.find_b0``: ED (kv_max 2), 2 new tokens (ED's peak is its whole-prompt
     prefill), for real, on the batch a run of size ``b`` meets at its worst: the ``b`` longest samples' prompts
     (cycled when there are fewer samples, :func:`trial_prompts`) encoded together with left padding
@@ -99,20 +116,29 @@ def b0_trials(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
             error = error_line(err)
         del input_ids, attention_mask
         if error is None and peak is not None and budget is not None and peak > budget:
-            error = (f"over the memory budget: peak {fmt_bytes(peak)} ({peak} bytes) > memory_budget "
-                     f"{fmt_bytes(budget)} ({budget} bytes)")
+            error = (
+                f"over the memory budget: peak {fmt_bytes(peak)} ({peak} bytes) > memory_budget "
+                f"{fmt_bytes(budget)} ({budget} bytes)"
+            )
         if error is None:
             if rank == 0:
-                atomic_write_text(folder / f"fits-b{b}.json", json.dumps(
-                    {"batch": b, "fits": True, "peak_bytes": peak, "budget_bytes": budget}) + "\n")
-            logger.info("paper procedure: ED kv_max 2 at b=%d fits (peak %s, budget %s)", b, fmt_bytes(peak),
-                        fmt_bytes(budget))
+                atomic_write_text(
+                    folder / f"fits-b{b}.json",
+                    json.dumps({"batch": b, "fits": True, "peak_bytes": peak, "budget_bytes": budget}) + "\n",
+                )
+            logger.info(
+                "paper procedure: ED kv_max 2 at b=%d fits (peak %s, budget %s)", b, fmt_bytes(peak), fmt_bytes(budget)
+            )
             return True
-        atomic_write_text(folder / f"oom-b{b}-rank{rank}.json", json.dumps(
-            {"batch": b, "error": error, "peak_bytes": peak, "budget_bytes": budget}) + "\n")
+        atomic_write_text(
+            folder / f"oom-b{b}-rank{rank}.json",
+            json.dumps({"batch": b, "error": error, "peak_bytes": peak, "budget_bytes": budget}) + "\n",
+        )
         if world > 1:
-            raise RankOutOfMemory(f"paper procedure: rank {rank} does not fit ED at b={b} ({error}); "
-                                  "run the same command again to go on with the b0 search")
+            raise RankOutOfMemory(
+                f"paper procedure: rank {rank} does not fit ED at b={b} ({error}); "
+                "run the same command again to go on with the b0 search"
+            )
         free_memory(device)
         logger.info("paper procedure: ED kv_max 2 at b=%d does not fit (%s)", b, error)
         return False
@@ -122,14 +148,31 @@ def b0_trials(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
 
 def tuned_config(cfg: RunConfig, best: Trial) -> RunConfig:
     """The configuration of the chosen BM run: one method at one batch size, into ``OUT/tuned``."""
-    return dataclasses.replace(cfg, methods=["bm"], kv_max=best.kv_max, batch_size=best.batch, runs=None,
-                               procedure=None, kv_values=None, out=str(Path(cfg.out) / "tuned"))
+    return dataclasses.replace(
+        cfg,
+        methods=["bm"],
+        kv_max=best.kv_max,
+        batch_size=best.batch,
+        runs=None,
+        procedure=None,
+        kv_values=None,
+        out=str(Path(cfg.out) / "tuned"),
+    )
 
 
-def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample], cfg: RunConfig,
-              *, shape: ModelShape, prompt_len: int, layout: Layout | None = None,
-              comm: Collectives | None = None, generate_fn: GenerateFn | None = None,
-              encode_fn: EncodeFn | None = None) -> dict[str, Any]:
+def run_tuner(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: Sequence[Sample],
+    cfg: RunConfig,
+    *,
+    shape: ModelShape,
+    prompt_len: int,
+    layout: Layout | None = None,
+    comm: Collectives | None = None,
+    generate_fn: GenerateFn | None = None,
+    encode_fn: EncodeFn | None = None,
+) -> dict[str, Any]:
     """``tuner.tune`` with real runs: each trial (method, b) is a run of the harness into ``OUT/tune/<run>/``
     (resumable: a finished trial is read back, not run again); BM runs with ``cfg.rule``, and its batches are sized
     with it. Collective in a multi-process run (every rank calls it; rank 0's summaries are broadcast so that every
@@ -145,15 +188,27 @@ def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
 
     def run_trial(method: Method, batch: int) -> Trial:
         spec = RunSpec(method, batch)  # the method the tuner sized the batch with (BM with the configured rule)
-        summary = evaluate_run(model, tokenizer, samples, spec, trial_cfg, layout=layout, comm=comm,
-                                        prompt_len=prompt_len, shape=shape, generate_fn=generate_fn,
-                                        encode_fn=encode_fn)
+        summary = evaluate_run(
+            model,
+            tokenizer,
+            samples,
+            spec,
+            trial_cfg,
+            layout=layout,
+            comm=comm,
+            prompt_len=prompt_len,
+            shape=shape,
+            generate_fn=generate_fn,
+            encode_fn=encode_fn,
+        )
         summary = comm.broadcast(summary)
         summaries[spec.name] = summary
         if summary.get("status") != "done":
             if method.name == "fkv":
-                raise ValueError(f"memory_budget: FKV at b={batch} fits the budget on paper but ran out of memory "
-                                 f"({summary.get('error')}); the target metric cannot be measured")
+                raise ValueError(
+                    f"memory_budget: FKV at b={batch} fits the budget on paper but ran out of memory "
+                    f"({summary.get('error')}); the target metric cannot be measured"
+                )
             return Trial(method.name, spec.kv_max, batch, None, None)
         if method.name == "fkv" and summary.get("score") is None:
             raise ValueError("metric: FKV's run has no metric (no sample with a reference was scored)")
@@ -164,11 +219,25 @@ def run_tuner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample
     batches = divisor_batches(len(samples), len(samples))
     fkv_1 = predict_spec(shape, Method("fkv", p=cfg.p), 1, prompt_len, cfg.max_new_tokens, cfg.dtype, tp)
     if fkv_1.total > budget:
-        raise ValueError(f"memory_budget: {fmt_bytes(budget)} per rank does not fit FKV at batch 1 (predicted "
-                         f"{fmt_bytes(fkv_1.total)} for the longest prompt, {prompt_len} tokens): the target metric "
-                         "cannot be measured")
-    result = tune(run_trial, budget, shape, prompt_len, cfg.max_new_tokens, target=cfg.target, dtype=planned_dtype(cfg.dtype),
-                  tp=tp, p=cfg.p, kv_values=grid, batches=batches, rule=rule)
+        raise ValueError(
+            f"memory_budget: {fmt_bytes(budget)} per rank does not fit FKV at batch 1 (predicted "
+            f"{fmt_bytes(fkv_1.total)} for the longest prompt, {prompt_len} tokens): the target metric "
+            "cannot be measured"
+        )
+    result = tune(
+        run_trial,
+        budget,
+        shape,
+        prompt_len,
+        cfg.max_new_tokens,
+        target=cfg.target,
+        dtype=planned_dtype(cfg.dtype),
+        tp=tp,
+        p=cfg.p,
+        kv_values=grid,
+        batches=batches,
+        rule=rule,
+    )
     info = {
         "procedure": "tune",
         "memory_budget_bytes": budget,
@@ -197,18 +266,24 @@ def write_tune_results(cfg: RunConfig, info: dict[str, Any]) -> str:
     summaries = info.pop("summaries")
     if summaries:
         write_report(out / "tune", summaries)
-    lines = ["| trial | method | b | kv_max | metric | tokens/s | predicted peak |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| trial | method | b | kv_max | metric | tokens/s | predicted peak |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for t in info["trials"]:
         metric = "OOM" if t["tokens_per_s"] is None else ("n/a" if t["metric"] is None else f"{t['metric']:.3f}")
         speed = "OOM" if t["tokens_per_s"] is None else f"{t['tokens_per_s']:.1f}"
         kv = "N/A" if t["kv_max"] is None or t["method"] == "fkv" else t["kv_max"]
-        lines.append(f"| {t['run']} | {t['method'].upper()} | {t['batch']} | {kv} | {metric} | {speed} | "
-                     f"{fmt_bytes(t['predicted_peak_bytes'])} |")
+        lines.append(
+            f"| {t['run']} | {t['method'].upper()} | {t['batch']} | {kv} | {metric} | {speed} | "
+            f"{fmt_bytes(t['predicted_peak_bytes'])} |"
+        )
     best = info["best"]
-    head = (f"Auto-tuner: budget {fmt_bytes(info['memory_budget_bytes'])} per rank, longest prompt "
-            f"{info['prompt_len']} tokens, target {info['target']} x FKV's metric "
-            f"({info['fkv']['metric']:.3f}) = {info['target_metric']:.3f}; {len(info['trials'])} trials.")
+    head = (
+        f"Auto-tuner: budget {fmt_bytes(info['memory_budget_bytes'])} per rank, longest prompt "
+        f"{info['prompt_len']} tokens, target {info['target']} x FKV's metric "
+        f"({info['fkv']['metric']:.3f}) = {info['target_metric']:.3f}; {len(info['trials'])} trials."
+    )
     text = [head, "", *lines, ""]
     if best is None:
         info["tuned_config"] = None
@@ -216,12 +291,18 @@ def write_tune_results(cfg: RunConfig, info: dict[str, Any]) -> str:
     else:
         tuned = tuned_config(cfg, Trial(**best))
         path = out / "tuned.yaml"
-        header = (f"# Chosen by the batchmax_tp auto-tuner (launch/tune.py) {utc_now()}: BM b={best['batch']} "
-                  f"kv_max={best['kv_max']}, {best['tokens_per_s']:.2f} tokens/s, metric {best['metric']:.4f} "
-                  f">= {info['target_metric']:.4f}.\n# Run with: python launch/run.py --config {path}\n")
+        header = (
+            f"# Chosen by the batchmax_tp auto-tuner (launch/tune.py) {utc_now()}: BM b={best['batch']} "
+            f"kv_max={best['kv_max']}, {best['tokens_per_s']:.2f} tokens/s, metric {best['metric']:.4f} "
+            f">= {info['target_metric']:.4f}.\n# Run with: python launch/run.py --config {path}\n"
+        )
         atomic_write_text(path, header + tuned.to_yaml())
         info["tuned_config"] = str(path)
-        text += [f"Chosen: BM b={best['batch']} kv_max={best['kv_max']} ({best['tokens_per_s']:.1f} tokens/s, "
-                 f"metric {best['metric']:.3f}); {path}:", "", tuned.to_yaml().rstrip()]
+        text += [
+            f"Chosen: BM b={best['batch']} kv_max={best['kv_max']} ({best['tokens_per_s']:.1f} tokens/s, "
+            f"metric {best['metric']:.3f}); {path}:",
+            "",
+            tuned.to_yaml().rstrip(),
+        ]
     atomic_write_text(out / "tune.json", json.dumps(info, indent=2) + "\n")
     return "\n".join(text) + "\n"

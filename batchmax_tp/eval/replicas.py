@@ -58,8 +58,14 @@ def connect(rank: int, world: int, timeout_s: float = _STORE_TIMEOUT_S) -> dist.
     exists."""
     box = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size=world,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(f"batchmax/{box[0]}/", store)
 
 
@@ -69,8 +75,16 @@ class Watchdog:
     ``on_dead(message)``: what to do then (default: the message as one ``error:`` line, then ``os._exit(1)``).
     :meth:`leave` marks a normal end, so that peers still working do not take the silence for a death."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int, *, beat_s: float | None = None,
-                 dead_after_s: float | None = None, on_dead: Callable[[str], None] = _exit):
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world: int,
+        *,
+        beat_s: float | None = None,
+        dead_after_s: float | None = None,
+        on_dead: Callable[[str], None] = _exit,
+    ):
         if dead_after_s is None:
             dead_after_s = float(os.environ.get("BATCHMAX_DEAD_AFTER_S", DEAD_AFTER_S))
         beat_s = min(BEAT_S, dead_after_s / 4) if beat_s is None else beat_s
@@ -114,8 +128,10 @@ class Watchdog:
                 message = f"the job's store does not answer ({type(err).__name__}): rank 0's host is gone"
             if message is not None and not self._stop.is_set():
                 self._stop.set()
-                self.on_dead(f"rank {self.rank}: {message}; ending this rank (finished samples are on disk: run "
-                             "the same command again to complete the missing ones)")
+                self.on_dead(
+                    f"rank {self.rank}: {message}; ending this rank (finished samples are on disk: run "
+                    "the same command again to complete the missing ones)"
+                )
                 return
 
     def _check(self, seen: dict[int, tuple[int, float]]) -> str | None:

@@ -1,11 +1,12 @@
 """Reports of a sweep of runs: a Markdown table laid out like the paper's Tables 1-2, a CSV and two PNG plots.
 
-Input: the ``summary.json`` objects of the runs (``results.summarise`` plus the run's settings), in run order. A run that ran out of memory has ``status: "oom"`` and
+Input: the ``summary.json`` objects of the runs (``results.summarise`` plus the run's settings), in run order. A run
+that ran out of memory has ``status: "oom"`` and
 shows as ``OOM`` in the table (as in the paper) and as a cross on the throughput plot.
 
 Files (in ``OUT``): ``report.md``, ``results.csv``, ``throughput.png`` (tokens/s against batch size, one line
-per method, rule and kv_max) and ``metric_vs_kv.png`` (the task metric against kv_max; FKV, which has no kv_max, as a dashed
-line). Plots are drawn with matplotlib's Agg canvas (no display, no pyplot state).
+per method, rule and kv_max) and ``metric_vs_kv.png`` (the task metric against kv_max; FKV, which has no kv_max,
+as a dashed line). Plots are drawn with matplotlib's Agg canvas (no display, no pyplot state).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import io
 import logging
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -42,20 +44,62 @@ __all__ = [
 REPORT_FILES = ("report.md", "results.csv", "throughput.png", "metric_vs_kv.png")
 
 #: CSV columns left empty for a run that ran out of memory (its batches before the OOM are not a result).
-_MEASURED = ("score", "num_scored", "generated_tokens", "prefill_s", "decode_s", "tokens_per_s", "peak_kv_mib",
-             "samples_cut", "tokens_cut", "peak_workspace_mib", "cuda_max_memory_allocated_mib")
+_MEASURED = (
+    "score",
+    "num_scored",
+    "generated_tokens",
+    "prefill_s",
+    "decode_s",
+    "tokens_per_s",
+    "peak_kv_mib",
+    "samples_cut",
+    "tokens_cut",
+    "peak_workspace_mib",
+    "cuda_max_memory_allocated_mib",
+)
 
 CSV_COLUMNS = (
-    "task", "model", "method", "batch_size", "kv_max", "p", "status", "metric", "score", "num_samples",
-    "num_scored", "generated_tokens", "prefill_s", "decode_s", "tokens_per_s", "peak_kv_mib", "samples_cut",
-    "tokens_cut", "max_new_tokens", "tp_size", "dp_size", "run",
+    "task",
+    "model",
+    "method",
+    "batch_size",
+    "kv_max",
+    "p",
+    "status",
+    "metric",
+    "score",
+    "num_samples",
+    "num_scored",
+    "generated_tokens",
+    "prefill_s",
+    "decode_s",
+    "tokens_per_s",
+    "peak_kv_mib",
+    "samples_cut",
+    "tokens_cut",
+    "max_new_tokens",
+    "tp_size",
+    "dp_size",
+    "run",
     # memory (per rank except peak_kv_mib, which is the replica's K/V over its tensor-parallel ranks)
-    "peak_workspace_mib", "cuda_max_memory_allocated_mib", "predicted_peak_mib", "memory_budget_mib", "oom_cause",
-    "weights_mib", "rule", "tokens_per_s_spread", "num_correct", "num_checked",
+    "peak_workspace_mib",
+    "cuda_max_memory_allocated_mib",
+    "predicted_peak_mib",
+    "memory_budget_mib",
+    "oom_cause",
+    "weights_mib",
+    "rule",
+    "tokens_per_s_spread",
+    "num_correct",
+    "num_checked",
 )
-_MIB_OF = {"peak_workspace_mib": "peak_workspace_bytes", "cuda_max_memory_allocated_mib": "cuda_max_memory_allocated",
-           "predicted_peak_mib": "predicted_peak_bytes", "memory_budget_mib": "memory_budget_bytes",
-           "weights_mib": "weights_bytes"}
+_MIB_OF = {
+    "peak_workspace_mib": "peak_workspace_bytes",
+    "cuda_max_memory_allocated_mib": "cuda_max_memory_allocated",
+    "predicted_peak_mib": "predicted_peak_bytes",
+    "memory_budget_mib": "memory_budget_bytes",
+    "weights_mib": "weights_bytes",
+}
 
 _NAMES = {"ed": "ED", "fkv": "FKV", "bm": "BM"}
 _LEGEND = {"ed": "ED (decoding-only eviction)", "fkv": "FKV (full KV cache)", "bm": "BM (Batch-Max)"}
@@ -113,8 +157,11 @@ def format_report(summaries: Sequence[dict[str, Any]], *, title: str | None = No
         f"p = {first.get('p')}, tp_size {first.get('tp_size', 1)} x dp_size {first.get('dp_size', 1)}, "
         f"{first.get('dtype')} on {first.get('device')}."
     )
-    lines += ["", f"| Method | b | kv_max | {label} | correct | tokens/s | peak KV MiB | predicted peak MiB | "
-                  "prompts cut |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"| Method | b | kv_max | {label} | correct | tokens/s | peak KV MiB | predicted peak MiB | prompts cut |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in summaries:
         method = _method_label(s)
         kv = "N/A" if s.get("kv_max") is None else str(s["kv_max"])
@@ -148,28 +195,43 @@ def _memory(summaries: Sequence[dict[str, Any]]) -> list[str]:
     budget = next(iter(budgets)) if len(budgets) == 1 else None
     lines = ["## Memory per rank (MiB)", ""]
     lines.append(
-        (f"Budget {_mib(budget)} MiB per rank: a run whose predicted peak exceeds it is an OOM row without being run. "
-         if budget is not None else "No memory budget. ")
+        (
+            f"Budget {_mib(budget)} MiB per rank: a run whose predicted peak exceeds it is an OOM row "
+            "without being run. "
+            if budget is not None
+            else "No memory budget. "
+        )
         + "Predicted by `batchmax_tp.plan.planner` from shapes: K/V and the score block exactly, weights from the "
         "parameter count, activations an estimate. Measured: the K/V buffers, the largest score block, the "
         "weights this process holds"
         + (" (K/V over all tensor-parallel ranks of a replica)" if any(s.get("tp_size", 1) > 1 for s in rows) else "")
         + ", and on CUDA `torch.cuda.max_memory_allocated`."
     )
-    lines += ["", "| Method | b | kv_max | status | predicted | K/V | score block | weights | activations | "
-                  "measured K/V | measured score block | loaded weights | CUDA max allocated |",
-              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "| Method | b | kv_max | status | predicted | K/V | score block | weights | activations | "
+        "measured K/V | measured score block | loaded weights | CUDA max allocated |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in rows:
         p = s["predicted"]
         method = _method_label(s)
         kv = "N/A" if s.get("kv_max") is None else str(s["kv_max"])
         status = f"OOM ({s.get('oom_cause', 'runtime')})" if _is_oom(s) else "done"
-        measured = ["", "", _mib(s.get("weights_bytes")), ""] if _is_oom(s) else [
-            _mib(s.get("peak_kv_bytes")), _mib(s.get("peak_workspace_bytes")), _mib(s.get("weights_bytes")),
-            _mib(s.get("cuda_max_memory_allocated"))]
-        lines.append(f"| {method} | {s['batch_size']} | {kv} | {status} | {_mib(p['total'])} | {_mib(p['kv'])} | "
-                     f"{_mib(p['workspace'])} | {_mib(p['weights'])} | {_mib(p['activations'])} | "
-                     + " | ".join(measured) + " |")
+        measured = (
+            ["", "", _mib(s.get("weights_bytes")), ""]
+            if _is_oom(s)
+            else [
+                _mib(s.get("peak_kv_bytes")),
+                _mib(s.get("peak_workspace_bytes")),
+                _mib(s.get("weights_bytes")),
+                _mib(s.get("cuda_max_memory_allocated")),
+            ]
+        )
+        lines.append(
+            f"| {method} | {s['batch_size']} | {kv} | {status} | {_mib(p['total'])} | {_mib(p['kv'])} | "
+            f"{_mib(p['workspace'])} | {_mib(p['weights'])} | {_mib(p['activations'])} | " + " | ".join(measured) + " |"
+        )
     return lines
 
 
@@ -195,8 +257,10 @@ def _comparison(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
         against.append(f"the fastest ED run (b={best_ed['batch_size']}, kv_max={best_ed['kv_max']})")
     if ref:
         against.append(f"the full cache FKV (b={ref['batch_size']})")
-    lines = [f"BM against {' and '.join(against)} (throughput spread: half the range of a run's full batches' "
-             "tokens/s, as a share of their mean):"]
+    lines = [
+        f"BM against {' and '.join(against)} (throughput spread: half the range of a run's full batches' "
+        "tokens/s, as a share of their mean):"
+    ]
     for s in bm:
         parts = []
         if best_ed and s.get("tokens_per_s"):
@@ -231,20 +295,28 @@ def _same_memory_ratios(summaries: Sequence[dict[str, Any]], label: str) -> list
     if not bm:
         return []
     lines = ["## Same memory: BM's tokens/s over FKV's and ED's", ""]
-    lines.append("Each BM rule's tokens/s divided by those of FKV ("
-                 + (f"b={fkv['batch_size']}" if fkv else "none ran") + ") and of the fastest ED run ("
-                 + (f"b={ed['batch_size']}, kv_max={ed['kv_max']}" if ed else "none ran")
-                 + "), every run within the same memory budget; the paper's rule first.")
-    lines += ["", f"| BM rule | b | kv_max | {label} | tokens/s | tokens/s / FKV | tokens/s / ED |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines.append(
+        "Each BM rule's tokens/s divided by those of FKV ("
+        + (f"b={fkv['batch_size']}" if fkv else "none ran")
+        + ") and of the fastest ED run ("
+        + (f"b={ed['batch_size']}, kv_max={ed['kv_max']}" if ed else "none ran")
+        + "), every run within the same memory budget; the paper's rule first."
+    )
+    lines += [
+        "",
+        f"| BM rule | b | kv_max | {label} | tokens/s | tokens/s / FKV | tokens/s / ED |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in bm:
         rule, kv = s.get("rule", "paper"), s.get("kv_max")
         if _is_oom(s):
             lines.append(f"| BM ({rule}) | {s['batch_size']} | {kv} | OOM | OOM | OOM | OOM |")
             continue
         speed = s.get("tokens_per_s")
-        lines.append(f"| BM ({rule}) | {s['batch_size']} | {kv} | {_score(s.get('score'))} | {_speed(speed)} | "
-                     f"{_ratio(speed, fkv)} | {_ratio(speed, ed)} |")
+        lines.append(
+            f"| BM ({rule}) | {s['batch_size']} | {kv} | {_score(s.get('score'))} | {_speed(speed)} | "
+            f"{_ratio(speed, fkv)} | {_ratio(speed, ed)} |"
+        )
     return lines
 
 
@@ -304,8 +376,10 @@ def _figure() -> tuple[Figure, Axes]:
 def _subtitle(summaries: Sequence[dict[str, Any]]) -> str:
     first = _lead(summaries)
     model = str(first.get("model", "")).split("/")[-1].replace("embedded:", "")
-    return f"{first.get('task') or 'jsonl'}, {model}, {first.get('num_samples')} samples, " \
-           f"{first.get('max_new_tokens')} new tokens"
+    return (
+        f"{first.get('task') or 'jsonl'}, {model}, {first.get('num_samples')} samples, "
+        f"{first.get('max_new_tokens')} new tokens"
+    )
 
 
 def _methods(summaries: Sequence[dict[str, Any]]) -> list[str]:
@@ -325,8 +399,11 @@ def _series(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, str, list[di
     for (method, rule, kv), runs in groups.items():
         colour = _COLOURS.get(method) if method not in used else _MORE_COLOURS[(len(out)) % len(_MORE_COLOURS)]
         used.add(method)
-        label = _LEGEND.get(method, method) if method == "fkv" else \
-            f"{_method_label({'method': method, 'rule': rule})}, kv_max {kv}"
+        label = (
+            _LEGEND.get(method, method)
+            if method == "fkv"
+            else f"{_method_label({'method': method, 'rule': rule})}, kv_max {kv}"
+        )
         out.append((label, colour, sorted(runs, key=lambda s: s["batch_size"])))
     return out
 
@@ -337,12 +414,25 @@ def plot_throughput(summaries: Sequence[dict[str, Any]], path: str | os.PathLike
     fig, ax = _figure()
     ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
     for label, colour, runs in _series(summaries):
-        ax.plot([s["batch_size"] for s in runs], [s["tokens_per_s"] for s in runs],
-                marker=_MARKERS.get(runs[0]["method"], "o"), color=colour, label=label)
+        ax.plot(
+            [s["batch_size"] for s in runs],
+            [s["tokens_per_s"] for s in runs],
+            marker=_MARKERS.get(runs[0]["method"], "o"),
+            color=colour,
+            label=label,
+        )
     ooms = [s for s in summaries if _is_oom(s)]
     if ooms:
-        ax.scatter([s["batch_size"] for s in ooms], [0.0] * len(ooms), marker="x", s=60, color="tab:red",
-                   label="out of memory (OOM)", zorder=3, clip_on=False)
+        ax.scatter(
+            [s["batch_size"] for s in ooms],
+            [0.0] * len(ooms),
+            marker="x",
+            s=60,
+            color="tab:red",
+            label="out of memory (OOM)",
+            zorder=3,
+            clip_on=False,
+        )
     ax.set_xlabel("batch size b (samples per batch)")
     ax.set_ylabel("throughput (generated tokens / s)")
     ax.set_title(f"Throughput vs batch size\n{_subtitle(summaries)}", fontsize=10)
@@ -362,15 +452,20 @@ def plot_throughput(summaries: Sequence[dict[str, Any]], path: str | os.PathLike
 def _point_series(runs: Sequence[dict[str, Any]]) -> list[tuple[str, str, tuple[str, str, str]]]:
     """(method, rule, (legend label, colour, marker)) of each point series of the metric plot: one per method and
     rule, so that BM under each eviction rule has its own marker, colour and label (``BM (question)``)."""
-    keys = sorted({(s["method"], s.get("rule", "paper")) for s in runs},
-                  key=lambda k: ({"ed": 0, "fkv": 1, "bm": 2}.get(k[0], 9), k[1] != "paper", k[1]))
+    keys = sorted(
+        {(s["method"], s.get("rule", "paper")) for s in runs},
+        key=lambda k: ({"ed": 0, "fkv": 1, "bm": 2}.get(k[0], 9), k[1] != "paper", k[1]),
+    )
     out, extra = [], 0
     for method, rule in keys:
         if rule == "paper":
             style = (_LEGEND.get(method, method), _COLOURS.get(method, "tab:gray"), _MARKERS.get(method, "o"))
         else:
-            style = (_method_label({"method": method, "rule": rule}), _MORE_COLOURS[extra % len(_MORE_COLOURS)],
-                     _RULE_MARKERS[extra % len(_RULE_MARKERS)])
+            style = (
+                _method_label({"method": method, "rule": rule}),
+                _MORE_COLOURS[extra % len(_MORE_COLOURS)],
+                _RULE_MARKERS[extra % len(_RULE_MARKERS)],
+            )
             extra += 1
         out.append((method, rule, style))
     return out
@@ -391,8 +486,17 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
                 ax.axhline(value, linestyle="--", color=colour, label=f"{legend}, b={bs}")
             continue
         runs = sorted(runs, key=lambda s: (s["kv_max"], s["batch_size"]))
-        ax.plot([s["kv_max"] for s in runs], [s["score"] for s in runs], linestyle="none",
-                marker=marker, markersize=7, color=colour, label=legend, clip_on=False, zorder=3)
+        ax.plot(
+            [s["kv_max"] for s in runs],
+            [s["score"] for s in runs],
+            linestyle="none",
+            marker=marker,
+            markersize=7,
+            color=colour,
+            label=legend,
+            clip_on=False,
+            zorder=3,
+        )
         points: dict[tuple[int, float], list[int]] = {}  # runs at the same point share one label "b=1,3"
         for s in runs:
             points.setdefault((s["kv_max"], round(s["score"], 6)), []).append(s["batch_size"])
@@ -400,8 +504,14 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
         for index, (kv, value) in enumerate(keys):  # a label goes below its point when the neighbour is higher
             other = keys[index - 1] if index else keys[min(1, len(keys) - 1)]
             below = other != (kv, value) and 0 < value < other[1]
-            ax.annotate("b=" + ",".join(map(str, points[(kv, value)])), (kv, value), textcoords="offset points",
-                        xytext=(5, -11 if below else 4), fontsize=7, color=colour)
+            ax.annotate(
+                "b=" + ",".join(map(str, points[(kv, value)])),
+                (kv, value),
+                textcoords="offset points",
+                xytext=(5, -11 if below else 4),
+                fontsize=7,
+                color=colour,
+            )
     if kvs:
         ax.set_xscale("log", base=2)
         low, high = min(kvs) / 1.5, max(kvs) * 1.5
@@ -411,8 +521,11 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
         ax.set_xticklabels([str(t) for t in ticks])
         ax.set_xlim(low, high)
     ax.set_xlabel("kv_max (KV pairs kept per sample and KV head, log scale)")
-    ax.set_ylabel(_AXIS_LABELS.get(next((s.get("metric") for s in summaries if s.get("metric")), ""),
-                                   f"{label} (mean over samples)"))
+    ax.set_ylabel(
+        _AXIS_LABELS.get(
+            next((s.get("metric") for s in summaries if s.get("metric")), ""), f"{label} (mean over samples)"
+        )
+    )
     ax.set_title(f"{label} vs KV cache size\n{_subtitle(summaries)}", fontsize=10)
     top = max([1e-3, *(s["score"] for s in ok)]) * 1.15
     ax.set_ylim(bottom=-0.03 * top, top=top)  # points at 0 stay whole
@@ -423,8 +536,9 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
     return fig
 
 
-def write_report(out: str | os.PathLike[str], summaries: Sequence[dict[str, Any]],
-                 notes: Sequence[str] = ()) -> dict[str, Path]:
+def write_report(
+    out: str | os.PathLike[str], summaries: Sequence[dict[str, Any]], notes: Sequence[str] = ()
+) -> dict[str, Path]:
     """Write :data:`REPORT_FILES` into ``out`` (text files atomically) and return their paths; ``notes`` end
     report.md (e.g. where the paper procedure's b0 came from)."""
     out = Path(out)

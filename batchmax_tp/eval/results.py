@@ -78,15 +78,35 @@ DONE_FILE = "done.json"  #: in a replica's shard: written when the replica has f
 SAMPLE_KEYS = ("id", "prompt_tokens", "output", "reference", "correct", "generated_tokens")
 #: The fields of one ``batches.jsonl`` line (``peak_kv_bytes`` summed over the replica's tensor-parallel ranks;
 #: ``peak_workspace_bytes`` and ``cuda_max_memory_allocated`` of its tensor-parallel rank 0).
-BATCH_KEYS = ("batch", "replica", "ids", "tokens_cut", "generated_tokens", "prefill_s", "decode_s", "peak_kv_bytes",
-              "peak_kv_bytes_per_rank", "peak_workspace_bytes", "cuda_max_memory_allocated")
+BATCH_KEYS = (
+    "batch",
+    "replica",
+    "ids",
+    "tokens_cut",
+    "generated_tokens",
+    "prefill_s",
+    "decode_s",
+    "peak_kv_bytes",
+    "peak_kv_bytes_per_rank",
+    "peak_workspace_bytes",
+    "cuda_max_memory_allocated",
+)
 
 #: Wall-clock (and process-memory) fields: they differ between two runs of the same configuration, and are all
 #: that may differ between a resumed run's files and an uninterrupted run's (:func:`comparable`).
-TIMING_KEYS = frozenset({
-    "prefill_s", "decode_s", "total_s", "tokens_per_s", "tokens_per_s_spread", "started_at", "finished_at",
-    "wall_s", "peak_host_bytes",
-})
+TIMING_KEYS = frozenset(
+    {
+        "prefill_s",
+        "decode_s",
+        "total_s",
+        "tokens_per_s",
+        "tokens_per_s_spread",
+        "started_at",
+        "finished_at",
+        "wall_s",
+        "peak_host_bytes",
+    }
+)
 
 #: Configuration keys that do not change any output (and so never block resuming). Each run's folder is named
 #: after its method, rule, batch size and kv_max, so the list of runs does not matter either. ``target`` only
@@ -109,8 +129,9 @@ def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], bool]:
         except ValueError:
             return out, True
         if not isinstance(obj, dict):
-            raise ValueError(f"{path}: not a batchmax_tp run log (a line that is not an object); "
-                             "delete it or choose another out")
+            raise ValueError(
+                f"{path}: not a batchmax_tp run log (a line that is not an object); delete it or choose another out"
+            )
         out.append(obj)
     return out, False
 
@@ -141,15 +162,19 @@ class RunLog:
         by_id: dict[str, dict] = {}
         for record in samples:
             if "id" not in record:
-                raise ValueError(f"{self.samples_path}: not a batchmax_tp sample log (line without id); "
-                                 "delete it or choose another out")
+                raise ValueError(
+                    f"{self.samples_path}: not a batchmax_tp sample log (line without id); "
+                    "delete it or choose another out"
+                )
             by_id.setdefault(str(record["id"]), record)
         kept_batches, seen = [], set()
         for line in lines:
             index = line.get("batch")
             if not isinstance(index, int) or not isinstance(line.get("ids"), list):
-                raise ValueError(f"{self.batches_path}: not a batchmax_tp batch log (a line without batch/ids); "
-                                 "delete it or choose another out")
+                raise ValueError(
+                    f"{self.batches_path}: not a batchmax_tp batch log (a line without batch/ids); "
+                    "delete it or choose another out"
+                )
             ids = [str(i) for i in line["ids"]]
             wanted = None if batches is None or not 0 <= index < len(batches) else [str(i) for i in batches[index]]
             if index in seen or (batches is not None and ids != wanted) or not all(i in by_id for i in ids):
@@ -159,9 +184,13 @@ class RunLog:
         kept_ids = [i for line in kept_batches for i in line["ids"]]
         kept_samples = [by_id[str(i)] for i in kept_ids]
         if torn_s or torn_b or len(kept_samples) != len(samples) or len(kept_batches) != len(lines):
-            logger.warning("%s: dropping %d incomplete sample line(s) and %d batch line(s); resuming after %d "
-                           "complete batch(es)", self.folder, len(samples) - len(kept_samples) + int(torn_s),
-                           len(lines) - len(kept_batches) + int(torn_b), len(kept_batches))
+            logger.warning(
+                "%s: dropping %d incomplete sample line(s) and %d batch line(s); resuming after %d complete batch(es)",
+                self.folder,
+                len(samples) - len(kept_samples) + int(torn_s),
+                len(lines) - len(kept_batches) + int(torn_b),
+                len(kept_batches),
+            )
             atomic_write_text(self.samples_path, _lines(kept_samples))
             atomic_write_text(self.batches_path, _lines(kept_batches))
         return kept_samples, kept_batches
@@ -180,8 +209,9 @@ class RunLog:
 
 
 # ---------------------------------------------------------------------- summaries
-def summarise(samples: Sequence[Mapping[str, Any]], batches: Sequence[Mapping[str, Any]],
-              metric: str) -> dict[str, Any]:
+def summarise(
+    samples: Sequence[Mapping[str, Any]], batches: Sequence[Mapping[str, Any]], metric: str
+) -> dict[str, Any]:
     """Throughput and metric numbers of a run from its sample and batch records.
 
     ``prefill_s`` and ``decode_s`` are summed over the batches of a data-parallel replica (``replica``; 0 in a
@@ -207,8 +237,11 @@ def summarise(samples: Sequence[Mapping[str, Any]], batches: Sequence[Mapping[st
     workspace = max((int(b.get("peak_workspace_bytes") or 0) for b in batches), default=0)
     cuda = [int(b["cuda_max_memory_allocated"]) for b in batches if b.get("cuda_max_memory_allocated") is not None]
     full = max((len(b["ids"]) for b in batches), default=0)
-    speeds = [b["generated_tokens"] / (b["prefill_s"] + b["decode_s"]) for b in batches
-              if len(b["ids"]) == full and b["prefill_s"] + b["decode_s"] > 0]
+    speeds = [
+        b["generated_tokens"] / (b["prefill_s"] + b["decode_s"])
+        for b in batches
+        if len(b["ids"]) == full and b["prefill_s"] + b["decode_s"] > 0
+    ]
     spread = (max(speeds) - min(speeds)) / 2 / (sum(speeds) / len(speeds)) if len(speeds) > 1 else None
     cut = [int(n) for b in batches for n in b.get("tokens_cut", [])]
     return {
@@ -249,10 +282,13 @@ def latency_fields(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     queued at the start) and time to first token: p50 and p99 over its samples (``percentile``)."""
     latency = [float(b["latency_s"]) for b in batches if b.get("latency_s") is not None]
     first = [float(b["first_token_s"]) for b in batches if b.get("first_token_s") is not None]
-    return {"scheduler": "continuous", "tokens_per_s_spread": None,
-            "latency_p50_s": percentile(latency, 50) if latency else None,
-            "latency_p99_s": percentile(latency, 99) if latency else None,
-            "first_token_p50_s": percentile(first, 50) if first else None}
+    return {
+        "scheduler": "continuous",
+        "tokens_per_s_spread": None,
+        "latency_p50_s": percentile(latency, 50) if latency else None,
+        "latency_p99_s": percentile(latency, 99) if latency else None,
+        "first_token_p50_s": percentile(first, 50) if first else None,
+    }
 
 
 def per_replica(batches: Sequence[Mapping[str, Any]], dp: int, tp: int) -> list[dict[str, Any]]:
@@ -264,10 +300,20 @@ def per_replica(batches: Sequence[Mapping[str, Any]], dp: int, tp: int) -> list[
         prefill, decode = sum(b["prefill_s"] for b in mine), sum(b["decode_s"] for b in mine)
         tokens = sum(int(b["generated_tokens"]) for b in mine)
         ranks = [max((b["peak_kv_bytes_per_rank"][t] for b in mine), default=0) for t in range(tp)]
-        out.append({"replica": r, "ranks": list(range(r * tp, (r + 1) * tp)), "num_samples": sum(len(b["ids"]) for b in mine),
-                    "num_batches": len(mine), "generated_tokens": tokens, "prefill_s": prefill, "decode_s": decode,
-                    "tokens_per_s": tokens / (prefill + decode) if prefill + decode > 0 else None,
-                    "peak_kv_bytes": sum(ranks), "peak_kv_bytes_per_rank": ranks})
+        out.append(
+            {
+                "replica": r,
+                "ranks": list(range(r * tp, (r + 1) * tp)),
+                "num_samples": sum(len(b["ids"]) for b in mine),
+                "num_batches": len(mine),
+                "generated_tokens": tokens,
+                "prefill_s": prefill,
+                "decode_s": decode,
+                "tokens_per_s": tokens / (prefill + decode) if prefill + decode > 0 else None,
+                "peak_kv_bytes": sum(ranks),
+                "peak_kv_bytes_per_rank": ranks,
+            }
+        )
     return out
 
 
@@ -290,18 +336,44 @@ def read_parts(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
         head = json.loads(head_path.read_text(encoding="utf-8")) if head_path.is_file() else None
         done = json.loads(done_path.read_text(encoding="utf-8")) if done_path.is_file() else {}
         samples, batches = RunLog(shard).load(None if head is None else head["batch_ids"])
-        parts.append({"replica": int(shard.name.removeprefix("replica")), "head": head, "samples": samples,
-                      "batches": batches, "started_at": done.get("started_at"), "wall_s": done.get("wall_s"),
-                      "finished": bool(done), "stop": done.get("stop")})
+        parts.append(
+            {
+                "replica": int(shard.name.removeprefix("replica")),
+                "head": head,
+                "samples": samples,
+                "batches": batches,
+                "started_at": done.get("started_at"),
+                "wall_s": done.get("wall_s"),
+                "finished": bool(done),
+                "stop": done.get("stop"),
+            }
+        )
     if not shards and (folder / BATCHES_FILE).is_file():
         samples, batches = RunLog(folder).load()
-        parts.append({"replica": 0, "head": None, "samples": samples, "batches": batches, "started_at": None,
-                      "wall_s": None, "finished": False, "stop": None})
+        parts.append(
+            {
+                "replica": 0,
+                "head": None,
+                "samples": samples,
+                "batches": batches,
+                "started_at": None,
+                "wall_s": None,
+                "finished": False,
+                "stop": None,
+            }
+        )
     return parts
 
 
-def merge_run(folder: str | os.PathLike[str], head: Mapping[str, Any], parts: Sequence[Mapping[str, Any]],
-              metric: str, *, error: str | None = None, cause: str = "runtime") -> dict[str, Any]:
+def merge_run(
+    folder: str | os.PathLike[str],
+    head: Mapping[str, Any],
+    parts: Sequence[Mapping[str, Any]],
+    metric: str,
+    *,
+    error: str | None = None,
+    cause: str = "runtime",
+) -> dict[str, Any]:
     """Merge the replicas' ``parts`` of a run into its folder: ``samples.jsonl`` and ``batches.jsonl`` in batch order
     (rewritten atomically when there are shards) and ``summary.json`` (``status`` done, or oom with ``error`` and
     ``oom_cause`` ``cause``). Any out-of-memory marker of the run is then cleared: it has become this row, or the
@@ -329,8 +401,13 @@ def merge_run(folder: str | os.PathLike[str], head: Mapping[str, Any], parts: Se
         summary.update({"error": error, "oom_cause": cause})
     starts = [p["started_at"] for p in parts if p.get("started_at")]
     walls = {int(p["replica"]): float(p["wall_s"]) for p in parts if p.get("wall_s") is not None}
-    summary.update({"started_at": min(starts) if starts else utc_now(), "finished_at": utc_now(),
-                    "wall_s": max(walls.values(), default=0.0)})
+    summary.update(
+        {
+            "started_at": min(starts) if starts else utc_now(),
+            "finished_at": utc_now(),
+            "wall_s": max(walls.values(), default=0.0),
+        }
+    )
     if dp * tp > 1 and not error:
         summary["per_replica"] = [dict(r, wall_s=walls.get(r["replica"])) for r in per_replica(batches, dp, tp)]
     if head["continuous"] and not error:

@@ -47,12 +47,12 @@ from ..core.engine import GenerationOutput, generate
 from ..core.method import Method
 from ..core.serve import Request, RequestOutput, serve
 from ..parallel import Layout
-from .replicas import Channel, Watchdog
 from ..plan.budget import RunSpec, over_budget_message, planned_dtype, predict_spec
 from ..plan.planner import MemoryEstimate, ModelShape, predict_pool
 from . import results
 from .files import atomic_write_text, utc_now
 from .metrics import score as metric_score
+from .replicas import Channel, Watchdog
 from .tasks import Prompt, Sample, prompt_ids
 
 if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
@@ -62,9 +62,26 @@ if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchOutput", "Collectives", "RankOutOfMemory", "batched", "free_memory", "budget_fields", "cut_at_eos",
-           "encode_prompts", "error_line", "evaluate_run", "fill_samples", "generate_batch", "is_oom", "longest_prompt",
-           "model_shape", "run_settings", "warm_up", "write_config"]
+__all__ = [
+    "BatchOutput",
+    "Collectives",
+    "RankOutOfMemory",
+    "batched",
+    "free_memory",
+    "budget_fields",
+    "cut_at_eos",
+    "encode_prompts",
+    "error_line",
+    "evaluate_run",
+    "fill_samples",
+    "generate_batch",
+    "is_oom",
+    "longest_prompt",
+    "model_shape",
+    "run_settings",
+    "warm_up",
+    "write_config",
+]
 
 T = TypeVar("T")
 GenerateFn = Callable[..., GenerationOutput]
@@ -77,9 +94,17 @@ class RankOutOfMemory(RuntimeError):
 
 #: Messages of the errors that mean an allocation failed: PyTorch's, the host's, and those of the CUDA libraries
 #: (cuBLAS, cuSOLVER, cuSPARSE, cuFFT, cuDNN) and the runtime, which do not raise ``torch.OutOfMemoryError``.
-OOM_MESSAGES = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUSOLVER_STATUS_ALLOC_FAILED",
-                "CUSPARSE_STATUS_ALLOC_FAILED", "CUFFT_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
-                "cudaErrorMemoryAllocation", "CUDA_ERROR_OUT_OF_MEMORY")
+OOM_MESSAGES = (
+    "out of memory",
+    "can't allocate memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUSOLVER_STATUS_ALLOC_FAILED",
+    "CUSPARSE_STATUS_ALLOC_FAILED",
+    "CUFFT_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "cudaErrorMemoryAllocation",
+    "CUDA_ERROR_OUT_OF_MEMORY",
+)
 
 
 def is_oom(err: BaseException) -> bool:
@@ -101,8 +126,7 @@ class Collectives:
     that waits for a dead rank: ``broadcast``/``barrier``/``last_decides`` among every rank, ``replica_share`` and
     ``replica_gather`` among this replica's tensor-parallel ranks. No-ops in one process (no ``layout``)."""
 
-    def __init__(self, layout: Layout | None = None, store: dist.Store | None = None,
-                 watchdog: Watchdog | None = None):
+    def __init__(self, layout: Layout | None = None, store: dist.Store | None = None, watchdog: Watchdog | None = None):
         self.layout, self.watchdog = layout, watchdog
         self.world = 1 if layout is None else layout.world
         if self.world > 1:
@@ -179,9 +203,7 @@ def encode_prompts(
     for index, prompt in enumerate(prompts):
         ids = prompt_ids(tokenizer, prompt, chat_template=chat_template)
         if max_input_tokens is not None and len(ids) > max_input_tokens:
-            raise ValueError(
-                f"prompt {index} has {len(ids)} tokens, more than max_input_tokens={max_input_tokens}"
-            )
+            raise ValueError(f"prompt {index} has {len(ids)} tokens, more than max_input_tokens={max_input_tokens}")
         sequences.append(ids)
 
     width = max(len(ids) for ids in sequences)
@@ -276,9 +298,17 @@ def _special_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int | list[int] | 
     return eos, pad if pad is not None else eos if isinstance(eos, int) else None
 
 
-def generate_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt],
-                   method: Method, cfg: RunConfig, seed: int, *, generate_fn: GenerateFn | None = None,
-                   encode_fn: EncodeFn | None = None) -> BatchOutput:
+def generate_batch(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    method: Method,
+    cfg: RunConfig,
+    seed: int,
+    *,
+    generate_fn: GenerateFn | None = None,
+    encode_fn: EncodeFn | None = None,
+) -> BatchOutput:
     """Encode ``prompts``, generate with ``cfg``'s settings and decode: the step every run shares (``generate_fn``,
     ``encode_fn``: this module's ``generate`` and ``encode_prompts`` unless given, looked up at call time)."""
     generate_fn, encode_fn = generate_fn or generate, encode_fn or encode_prompts
@@ -291,23 +321,46 @@ def generate_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, p
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     result = generate_fn(
-        model, input_ids, attention_mask, method, cfg.max_new_tokens,
-        ignore_eos=cfg.ignore_eos, eos_token_id=eos_token_id, pad_token_id=pad_token_id, do_sample=cfg.do_sample,
-        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed,
+        model,
+        input_ids,
+        attention_mask,
+        method,
+        cfg.max_new_tokens,
+        ignore_eos=cfg.ignore_eos,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        do_sample=cfg.do_sample,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        seed=seed,
     )
     cuda_peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     tokens = result.tokens.tolist() if hasattr(result.tokens, "tolist") else list(result.tokens)
-    num_generated = [int(n) for n in (result.num_generated.tolist() if hasattr(result.num_generated, "tolist")
-                                      else result.num_generated)]
-    outputs = [tokenizer.decode(cut_at_eos(tokens[i], num_generated[i], eos_token_id), skip_special_tokens=True)
-               for i in range(len(prompts))]
+    num_generated = [
+        int(n)
+        for n in (result.num_generated.tolist() if hasattr(result.num_generated, "tolist") else result.num_generated)
+    ]
+    outputs = [
+        tokenizer.decode(cut_at_eos(tokens[i], num_generated[i], eos_token_id), skip_special_tokens=True)
+        for i in range(len(prompts))
+    ]
     prompt_tokens = [int(n) for n in attention_mask.sum(-1).tolist()]
     return BatchOutput(result, outputs, prompt_tokens, num_generated, cuda_peak)
 
 
-def warm_up(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample],
-            methods: Sequence[Method], seed: int, *, generate_fn: GenerateFn | None = None,
-            encode_fn: EncodeFn | None = None, prompt_tokens: int = 8, new_tokens: int = 2) -> float:
+def warm_up(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: Sequence[Sample],
+    methods: Sequence[Method],
+    seed: int,
+    *,
+    generate_fn: GenerateFn | None = None,
+    encode_fn: EncodeFn | None = None,
+    prompt_tokens: int = 8,
+    new_tokens: int = 2,
+) -> float:
     """One tiny untimed generate per method (the last ``prompt_tokens`` tokens of the first prompt,
     ``new_tokens`` new tokens), so that the first timed run does not pay one-time costs (lazy imports,
     attention registration, allocator and kernel warm-up). Returns the seconds it took.
@@ -323,11 +376,25 @@ def warm_up(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     eos_token_id, pad_token_id = _special_ids(tokenizer)
     for method in methods:
-        generate_fn(model, input_ids, attention_mask, method, new_tokens, ignore_eos=True,
-                    eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed)
+        generate_fn(
+            model,
+            input_ids,
+            attention_mask,
+            method,
+            new_tokens,
+            ignore_eos=True,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            seed=seed,
+        )
     elapsed = time.perf_counter() - start
-    logger.info("warm-up (%d methods, %d prompt tokens, %d new tokens): %.2f s",
-                len(methods), input_ids.shape[-1], new_tokens, elapsed)
+    logger.info(
+        "warm-up (%d methods, %d prompt tokens, %d new tokens): %.2f s",
+        len(methods),
+        input_ids.shape[-1],
+        new_tokens,
+        elapsed,
+    )
     return elapsed
 
 
@@ -411,9 +478,15 @@ def evaluate_run(
     estimate = _predict(model, tokenizer, batches, spec, cfg, tp, prompt_len, shape, encode_fn)
 
     def head() -> dict[str, Any]:
-        return {"settings": run_settings(cfg, spec, tp_size=tp, dp_size=dp), "batch_ids": batch_ids, "dp": dp,
-                "tp": tp, "continuous": continuous, "budget": budget_fields(cfg, estimate, model),
-                "extra": extra or {}}
+        return {
+            "settings": run_settings(cfg, spec, tp_size=tp, dp_size=dp),
+            "batch_ids": batch_ids,
+            "dp": dp,
+            "tp": tp,
+            "continuous": continuous,
+            "budget": budget_fields(cfg, estimate, model),
+            "extra": extra or {},
+        }
 
     refusal = _refusal(spec, estimate, cfg.budget_bytes(), state)  # the same verdict on every rank
     if refusal is not None:
@@ -430,19 +503,32 @@ def evaluate_run(
     if lead and dp > 1:
         atomic_write_text(shard.folder / results.HEAD_FILE, _json(head()))
     if is_main:
-        logger.info("%s: %s, %d samples in %d batches%s", spec.name, spec.method.label(), len(samples),
-                    len(batches), f", resuming after {len(done)} finished batches" if done else "")
-    bar = tqdm(total=sum(len(batches[i]) for i in share), initial=sum(len(batches[i]) for i in done),
-               desc=spec.name if dp == 1 else f"{spec.name} (replica {replica} of {dp})", unit="sample",
-               dynamic_ncols=True, disable=(not is_main) if progress is None else not (progress and is_main))
+        logger.info(
+            "%s: %s, %d samples in %d batches%s",
+            spec.name,
+            spec.method.label(),
+            len(samples),
+            len(batches),
+            f", resuming after {len(done)} finished batches" if done else "",
+        )
+    bar = tqdm(
+        total=sum(len(batches[i]) for i in share),
+        initial=sum(len(batches[i]) for i in done),
+        desc=spec.name if dp == 1 else f"{spec.name} (replica {replica} of {dp})",
+        unit="sample",
+        dynamic_ncols=True,
+        disable=(not is_main) if progress is None else not (progress and is_main),
+    )
     started_at, start = utc_now(), time.perf_counter()
     try:
         if continuous:
-            stop = _serve_replica(model, tokenizer, samples, mine, spec, cfg, encode_fn, layout, shard, bar, folder,
-                                  comm)
+            stop = _serve_replica(
+                model, tokenizer, samples, mine, spec, cfg, encode_fn, layout, shard, bar, folder, comm
+            )
         else:
-            stop = _run_batches(model, tokenizer, batches, mine, spec, cfg, generate_fn, encode_fn, layout, shard,
-                                bar, folder, comm)
+            stop = _run_batches(
+                model, tokenizer, batches, mine, spec, cfg, generate_fn, encode_fn, layout, shard, bar, folder, comm
+            )
     finally:
         bar.close()
     part = None
@@ -463,8 +549,9 @@ def _run_state(folder: Path) -> dict[str, Any]:
     return {"finished": finished} if finished is not None else {"oom": results.read_oom_marker(folder)}
 
 
-def _refusal(spec: RunSpec, estimate: MemoryEstimate | None, budget: int | None,
-             state: dict[str, Any]) -> tuple[str, str] | None:
+def _refusal(
+    spec: RunSpec, estimate: MemoryEstimate | None, budget: int | None, state: dict[str, Any]
+) -> tuple[str, str] | None:
     """(message, oom_cause) of a run that is recorded as an OOM row without running, or None: over the budget on
     paper ("predicted"), or out of memory in the last run ("runtime": the marker it left)."""
     if spec.batch_size < 1:
@@ -473,8 +560,10 @@ def _refusal(spec: RunSpec, estimate: MemoryEstimate | None, budget: int | None,
         return over_budget_message(estimate, budget), "predicted"
     marker = state["oom"]
     if marker is not None:
-        return (f"rank {marker['rank']}, batch {marker['batch']}: {marker['error']} (out of memory in the last run; "
-                "recorded as an OOM row)"), "runtime"
+        return (
+            f"rank {marker['rank']}, batch {marker['batch']}: {marker['error']} (out of memory in the last run; "
+            "recorded as an OOM row)"
+        ), "runtime"
     return None
 
 
@@ -482,13 +571,20 @@ def _merge(folder: Path, parts: list[dict[str, Any] | None], cfg: RunConfig) -> 
     """The last rank to finish a run: the replicas' shards into the run's files and summary."""
     parts = [p for p in parts if p is not None]
     stops = [p["stop"] for p in parts if p.get("stop")]
-    summary = results.merge_run(folder, parts[0]["head"], parts, cfg.metric_for_task(),
-                                error=stops[0] if stops else None, cause="runtime")
+    summary = results.merge_run(
+        folder, parts[0]["head"], parts, cfg.metric_for_task(), error=stops[0] if stops else None, cause="runtime"
+    )
     if summary["status"] == "oom":
         logger.warning("%s: out of memory (%s); run marked OOM", summary["run"], stops[0])
     else:
-        logger.info("%s: %d samples, %s %.4f, %.2f tokens/s", summary["run"], summary["num_samples"],
-                    summary["metric"], summary["score"] or 0.0, summary["tokens_per_s"] or 0.0)
+        logger.info(
+            "%s: %d samples, %s %.4f, %.2f tokens/s",
+            summary["run"],
+            summary["num_samples"],
+            summary["metric"],
+            summary["score"] or 0.0,
+            summary["tokens_per_s"] or 0.0,
+        )
     return summary
 
 
@@ -503,13 +599,27 @@ def _end_on_oom(folder: Path, layout: Layout, comm: Collectives, spec: RunSpec, 
     path = results.write_oom_marker(folder, layout.rank, error, batch)
     comm.fail(f"out of memory in {spec.name}")
     where = f"batch {batch}" if batch >= 0 else "its requests"
-    raise RankOutOfMemory(f"{spec.name}: rank {layout.rank} ran out of memory in {where} ({error}); recorded in "
-                          f"{path}: run the same command again to record the OOM row and go on")
+    raise RankOutOfMemory(
+        f"{spec.name}: rank {layout.rank} ran out of memory in {where} ({error}); recorded in "
+        f"{path}: run the same command again to record the OOM row and go on"
+    )
 
 
-def _run_batches(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batches: list[list[Sample]],
-                 mine: list[int], spec: RunSpec, cfg: RunConfig, generate_fn: GenerateFn, encode_fn: EncodeFn,
-                 layout: Layout | None, shard: results.RunLog, bar, folder: Path, comm: Collectives) -> str | None:
+def _run_batches(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    batches: list[list[Sample]],
+    mine: list[int],
+    spec: RunSpec,
+    cfg: RunConfig,
+    generate_fn: GenerateFn,
+    encode_fn: EncodeFn,
+    layout: Layout | None,
+    shard: results.RunLog,
+    bar,
+    folder: Path,
+    comm: Collectives,
+) -> str | None:
     """This replica's unfinished batches ``mine``, each appended to its shard as it ends (by its tensor-parallel rank
     0, with the K/V peak of every rank). Returns an out-of-memory message (one process) or None."""
     replica = 0 if layout is None else layout.replica
@@ -542,9 +652,17 @@ def _run_batches(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, bat
     return None
 
 
-def _predict(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, batches: list[list[Sample]], spec: RunSpec,
-             cfg: RunConfig, tp: int, prompt_len: int | None, shape: ModelShape | None,
-             encode_fn: EncodeFn) -> MemoryEstimate | None:
+def _predict(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    batches: list[list[Sample]],
+    spec: RunSpec,
+    cfg: RunConfig,
+    tp: int,
+    prompt_len: int | None,
+    shape: ModelShape | None,
+    encode_fn: EncodeFn,
+) -> MemoryEstimate | None:
     """The planner's peak per rank of this run (None for a model without a config, e.g. a test double)."""
     if shape is None:
         shape = model_shape(model)
@@ -553,14 +671,32 @@ def _predict(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, batches
     if prompt_len is None:  # every batch is padded to its longest prompt
         prompt_len = max(int(encode_fn(tokenizer, [s.prompt for s in batch])[0].shape[-1]) for batch in batches)
     if cfg.scheduler == "continuous":
-        return predict_pool(shape, spec.method, max(spec.batch_size, 1), prompt_len, cfg.max_new_tokens,
-                            tp=tp, dtype=planned_dtype(cfg.dtype))
+        return predict_pool(
+            shape,
+            spec.method,
+            max(spec.batch_size, 1),
+            prompt_len,
+            cfg.max_new_tokens,
+            tp=tp,
+            dtype=planned_dtype(cfg.dtype),
+        )
     return predict_spec(shape, spec.method, max(spec.batch_size, 1), prompt_len, cfg.max_new_tokens, cfg.dtype, tp)
 
 
-def _serve_replica(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample],
-                   mine: list[int], spec: RunSpec, cfg: RunConfig, encode_fn: EncodeFn, layout: Layout | None,
-                   shard: results.RunLog, bar, folder: Path, comm: Collectives) -> str | None:
+def _serve_replica(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: Sequence[Sample],
+    mine: list[int],
+    spec: RunSpec,
+    cfg: RunConfig,
+    encode_fn: EncodeFn,
+    layout: Layout | None,
+    shard: results.RunLog,
+    bar,
+    folder: Path,
+    comm: Collectives,
+) -> str | None:
     """Continuous batching (``core.serve``) of this replica's samples ``mine`` in ``spec.batch_size`` slots.
 
     Each sample's records are appended to the replica's shard as it ends, its timing the run's prefill and decode
@@ -569,8 +705,10 @@ def _serve_replica(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
     """
     eos, pad = _special_ids(tokenizer)
     replica, tp_rank = (0, 0) if layout is None else (layout.replica, layout.tp_rank)
-    requests = [Request(encode_fn(tokenizer, [samples[i].prompt])[0][0].tolist(), cfg.max_new_tokens,
-                        seed=cfg.seed + i) for i in mine]
+    requests = [
+        Request(encode_fn(tokenizer, [samples[i].prompt])[0][0].tolist(), cfg.max_new_tokens, seed=cfg.seed + i)
+        for i in mine
+    ]
     metric, clock = cfg.metric_for_task(), [0.0, 0.0]
 
     def finished(j: int, out: RequestOutput) -> None:
@@ -578,15 +716,30 @@ def _serve_replica(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
         text = tokenizer.decode(cut_at_eos(out.tokens, out.num_generated, eos), skip_special_tokens=True)
         reference = list(sample.reference) if isinstance(sample.reference, tuple) else sample.reference
         score = metric_score(metric, text, reference)
-        record = {"id": sample.id, "prompt_tokens": len(requests[j].input_ids), "output": text,
-                  "reference": reference, "correct": None if score is None or metric == "rouge2" else score == 1.0,
-                  "generated_tokens": out.num_generated}
-        batch = {"batch": i, "replica": replica, "ids": [sample.id], "tokens_cut": [int(sample.tokens_cut)],
-                 "generated_tokens": out.num_generated, "prefill_s": out.run_prefill_s - clock[0],
-                 "decode_s": out.run_decode_s - clock[1], "peak_kv_bytes": out.kv_bytes,
-                 "peak_kv_bytes_per_rank": [out.kv_bytes], "peak_workspace_bytes": out.workspace_bytes,
-                 "cuda_max_memory_allocated": None, "slot": out.slot, "first_token_s": out.first_token_s,
-                 "latency_s": out.finished_s}
+        record = {
+            "id": sample.id,
+            "prompt_tokens": len(requests[j].input_ids),
+            "output": text,
+            "reference": reference,
+            "correct": None if score is None or metric == "rouge2" else score == 1.0,
+            "generated_tokens": out.num_generated,
+        }
+        batch = {
+            "batch": i,
+            "replica": replica,
+            "ids": [sample.id],
+            "tokens_cut": [int(sample.tokens_cut)],
+            "generated_tokens": out.num_generated,
+            "prefill_s": out.run_prefill_s - clock[0],
+            "decode_s": out.run_decode_s - clock[1],
+            "peak_kv_bytes": out.kv_bytes,
+            "peak_kv_bytes_per_rank": [out.kv_bytes],
+            "peak_workspace_bytes": out.workspace_bytes,
+            "cuda_max_memory_allocated": None,
+            "slot": out.slot,
+            "first_token_s": out.first_token_s,
+            "latency_s": out.finished_s,
+        }
         clock[:] = [out.run_prefill_s, out.run_decode_s]
         if tp_rank == 0:
             shard.append([record], [batch])
@@ -594,10 +747,22 @@ def _serve_replica(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
 
     error = None
     try:
-        serve(model, requests, spec.method, spec.batch_size, ignore_eos=cfg.ignore_eos, eos_token_id=eos,
-              pad_token_id=pad, do_sample=cfg.do_sample, temperature=cfg.temperature, top_k=cfg.top_k,
-              top_p=cfg.top_p, prefill_budget=cfg.prefill_budget, on_finish=finished,
-              tp_group=getattr(model, "batchmax_tp_group", None))
+        serve(
+            model,
+            requests,
+            spec.method,
+            spec.batch_size,
+            ignore_eos=cfg.ignore_eos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            do_sample=cfg.do_sample,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            prefill_budget=cfg.prefill_budget,
+            on_finish=finished,
+            tp_group=getattr(model, "batchmax_tp_group", None),
+        )
     except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
         if not is_oom(err):
             raise
@@ -611,26 +776,44 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
 
 
-def _run_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch: list[Sample], index: int,
-               spec: RunSpec, cfg: RunConfig, generate_fn: GenerateFn, encode_fn: EncodeFn,
-               replica: int) -> dict[str, Any]:
+def _run_batch(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: list[Sample],
+    index: int,
+    spec: RunSpec,
+    cfg: RunConfig,
+    generate_fn: GenerateFn,
+    encode_fn: EncodeFn,
+    replica: int,
+) -> dict[str, Any]:
     """Generate one batch: its per-sample records (``results.SAMPLE_KEYS``) and its batch record."""
-    out = generate_batch(model, tokenizer, [s.prompt for s in batch], spec.method, cfg, cfg.seed + index,
-                         generate_fn=generate_fn, encode_fn=encode_fn)
+    out = generate_batch(
+        model,
+        tokenizer,
+        [s.prompt for s in batch],
+        spec.method,
+        cfg,
+        cfg.seed + index,
+        generate_fn=generate_fn,
+        encode_fn=encode_fn,
+    )
     result = out.result
     metric = cfg.metric_for_task()
     samples = []
     for i, sample in enumerate(batch):
         reference = list(sample.reference) if isinstance(sample.reference, tuple) else sample.reference
         score = metric_score(metric, out.outputs[i], reference)
-        samples.append({
-            "id": sample.id,
-            "prompt_tokens": out.prompt_tokens[i],
-            "output": out.outputs[i],
-            "reference": reference,
-            "correct": None if score is None or metric == "rouge2" else score == 1.0,
-            "generated_tokens": out.num_generated[i],
-        })
+        samples.append(
+            {
+                "id": sample.id,
+                "prompt_tokens": out.prompt_tokens[i],
+                "output": out.outputs[i],
+                "reference": reference,
+                "correct": None if score is None or metric == "rouge2" else score == 1.0,
+                "generated_tokens": out.num_generated[i],
+            }
+        )
     record = {
         "batch": index,
         "replica": replica,

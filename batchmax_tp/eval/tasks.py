@@ -24,9 +24,10 @@ import logging
 import os
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 from .metrics import normalise_text
 
@@ -41,7 +42,7 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 #: A chat message, ``{"role": "user" | "assistant" | "system", "content": str}``.
 Message = dict[str, str]
 #: What a sample sends to the model: one user message, or a whole chat (shots + the question).
-Prompt = Union[str, Sequence[Message]]
+Prompt = str | Sequence[Message]
 
 
 @dataclass(frozen=True)
@@ -302,8 +303,7 @@ def load_task(
     if not test:
         raise ValueError(f"{source}: the {task.test_split} split is empty")
     examples = [(str(i), task.to_turn(test[i])) for i in select_indices(len(test), num_samples, seed)]
-    logger.info("%s: %d of %d %s samples, %d shots from %s", name, len(examples), len(test),
-                task.test_split, k, source)
+    logger.info("%s: %d of %d %s samples, %d shots from %s", name, len(examples), len(test), task.test_split, k, source)
     return TaskData(task=task, source=source, shots=shots, examples=examples, total=len(test))
 
 
@@ -368,6 +368,12 @@ def build_samples(
         samples.append(Sample(id=sample_id, prompt=messages, reference=turn.references, tokens_cut=cut))
     num_cut = sum(1 for s in samples if s.tokens_cut)
     if num_cut:
-        logger.info("%s: %d of %d prompts cut to max_input_tokens=%s (%d document tokens in all)",
-                    data.task.name, num_cut, len(samples), max_input_tokens, sum(s.tokens_cut for s in samples))
+        logger.info(
+            "%s: %d of %d prompts cut to max_input_tokens=%s (%d document tokens in all)",
+            data.task.name,
+            num_cut,
+            len(samples),
+            max_input_tokens,
+            sum(s.tokens_cut for s in samples),
+        )
     return samples

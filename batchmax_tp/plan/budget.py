@@ -33,9 +33,22 @@ from .tuner import find_b0, kv_grid, paper_plan, planned_b0
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunSpec", "SameMemoryRun", "STORY_BEST_RULE", "STORY_FKV_BATCH", "STORY_MAX_PROMPTS", "fmt_bytes",
-           "over_budget_message", "paper_specs", "planned_dtype", "predict_spec", "rule_slug", "run_dir_name",
-           "same_memory_plan", "story_methods"]
+__all__ = [
+    "RunSpec",
+    "SameMemoryRun",
+    "STORY_BEST_RULE",
+    "STORY_FKV_BATCH",
+    "STORY_MAX_PROMPTS",
+    "fmt_bytes",
+    "over_budget_message",
+    "paper_specs",
+    "planned_dtype",
+    "predict_spec",
+    "rule_slug",
+    "run_dir_name",
+    "same_memory_plan",
+    "story_methods",
+]
 
 
 def run_dir_name(method: str, batch_size: int, kv_max: int | None, rule: str = "paper") -> str:
@@ -89,23 +102,39 @@ def planned_dtype(dtype: str) -> str:
     return "float32" if dtype == "auto" else dtype
 
 
-def predict_spec(shape: ModelShape, method: Method, batch_size: int, prompt_len: int, max_new_tokens: int,
-                 dtype: str, tp: int = 1) -> MemoryEstimate:
+def predict_spec(
+    shape: ModelShape, method: Method, batch_size: int, prompt_len: int, max_new_tokens: int, dtype: str, tp: int = 1
+) -> MemoryEstimate:
     """The planner's ``MemoryEstimate`` per rank of a run of ``batch_size`` prompts padded to ``prompt_len``."""
     return predict(shape, method, batch_size, prompt_len, max_new_tokens, tp=tp, dtype=planned_dtype(dtype))
 
 
 def over_budget_message(estimate: MemoryEstimate, budget: int) -> str:
-    parts = (f"K/V {fmt_bytes(estimate.kv)}, score block {fmt_bytes(estimate.workspace)}, "
-             f"weights {fmt_bytes(estimate.weights)}, activations {fmt_bytes(estimate.activations)}")
-    return (f"predicted peak {fmt_bytes(estimate.total)} per rank ({estimate.total} bytes: {parts}) exceeds "
-            f"memory_budget {fmt_bytes(budget)} ({budget} bytes); not run")
+    parts = (
+        f"K/V {fmt_bytes(estimate.kv)}, score block {fmt_bytes(estimate.workspace)}, "
+        f"weights {fmt_bytes(estimate.weights)}, activations {fmt_bytes(estimate.activations)}"
+    )
+    return (
+        f"predicted peak {fmt_bytes(estimate.total)} per rank ({estimate.total} bytes: {parts}) exceeds "
+        f"memory_budget {fmt_bytes(budget)} ({budget} bytes); not run"
+    )
 
 
 # ---------------------------------------------------------------------- the paper's procedure
-def paper_specs(shape: ModelShape, prompt_len: int, *, budget: int, max_new_tokens: int, dtype: str, p: int,
-                rule: str, kv_values: Sequence[int] | None, num_samples: int, tp: int = 1,
-                fits: Callable[[int], bool] | None = None) -> tuple[list[RunSpec], dict]:
+def paper_specs(
+    shape: ModelShape,
+    prompt_len: int,
+    *,
+    budget: int,
+    max_new_tokens: int,
+    dtype: str,
+    p: int,
+    rule: str,
+    kv_values: Sequence[int] | None,
+    num_samples: int,
+    tp: int = 1,
+    fits: Callable[[int], bool] | None = None,
+) -> tuple[list[RunSpec], dict]:
     """The runs of the paper's procedure (``tuner.paper_plan``) and the plan as a dict (``OUT/plan.json``): b0, the
     prompt length, each run's predicted peak and whether it fits. ``rule``: BM's eviction rule, which also sizes BM's
     batches (a rule with a probe fits fewer samples than the paper's in the same memory).
@@ -116,22 +145,43 @@ def paper_specs(shape: ModelShape, prompt_len: int, *, budget: int, max_new_toke
     dtype = planned_dtype(dtype)
     guess = planned_b0(budget, shape, prompt_len, max_new_tokens, dtype=dtype, tp=tp, p=p)
     measured = find_b0(guess, fits) if fits is not None else None
-    plan = paper_plan(budget, shape, prompt_len, max_new_tokens, dtype=dtype, tp=tp, p=p,
-                      num_samples=num_samples, kv_values=grid, b0=measured, rule=rule)
+    plan = paper_plan(
+        budget,
+        shape,
+        prompt_len,
+        max_new_tokens,
+        dtype=dtype,
+        tp=tp,
+        p=p,
+        num_samples=num_samples,
+        kv_values=grid,
+        b0=measured,
+        rule=rule,
+    )
     specs = [RunSpec(m, b) for m, b in plan]
     b0 = specs[0].batch_size
     adjusted = None
     for spec in specs:
         if spec.method.name == "fkv" and spec.batch_size < b0 - 1:
-            adjusted = (f"FKV at b0 - 1 = {b0 - 1} is predicted over the budget; it runs at b = {spec.batch_size}, "
-                        f"the largest batch that fits (only its metric is used)")
+            adjusted = (
+                f"FKV at b0 - 1 = {b0 - 1} is predicted over the budget; it runs at b = {spec.batch_size}, "
+                f"the largest batch that fits (only its metric is used)"
+            )
             logger.warning("paper procedure: %s", adjusted)
     rows = []
     for spec in specs:
         est = predict(shape, spec.method, spec.batch_size, prompt_len, max_new_tokens, tp=tp, dtype=dtype)
-        rows.append({"run": spec.name, "method": spec.method.name, "rule": spec.method.rule,
-                     "batch_size": spec.batch_size,
-                     "kv_max": spec.kv_max, "predicted_peak_bytes": est.total, "fits": est.total <= budget})
+        rows.append(
+            {
+                "run": spec.name,
+                "method": spec.method.name,
+                "rule": spec.method.rule,
+                "batch_size": spec.batch_size,
+                "kv_max": spec.kv_max,
+                "predicted_peak_bytes": est.total,
+                "fits": est.total <= budget,
+            }
+        )
     planned = {s.kv_max for s in specs if s.method.name == "bm"}
     info = {
         "procedure": "paper",
@@ -143,23 +193,35 @@ def paper_specs(shape: ModelShape, prompt_len: int, *, budget: int, max_new_toke
         "b0": b0,
         "b0_source": "planner" if measured is None else "measured",
         "b0_planned": guess,
-        "b0_note": (f"b0 = {b0} from the planner's prediction (no real out-of-memory search on this device)"
-                    if measured is None else f"b0 = {b0} found by real ED trials on the device (the planner "
-                    f"predicted {guess}; trials in b0-trials/)"),
+        "b0_note": (
+            f"b0 = {b0} from the planner's prediction (no real out-of-memory search on this device)"
+            if measured is None
+            else f"b0 = {b0} found by real ED trials on the device (the planner "
+            f"predicted {guess}; trials in b0-trials/)"
+        ),
         "adjusted": adjusted,
         "kv_values": grid,
         "kv_values_without_a_fitting_batch": [k for k in grid if k not in planned],
         "runs": rows,
     }
-    logger.info("paper procedure: budget %s, longest prompt %d tokens, b0 = %d (ED kv_max 2 does not fit); runs: %s",
-                fmt_bytes(budget), prompt_len, b0, ", ".join(s.name for s in specs))
+    logger.info(
+        "paper procedure: budget %s, longest prompt %d tokens, b0 = %d (ED kv_max 2 does not fit); runs: %s",
+        fmt_bytes(budget),
+        prompt_len,
+        b0,
+        ", ".join(s.name for s in specs),
+    )
     if info["kv_values_without_a_fitting_batch"]:
-        logger.warning("paper procedure: no batch dividing %d fits BM with kv_max %s", num_samples,
-                       info["kv_values_without_a_fitting_batch"])
+        logger.warning(
+            "paper procedure: no batch dividing %d fits BM with kv_max %s",
+            num_samples,
+            info["kv_values_without_a_fitting_batch"],
+        )
     big = [s.name for s in specs[1:] if s.batch_size > num_samples]
     if big:
-        logger.warning("paper procedure: %s ask for more than the %d samples; their batches hold %d", big,
-                       num_samples, num_samples)
+        logger.warning(
+            "paper procedure: %s ask for more than the %d samples; their batches hold %d", big, num_samples, num_samples
+        )
     return specs, info
 
 
@@ -177,8 +239,12 @@ def story_methods(kv_max: dict[str, int | None], p: int, rule: str = "paper") ->
     """FKV, ED, the paper's BM and BM with ``rule`` (:data:`STORY_BEST_RULE` when ``rule`` is the paper's), with
     ``kv_max`` per method name and ``p``."""
     best = rule if rule != "paper" else STORY_BEST_RULE
-    return [Method("fkv", p=p), Method("ed", kv_max=kv_max["ed"], p=p), Method("bm", kv_max=kv_max["bm"], p=p),
-            Method("bm", kv_max=kv_max["bm"], p=p, rule=best)]
+    return [
+        Method("fkv", p=p),
+        Method("ed", kv_max=kv_max["ed"], p=p),
+        Method("bm", kv_max=kv_max["bm"], p=p),
+        Method("bm", kv_max=kv_max["bm"], p=p, rule=best),
+    ]
 
 
 @dataclass(frozen=True)
@@ -223,8 +289,13 @@ def same_memory_plan(
     peak_of = predict_pool if scheduler == "continuous" else predict
     prompts = max(num_samples, min(max(fits, default=0), max_prompts))
     if max(fits, default=0) > prompts:
-        logger.info("same-memory run: the largest fitting batch is %d; the run answers %d prompts (at most %d, "
-                    "STORY_MAX_PROMPTS), so no batch is larger", max(fits), prompts, max_prompts)
+        logger.info(
+            "same-memory run: the largest fitting batch is %d; the run answers %d prompts (at most %d, "
+            "STORY_MAX_PROMPTS), so no batch is larger",
+            max(fits),
+            prompts,
+            max_prompts,
+        )
     runs = []
     for method, fit in zip(methods, fits):
         batch = min(fit, prompts)

@@ -118,8 +118,16 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_new_tokens: int, *, tp: int = 1,
-            dtype: str = "float32") -> MemoryEstimate:
+def predict(
+    shape: ModelShape,
+    method: Method,
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    tp: int = 1,
+    dtype: str = "float32",
+) -> MemoryEstimate:
     """Peak memory per rank of generating ``max_new_tokens`` for ``batch`` prompts padded to ``prompt_len``."""
     nbytes = DTYPE_BYTES[dtype]
     q_heads, kv_heads = shape.local_heads(tp)
@@ -140,19 +148,34 @@ def predict(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_
 
     phases = plan(method, prompt_len, 1)  # the prefill blocks and probe passes
     held, probe_values, state = _bookkeeping(shape, method, batch, phases, cap, q_heads, kv_heads, nbytes)
-    passes = _prefill_passes(shape, method, batch, phases, cap, q_heads, kv_heads, nbytes, per_token,
-                             probe_values, state)
+    passes = _prefill_passes(
+        shape, method, batch, phases, cap, q_heads, kv_heads, nbytes, per_token, probe_values, state
+    )
     if max_new_tokens > 1:  # decode steps: one query over the slots held (never more than cap), no mask
         decode_slots = min(cap, prompt_len + max_new_tokens - 1)
-        passes.append((batch * per_token + logits,
-                       decode_workspace_bytes(batch, q_heads, kv_heads, decode_slots, shape.head_dim, nbytes), 0))
+        passes.append(
+            (
+                batch * per_token + logits,
+                decode_workspace_bytes(batch, q_heads, kv_heads, decode_slots, shape.head_dim, nbytes),
+                0,
+            )
+        )
     activations, workspace, transient = max(passes, key=sum)
     return MemoryEstimate(kv, workspace, weights, activations, held + transient)
 
 
-def baseline_workspace(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_new_tokens: int, *,
-                       tp: int = 1, dtype: str = "float32", padded: bool = True,
-                       impls: tuple[str, ...] | None = None) -> int:
+def baseline_workspace(
+    shape: ModelShape,
+    method: Method,
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    tp: int = 1,
+    dtype: str = "float32",
+    padded: bool = True,
+    impls: tuple[str, ...] | None = None,
+) -> int:
     """The largest attention workspace per rank of an FKV/ED pass (``core.workspace.dense_workspace_bytes``): the
     prefill (one block over the prompt) or a decode step (FKV's last: over prompt + generation, the prompt's pads
     still held when ``padded``; ED's: no pad left after its first eviction). ``impls``: the attention
@@ -169,8 +192,11 @@ def baseline_workspace(shape: ModelShape, method: Method, batch: int, prompt_len
             passes.append((1, capacity(method, prompt_len, max_new_tokens), padded))
         else:
             passes.append((1, min(method.kv_max, prompt_len + 1), False))
-    return max(dense_workspace_bytes(batch, q_heads, kv_heads, shape.head_dim, n, slots, nbytes, padded=masked,
-                                     impl=impl) for impl in impls for n, slots, masked in passes)
+    return max(
+        dense_workspace_bytes(batch, q_heads, kv_heads, shape.head_dim, n, slots, nbytes, padded=masked, impl=impl)
+        for impl in impls
+        for n, slots, masked in passes
+    )
 
 
 def _per_token(shape: ModelShape, tp: int, nbytes: int) -> int:
@@ -181,9 +207,20 @@ def _per_token(shape: ModelShape, tp: int, nbytes: int) -> int:
     return (3 * shape.hidden + (q_heads + 2 * kv_heads) * shape.head_dim + 3 * local_inter) * nbytes
 
 
-def _prefill_passes(shape: ModelShape, method: Method, batch: int, phases: list[Phase], cap: int, q_heads: int,
-                    kv_heads: int, nbytes: int, per_token: int, probe_values: int, state: int,
-                    padded: bool = True) -> list[tuple[int, int, int]]:
+def _prefill_passes(
+    shape: ModelShape,
+    method: Method,
+    batch: int,
+    phases: list[Phase],
+    cap: int,
+    q_heads: int,
+    kv_heads: int,
+    nbytes: int,
+    per_token: int,
+    probe_values: int,
+    state: int,
+    padded: bool = True,
+) -> list[tuple[int, int, int]]:
     """(activations, attention workspace, prefill-only bookkeeping) of each BM prefill block and probe pass
     (``padded``: the blocks come with a token mask, as the static engine's do; a pool's slot prefills without)."""
     logits = batch * shape.vocab * 4
@@ -192,22 +229,35 @@ def _prefill_passes(shape: ModelShape, method: Method, batch: int, phases: list[
     for phase in phases:
         if phase.kind == "probe":
             probed = True
-            passes.append((batch * phase.size * per_token,
-                           probe_workspace_bytes(batch, q_heads, kv_heads, phase.size, slots, shape.head_dim,
-                                                 nbytes), probe_values + state))
+            passes.append(
+                (
+                    batch * phase.size * per_token,
+                    probe_workspace_bytes(batch, q_heads, kv_heads, phase.size, slots, shape.head_dim, nbytes),
+                    probe_values + state,
+                )
+            )
             continue
         # Queries attend over the slots written so far (the cache's high-water mark): in order until the first
         # eviction, then all ``cap``. The engine passes a token mask with prefill blocks.
         ordered = slots < cap and phase.end <= cap
         slots = min(cap, phase.end) if ordered else cap
-        ws = workspace_bytes(batch, q_heads, kv_heads, phase.size, slots, shape.head_dim, ordered=ordered,
-                             padded=padded, elem=nbytes)
+        ws = workspace_bytes(
+            batch, q_heads, kv_heads, phase.size, slots, shape.head_dim, ordered=ordered, padded=padded, elem=nbytes
+        )
         passes.append((batch * phase.size * per_token + logits, ws, probe_values + (state if probed else 0)))
     return passes
 
 
-def predict_pool(shape: ModelShape, method: Method, slots: int, prompt_len: int, max_new_tokens: int, *,
-                 tp: int = 1, dtype: str = "float32") -> MemoryEstimate:
+def predict_pool(
+    shape: ModelShape,
+    method: Method,
+    slots: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    tp: int = 1,
+    dtype: str = "float32",
+) -> MemoryEstimate:
     """Peak memory per rank of continuous batching (``core.serve``) in ``slots`` slots, for requests of at most
     ``prompt_len`` prompt tokens and ``max_new_tokens`` new tokens. Constant for the whole run:
 
@@ -226,27 +276,35 @@ def predict_pool(shape: ModelShape, method: Method, slots: int, prompt_len: int,
     weights = shape.weights_per_rank(tp) * nbytes
     cap = capacity(method, prompt_len, max_new_tokens) if method.name != "ed" else method.kv_max
     kv = 2 * slots * L * kv_heads * (cap + 1) * D * nbytes
-    decode = (slots * per_token + slots * shape.vocab * 4,
-              decode_workspace_bytes(slots, q_heads, kv_heads, cap, D, nbytes) if max_new_tokens > 1 else 0, 0)
+    decode = (
+        slots * per_token + slots * shape.vocab * 4,
+        decode_workspace_bytes(slots, q_heads, kv_heads, cap, D, nbytes) if max_new_tokens > 1 else 0,
+        0,
+    )
     if method.name != "bm":
         if method.name == "ed":
             kv += 2 * L * kv_heads * prompt_len * D * nbytes  # the staging cache of the slot being prefilled
         # A slot's prefill: unpadded, causal SDPA (the "batchmax" attention hands it over): no mask, no K/V copies.
-        prefill = (prompt_len * per_token + shape.vocab * 4,
-                   dense_workspace_bytes(1, q_heads, kv_heads, D, prompt_len, prompt_len, nbytes, padded=False), 0)
+        prefill = (
+            prompt_len * per_token + shape.vocab * 4,
+            dense_workspace_bytes(1, q_heads, kv_heads, D, prompt_len, prompt_len, nbytes, padded=False),
+            0,
+        )
         activations, workspace, _ = max(prefill, decode, key=sum)
         return MemoryEstimate(kv, workspace, weights, activations, 0)
     phases = plan(method, prompt_len, 1)
     held = slots * L * kv_heads * (cap + 1) * (8 + 4 + nbytes + 8)  # pos, score, bias, free list per row
     _, probe_values, state = _bookkeeping(shape, method, 1, phases, cap, q_heads, kv_heads, nbytes)
-    passes = _prefill_passes(shape, method, 1, phases, cap, q_heads, kv_heads, nbytes, per_token, probe_values, state,
-                             padded=False)
+    passes = _prefill_passes(
+        shape, method, 1, phases, cap, q_heads, kv_heads, nbytes, per_token, probe_values, state, padded=False
+    )
     activations, workspace, transient = max([*passes, decode], key=sum)
     return MemoryEstimate(kv, workspace, weights, activations, held + transient)
 
 
-def pool_bookkeeping_bytes(shape: ModelShape, method: Method, slots: int, prompt_len: int, *, tp: int = 1,
-                           dtype: str = "float32") -> int:
+def pool_bookkeeping_bytes(
+    shape: ModelShape, method: Method, slots: int, prompt_len: int, *, tp: int = 1, dtype: str = "float32"
+) -> int:
     """The most bookkeeping a BM pool holds at once (what ``ServeOutput.peak_meta_bytes`` measures): every row's
     position, attention sum, additive mask and free list, and the look-ahead probe's prefill-only values and
     stored queries of the one slot being prefilled; 0 for FKV/ED."""
@@ -255,20 +313,40 @@ def pool_bookkeeping_bytes(shape: ModelShape, method: Method, slots: int, prompt
     q_heads, kv_heads = shape.local_heads(tp)
     nbytes = DTYPE_BYTES[dtype]
     held = slots * shape.layers * kv_heads * (method.kv_max + 1) * (8 + 4 + nbytes + 8)
-    _, probe_values, state = _bookkeeping(shape, method, 1, plan(method, prompt_len, 1), method.kv_max, q_heads,
-                                          kv_heads, nbytes)
+    _, probe_values, state = _bookkeeping(
+        shape, method, 1, plan(method, prompt_len, 1), method.kv_max, q_heads, kv_heads, nbytes
+    )
     return held + probe_values + state
 
 
-def max_slots(budget_bytes: int, shape: ModelShape, method: Method, prompt_len: int, max_new_tokens: int, *,
-              tp: int = 1, dtype: str = "float32", limit: int = 1 << 16) -> int:
+def max_slots(
+    budget_bytes: int,
+    shape: ModelShape,
+    method: Method,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    tp: int = 1,
+    dtype: str = "float32",
+    limit: int = 1 << 16,
+) -> int:
     """The most slots whose pool (``predict_pool``) fits ``budget_bytes`` (0 if not even one does)."""
-    return _largest(lambda n: predict_pool(shape, method, n, prompt_len, max_new_tokens, tp=tp,
-                                           dtype=dtype).total <= budget_bytes, limit)
+    return _largest(
+        lambda n: predict_pool(shape, method, n, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total <= budget_bytes,
+        limit,
+    )
 
 
-def _bookkeeping(shape: ModelShape, method: Method, batch: int, phases: list[Phase], cap: int, q_heads: int,
-                 kv_heads: int, nbytes: int) -> tuple[int, int, int]:
+def _bookkeeping(
+    shape: ModelShape,
+    method: Method,
+    batch: int,
+    phases: list[Phase],
+    cap: int,
+    q_heads: int,
+    kv_heads: int,
+    nbytes: int,
+) -> tuple[int, int, int]:
     """BM's bookkeeping bytes: (held all run: position, attention sum, additive mask per slot; the probe's values per
     slot, prefill only; the stored probe state of a rule with ``every > 1``, from its first probe pass on)."""
     held = batch * shape.layers * kv_heads * cap * (8 + 4 + nbytes)  # pos (int64), score (float32), bias
@@ -276,29 +354,51 @@ def _bookkeeping(shape: ModelShape, method: Method, batch: int, phases: list[Pha
         return held, 0, 0
     probe_values = batch * shape.layers * kv_heads * cap * 4
     w = max((ph.size for ph in phases if ph.kind == "probe"), default=0)
-    state = batch * shape.layers * probe_state_bytes(1, q_heads, w, shape.head_dim, nbytes) \
-        if w and method.probe_every > 1 else 0
+    state = (
+        batch * shape.layers * probe_state_bytes(1, q_heads, w, shape.head_dim, nbytes)
+        if w and method.probe_every > 1
+        else 0
+    )
     return held, probe_values, state  # the probe values are allocated with the cache, probe pass or not
 
 
-def bookkeeping_bytes(shape: ModelShape, method: Method, batch: int, prompt_len: int, max_new_tokens: int, *,
-                      tp: int = 1, dtype: str = "float32") -> int:
+def bookkeeping_bytes(
+    shape: ModelShape,
+    method: Method,
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    tp: int = 1,
+    dtype: str = "float32",
+) -> int:
     """The most per-slot bookkeeping BM holds at once (what ``BatchMaxCache.peak_meta_bytes`` measures); 0 for
     FKV/ED, which run on the baselines' cache."""
     if method.name != "bm":
         return 0
     q_heads, kv_heads = shape.local_heads(tp)
     cap = capacity(method, prompt_len, max_new_tokens)
-    return sum(_bookkeeping(shape, method, batch, plan(method, prompt_len, 1), cap, q_heads, kv_heads,
-                            DTYPE_BYTES[dtype]))
+    return sum(
+        _bookkeeping(shape, method, batch, plan(method, prompt_len, 1), cap, q_heads, kv_heads, DTYPE_BYTES[dtype])
+    )
 
 
-def max_batch(budget_bytes: int, shape: ModelShape, method: Method, prompt_len: int, max_new_tokens: int, *,
-              tp: int = 1, dtype: str = "float32", limit: int = 1 << 16) -> int:
+def max_batch(
+    budget_bytes: int,
+    shape: ModelShape,
+    method: Method,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    tp: int = 1,
+    dtype: str = "float32",
+    limit: int = 1 << 16,
+) -> int:
     """The largest batch whose predicted peak fits ``budget_bytes`` (0 if not even one sample fits)."""
 
-    return _largest(lambda b: predict(shape, method, b, prompt_len, max_new_tokens, tp=tp,
-                                      dtype=dtype).total <= budget_bytes, limit)
+    return _largest(
+        lambda b: predict(shape, method, b, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total <= budget_bytes, limit
+    )
 
 
 def _largest(fits, limit: int) -> int:
@@ -319,11 +419,21 @@ def parse_bytes(text: str | int) -> int:
     """'24GiB', '512MiB', '1.5GB', '123456' -> bytes."""
     if isinstance(text, int):
         return text
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
     t = text.strip().lower().replace(" ", "")
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
+    unit = t[len(num) :]
     try:
         value = float(num)
     except ValueError:

@@ -19,16 +19,44 @@ overflow the budget under another.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
-from .planner import ModelShape, max_batch
 from ..core.method import Method, min_kv_max
+from .planner import ModelShape, max_batch
 
 logger = logging.getLogger(__name__)
 
-PAPER_BATCHES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, 24, 30, 32, 40, 48, 60, 64, 80, 96, 120, 160, 192, 240,
-                 320, 480, 960)  # divisors of 960, the paper's sample count
+PAPER_BATCHES = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    8,
+    10,
+    12,
+    15,
+    16,
+    20,
+    24,
+    30,
+    32,
+    40,
+    48,
+    60,
+    64,
+    80,
+    96,
+    120,
+    160,
+    192,
+    240,
+    320,
+    480,
+    960,
+)  # divisors of 960, the paper's sample count
 
 
 @dataclass
@@ -52,13 +80,17 @@ class TuneResult:
     trials: list[Trial] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"best": None if self.best is None else asdict(self.best), "fkv": asdict(self.fkv),
-                "target_metric": self.target_metric, "trials": [asdict(t) for t in self.trials]}
+        return {
+            "best": None if self.best is None else asdict(self.best),
+            "fkv": asdict(self.fkv),
+            "target_metric": self.target_metric,
+            "trials": [asdict(t) for t in self.trials],
+        }
 
 
 def kv_grid(prompt_len: int, step: int = 128, p: int = 64, rule: str = "paper") -> list[int]:
-    """Multiples of ``step`` that BM with ``p`` and ``rule`` can run with (``core.method.min_kv_max``) and below the prompt
-    length (beyond it BM never evicts in prefill)."""
+    """Multiples of ``step`` that BM with ``p`` and ``rule`` can run with (``core.method.min_kv_max``) and below the
+    prompt length (beyond it BM never evicts in prefill)."""
     return [k for k in range(step, prompt_len + step, step) if k >= min_kv_max(p, rule)]
 
 
@@ -67,8 +99,17 @@ def divisor_batches(num_samples: int, limit: int) -> list[int]:
     return [b for b in range(1, min(limit, num_samples) + 1) if num_samples % b == 0]
 
 
-def largest_batch(budget: int, shape: ModelShape, method: Method, prompt_len: int, new: int, *, dtype: str,
-                  tp: int = 1, batches: list[int] | None = None) -> int:
+def largest_batch(
+    budget: int,
+    shape: ModelShape,
+    method: Method,
+    prompt_len: int,
+    new: int,
+    *,
+    dtype: str,
+    tp: int = 1,
+    batches: list[int] | None = None,
+) -> int:
     """Largest fitting batch, restricted to ``batches`` when given (0 when nothing fits)."""
     b = max_batch(budget, shape, method, prompt_len, new, tp=tp, dtype=dtype)
     if batches is not None:
@@ -76,8 +117,9 @@ def largest_batch(budget: int, shape: ModelShape, method: Method, prompt_len: in
     return b
 
 
-def planned_b0(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dtype: str, tp: int = 1,
-               p: int = 64) -> int:
+def planned_b0(
+    budget: int, shape: ModelShape, prompt_len: int, new: int, *, dtype: str, tp: int = 1, p: int = 64
+) -> int:
     """The planner's b0: the smallest batch at which ED (kv_max 2) does not fit ``budget``."""
     return max_batch(budget, shape, Method("ed", kv_max=2, p=p), prompt_len, new, tp=tp, dtype=dtype) + 1
 
@@ -103,9 +145,20 @@ def find_b0(start: int, fits: Callable[[int], bool], limit: int = 1 << 16) -> in
     return hi
 
 
-def paper_plan(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dtype: str, tp: int = 1,
-               p: int = 64, num_samples: int = 960, kv_values: list[int] | None = None,
-               b0: int | None = None, rule: str = "paper") -> list[tuple[Method, int]]:
+def paper_plan(
+    budget: int,
+    shape: ModelShape,
+    prompt_len: int,
+    new: int,
+    *,
+    dtype: str,
+    tp: int = 1,
+    p: int = 64,
+    num_samples: int = 960,
+    kv_values: list[int] | None = None,
+    b0: int | None = None,
+    rule: str = "paper",
+) -> list[tuple[Method, int]]:
     """The runs of the paper's procedure: ED (kv_max 2) at b0 (the smallest batch that does not fit: an OOM row),
     ED (2 and 65) and FKV at b0 - 1, then BM with ``rule`` at each kv_max's largest fitting divisor batch (sized
     with that rule). ``b0``: measured by real trials (:func:`find_b0`, on CUDA); None = the planner's
@@ -129,9 +182,22 @@ def paper_plan(budget: int, shape: ModelShape, prompt_len: int, new: int, *, dty
     return runs
 
 
-def tune(evaluate: Callable[[Method, int], Trial], budget: int, shape: ModelShape, prompt_len: int, new: int, *,
-         target: float = 0.95, dtype: str = "float32", tp: int = 1, p: int = 64, kv_values: list[int] | None = None,
-         batches: list[int] | None = None, neighbours: int = 2, rule: str = "paper") -> TuneResult:
+def tune(
+    evaluate: Callable[[Method, int], Trial],
+    budget: int,
+    shape: ModelShape,
+    prompt_len: int,
+    new: int,
+    *,
+    target: float = 0.95,
+    dtype: str = "float32",
+    tp: int = 1,
+    p: int = 64,
+    kv_values: list[int] | None = None,
+    batches: list[int] | None = None,
+    neighbours: int = 2,
+    rule: str = "paper",
+) -> TuneResult:
     """Highest-throughput BM (b, kv_max) whose metric is at least ``target`` x FKV's, under ``budget``. BM runs
     with ``rule``, and each of its batches is sized with it; ``evaluate`` gets that method."""
     cache: dict[tuple, Trial] = {}
@@ -154,8 +220,9 @@ def tune(evaluate: Callable[[Method, int], Trial], budget: int, shape: ModelShap
     grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p, rule)) if k >= min_kv_max(p, rule)]
     fitting = []  # (kv_max, batch) that fit, ascending kv_max
     for k in grid:
-        b = largest_batch(budget, shape, Method("bm", kv_max=k, p=p, rule=rule), prompt_len, new, dtype=dtype,
-                          tp=tp, batches=batches)
+        b = largest_batch(
+            budget, shape, Method("bm", kv_max=k, p=p, rule=rule), prompt_len, new, dtype=dtype, tp=tp, batches=batches
+        )
         if b:
             fitting.append((k, b))
     if not fitting:

@@ -27,8 +27,9 @@ HEAD = "Read the text below carefully; a question about it follows."
 
 
 def main() -> None:
-    from batchmax_tp.models import embedded_model_dir
     from transformers import AutoTokenizer
+
+    from batchmax_tp.models import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     count = lambda text: len(tok.encode(text))  # noqa: E731 - the task's context, no template
@@ -43,12 +44,21 @@ def main() -> None:
         others = rng.sample([f["answer"] for f in facts if f["answer"] != fact["answer"]], 3)
         choices = [fact["answer"], *others]
         rng.shuffle(choices)
-        mc.append({"id": i, "context": text.strip(), "question": fact["question"], "choices": choices,
-                   "label": choices.index(fact["answer"]), "depth": depth})
+        mc.append(
+            {
+                "id": i,
+                "context": text.strip(),
+                "question": fact["question"],
+                "choices": choices,
+                "label": choices.index(fact["answer"]),
+                "depth": depth,
+            }
+        )
         needle = br.passkey_needle(rng, fx.passkey)
         text, _ = br.build_prompt(count, rng, fx, TARGET, HEAD, "", [(depth, needle.statement)])
-        keys.append({"id": i, "context": text.strip(), "question": needle.question, "answer": needle.answer,
-                     "depth": depth})
+        keys.append(
+            {"id": i, "context": text.strip(), "question": needle.question, "answer": needle.answer, "depth": depth}
+        )
     out = Path(__file__).resolve().parent / "data"
     out.mkdir(exist_ok=True)
     for name, rows in (("needle_mc.jsonl", mc), ("passkey.jsonl", keys)):
