@@ -1,23 +1,23 @@
 """Eviction methods: Batch-Max (BM), extreme decoding-only (ED) and the full cache (FKV).
 
-A method is a small validated dataclass. Scoring is pure tensor math on one cache layer's slot state:
-``score() -> sort (cache.slots_to_evict) -> the first n slots are evicted``. Lower scores are evicted first;
-empty and pad slots score ``-inf``; exact score ties evict the older pair (smaller position) first, so the kept set
-is deterministic and identical on every tensor-parallel rank that holds the same head.
+A method is a small validated dataclass, one class per method (``FullCache``, ``ExtremeDecoding``, ``BatchMax``)
+registered by name in ``METHODS``; nothing outside this module compares method names. Scoring is pure tensor math
+on one cache layer's slot state: ``priority() -> sort (cache.slots_to_evict) -> the first n slots are evicted``.
+Lower scores are evicted first; empty and pad slots score ``-inf``; exact score ties evict the older pair (smaller
+position) first, so the kept set is deterministic and identical on every tensor-parallel rank that holds the same
+head.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from .rules import Rule, get_rule
 
 if TYPE_CHECKING:  # tensors arrive as arguments: this module imports no torch (config validation stays instant)
     from torch import Tensor
-
-METHODS = ("bm", "ed", "fkv")
 
 
 def min_kv_max(p: int, rule: str = "paper") -> int:
@@ -28,16 +28,12 @@ def min_kv_max(p: int, rule: str = "paper") -> int:
 
 @dataclass(frozen=True)
 class Method:
-    """What to keep in a bounded KV cache.
+    """What to keep in a KV cache: one subclass per method, registered by its ``name`` (``METHODS``).
 
-    - ``bm``: Batch-Max (paper, Algorithm 1 + average attention). The cache never holds more than ``kv_max``
-      pairs per (sample, KV head), during prefill too; ``p`` pairs are evicted whenever a block does not fit.
-    - ``ed``: extreme decoding-only eviction (Algorithm 3): the whole prompt is prefilled at once, then only
-      the newest pair is kept, and again whenever the cache reaches ``kv_max`` pairs.
-    - ``fkv``: full cache, never evicts (``kv_max`` is ignored).
-
-    ``rule`` names BM's eviction rule (``core.rules``; default the paper's average attention); ED and FKV
-    take only the default.
+    ``Method("bm", kv_max=512)`` parses a name into its class (``BatchMax(kv_max=512)``); each class owns what
+    differs between methods: its validation, schedule (``capacity``, ``prefill_blocks``, ``num_to_evict``), its
+    eviction priority and its label. ``rule`` names BM's eviction rule (``core.rules``; default the paper's
+    average attention); ED and FKV take only the default.
     """
 
     name: str
@@ -45,32 +41,43 @@ class Method:
     p: int = 64
     rule: str = "paper"
 
+    #: Whether the prefill itself is bounded by ``kv_max`` (BM's blocks).
+    bounded: ClassVar[bool] = False
+    #: Whether the method ever evicts (``kv_max`` applies).
+    evicts: ClassVar[bool] = True
+    #: The kv_max a run gets when none is given.
+    default_kv_max: ClassVar[int | None] = None
+    #: The smallest kv_max the method runs with.
+    least_kv_max: ClassVar[int] = 1
+
+    def __new__(cls, name: str | None = None, *args, **kwargs):
+        if cls is Method:  # the registry: a name parses into its class
+            cls = method_type(name)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
-        if self.name not in METHODS:
-            raise ValueError(f"unknown method {self.name!r}: choose one of {', '.join(METHODS)}")
+        if type(self) is not METHODS.get(self.name):
+            raise ValueError(f"{type(self).__name__} is method {type(self).name!r}, not {self.name!r}")
         if not isinstance(self.p, int) or self.p < 1:
             raise ValueError(f"p must be an integer >= 1, got {self.p!r}")
-        rule = get_rule(self.rule)  # ValueError naming the rules for an unknown one
-        if self.name != "bm" and self.rule != "paper":
+        get_rule(self.rule)  # ValueError naming the rules for an unknown one
+        if self.rule != "paper" and not self.takes_rule:
             raise ValueError(f"rule {self.rule!r} applies to method 'bm' only, not {self.name!r}")
-        if self.name == "fkv":
-            return
-        if not isinstance(self.kv_max, int):
-            raise ValueError(f"kv_max must be an integer for method {self.name!r}, got {self.kv_max!r}")
-        if self.name == "bm" and self.kv_max <= self.p:
-            raise ValueError(f"kv_max must be > p for method 'bm', got kv_max={self.kv_max} p={self.p}")
-        if self.name == "bm" and self.kv_max < min_kv_max(self.p, self.rule):
-            raise ValueError(
-                f"rule {self.rule!r} protects {rule.protected()} pairs: kv_max must be >= p + "
-                f"{rule.protected()}, got kv_max={self.kv_max} p={self.p}"
-            )
-        if self.name == "ed" and self.kv_max < 2:
-            raise ValueError(f"kv_max must be >= 2 for method 'ed', got {self.kv_max}")
+        if self.evicts:
+            if not isinstance(self.kv_max, int):
+                raise ValueError(f"kv_max must be an integer for method {self.name!r}, got {self.kv_max!r}")
+            self.validate_kv_max()
 
+    def validate_kv_max(self) -> None:
+        """ValueError when ``kv_max`` is too small for the method."""
+        if self.kv_max < self.least_kv_max:
+            raise ValueError(f"kv_max must be >= {self.least_kv_max} for method {self.name!r}, got {self.kv_max}")
+
+    # -- identity --------------------------------------------------------------------------------------------
     @property
-    def bounded(self) -> bool:
-        """Whether the prefill itself is bounded by ``kv_max`` (only BM)."""
-        return self.name == "bm"
+    def takes_rule(self) -> bool:
+        """Whether ``rule`` chooses anything (only BM's eviction has rules)."""
+        return False
 
     @cached_property
     def scorer(self) -> Rule:
@@ -80,18 +87,30 @@ class Method:
     @property
     def lookahead(self) -> int:
         """Look-ahead probe tokens of BM's probe passes (0 for rules without a probe)."""
-        return self.scorer.lookahead() if self.name == "bm" else 0
+        return 0
 
     @property
     def probe_every(self) -> int:
         """A probe pass follows every this many prefill blocks (``Rule.probe_every``; 1 without a probe)."""
         return self.scorer.probe_every() if self.lookahead else 1
 
+    @property
+    def held_kv_max(self) -> int | None:
+        """``kv_max`` where it bounds the cache, None for the full cache."""
+        return self.kv_max if self.evicts else None
+
     def label(self) -> str:
-        if self.name == "fkv":
-            return self.name
         rule = "" if self.rule == "paper" else f", rule={self.rule}"
         return f"{self.name}(kv_max={self.kv_max}, p={self.p}{rule})"
+
+    # -- schedule ----------------------------------------------------------------------------------------------
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Slots each (sample, KV head) needs at its largest."""
+        raise NotImplementedError
+
+    def prefill_blocks(self, prompt_len: int) -> list[tuple[int, int]]:
+        """The prompt's prefill blocks ``[start, end)``: one block unless the method bounds the prefill."""
+        return [(0, prompt_len)]
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
         """How many pairs to evict before writing ``incoming`` new pairs into a cache holding ``filled``.
@@ -100,34 +119,117 @@ class Method:
         the schedule calls it to state each phase): it depends only on host integers shared by every layer and
         every rank, so all of them evict at the same steps.
         """
-        if self.name == "fkv":
-            return 0
-        if self.name == "ed":
-            # Algorithm 3: the prompt is prefilled whole, then (before each single-token decode pass) the newest
-            # pair alone is kept after the prompt and whenever |kv| reached kv_max. A multi-token block is prefill
-            # (HF generate's chunked prefill feeds several), which never evicts.
-            decode = incoming == 1
-            return filled - 1 if decode and (first_decode or filled >= self.kv_max) and filled > 1 else 0
-        # Algorithm 1: remove p pairs before a block or decode step that does not fit.
-        if filled + incoming > capacity:
-            if incoming > self.p:
-                raise ValueError(
-                    f"a block of {incoming} tokens does not fit in a Batch-Max cache of kv_max={capacity} even "
-                    f"after evicting p={self.p}: feed prompts in blocks of at most p tokens after the first "
-                    f"(batchmax_tp.core.engine.generate does; with HF generate pass prefill_chunk_size=p)"
-                )
-            return min(self.p, filled)
         return 0
 
+    def priority(self, score: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
+        """Priority [B, H, C] of each slot (lower evicted first)."""
+        raise NotImplementedError(f"method {self.name!r} never evicts")
 
-def newest_first(score: Tensor, pos: Tensor, curr_id: int) -> Tensor:
-    """ED's rule: keep the most recent pair; the score is the position itself (empty slots -1)."""
-    return pos.float()
+
+@dataclass(frozen=True)
+class FullCache(Method):
+    """``fkv``: the full cache; never evicts (``kv_max`` is ignored)."""
+
+    name: str = "fkv"
+    evicts: ClassVar[bool] = False
+
+    def label(self) -> str:
+        return self.name
+
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        return prompt_len + max(max_new_tokens - 1, 0)
+
+
+@dataclass(frozen=True)
+class ExtremeDecoding(Method):
+    """``ed``: extreme decoding-only eviction (Algorithm 3): the whole prompt is prefilled at once, then only the
+    newest pair is kept, and again whenever the cache reaches ``kv_max`` pairs."""
+
+    name: str = "ed"
+    default_kv_max: ClassVar[int] = 2
+    least_kv_max: ClassVar[int] = 2
+
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        return max(self.kv_max, prompt_len)
+
+    def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
+        # Before each single-token decode pass the newest pair alone is kept after the prompt and whenever |kv|
+        # reached kv_max. A multi-token block is prefill (HF generate's chunked prefill feeds several): no eviction.
+        decode = incoming == 1
+        return filled - 1 if decode and (first_decode or filled >= self.kv_max) and filled > 1 else 0
+
+    def priority(self, score: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
+        """Newest first: the score is the position itself (empty slots -1)."""
+        return pos.float()
+
+
+@dataclass(frozen=True)
+class BatchMax(Method):
+    """``bm``: Batch-Max (paper, Algorithm 1 + its rule). The cache never holds more than ``kv_max`` pairs per
+    (sample, KV head), during prefill too; ``p`` pairs are evicted whenever a block does not fit."""
+
+    name: str = "bm"
+    bounded: ClassVar[bool] = True
+    default_kv_max: ClassVar[int] = 512
+
+    def validate_kv_max(self) -> None:
+        if self.kv_max <= self.p:
+            raise ValueError(f"kv_max must be > p for method 'bm', got kv_max={self.kv_max} p={self.p}")
+        if self.kv_max < min_kv_max(self.p, self.rule):
+            protected = self.scorer.protected()
+            raise ValueError(
+                f"rule {self.rule!r} protects {protected} pairs: kv_max must be >= p + "
+                f"{protected}, got kv_max={self.kv_max} p={self.p}"
+            )
+
+    @property
+    def takes_rule(self) -> bool:
+        return True
+
+    @property
+    def lookahead(self) -> int:
+        return self.scorer.lookahead()
+
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        return self.kv_max
+
+    def prefill_blocks(self, prompt_len: int) -> list[tuple[int, int]]:
+        """Algorithm 1: first block ``min(s, kv_max)`` tokens, then blocks of ``p``."""
+        t1 = min(prompt_len, self.kv_max)
+        blocks = [(0, t1)]
+        while t1 < prompt_len:
+            t0, t1 = t1, min(prompt_len, t1 + self.p)
+            blocks.append((t0, t1))
+        return blocks
+
+    def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
+        # Algorithm 1: remove p pairs before a block or decode step that does not fit.
+        if filled + incoming <= capacity:
+            return 0
+        if incoming > self.p:
+            raise ValueError(
+                f"a block of {incoming} tokens does not fit in a Batch-Max cache of kv_max={capacity} even "
+                f"after evicting p={self.p}: feed prompts in blocks of at most p tokens after the first "
+                f"(batchmax_tp.core.engine.generate does; with HF generate pass prefill_chunk_size=p)"
+            )
+        return min(self.p, filled)
+
+    def priority(self, score: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
+        """The rule's priority (``probe``: the look-ahead attention of the last prefill pass, or None)."""
+        return self.scorer.score(score, pos, curr_id, probe)
+
+
+#: The registry: every method by its name, in the order runs and reports list them.
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullCache, ExtremeDecoding, BatchMax)}
+
+
+def method_type(name: str) -> type[Method]:
+    """The class of the method called ``name``; ValueError naming the methods for an unknown one."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}: choose one of {', '.join(METHODS)}")
+    return METHODS[name]
 
 
 def eviction_priority(method: Method, score: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
-    """Priority [B, H, C] of each slot (lower evicted first): ED newest-first, BM its rule (``probe``: the
-    look-ahead attention of the last prefill pass, or None)."""
-    if method.name == "ed":
-        return newest_first(score, pos, curr_id)
-    return method.scorer.score(score, pos, curr_id, probe)
+    """Priority [B, H, C] of each slot (lower evicted first): ``method.priority``."""
+    return method.priority(score, pos, curr_id, probe)

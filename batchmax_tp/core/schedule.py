@@ -42,24 +42,15 @@ class Phase:
 
 
 def capacity(method: Method, prompt_len: int, max_new_tokens: int) -> int:
-    """Slots each (sample, KV head) needs at its largest: kv_max for BM, the prompt for ED, everything for FKV."""
-    if method.name == "bm":
-        return method.kv_max
-    if method.name == "ed":
-        return max(method.kv_max, prompt_len)
-    return prompt_len + max(max_new_tokens - 1, 0)
+    """Slots each (sample, KV head) needs at its largest (``Method.capacity``): kv_max for BM, the prompt for ED,
+    everything for FKV."""
+    return method.capacity(prompt_len, max_new_tokens)
 
 
 def prefill_blocks(method: Method, prompt_len: int) -> list[tuple[int, int]]:
-    """Algorithm 1: first block ``min(s, kv_max)`` tokens, then blocks of ``p``; ED and FKV: one block."""
-    if method.name != "bm":
-        return [(0, prompt_len)]
-    t1 = min(prompt_len, method.kv_max)
-    blocks = [(0, t1)]
-    while t1 < prompt_len:
-        t0, t1 = t1, min(prompt_len, t1 + method.p)
-        blocks.append((t0, t1))
-    return blocks
+    """Algorithm 1: first block ``min(s, kv_max)`` tokens, then blocks of ``p``; ED and FKV: one block
+    (``Method.prefill_blocks``)."""
+    return method.prefill_blocks(prompt_len)
 
 
 def plan(method: Method, prompt_len: int, max_new_tokens: int) -> list[Phase]:
