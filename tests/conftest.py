@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers loads (tiny.py imports it)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # so tests can `import reference`
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # so tests can `import reference`, `import tiny`
+from tiny import PEAKED, tiny_llama, tiny_random_model  # noqa: E402, F401 (PEAKED, tiny_llama: for the tests)
 
 # Tiny tensors: one intra-op thread is as fast, deterministic, and immune to oversubscription on a busy
 # 2-core box (where 2 spinning OpenMP threads made the embedded-model test ~20x slower).
@@ -28,17 +29,6 @@ def load_launch_script(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-# The tiny model's default init (initializer_range=0.02) gives near-uniform attention, whose average-attention
-# ranking has near-ties (relative gaps ~1e-5); a larger init gives peaked attention and clear decisions.
-PEAKED = dict(initializer_range=0.2)
-
-
-def tiny_llama(seed: int = 0, **overrides):
-    from batchmax_tp.models import tiny_random_llama
-
-    return tiny_random_llama(seed=seed, **overrides)
 
 
 def left_padded_batch(lengths, vocab: int = 128, seed: int = 0, low: int = 3):
@@ -126,7 +116,7 @@ def tiny_dir(tmp_path_factory) -> str:
     """A tiny random Llama (the embedded tokenizer's vocabulary) saved with that tokenizer."""
     from transformers import AutoTokenizer
 
-    from batchmax_tp.models import embedded_model_dir, tiny_random_model
+    from batchmax_tp.models import embedded_model_dir
 
     folder = tmp_path_factory.mktemp("tiny-lm")
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())

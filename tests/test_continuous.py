@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from test_tp import FAMILIES, ROOT, free_port
+from tiny import tiny_random_model
 
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
 from batchmax_tp.core.scheduler import Scheduler
 from batchmax_tp.core.serve import Request, check_requests, serve
-from batchmax_tp.models import tiny_random_model
 from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict_pool
 
 P, KV = 16, 96

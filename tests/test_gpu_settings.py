@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from tiny import tiny_random_model
 from transformers import AutoConfig
 
 from batchmax_tp import cli, models
@@ -103,7 +104,7 @@ def test_models_batchmax_cannot_run_exactly_are_refused_before_weights(name, tmp
 
 
 def test_a_model_built_in_code_with_a_sliding_window_is_refused_by_the_engine():
-    model = models.tiny_random_model("mistral", sliding_window=8)
+    model = tiny_random_model("mistral", sliding_window=8)
     ids = torch.ones(1, 12, dtype=torch.long)
     with pytest.raises(ValueError, match="sliding_window=8"):
         generate(model, ids, torch.ones_like(ids), Method("bm", kv_max=8, p=4), 2, ignore_eos=True)
@@ -115,7 +116,7 @@ def test_phi_3_5_mini_keeps_working(tmp_path):
     long_window = dict(sliding_window=262144, max_position_embeddings=131072)
     AutoConfig.for_model("phi3", **TINY, **long_window).save_pretrained(tmp_path / "phi35")
     assert models.read_config(str(tmp_path / "phi35")).sliding_window == 262144
-    model = models.tiny_random_model("phi3", **long_window)
+    model = tiny_random_model("phi3", **long_window)
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     fkv = generate(model, ids, mask, Method("fkv"), 6, ignore_eos=True)

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_llama
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from batchmax_tp import models
 from batchmax_tp.eval.metrics import is_correct
 from batchmax_tp.eval.run import encode_prompts
 from batchmax_tp.eval.tasks import Sample, default_fixture_path, load_jsonl
-from batchmax_tp.models import EMBEDDED_MODEL, embedded_model_dir, load_model, tiny_random_llama
+from batchmax_tp.models import EMBEDDED_MODEL, embedded_model_dir, load_model
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:
@@ -155,9 +156,9 @@ def test_is_correct(output: str, reference: str | None, expected: bool | None) -
 # ---------------------------------------------------------------- models
 
 
-def test_tiny_random_llama() -> None:
+def test_tiny_llama() -> None:
     rng_state = torch.get_rng_state()
-    a, b, c = tiny_random_llama(0), tiny_random_llama(0), tiny_random_llama(1)
+    a, b, c = tiny_llama(0), tiny_llama(0), tiny_llama(1)
     assert torch.equal(torch.get_rng_state(), rng_state)  # global RNG untouched
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
@@ -173,7 +174,7 @@ def test_tiny_random_llama() -> None:
         logits = a(torch.tensor([[1, 5, 9]])).logits
     assert logits.shape == (1, 3, 128)
 
-    assert tiny_random_llama(num_hidden_layers=3).config.num_hidden_layers == 3
+    assert tiny_llama(num_hidden_layers=3).config.num_hidden_layers == 3
 
 
 def test_embedded_model_loads_from_cache() -> None:

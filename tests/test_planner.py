@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from memtrack import AttentionPasses
+from tiny import tiny_llama
 
 from batchmax_tp.core import workspace
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
-from batchmax_tp.models import tiny_random_llama
 from batchmax_tp.plan.planner import ModelShape, max_batch, parse_bytes, predict
 
 # The baselines' prompts are multiples of workspace.MASK_ALIGN: a padded prefill's mask then needs no aligned copy
@@ -25,7 +25,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_random_llama(seed=0)
+    return tiny_llama(seed=0)
 
 
 @pytest.mark.parametrize("chunk_bytes", [workspace.SCORE_CHUNK_BYTES, 4096])

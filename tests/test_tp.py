@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny import tiny_random_model
 
 from batchmax_tp.core.method import Method
 
@@ -65,8 +66,6 @@ def make_model(embedded: bool | str):
         from batchmax_tp.models import load_model
 
         return load_model(embedded, dtype="float32", device="cpu")[0]
-    from batchmax_tp.models import tiny_random_model
-
     return tiny_random_model(seed=0, **FAMILIES[embedded or "llama"])
 
 
@@ -253,13 +252,14 @@ def test_killed_rank_ends_the_job_quickly(tmp_path):
     """A rank that dies mid-run: the launcher returns non-zero well within 60 s, nobody hangs."""
     script = tmp_path / "die.py"
     script.write_text(
-        "import os, signal, torch\n"
+        "import os, signal, sys, torch\n"
+        f"sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
+        "from tiny import tiny_llama\n"
         "from batchmax_tp import parallel as tp\n"
         "from batchmax_tp.core.engine import generate\n"
-        "from batchmax_tp.models import tiny_random_llama\n"
         "from batchmax_tp.core.method import Method\n"
         "layout = tp.init_distributed(2)\n"
-        f"model = tp.apply_tensor_parallel(tiny_random_llama(seed=0, **{GQA_9_3!r}), layout, torch.float32)\n"
+        f"model = tp.apply_tensor_parallel(tiny_llama(seed=0, **{GQA_9_3!r}), layout, torch.float32)\n"
         "ids = torch.randint(3, 128, (2, 40))\n"
         "generate(model, ids, None, Method('bm', kv_max=16, p=4), 4, ignore_eos=True)\n"
         "if layout.rank == 1:\n"
