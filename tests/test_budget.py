@@ -64,9 +64,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny_model(tokenizer):
-    from batchmax_tp.models import tiny_random_llama
+    from tiny import tiny_llama
 
-    return tiny_random_llama(vocab_size=len(tokenizer), max_position_embeddings=2048)
+    return tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=2048)
 
 
 @pytest.fixture

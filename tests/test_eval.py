@@ -551,11 +551,12 @@ RUN_PY = ROOT / "launch" / "run.py"
 @pytest.fixture
 def tiny_stack(monkeypatch, tokenizer):
     """launch/run.py with a tiny random Llama (the embedded tokenizer's vocabulary) and a counting engine."""
+    from tiny import tiny_llama
+
     import batchmax_tp.eval.run as engine  # the run path looks its ``generate`` up here at call time
     import batchmax_tp.models as models
-    from batchmax_tp.models import tiny_random_llama
 
-    model = tiny_random_llama(vocab_size=len(tokenizer), max_position_embeddings=2048)
+    model = tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=2048)
     calls = []
     real_generate = engine.generate
 
@@ -700,10 +701,10 @@ def test_sigkill_loses_at_most_the_batch_in_flight(tmp_path, tokenizer):
     import subprocess
     import time
 
-    from batchmax_tp.models import tiny_random_llama
+    from tiny import tiny_llama
 
     model_dir = tmp_path / "tiny"
-    tiny_random_llama(vocab_size=len(tokenizer), max_position_embeddings=2048).save_pretrained(model_dir)
+    tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=2048).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = tmp_path / "data.jsonl"
     data.write_text(

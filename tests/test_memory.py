@@ -12,11 +12,11 @@ import contextlib
 import pytest
 import torch
 from memtrack import AllocationTracker, AttentionPasses
+from tiny import tiny_llama
 
 from batchmax_tp.core import attention, cache, engine, workspace
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
-from batchmax_tp.models import tiny_random_llama
 from batchmax_tp.plan.planner import ModelShape, bookkeeping_bytes, predict
 
 CASES = [
@@ -32,7 +32,7 @@ LABEL = "test::attention_call"
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_random_llama(seed=0)
+    return tiny_llama(seed=0)
 
 
 def _ids(batch: int, prompt: int) -> torch.Tensor:
@@ -319,7 +319,7 @@ def test_cuda_attention_calls_within_the_plan(monkeypatch, dtype, chunk_bytes, m
     """Each call's ``max_memory_allocated`` above its entry: within the planner's workspace plus the caching
     allocator's rounding (512 bytes per block, a few dozen blocks per call), and at least 80% of it."""
     monkeypatch.setattr(workspace, "SCORE_CHUNK_BYTES", chunk_bytes)
-    model = tiny_random_llama(seed=0).to(device="cuda", dtype=dtype)
+    model = tiny_llama(seed=0).to(device="cuda", dtype=dtype)
     ids = _ids(batch, prompt).cuda()
     fast = method.name == "bm"  # FKV/ED: their "batchmax" attention path (the default is SDPA, baseline.py)
     generate(model, ids, None, method, new, ignore_eos=True, fast_baselines=fast)  # warm-up: cuBLAS, kernels
@@ -348,7 +348,7 @@ def test_cuda_attention_calls_within_the_plan(monkeypatch, dtype, chunk_bytes, m
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("method,batch,prompt,new", WHOLE_CASES)
 def test_cuda_planner_total_covers_a_whole_generation(method, batch, prompt, new):
-    model = tiny_random_llama(seed=0).to(device="cuda", dtype=torch.float16)
+    model = tiny_llama(seed=0).to(device="cuda", dtype=torch.float16)
     ids = _ids(batch, prompt).cuda()
     generate(model, ids, None, method, new, ignore_eos=True)  # warm-up
     torch.cuda.synchronize()
