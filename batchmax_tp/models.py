@@ -36,8 +36,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .config import EMBEDDED_MODEL
 from .core.attention import SUPPORTED_FAMILIES, unsupported
+from .embedded import EMBEDDED_MODEL
 
 logger = logging.getLogger(__name__)
 

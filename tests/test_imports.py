@@ -4,7 +4,11 @@ Walks every module of ``batchmax_tp`` with ``ast`` (nothing is imported) and col
 one imports at run time (imports under ``if TYPE_CHECKING:`` only name types and are left out). Layers, lowest
 first; a module may import its own layer and the ones below:
 
-    core/  <  parallel  <  plan/  <  eval/  <  config  <  models  <  harness  <  job  <  cli  (<  __init__)
+    embedded  <  core/  <  parallel  <  models  <  plan/  <  eval/  <  bench/  <  config  <  harness  <  job  <  cli
+    (<  __init__)
+
+``embedded`` holds only the embedded model's name (``config`` and ``models`` share it without importing each other);
+``bench/`` holds the benchmark libraries of ``launch/bench_*.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,20 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "batchmax_tp"
 ROOT = PACKAGE.parent
-LAYERS = ["core", "parallel", "plan", "eval", "config", "models", "harness", "job", "cli", "__init__"]
+LAYERS = [
+    "embedded",
+    "core",
+    "parallel",
+    "models",
+    "plan",
+    "eval",
+    "bench",
+    "config",
+    "harness",
+    "job",
+    "cli",
+    "__init__",
+]
 #: The deferred imports the package allows (module, function): the CLI loads the job (torch, transformers) only
 #: once a configuration is valid, and the package's ``__getattr__`` the torch-bound part of the public API.
 DEFERRED = {("batchmax_tp.cli", "main"), ("batchmax_tp", "__getattr__")}
