@@ -32,8 +32,8 @@ def procedure_argv(argv: Sequence[str], procedure: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None, *, procedure: str | None = None) -> int:
     """Parse and validate (defaults -> ``--config`` YAML -> flags), then run the job. ``argv`` None: the process's
-    arguments (none at all: the same-memory comparison); ``procedure``: ``paper`` or ``tune`` (``--kv-max`` lists
-    the kv_max values to try)."""
+    arguments; ``procedure``: ``paper`` or ``tune`` (``--kv-max`` lists the kv_max values to try). Which job runs
+    is the configuration's (``RunConfig.main_job``), never the number of arguments."""
     args = list(sys.argv[1:] if argv is None else argv)
     if procedure is not None:
         args = procedure_argv(args, procedure)
@@ -46,4 +46,4 @@ def main(argv: Sequence[str] | None = None, *, procedure: str | None = None) -> 
         return int(done.code or 0)
     from .job import run  # deferred: torch and transformers load only for a valid configuration
 
-    return run(cfg, args)
+    return run(cfg)

@@ -6,10 +6,10 @@ made with another configuration are never resumed); torch.distributed (multi-pro
 split with AutoTP; then the runs:
 
 - listed runs (``runs``, or each of ``methods`` at ``batch_size``);
-- the same-memory comparison (a plain ``python launch/run.py``): FKV, ED, the paper's BM and BM with the best
-  rule, each at its largest batch within FKV's memory at batch 4, bounded only by the number of prompts (the
-  samples repeated up to the largest fitting batch, at most ``plan.budget.STORY_MAX_PROMPTS``;
-  ``plan.budget.same_memory_plan``);
+- the main job, the same-memory comparison (unless the configuration lists its runs: ``RunConfig.main_job``):
+  FKV, ED, the paper's BM and BM with the best rule, each at its largest batch within FKV's memory at batch 4,
+  bounded only by the number of prompts (the samples repeated up to the largest fitting batch, at most
+  ``plan.budget.STORY_MAX_PROMPTS``; ``plan.budget.same_memory_plan``);
 - ``procedure: paper``: the paper's b0 procedure (``plan.budget.paper_specs``; b0 by real ED trials on CUDA);
 - ``procedure: tune``: the auto-tuner's trials (``eval.procedures.run_tuner``), into ``OUT/tune/``.
 
@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ import torch.distributed as dist
 import transformers
 
 from . import models, parallel
-from .config import RunConfig
+from .config import DataConfig, RunConfig
 from .core.method import Method, min_kv_max
 from .eval import procedures, replicas, results, tasks
 from .eval.files import atomic_write_text
@@ -47,6 +48,7 @@ from .eval.report import write_report
 from .eval.run import (
     Collectives,
     RankOutOfMemory,
+    RunContext,
     error_line,
     evaluate_run,
     fill_samples,
@@ -63,13 +65,16 @@ from .plan.budget import (
     paper_specs,
     planned_dtype,
     same_memory_plan,
-    story_methods,
 )
 from .plan.planner import ModelShape, predict
 
 logger = logging.getLogger("batchmax_tp.run")
 
 __all__ = ["fail", "resolve_device", "run"]
+
+
+class JobError(ValueError):
+    """A problem found while setting the job up: one line that starts with the key it is about (exit status 2)."""
 
 
 def fail(message: str) -> int:
@@ -99,129 +104,173 @@ def _setup_stdout(is_main: bool) -> contextlib.AbstractContextManager:
     return contextlib.redirect_stdout(sys.stderr if is_main else io.StringIO())
 
 
-def _warm_up_methods(cfg: RunConfig, same_memory: bool) -> list[Method]:
-    """The methods the untimed warm-up runs: each distinct method of the job once (a procedure's runs are known
-    only after planning: one of each kind)."""
-    if same_memory:
-        return story_methods({"ed": cfg.kv_max_for("ed"), "bm": cfg.kv_max_for("bm")}, cfg.p, cfg.rule)
-    if cfg.procedure is not None:
-        kv = cfg.kv_values[0] if cfg.kv_values else max(128, cfg.p + 64, min_kv_max(cfg.p, cfg.rule))
-        return [
-            Method("fkv", p=cfg.p),
-            Method("ed", kv_max=2, p=cfg.p),
-            Method("bm", kv_max=kv, p=cfg.p, rule=cfg.rule),
-        ]
-    return list({s.method: None for s in cfg.run_specs()})
+@dataclass
+class Job:
+    """What the set-up settled before any weight loads: the resolved configuration, this process's device, the
+    task's samples (or the task's data, turned into samples once the tokenizer is loaded) and the warm-up's
+    methods."""
+
+    cfg: RunConfig
+    device: str
+    samples: list[tasks.Sample] | None
+    task_data: tasks.TaskData | None
+    methods: list[Method] = field(default_factory=list)
+
+    @property
+    def main_job(self) -> bool:
+        return self.cfg.main_job
 
 
-def _budget_cannot_hold_one_sample(cfg: RunConfig, model_config) -> str | None:
-    """The one-line error when ``memory_budget`` is below the weights plus one sample of the smallest method (ED
-    with kv_max 2, a one-token prompt, one new token): then no run can start, whatever the task."""
-    budget = cfg.budget_bytes()
+# ---------------------------------------------------------------------- set-up (no weights)
+def _resolve(cfg: RunConfig, world: int, local_rank: int) -> tuple[RunConfig, str]:
+    """The configuration with ``device``, ``tp_size``, ``dp_size`` and ``dtype`` resolved (as ``OUT/config.yaml``
+    records them), and this process's device. The model's configuration alone (no weights) is read here: an
+    unreadable model is one line, and its KV heads and dtype settle the layout before anything heavy happens."""
+    try:
+        cfg = cfg.replace(device=resolve_device(cfg.model.device))
+    except ValueError as err:
+        raise JobError(f"device: {err}") from None
+    tp = parallel.resolve_tp_size(cfg.parallel.tp_size, world)
+    if world % tp:
+        raise JobError(
+            f"tp_size: world size {world} is not a multiple of tp_size {tp}; start dp_size x tp_size "
+            f"processes, e.g. torchrun --nproc_per_node {tp} launch/run.py --tp-size {tp} ..."
+        )
+    if cfg.parallel.dp_size is not None and cfg.parallel.dp_size != world // tp:
+        raise JobError(
+            f"dp_size: {cfg.parallel.dp_size} set, but {world} processes at tp_size {tp} make "
+            f"{world // tp} data-parallel replicas"
+        )
+    try:
+        model_config = models.read_config(cfg.model.name)
+    except ValueError as err:
+        raise JobError(f"model: {err}") from None
+    heads = getattr(model_config, "num_key_value_heads", None) or getattr(model_config, "num_attention_heads", 1)
+    try:
+        parallel.check_tp_size(tp, world, int(heads), explicit=cfg.parallel.tp_size is not None)
+    except ValueError as err:
+        raise JobError(f"tp_size: {err} ({cfg.model.name})") from None
+    # dp_size is part of OUT/config.yaml: results are resumed only with the same replicas
+    cfg = cfg.replace(tp_size=tp, dp_size=world // tp)
+    device = parallel.local_device(cfg.model.device, local_rank) if world > 1 else cfg.model.device
+    try:
+        cfg = cfg.replace(dtype=models.resolve_dtype(cfg.model.dtype, device, model_config))
+    except ValueError as err:
+        raise JobError(f"dtype: {err}") from None
+    _check_budget_holds_one_sample(cfg, model_config)
+    return cfg, device
+
+
+def _check_budget_holds_one_sample(cfg: RunConfig, model_config) -> None:
+    """JobError when ``memory_budget`` is below the weights plus one sample of the smallest method (ED with kv_max
+    2, a one-token prompt, one new token): then no run can start, whatever the task."""
+    budget = cfg.memory.budget_bytes()
     if budget is None:
-        return None
+        return
     try:
         shape = ModelShape.from_config(model_config)
     except (AttributeError, TypeError):
-        return None  # a configuration the planner cannot read: no prediction, the runs' own checks apply
-    least = predict(shape, Method("ed", kv_max=2, p=cfg.p), 1, 1, 1, tp=cfg.tp_size, dtype=planned_dtype(cfg.dtype))
-    if least.total <= budget:
-        return None
-    return (
-        f"memory_budget: {fmt_bytes(budget)} per rank is below the {fmt_bytes(least.total)} that {cfg.model} needs "
-        f"for one sample of the smallest method (ED kv_max 2, {cfg.dtype}; {fmt_bytes(least.weights)} of it "
-        "weights): raise memory_budget or leave it unset"
-    )
-
-
-def run(cfg: RunConfig, argv: Sequence[str] | None) -> int:
-    """Run the job ``cfg`` describes (``argv``: the command line, empty for a plain run). Returns the exit status."""
-    try:
-        cfg.device = resolve_device(cfg.device)
-    except ValueError as err:
-        return fail(f"device: {err}")
-    logging.basicConfig(
-        level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    rank, world, local_rank = parallel.world_from_env()
-    explicit_tp = cfg.tp_size is not None
-    cfg.tp_size = parallel.resolve_tp_size(cfg.tp_size, world)
-    if world % cfg.tp_size:
-        return fail(
-            f"tp_size: world size {world} is not a multiple of tp_size {cfg.tp_size}; start dp_size x tp_size "
-            f"processes, e.g. torchrun --nproc_per_node {cfg.tp_size} launch/run.py --tp-size {cfg.tp_size} ..."
+        return  # a configuration the planner cannot read: no prediction, the runs' own checks apply
+    ed2 = Method("ed", kv_max=2, p=cfg.sweep.p)
+    least = predict(shape, ed2, 1, 1, 1, tp=cfg.parallel.tp_size, dtype=planned_dtype(cfg.model.dtype))
+    if least.total > budget:
+        raise JobError(
+            f"memory_budget: {fmt_bytes(budget)} per rank is below the {fmt_bytes(least.total)} that "
+            f"{cfg.model.name} needs for one sample of the smallest method (ED kv_max 2, {cfg.model.dtype}; "
+            f"{fmt_bytes(least.weights)} of it weights): raise memory_budget or leave it unset"
         )
-    if cfg.dp_size is not None and cfg.dp_size != world // cfg.tp_size:
-        return fail(
-            f"dp_size: {cfg.dp_size} set, but {world} processes at tp_size {cfg.tp_size} make "
-            f"{world // cfg.tp_size} data-parallel replicas"
-        )
-    cfg.dp_size = world // cfg.tp_size  # part of OUT/config.yaml: results are resumed only with the same replicas
-    # The model's configuration alone (no weights): an unreadable model is one line here, and its KV heads and
-    # dtype settle the layout before anything heavy happens.
-    try:
-        model_config = models.read_config(cfg.model)
-    except ValueError as err:
-        return fail(f"model: {err}")
-    heads = getattr(model_config, "num_key_value_heads", None) or getattr(model_config, "num_attention_heads", 1)
-    try:
-        parallel.check_tp_size(cfg.tp_size, world, int(heads), explicit=explicit_tp)
-    except ValueError as err:
-        return fail(f"tp_size: {err} ({cfg.model})")
-    device = parallel.local_device(cfg.device, local_rank) if world > 1 else cfg.device
-    try:
-        cfg.dtype = models.resolve_dtype(cfg.dtype, device, model_config)
-    except ValueError as err:
-        return fail(f"dtype: {err}")
-    too_small = _budget_cannot_hold_one_sample(cfg, model_config)
-    if too_small is not None:
-        return fail(too_small)
 
-    samples, task_data = None, None
-    if cfg.task == "jsonl":
-        data = cfg.data if cfg.data is not None else str(tasks.default_fixture_path())
+
+def _load_data(data: DataConfig, seed: int) -> tuple[list[tasks.Sample] | None, tasks.TaskData | None]:
+    """(samples, None) of a JSONL file; (None, the task's data) of a paper task (prompts need the tokenizer)."""
+    if data.task != "jsonl":
+        source = data.path if data.path is not None else f"the bundled fixture {tasks.fixture_dir(data.task)}"
         try:
-            samples = tasks.load_jsonl(data)
-        except (FileNotFoundError, ValueError) as err:
-            return fail(f"data: {err}")
-        if not samples:
-            return fail(f"data: no samples in {data}")
-        if cfg.num_samples is not None and cfg.num_samples > len(samples):
-            logger.warning("num_samples=%d but %s has only %d samples", cfg.num_samples, data, len(samples))
-        samples = [samples[i] for i in tasks.select_indices(len(samples), cfg.num_samples, cfg.seed)]
-    else:
-        source = cfg.data if cfg.data is not None else f"the bundled fixture {tasks.fixture_dir(cfg.task)}"
-        try:
-            task_data = tasks.load_task(
-                cfg.task, cfg.data, num_shots=cfg.num_shots, num_samples=cfg.num_samples, seed=cfg.seed
+            return None, tasks.load_task(
+                data.task, data.path, num_shots=data.num_shots, num_samples=data.num_samples, seed=seed
             )
         except Exception as err:  # noqa: BLE001 - datasets raises many kinds; all mean "cannot read the data"
-            return fail(f"data: cannot load task {cfg.task} from {source}: {type(err).__name__}: {err}")
-    same_memory = cfg.same_memory_for(argv)
+            raise JobError(f"data: cannot load task {data.task} from {source}: {type(err).__name__}: {err}") from None
+    path = data.path if data.path is not None else str(tasks.default_fixture_path())
     try:
-        resuming = results.check_same_config(cfg.out, cfg.to_dict())
-    except ValueError as err:
-        return fail(str(err))
-    if resuming and world == 1 and not same_memory and cfg.procedure is None:
-        finished = [results.read_summary(Path(cfg.out) / s.name) for s in cfg.run_specs()]
-        if all(finished):
-            logger.info("every run in %s has finished: writing the report only", cfg.out)
-            return _report(cfg, finished, [])
-    methods = _warm_up_methods(cfg, same_memory)
+        samples = tasks.load_jsonl(path)
+    except (FileNotFoundError, ValueError) as err:
+        raise JobError(f"data: {err}") from None
+    if not samples:
+        raise JobError(f"data: no samples in {path}")
+    if data.num_samples is not None and data.num_samples > len(samples):
+        logger.warning("num_samples=%d but %s has only %d samples", data.num_samples, path, len(samples))
+    return [samples[i] for i in tasks.select_indices(len(samples), data.num_samples, seed)], None
 
+
+def _warm_up_methods(cfg: RunConfig) -> list[Method]:
+    """The methods the untimed warm-up runs: each distinct method of the job once (a procedure's runs are known
+    only after planning: one of each kind)."""
+    sweep = cfg.sweep
+    if cfg.main_job:
+        return sweep.story_methods()
+    if cfg.memory.procedure is not None:
+        kv_values = cfg.memory.kv_values
+        kv = kv_values[0] if kv_values else max(128, sweep.p + 64, min_kv_max(sweep.p, sweep.rule))
+        return [
+            Method("fkv", p=sweep.p),
+            Method("ed", kv_max=2, p=sweep.p),
+            Method("bm", kv_max=kv, p=sweep.p, rule=sweep.rule),
+        ]
+    return list({s.method: None for s in sweep.run_specs()})
+
+
+def _prepare(cfg: RunConfig, world: int, local_rank: int) -> Job | list[dict]:
+    """The job, or the summaries of its runs when every one has finished earlier (a single process resumes a
+    listed sweep by writing the report only)."""
+    cfg, device = _resolve(cfg, world, local_rank)
+    samples, task_data = _load_data(cfg.data, cfg.generation.seed)
+    try:
+        resuming = results.check_same_config(cfg.output.dir, cfg.to_dict())
+    except ValueError as err:
+        raise JobError(str(err)) from None
+    if resuming and world == 1 and not cfg.main_job and cfg.memory.procedure is None:
+        finished = [results.read_summary(Path(cfg.output.dir) / s.name) for s in cfg.sweep.run_specs()]
+        if all(finished):
+            logger.info("every run in %s has finished: writing the report only", cfg.output.dir)
+            return finished
+    return Job(cfg, device, samples, task_data, _warm_up_methods(cfg))
+
+
+# ---------------------------------------------------------------------- the job
+def run(cfg: RunConfig, argv: Sequence[str] | None = None) -> int:
+    """Run the job ``cfg`` describes (``argv``: unused; which job runs is the configuration's, ``cfg.main_job``).
+    Returns the exit status."""
+    logging.basicConfig(
+        level=cfg.output.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    rank, world, local_rank = parallel.world_from_env()
+    try:
+        job = _prepare(cfg, world, local_rank)
+    except JobError as err:
+        return fail(str(err))
+    if isinstance(job, list):
+        return _report(cfg.output.dir, job, [])
     if rank != 0:
         _quiet_libraries()
     with _setup_stdout(rank == 0):  # DeepSpeed prints while it initialises: keep stdout for the report
-        layout = parallel.init_distributed(cfg.tp_size, device, timeout_s=cfg.setup_timeout)
+        layout = parallel.init_distributed(
+            job.cfg.parallel.tp_size, job.device, timeout_s=job.cfg.parallel.setup_timeout
+        )
     if layout.world == 1:  # plain python (or an MPI world of one: then a group of one exists)
-        rc = _run(cfg, layout, samples, task_data, methods, device, same_memory, Collectives())
+        rc = _run(job, layout, Collectives())
         if dist.is_initialized():
             dist.destroy_process_group()
         return rc
+    return _run_ranks(job, layout)
+
+
+def _run_ranks(job: Job, layout: parallel.Layout) -> int:
+    """A multi-process job: every rank is done (or failed the same check) before any leaves -- rank 0's process
+    may host the store; a rank that fails tells every other and leaves at once."""
     comm = _meet(layout)
     try:
-        rc = _run(cfg, layout, samples, task_data, methods, device, same_memory, comm)
-        # Every rank is done (or failed the same check) before any leaves: rank 0's process may host the store.
+        rc = _run(job, layout, comm)
         comm.barrier()
     except BaseException as err:  # noqa: BLE001 - any failure: tell every rank, then leave at once
         comm.fail(error_line(err))
@@ -246,127 +295,145 @@ def _meet(layout: parallel.Layout) -> Collectives:
     return Collectives(layout, store, watchdog)
 
 
-def _report(cfg: RunConfig, summaries: list[dict], notes: list[str]) -> int:
+def _report(out: str, summaries: list[dict], notes: list[str]) -> int:
     """Rank 0 after the runs: OUT/report.md, results.csv and the plots; the report goes to stdout too."""
-    paths = write_report(cfg.out, summaries, notes=notes)
+    paths = write_report(out, summaries, notes=notes)
     print(paths["report.md"].read_text(encoding="utf-8"), end="", flush=True)
     return 0
 
 
-def _run(
-    cfg: RunConfig,
-    layout: parallel.Layout,
-    samples: list[tasks.Sample] | None,
-    task_data: tasks.TaskData | None,
-    methods: list[Method],
-    device: str,
-    same_memory: bool,
-    comm: Collectives,
-) -> int:
-    torch.manual_seed(cfg.seed)
+def _load(job: Job, layout: parallel.Layout, comm: Collectives) -> RunContext:
+    """The model (split with AutoTP) and its tokenizer, with the job's layout and collectives; the planning inputs
+    are filled in once the samples are known."""
+    cfg = job.cfg
+    torch.manual_seed(cfg.generation.seed)
     with _setup_stdout(layout.is_main):
         # Under tensor parallelism the checkpoint is read on the host and AutoTP moves only this rank's shard to
         # the accelerator; a single process loads straight onto its device.
-        model, tokenizer = models.load_model(cfg.model, dtype=cfg.dtype, device="cpu" if layout.tp > 1 else device)
-        model = parallel.apply_tensor_parallel(model, layout, getattr(torch, cfg.dtype), device=device)
+        device = "cpu" if layout.tp > 1 else job.device
+        model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, device=device)
+        model = parallel.apply_tensor_parallel(model, layout, getattr(torch, cfg.model.dtype), device=job.device)
     if layout.world > 1:
         dist.barrier()  # every rank has loaded (default group: the long set-up timeout) before generation starts
         logger.info("world %d = dp_size %d x tp_size %d", layout.world, layout.dp, layout.tp)
+    return RunContext(model, tokenizer, layout=layout, comm=comm)
 
-    if task_data is not None:
+
+def _run(job: Job, layout: parallel.Layout, comm: Collectives) -> int:
+    cfg = job.cfg
+    ctx = _load(job, layout, comm)
+    samples = job.samples
+    if job.task_data is not None:
         try:
-            samples = tasks.build_samples(tokenizer, task_data, cfg.max_input_tokens)
+            samples = tasks.build_samples(ctx.tokenizer, job.task_data, cfg.data.max_input_tokens)
         except ValueError as err:
             return fail(f"max_input_tokens: {err}")
-    shape = model_shape(model)  # None for a model without a config (test doubles): no predictions
-    if shape is None and (cfg.procedure is not None or same_memory):
+    ctx.shape = model_shape(ctx.model)  # None for a model without a config (test doubles): no predictions
+    if ctx.shape is None and (cfg.memory.procedure is not None or job.main_job):
         return fail(
-            f"model: {cfg.procedure or 'the same-memory run'} needs the model's configuration to plan "
-            f"memory ({cfg.model})"
+            f"model: {cfg.memory.procedure or 'the same-memory run'} needs the model's configuration to plan "
+            f"memory ({cfg.model.name})"
         )
-    prompt_len = longest_prompt(tokenizer, samples) if shape is not None else None
-
-    notes: list[str] = []
-    extra: dict[RunSpec, dict] = {}
-    if cfg.procedure == "tune":
-        if layout.is_main:
-            write_config(cfg.out, cfg)
-        warm_up(model, tokenizer, samples, methods, cfg.seed)
-        try:
-            info = procedures.run_tuner(
-                model, tokenizer, samples, cfg, shape=shape, prompt_len=prompt_len, layout=layout, comm=comm
-            )
-        except ValueError as err:
-            return fail(str(err))  # the tuner's one-line verdicts (budget too small for FKV, no references)
-        if layout.is_main:
-            print(procedures.write_tune_results(cfg, info), end="", flush=True)
-        return 0 if info["best"] is not None else 1
-    if cfg.procedure == "paper":
-        fits = None
-        if str(getattr(model, "device", "cpu")).startswith("cuda"):  # b0 by real trials; on CPU the planner's
-            fits = procedures.b0_trials(model, tokenizer, samples, cfg, rank=layout.rank, world=layout.world)
-        specs, plan = paper_specs(
-            shape,
-            prompt_len,
-            budget=cfg.budget_bytes(),
-            max_new_tokens=cfg.max_new_tokens,
-            dtype=cfg.dtype,
-            p=cfg.p,
-            rule=cfg.rule,
-            kv_values=cfg.kv_values,
-            num_samples=len(samples),
-            tp=layout.tp,
-            fits=fits,
-        )
-        if layout.is_main:
-            atomic_write_text(Path(cfg.out) / "plan.json", json.dumps(plan, indent=2) + "\n")
-        notes.append(plan["b0_note"])
-    elif same_memory:
-        budget, plan = same_memory_plan(
-            shape,
-            methods,
-            prompt_len,
-            cfg.max_new_tokens,
-            num_samples=len(samples),
-            budget_bytes=cfg.budget_bytes(),
-            tp=layout.tp,
-            dtype=cfg.dtype,
-            scheduler=cfg.scheduler,
-        )
-        specs = [r.spec for r in plan]
-        extra = {r.spec: {"same_memory_budget_bytes": budget, "largest_fitting_batch": r.largest_fitting} for r in plan}
-        samples = fill_samples(samples, max(s.batch_size for s in specs))
-        notes.append(
-            f"Same memory: a budget of {fmt_bytes(budget)} per rank (the planner's peak of FKV at batch "
-            f"{STORY_FKV_BATCH} unless memory_budget is set); every method runs at its largest batch within "
-            f"it, bounded by the {len(samples)} prompts every method answers (the samples repeated up to the "
-            f"largest fitting batch, at most {STORY_MAX_PROMPTS}): "
-            + ", ".join(f"{s.name} (fits {r.largest_fitting})" for s, r in zip(specs, plan))
-            + "."
-        )
-        logger.info("same-memory run: %s", notes[-1])
-    else:
-        specs = cfg.run_specs()
-
+    ctx.prompt_len = longest_prompt(ctx.tokenizer, samples) if ctx.shape is not None else None
+    if cfg.memory.procedure == "tune":
+        return _tune(job, ctx, samples)
+    plan = _plan(job, ctx, samples)
     if layout.is_main:
-        write_config(cfg.out, cfg)
-    warm_up(model, tokenizer, samples, methods, cfg.seed)
+        write_config(cfg.output.dir, cfg)
+    warm_up(ctx.model, ctx.tokenizer, plan.samples, job.methods, cfg.generation.seed)
     summaries = []
-    for spec in specs:
-        summary = evaluate_run(
-            model,
-            tokenizer,
-            samples,
-            spec,
-            cfg,
-            layout=layout,
-            comm=comm,
-            prompt_len=prompt_len,
-            shape=shape,
-            extra=extra.get(spec),
-        )
+    for spec in plan.specs:
+        summary = evaluate_run(ctx, plan.samples, spec, cfg, extra=plan.extra.get(spec))
         if summary is not None:  # rank 0
             summaries.append(summary)
     if layout.is_main:
-        _report(cfg, summaries, notes)
+        _report(cfg.output.dir, summaries, plan.notes)
     return 0
+
+
+def _tune(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> int:
+    """``procedure: tune``: the auto-tuner's trials into ``OUT/tune/``, its choice into ``OUT/tuned.yaml``."""
+    cfg, is_main = job.cfg, ctx.layout.is_main
+    if is_main:
+        write_config(cfg.output.dir, cfg)
+    warm_up(ctx.model, ctx.tokenizer, samples, job.methods, cfg.generation.seed)
+    try:
+        info = procedures.run_tuner(ctx, samples, cfg)
+    except ValueError as err:
+        return fail(str(err))  # the tuner's one-line verdicts (budget too small for FKV, no references)
+    if is_main:
+        print(procedures.write_tune_results(cfg, info), end="", flush=True)
+    return 0 if info["best"] is not None else 1
+
+
+# ---------------------------------------------------------------------- which runs
+@dataclass
+class Plan:
+    """The runs of a job, the samples they answer, notes for the report and extra summary fields per run."""
+
+    specs: list[RunSpec]
+    samples: list[tasks.Sample]
+    notes: list[str] = field(default_factory=list)
+    extra: dict[RunSpec, dict] = field(default_factory=dict)
+
+
+def _plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Plan:
+    """The listed runs, the paper's procedure's or the main job's (the same-memory comparison)."""
+    if job.cfg.memory.procedure == "paper":
+        return _paper_plan(job.cfg, ctx, samples)
+    if job.main_job:
+        return _main_job_plan(job, ctx, samples)
+    return Plan(job.cfg.sweep.run_specs(), samples)
+
+
+def _paper_plan(cfg: RunConfig, ctx: RunContext, samples: list[tasks.Sample]) -> Plan:
+    """The paper's b0 procedure (``plan.budget.paper_specs``): b0 by real ED trials on CUDA, else the planner's."""
+    layout, fits = ctx.layout, None
+    if str(getattr(ctx.model, "device", "cpu")).startswith("cuda"):
+        fits = procedures.b0_trials(ctx.model, ctx.tokenizer, samples, cfg, rank=layout.rank, world=layout.world)
+    specs, plan = paper_specs(
+        ctx.shape,
+        ctx.prompt_len,
+        budget=cfg.memory.budget_bytes(),
+        max_new_tokens=cfg.generation.max_new_tokens,
+        dtype=cfg.model.dtype,
+        p=cfg.sweep.p,
+        rule=cfg.sweep.rule,
+        kv_values=cfg.memory.kv_values,
+        num_samples=len(samples),
+        tp=layout.tp,
+        fits=fits,
+    )
+    if layout.is_main:
+        atomic_write_text(Path(cfg.output.dir) / "plan.json", json.dumps(plan, indent=2) + "\n")
+    return Plan(specs, samples, [plan["b0_note"]])
+
+
+def _main_job_plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Plan:
+    """The same-memory comparison (``plan.budget.same_memory_plan``): every method at its largest batch within FKV's
+    memory at batch 4 (or ``memory_budget``), the samples repeated up to the largest fitting batch."""
+    cfg = job.cfg
+    budget, runs = same_memory_plan(
+        ctx.shape,
+        job.methods,
+        ctx.prompt_len,
+        cfg.generation.max_new_tokens,
+        num_samples=len(samples),
+        budget_bytes=cfg.memory.budget_bytes(),
+        tp=ctx.layout.tp,
+        dtype=cfg.model.dtype,
+        scheduler=cfg.sweep.scheduler,
+    )
+    specs = [r.spec for r in runs]
+    extra = {r.spec: {"same_memory_budget_bytes": budget, "largest_fitting_batch": r.largest_fitting} for r in runs}
+    samples = fill_samples(samples, max(s.batch_size for s in specs))
+    note = (
+        f"Same memory: a budget of {fmt_bytes(budget)} per rank (the planner's peak of FKV at batch "
+        f"{STORY_FKV_BATCH} unless memory_budget is set); every method runs at its largest batch within "
+        f"it, bounded by the {len(samples)} prompts every method answers (the samples repeated up to the "
+        f"largest fitting batch, at most {STORY_MAX_PROMPTS}): "
+        + ", ".join(f"{s.name} (fits {r.largest_fitting})" for s, r in zip(specs, runs))
+        + "."
+    )
+    logger.info("same-memory run: %s", note)
+    return Plan(specs, samples, [note], extra)

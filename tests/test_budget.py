@@ -148,11 +148,11 @@ def test_bad_budget_configs_are_one_line_errors_naming_the_key(tmp_path, data, k
 
 
 def test_budget_values_and_flags(tmp_path, capsys):
-    assert parse_args(["--memory-budget", "2GiB"]).budget_bytes() == 2 * 2**30
-    assert parse_args(["--memory-budget", "1000"]).budget_bytes() == 1000
+    assert parse_args(["--memory-budget", "2GiB"]).memory.budget_bytes() == 2 * 2**30
+    assert parse_args(["--memory-budget", "1000"]).memory.budget_bytes() == 1000
     cfg = parse_args(["--config", _yaml(tmp_path, {"memory_budget": "512MiB", "kv_values": [128, 256]})])
-    assert cfg.budget_bytes() == 512 * 2**20 and cfg.kv_values == [128, 256]
-    assert parse_args([]).budget_bytes() is None
+    assert cfg.memory.budget_bytes() == 512 * 2**20 and cfg.memory.kv_values == [128, 256]
+    assert parse_args([]).memory.budget_bytes() is None
     assert parse_args(["--config", _yaml(tmp_path, cfg.to_dict())]) == cfg  # config.yaml loads back
     # launch scripts: one line on stderr, exit 2, before any model is loaded or file written
     rc = _load("sweep").main(["--memory-budget", "lots", "--out", str(tmp_path / "o")])
@@ -330,12 +330,12 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
     )
     cfg = parse_args(["--memory-budget", "1", "--max-new-tokens", "512", "--kv-values", "512", "--device", "cpu"])
     s, ed2 = 1024, Method("ed", kv_max=2)
-    cfg.memory_budget = predict(shape, ed2, 6, s, 512).total  # ED fits 6 exactly; FKV (+512 pairs) does not
-    assert predict(shape, Method("fkv"), 6, s, 512).total > cfg.budget_bytes()
+    cfg = cfg.replace(memory_budget=predict(shape, ed2, 6, s, 512).total)  # ED fits 6 exactly; FKV does not
+    assert predict(shape, Method("fkv"), 6, s, 512).total > cfg.memory.budget_bytes()
     specs, info = budget.paper_specs(
         shape,
         s,
-        budget=cfg.budget_bytes(),
+        budget=cfg.memory.budget_bytes(),
         max_new_tokens=512,
         dtype="float32",
         p=64,
@@ -343,8 +343,8 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
         kv_values=[512],
         num_samples=960,
     )
-    fit = max_batch(cfg.budget_bytes(), shape, Method("fkv"), s, 512)
-    assert 0 < fit < 6 and predict(shape, Method("fkv"), fit, s, 512).total <= cfg.budget_bytes()
+    fit = max_batch(cfg.memory.budget_bytes(), shape, Method("fkv"), s, 512)
+    assert 0 < fit < 6 and predict(shape, Method("fkv"), fit, s, 512).total <= cfg.memory.budget_bytes()
     assert [x.name for x in specs[:4]] == ["ed-b7-kv2", "ed-b6-kv2", "ed-b6-kv65", f"fkv-b{fit}"]
     assert f"b = {fit}" in info["adjusted"] and [r["fits"] for r in info["runs"]] == [False, True, True, True, True]
 
@@ -359,7 +359,7 @@ def test_paper_procedure_sizes_bm_with_the_rule_it_runs():
         ["--procedure", "paper", "--memory-budget", "1", "--rule", "question", "--kv-values", "512", "--device", "cpu"]
     )
     s, new = 1024, 64
-    paper, question = Method("bm", kv_max=512, p=64), Method("bm", kv_max=512, p=64, rule=cfg.rule)
+    paper, question = Method("bm", kv_max=512, p=64), Method("bm", kv_max=512, p=64, rule=cfg.sweep.rule)
     limit = predict(shape, paper, 40, s, new).total  # the paper's rule fits b=40 (a divisor of 960) exactly
     assert paper_plan(limit, shape, s, new, dtype="float32", kv_values=[512])[-1] == (paper, 40)
     assert predict(shape, question, 40, s, new).total > limit  # premise: the paper's sizing overflows question
@@ -369,9 +369,9 @@ def test_paper_procedure_sizes_bm_with_the_rule_it_runs():
         budget=limit,
         max_new_tokens=new,
         dtype="float32",
-        p=cfg.p,
-        rule=cfg.rule,
-        kv_values=cfg.kv_values,
+        p=cfg.sweep.p,
+        rule=cfg.sweep.rule,
+        kv_values=cfg.memory.kv_values,
         num_samples=960,
     )
     bm = [x for x in specs if x.method.name == "bm"]
@@ -499,8 +499,12 @@ def test_tune_on_the_embedded_model_writes_a_usable_tuned_config(tmp_path, monke
     assert len(timed) == 3 and (out / "tune" / "report.md").is_file() and "tuned.yaml" in printed
 
     tuned = parse_args(["--config", str(out / "tuned.yaml")])
-    assert (tuned.methods, tuned.kv_max, tuned.batch_size) == (["bm"], info["best"]["kv_max"], 2)
-    assert tuned.procedure is None and tuned.out == str(out / "tuned") and tuned.budget_bytes() == limit
+    assert (tuned.sweep.methods, tuned.sweep.kv_max, tuned.sweep.batch_size) == (["bm"], info["best"]["kv_max"], 2)
+    assert (
+        tuned.memory.procedure is None
+        and tuned.output.dir == str(out / "tuned")
+        and tuned.memory.budget_bytes() == limit
+    )
 
     timed.clear()  # trials are resumable: a second tune runs nothing and chooses the same
     assert _load("tune").main(args) == 0 and timed == []

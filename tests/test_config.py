@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from batchmax_tp import cli
-from batchmax_tp.config import DEFAULT_KV_MAX, EMBEDDED_MODEL, ConfigError, RunConfig, parse_args
-from batchmax_tp.core.method import Method
+from batchmax_tp.config import EMBEDDED_MODEL, ConfigError, RunConfig, parse_args
+from batchmax_tp.core.method import Method, method_type
 from batchmax_tp.eval import results
 from batchmax_tp.eval import run as runner
 from batchmax_tp.eval.files import atomic_write_text
@@ -36,16 +36,16 @@ def _write_yaml(tmp_path: Path, data, name: str = "cfg.yaml") -> str:
 # ---------------------------------------------------------------------- defaults and layering
 def test_defaults():
     cfg = RunConfig()
-    assert cfg.model == EMBEDDED_MODEL
-    assert cfg.methods == ["fkv", "ed", "bm"]
-    assert cfg.kv_max is None and cfg.p == 64
-    assert cfg.batch_size == 4 and cfg.max_new_tokens == 64
-    assert cfg.ignore_eos is True and cfg.do_sample is False
-    assert cfg.data is None and cfg.num_samples is None
-    assert cfg.out == "results/main"  # configs/default.yaml writes results/default: the two never collide
-    assert cfg.dtype == "auto" and cfg.device == "auto" and cfg.seed == 0
+    assert cfg.model.name == EMBEDDED_MODEL
+    assert cfg.sweep.methods == ["fkv", "ed", "bm"]
+    assert cfg.sweep.kv_max is None and cfg.sweep.p == 64
+    assert cfg.sweep.batch_size == 4 and cfg.generation.max_new_tokens == 64
+    assert cfg.generation.ignore_eos is True and cfg.generation.do_sample is False
+    assert cfg.data.path is None and cfg.data.num_samples is None
+    assert cfg.output.dir == "results/main"  # configs/default.yaml writes results/default: the two never collide
+    assert cfg.model.dtype == "auto" and cfg.model.device == "auto" and cfg.generation.seed == 0
     assert parse_args([]) == cfg
-    specs = cfg.method_specs()
+    specs = cfg.sweep.method_specs()
     assert [(m.name, m.kv_max, m.p) for m in specs] == [("fkv", None, 64), ("ed", 2, 64), ("bm", 512, 64)]
     assert all(isinstance(m, Method) for m in specs)
 
@@ -55,30 +55,35 @@ def test_yaml_overrides_defaults_and_cli_overrides_yaml(tmp_path):
         tmp_path, {"method": "bm", "kv_max": 256, "p": 32, "batch_size": 8, "ignore_eos": False, "top_p": 1}
     )
     cfg = parse_args(["--config", path])
-    assert cfg.methods == ["bm"] and cfg.kv_max == 256 and cfg.p == 32 and cfg.batch_size == 8
-    assert cfg.ignore_eos is False and cfg.max_new_tokens == 64  # untouched key keeps its default
-    assert cfg.top_p == 1.0 and isinstance(cfg.top_p, float)
+    assert cfg.sweep.methods == ["bm"] and cfg.sweep.kv_max == 256 and cfg.sweep.p == 32 and cfg.sweep.batch_size == 8
+    assert cfg.generation.ignore_eos is False and cfg.generation.max_new_tokens == 64  # untouched key keeps its default
+    assert cfg.generation.top_p == 1.0 and isinstance(cfg.generation.top_p, float)
 
     cfg = parse_args(["--config", path, "--batch-size", "2", "--ignore-eos", "--kv-max", "null", "--p", "16"])
-    assert cfg.batch_size == 2 and cfg.ignore_eos is True and cfg.kv_max is None and cfg.p == 16
-    assert cfg.methods == ["bm"] and cfg.method_specs()[0].kv_max == DEFAULT_KV_MAX["bm"]
+    assert (
+        cfg.sweep.batch_size == 2
+        and cfg.generation.ignore_eos is True
+        and cfg.sweep.kv_max is None
+        and cfg.sweep.p == 16
+    )
+    assert cfg.sweep.methods == ["bm"] and cfg.sweep.method_specs()[0].kv_max == method_type("bm").default_kv_max
 
     cfg = parse_args(["--config", path, "--method", "ed", "--kv-max", "4"])
-    assert cfg.methods == ["ed"] and cfg.method_specs()[0].kv_max == 4
+    assert cfg.sweep.methods == ["ed"] and cfg.sweep.method_specs()[0].kv_max == 4
 
 
 def test_method_forms(tmp_path):
-    assert parse_args(["--method", "bm"]).methods == ["bm"]
-    assert parse_args(["--method", "bm", "--method", "fkv"]).methods == ["bm", "fkv"]
-    assert parse_args(["--method", "ed,bm"]).methods == ["ed", "bm"]
-    assert parse_args(["--config", _write_yaml(tmp_path, {"methods": ["ed", "fkv"]})]).methods == ["ed", "fkv"]
-    assert parse_args(["--config", _write_yaml(tmp_path, {"methods": "ed"})]).methods == ["ed"]
+    assert parse_args(["--method", "bm"]).sweep.methods == ["bm"]
+    assert parse_args(["--method", "bm", "--method", "fkv"]).sweep.methods == ["bm", "fkv"]
+    assert parse_args(["--method", "ed,bm"]).sweep.methods == ["ed", "bm"]
+    assert parse_args(["--config", _write_yaml(tmp_path, {"methods": ["ed", "fkv"]})]).sweep.methods == ["ed", "fkv"]
+    assert parse_args(["--config", _write_yaml(tmp_path, {"methods": "ed"})]).sweep.methods == ["ed"]
     assert parse_args(["--config", _write_yaml(tmp_path, "")]) == RunConfig()  # empty file = defaults
 
 
 def test_local_rank_is_accepted_and_ignored():
     assert parse_args(["--local_rank", "0"]) == RunConfig()
-    assert parse_args(["--local-rank=3", "--method", "bm"]).methods == ["bm"]
+    assert parse_args(["--local-rank=3", "--method", "bm"]).sweep.methods == ["bm"]
     assert parse_args(["--local_rank=1"]) == RunConfig()
 
 
@@ -178,7 +183,7 @@ def test_yaml_syntax_and_shape_errors(tmp_path):
 def test_existing_data_file_is_accepted(tmp_path):
     data = tmp_path / "s.jsonl"
     data.write_text('{"id": 1, "prompt": "hi"}\n')
-    assert parse_args(["--data", str(data)]).data == str(data)
+    assert parse_args(["--data", str(data)]).data.path == str(data)
 
 
 # ---------------------------------------------------------------------- launch/run.py early exits
@@ -237,7 +242,7 @@ def test_kv_values_the_rule_cannot_run_exit_2_before_loading(tmp_path, capsys, n
     assert captured.out == "" and captured.err.count("\n") == 1, captured.err
     assert captured.err.startswith("error: kv_values: ") and "kv_max=96" in captured.err and "question" in captured.err
     assert not out.exists()
-    assert parse_args([*KV_VALUES_THE_RULE_CANNOT_RUN[:-1], "128"]).kv_values == [128]  # p + 64 is enough
+    assert parse_args([*KV_VALUES_THE_RULE_CANNOT_RUN[:-1], "128"]).memory.kv_values == [128]  # p + 64 is enough
     proc = subprocess.run(
         [sys.executable, str(RUN_PY), *KV_VALUES_THE_RULE_CANNOT_RUN],
         capture_output=True,
@@ -393,17 +398,9 @@ def test_evaluate_run_with_fake_engine(tmp_path):
     ]
     cfg = RunConfig(methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, seed=5, out=str(tmp_path))
     calls = []
-    spec = cfg.run_specs()[0]
-    summary = runner.evaluate_run(
-        SimpleNamespace(),
-        _FakeTokenizer(),
-        samples,
-        spec,
-        cfg,
-        generate_fn=_make_fake_generate(calls),
-        encode_fn=_fake_encode,
-        progress=False,
-    )
+    spec = cfg.sweep.run_specs()[0]
+    engine = dict(generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False)
+    summary = runner.evaluate_run(runner.RunContext(SimpleNamespace(), _FakeTokenizer(), **engine), samples, spec, cfg)
     assert [c["batch"] for c in calls] == [2, 1]
     assert [c["seed"] for c in calls] == [5, 6]
     assert all(c["ignore_eos"] is True and c["eos_token_id"] == 2 and c["max_new_tokens"] == 4 for c in calls)
@@ -510,7 +507,7 @@ def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
     assert printed == (out / "report.md").read_text()
     assert "| BM | 2 | 512 | 0.600 | 3/5 |" in printed
     resolved = parse_args(["--config", str(out / "config.yaml")])
-    assert resolved.device == "cpu" and resolved.batch_size == 2 and resolved.data == fake_stack.data
+    assert resolved.model.device == "cpu" and resolved.sweep.batch_size == 2 and resolved.data.path == fake_stack.data
     # One untimed warm-up per method (2 new tokens, at most 8 prompt tokens), then 3 methods x 3 batches.
     warm, timed = fake_stack.calls[:3], fake_stack.calls[3:]
     assert [c["method"].name for c in warm] == ["fkv", "ed", "bm"]
@@ -564,3 +561,103 @@ def test_run_py_single_method_layout(tmp_path, capsys, fake_stack):
     summary = json.loads((out / "ed-b4-kv8" / "summary.json").read_text())
     assert summary["method"] == "ed" and summary["kv_max"] == 8 and summary["num_samples"] == 3
     assert capsys.readouterr().out.startswith("# Batch-Max results: jsonl")
+
+
+# ---------------------------------------------------------------------- which job runs
+def _job(argv) -> dict:
+    cfg = parse_args(argv)
+    return {**cfg.to_dict(), "main_job": cfg.main_job}
+
+
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["--out", "results/x"], "out"),
+        (["--data", str(ROOT / "batchmax_tp" / "fixtures" / "long_qa.jsonl")], "data"),
+        (["--model", "some/model"], "model"),
+    ],
+)
+def test_a_flag_changes_what_it_names_and_keeps_the_main_job(argv, key):
+    """``--out``, ``--data``, ``--model`` run the same job as a plain run, apart from the field they name."""
+    value = argv[1]
+    plain, flagged = _job([]), _job(argv)
+    assert plain["main_job"] is True and flagged["main_job"] is True
+    assert flagged[key] == value and plain[key] != value
+    assert {k: v for k, v in flagged.items() if k != key} == {k: v for k, v in plain.items() if k != key}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--num-samples", "3"],
+        ["--max-new-tokens", "8"],
+        ["--device", "cpu"],
+        ["--dtype", "float32"],
+        ["--task", "gsm8k"],
+        ["--memory-budget", "2GiB"],  # the main job's budget instead of FKV's at batch 4
+        ["--rule", "snapkv"],
+        ["--p", "32"],
+        ["--seed", "3"],
+        ["--log-level", "DEBUG"],
+        ["--scheduler", "continuous"],
+        ["--same-memory"],
+        ["--local_rank", "0"],
+    ],
+)
+def test_other_flags_keep_the_main_job(argv):
+    assert parse_args(argv).main_job
+
+
+@pytest.mark.parametrize(
+    "argv, yaml_data",
+    [
+        (["--method", "bm"], {"method": "bm"}),
+        (["--method", "fkv,ed,bm"], {"methods": ["fkv", "ed", "bm"]}),  # even the default list: it is a listing
+        (["--batch-size", "4"], {"batch_size": 4}),
+        (["--kv-max", "256"], {"kv_max": 256}),
+        (["--procedure", "paper", "--memory-budget", "2GiB"], {"procedure": "tune", "memory_budget": "2GiB"}),
+        (["--no-same-memory"], {"same_memory": False}),
+        (None, {"runs": [{"method": "fkv", "batch_size": 2}]}),
+    ],
+)
+def test_each_listing_key_leaves_the_main_job(tmp_path, argv, yaml_data):
+    if argv is not None:
+        assert not parse_args(argv).main_job
+    assert not parse_args(["--config", _write_yaml(tmp_path, yaml_data)]).main_job
+    if "method" not in yaml_data:  # the flat keys, as RunConfig takes them
+        assert not RunConfig(**yaml_data).main_job
+
+
+def test_null_listing_keys_keep_the_main_job_and_same_memory_forces_it(tmp_path):
+    assert parse_args(["--kv-max", "null", "--procedure", "null"]).main_job
+    assert parse_args(["--config", _write_yaml(tmp_path, {"runs": None, "kv_max": None})]).main_job
+    assert parse_args(["--method", "bm", "--same-memory"]).main_job
+    assert parse_args(["--config", _write_yaml(tmp_path, {"same_memory": True, "batch_size": 2})]).main_job
+    assert not parse_args(["--config", str(ROOT / "configs" / "default.yaml")]).main_job  # it lists its runs
+    for data in ({"same_memory": True, "runs": [{"method": "fkv", "batch_size": 1}]},
+                 {"same_memory": True, "procedure": "paper", "memory_budget": "2GiB"}):  # fmt: skip
+        assert _error_of(["--config", _write_yaml(tmp_path, data)]).startswith("same_memory:")
+
+
+def test_saved_config_keeps_its_resume_key(tmp_path):
+    """``OUT/config.yaml`` holds the flat keys as before the configuration came in parts: results made earlier
+    resume (``results.check_same_config``), the main job's too."""
+    keys = set(RunConfig().to_dict())
+    assert keys == {
+        *"model methods rule kv_max p batch_size max_new_tokens ignore_eos data num_samples out dtype device".split(),
+        *"seed do_sample temperature top_k top_p log_level tp_size dp_size setup_timeout same_memory task".split(),
+        *"num_shots max_input_tokens metric runs memory_budget procedure kv_values target scheduler".split(),
+        "prefill_budget",
+    }
+    cfg = parse_args(["--out", str(tmp_path)]).replace(device="cpu", dtype="float32", tp_size=1, dp_size=1)
+    assert cfg.main_job and cfg.to_dict()["same_memory"] is None  # as a plain run wrote it
+    runner.write_config(tmp_path, cfg)
+    assert results.check_same_config(tmp_path, cfg.to_dict())
+
+
+def test_help_names_the_flags_that_leave_the_main_job(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "runs unless the configuration lists its runs: --method, --kv-max, --batch-size, --procedure" in text
+    assert text.count("[lists the runs: leaves the main job]") == 4

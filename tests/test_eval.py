@@ -484,23 +484,22 @@ def test_good_task_configs(tmp_path):
             ),
         ]
     )
-    assert [s.name for s in cfg.run_specs()] == ["ed-b5-kv2", "fkv-b4", "bm-b16-kv512"]
-    assert cfg.shots_for_task() == 2 and cfg.metric_for_task() == "rouge2" and not cfg.same_memory_for([])
-    assert cfg.max_input_tokens == 3584 and RunConfig().task == "jsonl" and RunConfig().same_memory_for([])
-    assert parse_args(["--task", "gsm8k", "--data", str(tasks.fixture_dir("gsm8k"))]).metric_for_task() == "accuracy"
+    assert [s.name for s in cfg.sweep.run_specs()] == ["ed-b5-kv2", "fkv-b4", "bm-b16-kv512"]
+    assert cfg.data.shots_for_task() == 2 and cfg.data.metric_for_task() == "rouge2" and not cfg.main_job
+    assert cfg.data.max_input_tokens == 3584 and RunConfig().data.task == "jsonl" and RunConfig().main_job
+    assert (
+        parse_args(["--task", "gsm8k", "--data", str(tasks.fixture_dir("gsm8k"))]).data.metric_for_task() == "accuracy"
+    )
     resolved = _yaml(tmp_path, cfg.to_dict())
     assert parse_args(["--config", resolved]) == cfg  # the written config.yaml loads back
 
 
 def test_default_yaml_is_the_builtin_defaults_plus_the_default_sweep():
-    import dataclasses
-
     cfg = RunConfig.from_yaml(ROOT / "configs" / "default.yaml")
     # ... and its own out: the plain run (results/main) and this sweep never write into one folder.
-    assert cfg == dataclasses.replace(
-        RunConfig(), max_new_tokens=24, device="cpu", runs=cfg.runs, out="results/default"
-    )
-    assert RunConfig().out != cfg.out and [s.name for s in cfg.run_specs()] == [
+    assert cfg == RunConfig().replace(max_new_tokens=24, device="cpu", runs=cfg.sweep.runs, out="results/default")
+    assert not cfg.main_job and cfg.listed_by == ["methods", "batch_size", "runs"]  # a listed sweep
+    assert RunConfig().output.dir != cfg.output.dir and [s.name for s in cfg.sweep.run_specs()] == [
         "fkv-b3",
         "ed-b1-kv2",
         "ed-b3-kv2",
@@ -529,19 +528,27 @@ def test_paper_configs_match_the_paper_tables():
         raw = yaml.safe_load((ROOT / "configs" / "paper" / f"{name}.yaml").read_text())
         raw["device"] = "cpu"  # validation only: no GPU here
         cfg = RunConfig.from_dict(raw)
-        assert " ".join(s.name for s in cfg.run_specs()) == runs, name
-        assert (cfg.tp_size, cfg.num_samples, cfg.max_new_tokens, cfg.max_input_tokens, cfg.p) == (
+        assert " ".join(s.name for s in cfg.sweep.run_specs()) == runs, name
+        assert (
+            cfg.parallel.tp_size,
+            cfg.data.num_samples,
+            cfg.generation.max_new_tokens,
+            cfg.data.max_input_tokens,
+            cfg.sweep.p,
+        ) == (
             tp,
             960,
             512,
             3584,
             64,
         )
-        assert cfg.ignore_eos and cfg.task in name and cfg.data == tasks.TASKS[cfg.task].hub_id
-        assert cfg.model == (
+        assert (
+            cfg.generation.ignore_eos and cfg.data.task in name and cfg.data.path == tasks.TASKS[cfg.data.task].hub_id
+        )
+        assert cfg.model.name == (
             "meta-llama/Llama-2-13b-chat-hf" if "llama2" in name else "microsoft/Phi-3.5-mini-instruct"
         )
-        assert all(960 % s.batch_size == 0 for s in cfg.run_specs())
+        assert all(960 % s.batch_size == 0 for s in cfg.sweep.run_specs())
 
 
 # ---------------------------------------------------------------------- whole runs (tiny model, real tokenizer)

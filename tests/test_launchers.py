@@ -210,7 +210,7 @@ def test_tp2_equals_single_process(tmp_path, single, launcher, small):
     assert s["per_replica"][0]["peak_kv_bytes_per_rank"] == [2 * s["peak_kv_bytes"] // 3, s["peak_kv_bytes"] // 3]
     check_stdout_is_one_table(res.stdout)
     assert sorted(os.listdir(out / RUN)) == ["batches.jsonl", "samples.jsonl", "summary.json"]
-    assert parse_args(["--config", str(out / "config.yaml")]).tp_size == 2
+    assert parse_args(["--config", str(out / "config.yaml")]).parallel.tp_size == 2
 
 
 # ---------------------------------------------------------------------- data parallel, 2 replicas
@@ -365,9 +365,9 @@ def test_check_tp_size():
 
 
 def test_tp_size_config_key():
-    assert parse_args([]).tp_size is None  # null: the world size (DeepSpeed inference's convention)
-    assert parse_args(["--tp-size", "2"]).tp_size == 2
-    assert parse_args(["--tp-size", "null"]).tp_size is None
+    assert parse_args([]).parallel.tp_size is None  # null: the world size (DeepSpeed inference's convention)
+    assert parse_args(["--tp-size", "2"]).parallel.tp_size == 2
+    assert parse_args(["--tp-size", "null"]).parallel.tp_size is None
     assert tp.resolve_tp_size(None, 4) == 4 and tp.resolve_tp_size(2, 4) == 2 and tp.resolve_tp_size(None, 1) == 1
     for bad in (["--tp-size", "0"], ["--tp-size", "-1"]):
         with pytest.raises(ConfigError, match="^tp_size:"):

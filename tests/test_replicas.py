@@ -135,16 +135,16 @@ def test_an_oom_marker_becomes_the_row_once_and_a_later_success_stands(tmp_path)
     that row is removed (more memory free), the run succeeds and no stale marker turns it back into an OOM."""
     samples = [SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference="w10", tokens_cut=0) for i in range(3)]
     cfg = RunConfig(methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, out=str(tmp_path))
-    spec = cfg.run_specs()[0]
+    spec = cfg.sweep.run_specs()[0]
     folder = tmp_path / spec.name
     results.write_oom_marker(folder, 1, "CUDA out of memory (injected)", 0)
     calls = []
     run = dict(generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False)
-    first = runner.evaluate_run(SimpleNamespace(), _FakeTokenizer(), samples, spec, cfg, **run)
+    first = runner.evaluate_run(runner.RunContext(SimpleNamespace(), _FakeTokenizer(), **run), samples, spec, cfg)
     assert first["status"] == "oom" and first["oom_cause"] == "runtime" and "injected" in first["error"]
     assert calls == [] and not list(folder.glob("oom-rank*.json"))
     (folder / results.SUMMARY_FILE).unlink()
-    second = runner.evaluate_run(SimpleNamespace(), _FakeTokenizer(), samples, spec, cfg, **run)
+    second = runner.evaluate_run(runner.RunContext(SimpleNamespace(), _FakeTokenizer(), **run), samples, spec, cfg)
     assert second["status"] == "done" and second["num_samples"] == 3 and len(calls) == 2
 
 
@@ -160,7 +160,7 @@ def test_resuming_with_another_dp_size_is_refused(tmp_path):
 def _shard(folder: Path, replica: int, batches: list[int], ids: list[list[str]], done: bool) -> None:
     method, kv = folder.name.split("-b1-kv")
     cfg = RunConfig(methods=[method], kv_max=int(kv), batch_size=1, out=str(folder.parent))
-    settings = runner.run_settings(cfg, cfg.run_specs()[0], dp_size=2)
+    settings = runner.run_settings(cfg, cfg.sweep.run_specs()[0], dp_size=2)
     assert settings["run"] == folder.name
     head = {"settings": settings, "batch_ids": ids, "dp": 2, "tp": 1, "continuous": False, "budget": {}, "extra": {}}
     shard = folder / f"replica{replica}"

@@ -49,6 +49,9 @@ class Method:
     default_kv_max: ClassVar[int | None] = None
     #: The smallest kv_max the method runs with.
     least_kv_max: ClassVar[int] = 1
+    #: Whether ``rule`` chooses anything (only BM's eviction has rules); a class attribute, so that a method's
+    #: name tells it before any instance exists (``method_type(name).takes_rule``).
+    takes_rule: ClassVar[bool] = False
 
     def __new__(cls, name: str | None = None, *args, **kwargs):
         if cls is Method:  # the registry: a name parses into its class
@@ -74,11 +77,6 @@ class Method:
             raise ValueError(f"kv_max must be >= {self.least_kv_max} for method {self.name!r}, got {self.kv_max}")
 
     # -- identity --------------------------------------------------------------------------------------------
-    @property
-    def takes_rule(self) -> bool:
-        """Whether ``rule`` chooses anything (only BM's eviction has rules)."""
-        return False
-
     @cached_property
     def scorer(self) -> Rule:
         """The eviction rule's dataclass (``rules.get_rule(self.rule)``), parsed once per Method."""
@@ -170,6 +168,7 @@ class BatchMax(Method):
 
     name: str = "bm"
     bounded: ClassVar[bool] = True
+    takes_rule: ClassVar[bool] = True
     default_kv_max: ClassVar[int] = 512
 
     def validate_kv_max(self) -> None:
@@ -181,10 +180,6 @@ class BatchMax(Method):
                 f"rule {self.rule!r} protects {protected} pairs: kv_max must be >= p + "
                 f"{protected}, got kv_max={self.kv_max} p={self.p}"
             )
-
-    @property
-    def takes_rule(self) -> bool:
-        return True
 
     @property
     def lookahead(self) -> int:

@@ -10,28 +10,26 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..core.engine import generate
-from ..core.method import Method
-from ..parallel import Layout
+from ..core.method import Method, method_type
 from ..plan.budget import RunSpec, fmt_bytes, planned_dtype, predict_spec, run_dir_name
-from ..plan.planner import ModelShape
 from ..plan.tuner import Trial, divisor_batches, kv_grid, tune
 from .files import atomic_write_text, utc_now
 from .report import write_report
 from .run import (
-    Collectives,
     EncodeFn,
     GenerateFn,
     RankOutOfMemory,
+    RunContext,
     encode_prompts,
     error_line,
     evaluate_run,
@@ -76,7 +74,7 @@ def b0_trials(
     (cycled when there are fewer samples, :func:`trial_prompts`) encoded together with left padding
     (``encode_fn``, ``run.encode_prompts`` unless given), so the trial holds the real lengths and the padding.
 
-    A trial runs under ``cfg.budget_bytes()`` (None: no budget, the whole device): on CUDA the peak is measured
+    A trial runs under ``cfg.memory.budget_bytes()`` (None: no budget, the whole device): on CUDA the peak is measured
     with ``torch.cuda.max_memory_allocated`` (reset before each trial; weights included, as in the planner's
     total), and a peak over the budget is "does not fit" exactly like an out-of-memory error.
 
@@ -87,27 +85,61 @@ def b0_trials(
     may wait inside the model's all-reduce): it leaves its marker and raises ``RankOutOfMemory``, which ends the
     job; the same command again goes on from the markers.
     """
-    folder = Path(cfg.out) / "b0-trials"
-    ed2 = Method("ed", kv_max=2, p=cfg.p)
-    budget = cfg.budget_bytes()
-    prompts = trial_prompts(tokenizer, samples)
-    generate_fn, encode_fn = generate_fn or generate, encode_fn or encode_prompts
-    device = getattr(model, "device", None)
-    cuda = getattr(device, "type", None) == "cuda"
+    return _B0Trials(
+        model,
+        tokenizer,
+        trial_prompts(tokenizer, samples),
+        Path(cfg.output.dir) / "b0-trials",
+        Method("ed", kv_max=2, p=cfg.sweep.p),
+        cfg.memory.budget_bytes(),
+        rank,
+        world,
+        generate_fn or generate,
+        encode_fn or encode_prompts,
+    )
 
-    def fits(b: int) -> bool:
-        if any(folder.glob(f"oom-b{b}-rank*.json")):
+
+@dataclass
+class _B0Trials:
+    """``fits(b)`` of :func:`b0_trials`: a verdict kept in ``folder`` is read back; otherwise ED (``ed2``) runs on
+    the ``b`` longest prompts and its verdict is kept."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    prompts: Callable[[int], list]
+    folder: Path
+    ed2: Method
+    budget: int | None
+    rank: int
+    world: int
+    generate_fn: GenerateFn
+    encode_fn: EncodeFn
+
+    def __call__(self, b: int) -> bool:
+        if any(self.folder.glob(f"oom-b{b}-rank*.json")):
             return False
-        if (folder / f"fits-b{b}.json").is_file():
+        if (self.folder / f"fits-b{b}.json").is_file():
             return True
-        input_ids, attention_mask = encode_fn(tokenizer, prompts(b))  # [b, s] left-padded, s = the longest
+        error, peak = self._trial(b)
+        if error is None:
+            self._fits(b, peak)
+            return True
+        self._does_not_fit(b, error, peak)
+        return False
+
+    def _trial(self, b: int) -> tuple[str | None, int | None]:
+        """(error, peak bytes) of ED on the ``b`` longest prompts: an out-of-memory error, or a peak over the budget
+        (the peak is measured on CUDA only)."""
+        device = getattr(self.model, "device", None)
+        cuda = getattr(device, "type", None) == "cuda"
+        input_ids, attention_mask = self.encode_fn(self.tokenizer, self.prompts(b))  # [b, s] left-padded
         if device is not None:
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         error, peak = None, None
         try:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            generate_fn(model, input_ids, attention_mask, ed2, 2, ignore_eos=True)
+            self.generate_fn(self.model, input_ids, attention_mask, self.ed2, 2, ignore_eos=True)
             if cuda:
                 peak = int(torch.cuda.max_memory_allocated(device))
         except Exception as err:  # only out-of-memory is a verdict; the rest re-raises
@@ -115,125 +147,98 @@ def b0_trials(
                 raise
             error = error_line(err)
         del input_ids, attention_mask
-        if error is None and peak is not None and budget is not None and peak > budget:
+        if error is None and peak is not None and self.budget is not None and peak > self.budget:
             error = (
                 f"over the memory budget: peak {fmt_bytes(peak)} ({peak} bytes) > memory_budget "
-                f"{fmt_bytes(budget)} ({budget} bytes)"
+                f"{fmt_bytes(self.budget)} ({self.budget} bytes)"
             )
-        if error is None:
-            if rank == 0:
-                atomic_write_text(
-                    folder / f"fits-b{b}.json",
-                    json.dumps({"batch": b, "fits": True, "peak_bytes": peak, "budget_bytes": budget}) + "\n",
-                )
-            logger.info(
-                "paper procedure: ED kv_max 2 at b=%d fits (peak %s, budget %s)", b, fmt_bytes(peak), fmt_bytes(budget)
-            )
-            return True
-        atomic_write_text(
-            folder / f"oom-b{b}-rank{rank}.json",
-            json.dumps({"batch": b, "error": error, "peak_bytes": peak, "budget_bytes": budget}) + "\n",
+        return error, peak
+
+    def _fits(self, b: int, peak: int | None) -> None:
+        if self.rank == 0:
+            verdict = {"batch": b, "fits": True, "peak_bytes": peak, "budget_bytes": self.budget}
+            atomic_write_text(self.folder / f"fits-b{b}.json", json.dumps(verdict) + "\n")
+        logger.info(
+            "paper procedure: ED kv_max 2 at b=%d fits (peak %s, budget %s)", b, fmt_bytes(peak), fmt_bytes(self.budget)
         )
-        if world > 1:
+
+    def _does_not_fit(self, b: int, error: str, peak: int | None) -> None:
+        verdict = {"batch": b, "error": error, "peak_bytes": peak, "budget_bytes": self.budget}
+        atomic_write_text(self.folder / f"oom-b{b}-rank{self.rank}.json", json.dumps(verdict) + "\n")
+        if self.world > 1:
             raise RankOutOfMemory(
-                f"paper procedure: rank {rank} does not fit ED at b={b} ({error}); "
+                f"paper procedure: rank {self.rank} does not fit ED at b={b} ({error}); "
                 "run the same command again to go on with the b0 search"
             )
-        free_memory(device)
+        free_memory(getattr(self.model, "device", None))
         logger.info("paper procedure: ED kv_max 2 at b=%d does not fit (%s)", b, error)
-        return False
-
-    return fits
 
 
 def tuned_config(cfg: RunConfig, best: Trial) -> RunConfig:
     """The configuration of the chosen BM run: one method at one batch size, into ``OUT/tuned``."""
-    return dataclasses.replace(
-        cfg,
+    return cfg.replace(
         methods=["bm"],
         kv_max=best.kv_max,
         batch_size=best.batch,
         runs=None,
         procedure=None,
         kv_values=None,
-        out=str(Path(cfg.out) / "tuned"),
+        out=str(Path(cfg.output.dir) / "tuned"),
     )
 
 
-def run_tuner(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    samples: Sequence[Sample],
-    cfg: RunConfig,
-    *,
-    shape: ModelShape,
-    prompt_len: int,
-    layout: Layout | None = None,
-    comm: Collectives | None = None,
-    generate_fn: GenerateFn | None = None,
-    encode_fn: EncodeFn | None = None,
-) -> dict[str, Any]:
-    """``tuner.tune`` with real runs: each trial (method, b) is a run of the harness into ``OUT/tune/<run>/``
-    (resumable: a finished trial is read back, not run again); BM runs with ``cfg.rule``, and its batches are sized
-    with it. Collective in a multi-process run (every rank calls it; rank 0's summaries are broadcast so that every
-    rank makes the same choices). Returns the content of ``OUT/tune.json`` (the rank-0 caller writes it,
-    ``OUT/tuned.yaml`` and ``OUT/tune/report.md``: :func:`write_tune_results`)."""
-    if all(getattr(s, "reference", None) is None for s in samples):
-        raise ValueError("metric: the tuner compares BM's task metric with FKV's, but no sample has a reference")
-    comm = comm or Collectives(layout)
-    tp = 1 if layout is None else layout.tp
-    budget = cfg.budget_bytes()
-    trial_cfg = dataclasses.replace(cfg, out=str(Path(cfg.out) / "tune"))
-    summaries: dict[str, dict] = {}
+@dataclass
+class _TunerTrials:
+    """``run_trial(method, b)`` for ``tuner.tune``: a run of the harness into ``OUT/tune/<run>/`` (resumable), its
+    summary broadcast from rank 0 so that every rank makes the same choices; the summaries are kept by run name."""
 
-    def run_trial(method: Method, batch: int) -> Trial:
+    ctx: RunContext
+    samples: Sequence[Sample]
+    cfg: RunConfig  #: the job's, with out = OUT/tune
+    summaries: dict[str, dict] = field(default_factory=dict)
+
+    def __call__(self, method: Method, batch: int) -> Trial:
         spec = RunSpec(method, batch)  # the method the tuner sized the batch with (BM with the configured rule)
-        summary = evaluate_run(
-            model,
-            tokenizer,
-            samples,
-            spec,
-            trial_cfg,
-            layout=layout,
-            comm=comm,
-            prompt_len=prompt_len,
-            shape=shape,
-            generate_fn=generate_fn,
-            encode_fn=encode_fn,
-        )
-        summary = comm.broadcast(summary)
-        summaries[spec.name] = summary
+        summary = self.ctx.comm.broadcast(evaluate_run(self.ctx, self.samples, spec, self.cfg))
+        self.summaries[spec.name] = summary
+        baseline = not method.evicts  # FKV: the metric every BM trial is held to
         if summary.get("status") != "done":
-            if method.name == "fkv":
+            if baseline:
                 raise ValueError(
                     f"memory_budget: FKV at b={batch} fits the budget on paper but ran out of memory "
                     f"({summary.get('error')}); the target metric cannot be measured"
                 )
             return Trial(method.name, spec.kv_max, batch, None, None)
-        if method.name == "fkv" and summary.get("score") is None:
+        if baseline and summary.get("score") is None:
             raise ValueError("metric: FKV's run has no metric (no sample with a reference was scored)")
         return Trial(method.name, spec.kv_max, batch, summary.get("tokens_per_s"), summary.get("score"))
 
-    rule = cfg.rule_for("bm")
-    grid = list(cfg.kv_values) if cfg.kv_values else kv_grid(prompt_len, 128, cfg.p, rule)
+
+def run_tuner(ctx: RunContext, samples: Sequence[Sample], cfg: RunConfig) -> dict[str, Any]:
+    """``tuner.tune`` with real runs (:class:`_TunerTrials`, into ``OUT/tune/<run>/``); BM runs with the configured
+    rule, and its batches are sized with it. ``ctx`` holds the model's ``shape`` and the longest ``prompt_len``.
+    Collective in a multi-process run (every rank calls it). Returns the content of ``OUT/tune.json`` (the rank-0
+    caller writes it, ``OUT/tuned.yaml`` and ``OUT/tune/report.md``: :func:`write_tune_results`)."""
+    if all(getattr(s, "reference", None) is None for s in samples):
+        raise ValueError("metric: the tuner compares BM's task metric with FKV's, but no sample has a reference")
+    budget, prompt_len, p = cfg.memory.budget_bytes(), ctx.prompt_len, cfg.sweep.p
+    _check_fkv_fits(ctx, cfg, budget)
+    rule = cfg.sweep.rule_for("bm")
+    grid = list(cfg.memory.kv_values) if cfg.memory.kv_values else kv_grid(prompt_len, 128, p, rule)
     batches = divisor_batches(len(samples), len(samples))
-    fkv_1 = predict_spec(shape, Method("fkv", p=cfg.p), 1, prompt_len, cfg.max_new_tokens, cfg.dtype, tp)
-    if fkv_1.total > budget:
-        raise ValueError(
-            f"memory_budget: {fmt_bytes(budget)} per rank does not fit FKV at batch 1 (predicted "
-            f"{fmt_bytes(fkv_1.total)} for the longest prompt, {prompt_len} tokens): the target metric "
-            "cannot be measured"
-        )
+    trials = _TunerTrials(ctx, samples, cfg.replace(out=str(Path(cfg.output.dir) / "tune")))
+    new_tokens, dtype = cfg.generation.max_new_tokens, planned_dtype(cfg.model.dtype)
+    target = cfg.memory.target
     result = tune(
-        run_trial,
+        trials,
         budget,
-        shape,
+        ctx.shape,
         prompt_len,
-        cfg.max_new_tokens,
-        target=cfg.target,
-        dtype=planned_dtype(cfg.dtype),
-        tp=tp,
-        p=cfg.p,
+        new_tokens,
+        target=target,
+        dtype=dtype,
+        tp=ctx.tp,
+        p=p,
         kv_values=grid,
         batches=batches,
         rule=rule,
@@ -242,27 +247,39 @@ def run_tuner(
         "procedure": "tune",
         "memory_budget_bytes": budget,
         "prompt_len": prompt_len,
-        "max_new_tokens": cfg.max_new_tokens,
+        "max_new_tokens": new_tokens,
         "num_samples": len(samples),
-        "tp_size": tp,
-        "target": cfg.target,
+        "tp_size": ctx.tp,
+        "target": target,
         "rule": rule,
         "kv_values": grid,
         "batches": batches,
         **result.as_dict(),
     }
     for trial in info["trials"]:
-        name = run_dir_name(trial["method"], trial["batch"], trial["kv_max"], cfg.rule_for(trial["method"]))
+        name = run_dir_name(trial["method"], trial["batch"], trial["kv_max"], cfg.sweep.rule_for(trial["method"]))
         trial["run"] = name
-        trial["predicted_peak_bytes"] = summaries[name].get("predicted_peak_bytes")
-    info["summaries"] = list(summaries.values())
+        trial["predicted_peak_bytes"] = trials.summaries[name].get("predicted_peak_bytes")
+    info["summaries"] = list(trials.summaries.values())
     return info
+
+
+def _check_fkv_fits(ctx: RunContext, cfg: RunConfig, budget: int) -> None:
+    """ValueError when FKV does not fit the budget at batch 1: then the target metric cannot be measured."""
+    fkv = Method("fkv", p=cfg.sweep.p)
+    fkv_1 = predict_spec(ctx.shape, fkv, 1, ctx.prompt_len, cfg.generation.max_new_tokens, cfg.model.dtype, ctx.tp)
+    if fkv_1.total > budget:
+        raise ValueError(
+            f"memory_budget: {fmt_bytes(budget)} per rank does not fit FKV at batch 1 (predicted "
+            f"{fmt_bytes(fkv_1.total)} for the longest prompt, {ctx.prompt_len} tokens): the target metric "
+            "cannot be measured"
+        )
 
 
 def write_tune_results(cfg: RunConfig, info: dict[str, Any]) -> str:
     """Rank 0 after :func:`run_tuner`: ``OUT/tune.json``, ``OUT/tune/report.md`` (+ CSV, plots) and, when a BM
     configuration reached the target, ``OUT/tuned.yaml``. Returns the text to print."""
-    out = Path(cfg.out)
+    out = Path(cfg.output.dir)
     summaries = info.pop("summaries")
     if summaries:
         write_report(out / "tune", summaries)
@@ -273,7 +290,7 @@ def write_tune_results(cfg: RunConfig, info: dict[str, Any]) -> str:
     for t in info["trials"]:
         metric = "OOM" if t["tokens_per_s"] is None else ("n/a" if t["metric"] is None else f"{t['metric']:.3f}")
         speed = "OOM" if t["tokens_per_s"] is None else f"{t['tokens_per_s']:.1f}"
-        kv = "N/A" if t["kv_max"] is None or t["method"] == "fkv" else t["kv_max"]
+        kv = "N/A" if t["kv_max"] is None or not method_type(t["method"]).evicts else t["kv_max"]
         lines.append(
             f"| {t['run']} | {t['method'].upper()} | {t['batch']} | {kv} | {metric} | {speed} | "
             f"{fmt_bytes(t['predicted_peak_bytes'])} |"

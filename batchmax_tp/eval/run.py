@@ -58,7 +58,7 @@ from .tasks import Prompt, Sample, prompt_ids
 if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from ..config import RunConfig
+    from ..config import GenerationConfig, RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ __all__ = [
     "BatchOutput",
     "Collectives",
     "RankOutOfMemory",
+    "RunContext",
     "batched",
     "free_memory",
     "budget_fields",
@@ -271,7 +272,7 @@ def budget_fields(cfg: RunConfig, estimate: MemoryEstimate | None, model: torch.
     process holds (``weights_bytes``; the planner's ``predicted.weights`` is its estimate) and this process's peak
     host memory (``peak_host_bytes``)."""
     return {
-        "memory_budget_bytes": cfg.budget_bytes(),
+        "memory_budget_bytes": cfg.memory.budget_bytes(),
         "predicted_peak_bytes": None if estimate is None else estimate.total,
         "predicted": None if estimate is None else estimate.as_dict(),
         "weights_bytes": None if model is None else weights_bytes(model),
@@ -303,16 +304,17 @@ def generate_batch(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Prompt],
     method: Method,
-    cfg: RunConfig,
+    generation: GenerationConfig,
     seed: int,
     *,
     generate_fn: GenerateFn | None = None,
     encode_fn: EncodeFn | None = None,
 ) -> BatchOutput:
-    """Encode ``prompts``, generate with ``cfg``'s settings and decode: the step every run shares (``generate_fn``,
-    ``encode_fn``: this module's ``generate`` and ``encode_prompts`` unless given, looked up at call time)."""
+    """Encode ``prompts``, generate with the ``generation`` settings and decode: the step every run shares
+    (``generate_fn``, ``encode_fn``: this module's ``generate`` and ``encode_prompts`` unless given, looked up at
+    call time)."""
     generate_fn, encode_fn = generate_fn or generate, encode_fn or encode_prompts
-    input_ids, attention_mask = encode_fn(tokenizer, list(prompts))
+    input_ids, attention_mask = encode_fn(tokenizer, list(prompts))  # [B, s] each, left-padded
     device = getattr(model, "device", None)
     if device is not None and hasattr(input_ids, "to"):
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -325,28 +327,25 @@ def generate_batch(
         input_ids,
         attention_mask,
         method,
-        cfg.max_new_tokens,
-        ignore_eos=cfg.ignore_eos,
+        generation.max_new_tokens,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
-        do_sample=cfg.do_sample,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
         seed=seed,
+        **generation.sampling(),
     )
     cuda_peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
-    tokens = result.tokens.tolist() if hasattr(result.tokens, "tolist") else list(result.tokens)
-    num_generated = [
-        int(n)
-        for n in (result.num_generated.tolist() if hasattr(result.num_generated, "tolist") else result.num_generated)
-    ]
+    tokens = _as_list(result.tokens)
+    num_generated = [int(n) for n in _as_list(result.num_generated)]
     outputs = [
         tokenizer.decode(cut_at_eos(tokens[i], num_generated[i], eos_token_id), skip_special_tokens=True)
         for i in range(len(prompts))
     ]
     prompt_tokens = [int(n) for n in attention_mask.sum(-1).tolist()]
     return BatchOutput(result, outputs, prompt_tokens, num_generated, cuda_peak)
+
+
+def _as_list(values) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 def warm_up(
@@ -417,129 +416,140 @@ def run_settings(cfg: RunConfig, spec: RunSpec, *, tp_size: int = 1, dp_size: in
         "batch_size": spec.batch_size,
         "kv_max": spec.kv_max,
         "p": spec.method.p,
-        "model": cfg.model,
-        "task": cfg.task,
-        "data": cfg.data,
-        "num_shots": cfg.shots_for_task(),
-        "metric": cfg.metric_for_task(),
-        "max_input_tokens": cfg.max_input_tokens,
-        "max_new_tokens": cfg.max_new_tokens,
-        "ignore_eos": cfg.ignore_eos,
-        "do_sample": cfg.do_sample,
-        "seed": cfg.seed,
-        "dtype": cfg.dtype,
-        "device": cfg.device,
+        "model": cfg.model.name,
+        "task": cfg.data.task,
+        "data": cfg.data.path,
+        "num_shots": cfg.data.shots_for_task(),
+        "metric": cfg.data.metric_for_task(),
+        "max_input_tokens": cfg.data.max_input_tokens,
+        "max_new_tokens": cfg.generation.max_new_tokens,
+        "ignore_eos": cfg.generation.ignore_eos,
+        "do_sample": cfg.generation.do_sample,
+        "seed": cfg.generation.seed,
+        "dtype": cfg.model.dtype,
+        "device": cfg.model.device,
         "tp_size": tp_size,
         "dp_size": dp_size,
     }
 
 
-def evaluate_run(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    samples: Sequence[Sample],
-    spec: RunSpec,
-    cfg: RunConfig,
-    *,
-    layout: Layout | None = None,
-    comm: Collectives | None = None,
-    generate_fn: GenerateFn | None = None,
-    encode_fn: EncodeFn | None = None,
-    progress: bool | None = None,
-    prompt_len: int | None = None,
-    shape: ModelShape | None = None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any] | None:
-    """Run (or finish, or skip) one run into ``cfg.out/<spec.name>``; its summary on rank 0.
+@dataclass
+class RunContext:
+    """What every run of a job shares: the model and its tokenizer; where this process sits (``layout``; None: one
+    process) and the job's collectives (``comm``; default: those of ``layout`` alone); the engine's functions
+    (``generate_fn``, ``encode_fn``: this module's ``generate`` and :func:`encode_prompts` unless given, looked up
+    at call time); the planning inputs (``prompt_len``: the longest encoded prompt of the samples, ``shape``: the
+    model's ``planner.ModelShape``; found per run when None); ``progress``: show a bar (default: on rank 0)."""
 
-    Collective when ``layout.world > 1``: every rank calls it with the same arguments and ``comm`` (the job's
-    :class:`Collectives`). Each replica writes its own shard as its batches finish; the last replica to finish
-    merges the shards into the run's files and summary (``results.merge_run``). Returns the ``summary.json``
-    object on rank 0, None elsewhere. ``prompt_len`` (the longest encoded prompt of ``samples``) and ``shape``
-    (``planner.ModelShape``) are computed when not given; a model without a config gets no prediction (and no
-    budget check). ``extra``: more fields for the summary (the same-memory run's budget).
-    """
-    generate_fn, encode_fn = generate_fn or generate, encode_fn or encode_prompts
-    comm = comm or Collectives(layout)
-    is_main = layout is None or layout.is_main
-    dp, tp = (1, 1) if layout is None else (layout.dp, layout.tp)
-    replica, lead = (0, True) if layout is None else (layout.replica, layout.tp_rank == 0)
-    folder = Path(cfg.out) / spec.name
-    shard = results.RunLog(results.shard_folder(folder, replica, dp))
-    continuous = cfg.scheduler == "continuous"  # then every sample is a "batch" of its own: done and resumed alone
-    batches = [[s] for s in samples] if continuous else list(batched(list(samples), max(spec.batch_size, 1)))
-    batch_ids = [[s.id for s in batch] for batch in batches]
+    model: Any
+    tokenizer: Any
+    layout: Layout | None = None
+    comm: Collectives | None = None
+    generate_fn: GenerateFn | None = None
+    encode_fn: EncodeFn | None = None
+    prompt_len: int | None = None
+    shape: ModelShape | None = None
+    progress: bool | None = None
 
-    state = comm.broadcast(_run_state(folder) if is_main else None)  # rank 0 reads what is finished
-    if "finished" in state:
-        if is_main:
-            logger.info("%s: finished earlier (%s), skipped", spec.name, state["finished"].get("status"))
-        return state["finished"] if is_main else None
-    estimate = _predict(model, tokenizer, batches, spec, cfg, tp, prompt_len, shape, encode_fn)
+    def __post_init__(self) -> None:
+        if self.comm is None:
+            self.comm = Collectives(self.layout)
 
-    def head() -> dict[str, Any]:
+    @property
+    def generate(self) -> GenerateFn:
+        return self.generate_fn or generate
+
+    @property
+    def encode(self) -> EncodeFn:
+        return self.encode_fn or encode_prompts
+
+    @property
+    def is_main(self) -> bool:
+        return self.layout is None or self.layout.is_main
+
+    @property
+    def dp(self) -> int:
+        return 1 if self.layout is None else self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.layout is None else self.layout.tp
+
+    @property
+    def replica(self) -> int:
+        return 0 if self.layout is None else self.layout.replica
+
+    @property
+    def lead(self) -> bool:
+        """Whether this rank writes its replica's shard (the replica's tensor-parallel rank 0)."""
+        return self.layout is None or self.layout.tp_rank == 0
+
+
+@dataclass
+class _Run:
+    """One run in progress: its spec and configuration, its folder and this replica's shard of it, its batches
+    (one sample each under the continuous scheduler: each is done and resumed alone) and the planner's peak."""
+
+    spec: RunSpec
+    cfg: RunConfig
+    folder: Path
+    shard: results.RunLog
+    batches: list[list[Sample]]
+    continuous: bool
+    extra: dict[str, Any]
+    estimate: MemoryEstimate | None = None
+
+    @property
+    def batch_ids(self) -> list[list[str]]:
+        return [[s.id for s in batch] for batch in self.batches]
+
+    def head(self, ctx: RunContext) -> dict[str, Any]:
+        """What the run's summary says besides its measurements (``results.merge_run``)."""
         return {
-            "settings": run_settings(cfg, spec, tp_size=tp, dp_size=dp),
-            "batch_ids": batch_ids,
-            "dp": dp,
-            "tp": tp,
-            "continuous": continuous,
-            "budget": budget_fields(cfg, estimate, model),
-            "extra": extra or {},
+            "settings": run_settings(self.cfg, self.spec, tp_size=ctx.tp, dp_size=ctx.dp),
+            "batch_ids": self.batch_ids,
+            "dp": ctx.dp,
+            "tp": ctx.tp,
+            "continuous": self.continuous,
+            "budget": budget_fields(self.cfg, self.estimate, ctx.model),
+            "extra": self.extra,
         }
 
-    refusal = _refusal(spec, estimate, cfg.budget_bytes(), state)  # the same verdict on every rank
-    if refusal is not None:
-        if not is_main:
-            return None
-        message, cause = refusal
-        logger.warning("%s: %s", spec.name, message)
-        parts = results.read_parts(folder) if cause == "runtime" else []
-        return results.merge_run(folder, head(), parts, cfg.metric_for_task(), error=message, cause=cause)
 
-    done = comm.replica_share(sorted(b["batch"] for b in shard.load(batch_ids)[1]) if lead else None)
-    share = [i for i in range(len(batches)) if i % dp == replica]
-    mine = [i for i in share if i not in done]
-    if lead and dp > 1:
-        atomic_write_text(shard.folder / results.HEAD_FILE, _json(head()))
-    if is_main:
-        logger.info(
-            "%s: %s, %d samples in %d batches%s",
-            spec.name,
-            spec.method.label(),
-            len(samples),
-            len(batches),
-            f", resuming after {len(done)} finished batches" if done else "",
-        )
-    bar = tqdm(
-        total=sum(len(batches[i]) for i in share),
-        initial=sum(len(batches[i]) for i in done),
-        desc=spec.name if dp == 1 else f"{spec.name} (replica {replica} of {dp})",
-        unit="sample",
-        dynamic_ncols=True,
-        disable=(not is_main) if progress is None else not (progress and is_main),
-    )
-    started_at, start = utc_now(), time.perf_counter()
-    try:
-        if continuous:
-            stop = _serve_replica(
-                model, tokenizer, samples, mine, spec, cfg, encode_fn, layout, shard, bar, folder, comm
-            )
-        else:
-            stop = _run_batches(
-                model, tokenizer, batches, mine, spec, cfg, generate_fn, encode_fn, layout, shard, bar, folder, comm
-            )
-    finally:
-        bar.close()
-    part = None
-    if lead:
-        part = {"replica": replica, "started_at": started_at, "wall_s": time.perf_counter() - start, "stop": stop}
-        if dp > 1:
-            atomic_write_text(shard.folder / results.DONE_FILE, _json(part))
-        part["head"] = head()
-        part["samples"], part["batches"] = shard.load(batch_ids)
-    summary = comm.last_decides(part, lambda parts: _merge(folder, parts, cfg))
-    return summary if is_main else None
+def evaluate_run(
+    ctx: RunContext, samples: Sequence[Sample], spec: RunSpec, cfg: RunConfig, *, extra: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """Run (or finish, or skip) one run into ``OUT/<spec.name>``; its summary on rank 0.
+
+    Collective when ``ctx.layout.world > 1``: every rank calls it with the same arguments and the job's
+    :class:`Collectives`. Each replica writes its own shard as its batches finish; the last replica to finish
+    merges the shards into the run's files and summary (``results.merge_run``). Returns the ``summary.json``
+    object on rank 0, None elsewhere. A model without a config gets no prediction (and no budget check).
+    ``extra``: more fields for the summary (the same-memory run's budget).
+    """
+    run = _open_run(ctx, samples, spec, cfg, extra)
+    state = ctx.comm.broadcast(_run_state(run.folder) if ctx.is_main else None)  # rank 0 reads what is finished
+    if "finished" in state:
+        if ctx.is_main:
+            logger.info("%s: finished earlier (%s), skipped", spec.name, state["finished"].get("status"))
+        return state["finished"] if ctx.is_main else None
+    run.estimate = _predict(ctx, run)
+    refusal = _refusal(spec, run.estimate, cfg.memory.budget_bytes(), state)  # the same verdict on every rank
+    if refusal is not None:
+        return _record_refusal(ctx, run, *refusal) if ctx.is_main else None
+    part = _generate_share(ctx, run, samples)
+    summary = ctx.comm.last_decides(part, lambda parts: _merge(run.folder, parts, cfg))
+    return summary if ctx.is_main else None
+
+
+def _open_run(
+    ctx: RunContext, samples: Sequence[Sample], spec: RunSpec, cfg: RunConfig, extra: dict[str, Any] | None
+) -> _Run:
+    folder = Path(cfg.output.dir) / spec.name
+    continuous = cfg.sweep.scheduler == "continuous"
+    batches = [[s] for s in samples] if continuous else list(batched(list(samples), max(spec.batch_size, 1)))
+    shard = results.RunLog(results.shard_folder(folder, ctx.replica, ctx.dp))
+    return _Run(spec, cfg, folder, shard, batches, continuous, extra or {})
 
 
 def _run_state(folder: Path) -> dict[str, Any]:
@@ -567,12 +577,69 @@ def _refusal(
     return None
 
 
+def _record_refusal(ctx: RunContext, run: _Run, message: str, cause: str) -> dict[str, Any]:
+    """Rank 0: the OOM row of a run that does not run (with the batches a runtime OOM left, if any)."""
+    logger.warning("%s: %s", run.spec.name, message)
+    parts = results.read_parts(run.folder) if cause == "runtime" else []
+    metric = run.cfg.data.metric_for_task()
+    return results.merge_run(run.folder, run.head(ctx), parts, metric, error=message, cause=cause)
+
+
+def _generate_share(ctx: RunContext, run: _Run, samples: Sequence[Sample]) -> dict[str, Any] | None:
+    """This replica's unfinished batches, each appended to its shard as it ends. Returns the replica's part for
+    the merge (on its lead rank; None elsewhere)."""
+    shard, dp = run.shard, ctx.dp
+    done = ctx.comm.replica_share(sorted(b["batch"] for b in shard.load(run.batch_ids)[1]) if ctx.lead else None)
+    share = [i for i in range(len(run.batches)) if i % dp == ctx.replica]
+    mine = [i for i in share if i not in done]
+    if ctx.lead and dp > 1:
+        atomic_write_text(shard.folder / results.HEAD_FILE, _json(run.head(ctx)))
+    if ctx.is_main:
+        resuming = f", resuming after {len(done)} finished batches" if done else ""
+        logger.info(
+            "%s: %s, %d samples in %d batches%s",
+            run.spec.name,
+            run.spec.method.label(),
+            len(samples),
+            len(run.batches),
+            resuming,
+        )
+    bar = _progress_bar(ctx, run, share, done)
+    started_at, start = utc_now(), time.perf_counter()
+    try:
+        stop = _serve_replica(ctx, run, samples, mine, bar) if run.continuous else _run_batches(ctx, run, mine, bar)
+    finally:
+        bar.close()
+    if not ctx.lead:
+        return None
+    part = {"replica": ctx.replica, "started_at": started_at, "wall_s": time.perf_counter() - start, "stop": stop}
+    if dp > 1:
+        atomic_write_text(shard.folder / results.DONE_FILE, _json(part))
+    part["head"] = run.head(ctx)
+    part["samples"], part["batches"] = shard.load(run.batch_ids)
+    return part
+
+
+def _progress_bar(ctx: RunContext, run: _Run, share: list[int], done: list[int]) -> tqdm:
+    """Rank 0's bar over replica 0's samples (``ctx.progress`` False: none)."""
+    name = run.spec.name
+    return tqdm(
+        total=sum(len(run.batches[i]) for i in share),
+        initial=sum(len(run.batches[i]) for i in done),
+        desc=name if ctx.dp == 1 else f"{name} (replica {ctx.replica} of {ctx.dp})",
+        unit="sample",
+        dynamic_ncols=True,
+        disable=(not ctx.is_main) if ctx.progress is None else not (ctx.progress and ctx.is_main),
+    )
+
+
 def _merge(folder: Path, parts: list[dict[str, Any] | None], cfg: RunConfig) -> dict[str, Any]:
     """The last rank to finish a run: the replicas' shards into the run's files and summary."""
     parts = [p for p in parts if p is not None]
     stops = [p["stop"] for p in parts if p.get("stop")]
+    metric = cfg.data.metric_for_task()
     summary = results.merge_run(
-        folder, parts[0]["head"], parts, cfg.metric_for_task(), error=stops[0] if stops else None, cause="runtime"
+        folder, parts[0]["head"], parts, metric, error=stops[0] if stops else None, cause="runtime"
     )
     if summary["status"] == "oom":
         logger.warning("%s: out of memory (%s); run marked OOM", summary["run"], stops[0])
@@ -593,57 +660,49 @@ def error_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
 
 
-def _end_on_oom(folder: Path, layout: Layout, comm: Collectives, spec: RunSpec, error: str, batch: int) -> None:
+def _end_on_oom(ctx: RunContext, run: _Run, error: str, batch: int) -> None:
     """A rank of a multi-process run out of memory: its peers may wait inside the model's collectives, so nothing
     can be gathered. Leave the marker for the next run, tell every rank, and end the job."""
-    path = results.write_oom_marker(folder, layout.rank, error, batch)
-    comm.fail(f"out of memory in {spec.name}")
+    rank = ctx.layout.rank
+    path = results.write_oom_marker(run.folder, rank, error, batch)
+    ctx.comm.fail(f"out of memory in {run.spec.name}")
     where = f"batch {batch}" if batch >= 0 else "its requests"
     raise RankOutOfMemory(
-        f"{spec.name}: rank {layout.rank} ran out of memory in {where} ({error}); recorded in "
+        f"{run.spec.name}: rank {rank} ran out of memory in {where} ({error}); recorded in "
         f"{path}: run the same command again to record the OOM row and go on"
     )
 
 
-def _run_batches(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    batches: list[list[Sample]],
-    mine: list[int],
-    spec: RunSpec,
-    cfg: RunConfig,
-    generate_fn: GenerateFn,
-    encode_fn: EncodeFn,
-    layout: Layout | None,
-    shard: results.RunLog,
-    bar,
-    folder: Path,
-    comm: Collectives,
-) -> str | None:
+def _oom_error(ctx: RunContext, run: _Run, step: Callable[[], T], batch: int) -> tuple[T | None, str | None]:
+    """(``step()``, None), or (None, the error line) when it ran out of memory. Outside the handler the exception
+    (and the frames holding the batch's tensors) is gone; a multi-process run then ends (:func:`_end_on_oom`)."""
+    error = None
+    try:
+        return step(), None
+    except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
+        if not is_oom(err):
+            raise
+        error = error_line(err)
+    if ctx.comm.world > 1:
+        _end_on_oom(ctx, run, error, batch)
+    return None, error
+
+
+def _run_batches(ctx: RunContext, run: _Run, mine: list[int], bar) -> str | None:
     """This replica's unfinished batches ``mine``, each appended to its shard as it ends (by its tensor-parallel rank
     0, with the K/V peak of every rank). Returns an out-of-memory message (one process) or None."""
-    replica = 0 if layout is None else layout.replica
     tokens, seconds = 0, 0.0
     for index in mine:
-        error = None
-        try:
-            message = _run_batch(model, tokenizer, batches[index], index, spec, cfg, generate_fn, encode_fn, replica)
-        except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
-            if not is_oom(err):
-                raise
-            error = error_line(err)
+        message, error = _oom_error(ctx, run, lambda index=index: _run_batch(ctx, run, index), index)
         if error is not None:
-            # Outside the handler: the exception (and the frames holding the batch's tensors) is gone.
-            if comm.world > 1:
-                _end_on_oom(folder, layout, comm, spec, error, index)
-            free_memory(getattr(model, "device", None))
+            free_memory(getattr(ctx.model, "device", None))
             return error
         record = message["batch"]
-        peaks = comm.replica_gather(int(record["peak_kv_bytes"]))
+        peaks = ctx.comm.replica_gather(int(record["peak_kv_bytes"]))
         if peaks is None:
             continue  # the replica's tensor-parallel rank 0 writes its (identical) records
         record["peak_kv_bytes"], record["peak_kv_bytes_per_rank"] = sum(peaks), peaks
-        shard.append(message["samples"], [record])
+        run.shard.append(message["samples"], [record])
         tokens += record["generated_tokens"]
         seconds += record["prefill_s"] + record["decode_s"]
         bar.update(len(record["ids"]))
@@ -652,171 +711,127 @@ def _run_batches(
     return None
 
 
-def _predict(
-    model: torch.nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    batches: list[list[Sample]],
-    spec: RunSpec,
-    cfg: RunConfig,
-    tp: int,
-    prompt_len: int | None,
-    shape: ModelShape | None,
-    encode_fn: EncodeFn,
-) -> MemoryEstimate | None:
+def _predict(ctx: RunContext, run: _Run) -> MemoryEstimate | None:
     """The planner's peak per rank of this run (None for a model without a config, e.g. a test double)."""
-    if shape is None:
-        shape = model_shape(model)
-    if shape is None or not batches:
+    shape = ctx.shape if ctx.shape is not None else model_shape(ctx.model)
+    if shape is None or not run.batches:
         return None
+    prompt_len = ctx.prompt_len
     if prompt_len is None:  # every batch is padded to its longest prompt
-        prompt_len = max(int(encode_fn(tokenizer, [s.prompt for s in batch])[0].shape[-1]) for batch in batches)
-    if cfg.scheduler == "continuous":
-        return predict_pool(
-            shape,
-            spec.method,
-            max(spec.batch_size, 1),
-            prompt_len,
-            cfg.max_new_tokens,
-            tp=tp,
-            dtype=planned_dtype(cfg.dtype),
-        )
-    return predict_spec(shape, spec.method, max(spec.batch_size, 1), prompt_len, cfg.max_new_tokens, cfg.dtype, tp)
+        encode = ctx.encode
+        prompt_len = max(int(encode(ctx.tokenizer, [s.prompt for s in b])[0].shape[-1]) for b in run.batches)
+    spec, cfg = run.spec, run.cfg
+    new_tokens, batch = cfg.generation.max_new_tokens, max(spec.batch_size, 1)
+    if run.continuous:
+        dtype = planned_dtype(cfg.model.dtype)
+        return predict_pool(shape, spec.method, batch, prompt_len, new_tokens, tp=ctx.tp, dtype=dtype)
+    return predict_spec(shape, spec.method, batch, prompt_len, new_tokens, cfg.model.dtype, ctx.tp)
 
 
-def _serve_replica(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    samples: Sequence[Sample],
-    mine: list[int],
-    spec: RunSpec,
-    cfg: RunConfig,
-    encode_fn: EncodeFn,
-    layout: Layout | None,
-    shard: results.RunLog,
-    bar,
-    folder: Path,
-    comm: Collectives,
-) -> str | None:
+def _sample_record(sample: Sample, prompt_tokens: int, output: str, generated: int, metric: str) -> dict[str, Any]:
+    """One line of ``samples.jsonl`` (``results.SAMPLE_KEYS``), scored with ``metric``."""
+    reference = list(sample.reference) if isinstance(sample.reference, tuple) else sample.reference
+    score = metric_score(metric, output, reference)
+    return {
+        "id": sample.id,
+        "prompt_tokens": prompt_tokens,
+        "output": output,
+        "reference": reference,
+        "correct": None if score is None or metric == "rouge2" else score == 1.0,
+        "generated_tokens": generated,
+    }
+
+
+def _serve_replica(ctx: RunContext, run: _Run, samples: Sequence[Sample], mine: list[int], bar) -> str | None:
     """Continuous batching (``core.serve``) of this replica's samples ``mine`` in ``spec.batch_size`` slots.
 
     Each sample's records are appended to the replica's shard as it ends, its timing the run's prefill and decode
     seconds since the previous sample ended, so the sums are the run's. Each request samples with its own seed
-    (``cfg.seed`` + its sample index). Returns an out-of-memory message (one process) or None.
+    (``seed`` + its sample index). Returns an out-of-memory message (one process) or None.
     """
+    cfg, tokenizer = run.cfg, ctx.tokenizer
     eos, pad = _special_ids(tokenizer)
-    replica, tp_rank = (0, 0) if layout is None else (layout.replica, layout.tp_rank)
+    new_tokens, seed = cfg.generation.max_new_tokens, cfg.generation.seed
     requests = [
-        Request(encode_fn(tokenizer, [samples[i].prompt])[0][0].tolist(), cfg.max_new_tokens, seed=cfg.seed + i)
-        for i in mine
+        Request(ctx.encode(tokenizer, [samples[i].prompt])[0][0].tolist(), new_tokens, seed=seed + i) for i in mine
     ]
-    metric, clock = cfg.metric_for_task(), [0.0, 0.0]
+    metric, clock = cfg.data.metric_for_task(), [0.0, 0.0]
 
     def finished(j: int, out: RequestOutput) -> None:
         i, sample = mine[j], samples[mine[j]]
         text = tokenizer.decode(cut_at_eos(out.tokens, out.num_generated, eos), skip_special_tokens=True)
-        reference = list(sample.reference) if isinstance(sample.reference, tuple) else sample.reference
-        score = metric_score(metric, text, reference)
-        record = {
-            "id": sample.id,
-            "prompt_tokens": len(requests[j].input_ids),
-            "output": text,
-            "reference": reference,
-            "correct": None if score is None or metric == "rouge2" else score == 1.0,
-            "generated_tokens": out.num_generated,
-        }
-        batch = {
-            "batch": i,
-            "replica": replica,
-            "ids": [sample.id],
-            "tokens_cut": [int(sample.tokens_cut)],
-            "generated_tokens": out.num_generated,
-            "prefill_s": out.run_prefill_s - clock[0],
-            "decode_s": out.run_decode_s - clock[1],
-            "peak_kv_bytes": out.kv_bytes,
-            "peak_kv_bytes_per_rank": [out.kv_bytes],
-            "peak_workspace_bytes": out.workspace_bytes,
-            "cuda_max_memory_allocated": None,
-            "slot": out.slot,
-            "first_token_s": out.first_token_s,
-            "latency_s": out.finished_s,
-        }
+        record = _sample_record(sample, len(requests[j].input_ids), text, out.num_generated, metric)
+        batch = _served_batch_record(i, sample, out, clock, ctx.replica)
         clock[:] = [out.run_prefill_s, out.run_decode_s]
-        if tp_rank == 0:
-            shard.append([record], [batch])
+        if ctx.lead:
+            run.shard.append([record], [batch])
             bar.update(1)
 
-    error = None
-    try:
+    def serve_all() -> None:
         serve(
-            model,
+            ctx.model,
             requests,
-            spec.method,
-            spec.batch_size,
-            ignore_eos=cfg.ignore_eos,
+            run.spec.method,
+            run.spec.batch_size,
             eos_token_id=eos,
             pad_token_id=pad,
-            do_sample=cfg.do_sample,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            prefill_budget=cfg.prefill_budget,
+            prefill_budget=cfg.sweep.prefill_budget,
             on_finish=finished,
-            tp_group=getattr(model, "batchmax_tp_group", None),
+            tp_group=getattr(ctx.model, "batchmax_tp_group", None),
+            **cfg.generation.sampling(),
         )
-    except Exception as err:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
-        if not is_oom(err):
-            raise
-        error = error_line(err)
-    if error is not None and comm.world > 1:
-        _end_on_oom(folder, layout, comm, spec, error, -1)
-    return error
+
+    return _oom_error(ctx, run, serve_all, -1)[1]
+
+
+def _served_batch_record(
+    index: int, sample: Sample, out: RequestOutput, clock: list[float], replica: int
+) -> dict[str, Any]:
+    """One line of ``batches.jsonl`` for a request the continuous scheduler finished (``clock``: the run's prefill
+    and decode seconds when the previous request finished)."""
+    return {
+        "batch": index,
+        "replica": replica,
+        "ids": [sample.id],
+        "tokens_cut": [int(sample.tokens_cut)],
+        "generated_tokens": out.num_generated,
+        "prefill_s": out.run_prefill_s - clock[0],
+        "decode_s": out.run_decode_s - clock[1],
+        "peak_kv_bytes": out.kv_bytes,
+        "peak_kv_bytes_per_rank": [out.kv_bytes],
+        "peak_workspace_bytes": out.workspace_bytes,
+        "cuda_max_memory_allocated": None,
+        "slot": out.slot,
+        "first_token_s": out.first_token_s,
+        "latency_s": out.finished_s,
+    }
 
 
 def _json(obj: Any) -> str:
     return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
 
 
-def _run_batch(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    batch: list[Sample],
-    index: int,
-    spec: RunSpec,
-    cfg: RunConfig,
-    generate_fn: GenerateFn,
-    encode_fn: EncodeFn,
-    replica: int,
-) -> dict[str, Any]:
+def _run_batch(ctx: RunContext, run: _Run, index: int) -> dict[str, Any]:
     """Generate one batch: its per-sample records (``results.SAMPLE_KEYS``) and its batch record."""
+    batch, cfg = run.batches[index], run.cfg
     out = generate_batch(
-        model,
-        tokenizer,
+        ctx.model,
+        ctx.tokenizer,
         [s.prompt for s in batch],
-        spec.method,
-        cfg,
-        cfg.seed + index,
-        generate_fn=generate_fn,
-        encode_fn=encode_fn,
+        run.spec.method,
+        cfg.generation,
+        cfg.generation.seed + index,
+        generate_fn=ctx.generate,
+        encode_fn=ctx.encode,
     )
-    result = out.result
-    metric = cfg.metric_for_task()
-    samples = []
-    for i, sample in enumerate(batch):
-        reference = list(sample.reference) if isinstance(sample.reference, tuple) else sample.reference
-        score = metric_score(metric, out.outputs[i], reference)
-        samples.append(
-            {
-                "id": sample.id,
-                "prompt_tokens": out.prompt_tokens[i],
-                "output": out.outputs[i],
-                "reference": reference,
-                "correct": None if score is None or metric == "rouge2" else score == 1.0,
-                "generated_tokens": out.num_generated[i],
-            }
-        )
+    result, metric = out.result, cfg.data.metric_for_task()
+    samples = [
+        _sample_record(s, out.prompt_tokens[i], out.outputs[i], out.num_generated[i], metric)
+        for i, s in enumerate(batch)
+    ]
     record = {
         "batch": index,
-        "replica": replica,
+        "replica": ctx.replica,
         "ids": [s.id for s in batch],
         "tokens_cut": [int(s.tokens_cut) for s in batch],
         "generated_tokens": sum(out.num_generated),
