@@ -1,7 +1,8 @@
 """The fair baselines (batchmax_tp.core.baseline): FKV and ED on the model's own SDPA with a DenseCache.
 
-They must give what the score-collecting path gave (tokens identical, logits within 1e-4), what HF's own
-full-cache forward gives (FKV), keep exactly Algorithm 3's pairs (ED, naive reference), and never run the
+They must give what the score-collecting path gives (HF's generate drop-in on a ``BatchMaxCache`` with the
+"batchmax" attention: tokens identical, logits within 1e-4), what HF's own full-cache forward gives (FKV), keep
+exactly Algorithm 3's pairs (ED, naive reference), and never run the
 "batchmax" attention or hold per-slot score/position buffers.
 """
 
@@ -29,11 +30,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from batchmax_tp.bench.hf_reference import hf_reference_generate
 from batchmax_tp.core import attention
 from batchmax_tp.core.baseline import DenseCache, fastest_attention
 from batchmax_tp.core.cache import BatchMaxCache
-from batchmax_tp.core.engine import generate
-from batchmax_tp.core.method import Method
+from batchmax_tp.core.engine import GenerationOutput, generate
+from batchmax_tp.core.method import FullCache, Method
+from batchmax_tp.core.schedule import capacity
 from batchmax_tp.core.workspace import SDPA, dense_workspace_bytes
 
 ATOL = 1e-4
@@ -42,8 +45,39 @@ METHODS = [Method("fkv"), Method("ed", kv_max=2), Method("ed", kv_max=5), Method
 IDS = ["fkv", "ed2", "ed5", "ed65"]  # ed65: kv_max above the prompt length
 
 
-def run(model, ids, mask, method, n, fast=True):
-    return generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True, fast_baselines=fast)
+def run(model, ids, mask, method, n):
+    return generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
+
+
+def score_path(model, ids, mask, method, n) -> GenerationOutput:
+    """The score-collecting path: HF's ``model.generate`` drop-in on a ``BatchMaxCache`` (reserved as the engine
+    reserves) with the "batchmax" attention; tokens, logits and cache as the engine returns them."""
+    cache = BatchMaxCache(method, reserve=capacity(method, ids.shape[1], n))
+    with torch.no_grad(), attention.use_batchmax_attention(model):
+        res = model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=n,
+            eos_token_id=-1,  # no EOS: every step runs (min_new_tokens would ban the EOS token instead)
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    tokens = res.sequences[:, ids.shape[1] :]
+    return GenerationOutput(
+        tokens=tokens,
+        num_generated=torch.full((ids.shape[0],), n),
+        prefill_s=0.0,
+        decode_s=0.0,
+        peak_kv_bytes=cache.peak_kv_bytes,
+        peak_meta_bytes=cache.peak_meta_bytes,
+        peak_workspace_bytes=cache.peak_workspace_bytes,
+        cache=cache,
+        phases=[],
+        logits=[x.float() for x in res.logits],
+    )
 
 
 @pytest.fixture
@@ -65,7 +99,7 @@ def test_fast_baseline_equals_batchmax_path_and_reference(method, attention_call
     model = tiny_llama(0, **PEAKED)
     ids, mask = left_padded_batch(LENGTHS, seed=1)
     n = 12
-    old = run(model, ids, mask, method, n, fast=False)
+    old = score_path(model, ids, mask, method, n)
     assert isinstance(old.cache, BatchMaxCache) and len(attention_calls) > 0  # the counter sees the old path
     attention_calls.clear()
     new = run(model, ids, mask, method, n)
@@ -80,7 +114,7 @@ def test_fast_baseline_equals_batchmax_path_and_reference(method, attention_call
     assert_kept_equal(new.cache.kept_positions(), ref.kept, what=f"{method.label()}: fast vs Algorithm 3")
     assert_logits_close(
         new.logits,
-        hf_full_cache_logits(model, ids, mask, new.tokens) if method.name == "fkv" else ref.logits,
+        hf_full_cache_logits(model, ids, mask, new.tokens) if isinstance(method, FullCache) else ref.logits,
         ATOL,
         what=f"{method.label()}: fast vs HF full forward / reference",
     )
@@ -91,7 +125,7 @@ def test_fast_baseline_equals_batchmax_path_and_reference(method, attention_call
         assert not hasattr(layer, "score") and not hasattr(layer, "pos")
         assert [k for k, v in vars(layer).items() if isinstance(v, torch.Tensor)] == ["keys", "values"]
     assert old.cache.meta_bytes() > 0
-    assert new.cache.meta_bytes() == (3 * (60 + n - 1) if method.name == "fkv" else 0)  # FKV's bool decode mask
+    assert new.cache.meta_bytes() == (3 * (60 + n - 1) if isinstance(method, FullCache) else 0)  # FKV's decode mask
 
 
 @pytest.mark.parametrize("kv_max", [2, 3, 5])
@@ -167,7 +201,7 @@ def test_other_families_fast_equals_batchmax_path(arch):
     model.set_attn_implementation("sdpa")
     ids, mask = left_padded_batch([20, 33, 40], seed=0)
     for method in (Method("fkv"), Method("ed", kv_max=3)):
-        old, new = run(model, ids, mask, method, 9, fast=False), run(model, ids, mask, method, 9)
+        old, new = score_path(model, ids, mask, method, 9), run(model, ids, mask, method, 9)
         assert_tokens_equal(new.tokens, old.tokens, what=f"{arch} {method.label()}")
         assert_logits_close(new.logits, old.logits, ATOL, what=f"{arch} {method.label()}")
         assert_kept_equal(new.cache.kept_positions(), old.cache.kept_positions(), what=f"{arch} {method.label()}")
@@ -234,12 +268,10 @@ def test_dense_cache_refuses_bm_and_hf_generate():
 )
 def test_plain_hf_references_give_the_engines_tokens(method):
     """The benchmark's plain-HF versions (HF generate; DynamicCache cut to its newest pair) agree with the engine."""
-    from batchmax_tp.core.baseline import hf_reference_generate
-
     model = tiny_llama(0, **PEAKED)
     ids, mask = left_padded_batch(LENGTHS, seed=3)
     tokens, prefill_s, decode_s = hf_reference_generate(model, ids, mask, method, 11)
     assert prefill_s > 0 and decode_s > 0
     assert_tokens_equal(tokens, run(model, ids, mask, method, 11).tokens, what=f"plain HF {method.label()}")
-    if method.name == "ed":  # and the cut really changes the result (the reference is not a full cache)
+    if method.evicts:  # ED: and the cut really changes the result (the reference is not a full cache)
         assert not torch.equal(tokens, run(model, ids, mask, Method("fkv"), 11).tokens)

@@ -17,6 +17,7 @@ from tiny import tiny_llama
 from batchmax_tp.core import attention, cache, engine, workspace
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
+from batchmax_tp.core.schedule import capacity
 from batchmax_tp.plan.planner import ModelShape, bookkeeping_bytes, predict
 
 CASES = [
@@ -61,6 +62,27 @@ def per_call(monkeypatch):
     return reported
 
 
+def _score_collecting(model, ids, method, new) -> tuple[int, int]:
+    """Generate on the score-collecting "batchmax" attention: BM through the engine; FKV/ED (which the engine runs on
+    SDPA, baseline.py) through HF's generate drop-in on a ``BatchMaxCache``, reserved as the engine reserves.
+    Returns (the reported peak workspace, the passes run per layer)."""
+    if method.reads_scores:
+        out = generate(model, ids, None, method, new, ignore_eos=True)
+        return out.peak_workspace_bytes, len(out.phases)
+    c = cache.BatchMaxCache(method, reserve=capacity(method, ids.shape[1], new))
+    with torch.no_grad(), attention.use_batchmax_attention(model):
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=c,
+            max_new_tokens=new,
+            eos_token_id=-1,  # no EOS: every step runs (min_new_tokens would ban the EOS token instead)
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return c.peak_workspace_bytes, new  # one prefill pass, then new - 1 decode steps
+
+
 # -- the tracker itself -------------------------------------------------------------------------------------------
 def test_tracker_measures_known_allocations():
     kept = torch.empty(5 << 20, dtype=torch.uint8)  # before the tracker: the baseline, not counted
@@ -94,17 +116,17 @@ def test_attention_calls_hold_what_they_report_and_the_planner_predicts(
     model, monkeypatch, per_call, chunk_bytes, method, batch, prompt, new
 ):
     monkeypatch.setattr(workspace, "SCORE_CHUNK_BYTES", chunk_bytes)
-    # FKV/ED run on SDPA by default; their score-collecting path (fast_baselines=False, also HF's drop-in) is the
-    # same "batchmax" attention call and must hold what it reports too.
+    # FKV/ED run on SDPA in the engine; their score-collecting path (HF's drop-in) is the same "batchmax" attention
+    # call and must hold what it reports too.
     with AllocationTracker() as t:
-        out = generate(model, _ids(batch, prompt), None, method, new, ignore_eos=True, fast_baselines=False)
+        peak, passes = _score_collecting(model, _ids(batch, prompt), method, new)
     measured = t.spans(LABEL)
-    calls = model.config.num_hidden_layers * len(out.phases)
+    calls = model.config.num_hidden_layers * passes
     assert len(measured) == len(per_call) == calls
     # float32 on CPU: the count is exact, call by call (prefill blocks, decode steps, chunked or not).
     assert measured == per_call
-    assert max(measured) == out.peak_workspace_bytes
-    if method.name == "bm":  # the planner predicts the engine's default path (FKV/ED: SDPA, baseline.py)
+    assert max(measured) == peak
+    if method.reads_scores:  # the planner predicts the engine's default path (FKV/ED: SDPA, baseline.py)
         est = predict(ModelShape.from_config(model.config), method, batch, prompt, new)
         assert est.workspace == max(measured)
 
@@ -160,7 +182,7 @@ def _expected_passes(model, mask, method, new, impl):
 
     passes = [count(s, s, True, real)]
     for t in range(1, new):
-        if method.name == "fkv":  # every pad stays held: a mask each step, over s + t slots
+        if not method.evicts:  # FKV: every pad stays held: a mask each step, over s + t slots
             passes.append(count(1, s + t, True, real + B * t))
         else:  # ED keeps the newest pair from the first step on: no pad held, no mask
             passes.append(count(1, None, False, None))
@@ -270,7 +292,7 @@ def test_padded_flash_attention_copies_are_counted(model, monkeypatch, flash_on_
     shape = ModelShape.from_config(model.config)
     planned = baseline_workspace(shape, method, B, s, new, impls=(workspace.FLASH,))
     assert max(measured) <= planned
-    if method.name == "fkv":  # each decode step copies the layer's K/V: more than the whole [B, Hkv, L, D] K
+    if not method.evicts:  # FKV: each decode step copies the layer's K/V: more than the whole [B, Hkv, L, D] K
         assert min(measured[1:]) > B * shape.kv_heads * (s + 1) * shape.head_dim * 4
     # A half dtype plans for FlashAttention-2 as well as SDPA
     half = predict(shape, method, B, s, new, dtype="float16").workspace
@@ -321,8 +343,7 @@ def test_cuda_attention_calls_within_the_plan(monkeypatch, dtype, chunk_bytes, m
     monkeypatch.setattr(workspace, "SCORE_CHUNK_BYTES", chunk_bytes)
     model = tiny_llama(seed=0).to(device="cuda", dtype=dtype)
     ids = _ids(batch, prompt).cuda()
-    fast = method.name == "bm"  # FKV/ED: their "batchmax" attention path (the default is SDPA, baseline.py)
-    generate(model, ids, None, method, new, ignore_eos=True, fast_baselines=fast)  # warm-up: cuBLAS, kernels
+    _score_collecting(model, ids, method, new)  # warm-up: cuBLAS, kernels
     measured, fn = [], attention.batchmax_attention
 
     def measuring(*args, **kwargs):
@@ -335,10 +356,10 @@ def test_cuda_attention_calls_within_the_plan(monkeypatch, dtype, chunk_bytes, m
         return out
 
     monkeypatch.setattr(attention, "batchmax_attention", measuring)
-    out = generate(model, ids, None, method, new, ignore_eos=True, fast_baselines=fast)
-    assert max(measured) <= out.peak_workspace_bytes + 32 * 512
-    assert out.peak_workspace_bytes <= 1.25 * max(measured)
-    if fast:  # the planner against the allocator, within the same rounding
+    peak, _ = _score_collecting(model, ids, method, new)
+    assert max(measured) <= peak + 32 * 512
+    assert peak <= 1.25 * max(measured)
+    if method.reads_scores:  # the planner against the allocator, within the same rounding
         est = predict(ModelShape.from_config(model.config), method, batch, prompt, new, dtype=str(dtype)[6:])
         assert max(measured) <= est.workspace + 32 * 512
         assert est.workspace <= 1.25 * max(measured)

@@ -58,12 +58,7 @@ def batchmax_attention(
     padding mask (last n columns of a 2D [B, *] mask, True for real tokens) or None; ``batchmax``: the engine's
     description of the pass (``core.step``; None under HF's generate, whose cache hands its layer over instead).
     Returns [B, n, Hq, D]."""
-    layer = take_updated_layer(key) if batchmax is None else batchmax.layer(module)
-    if isinstance(layer, (BoundedLayer, PoolLayer)) and layer.keys is not key:
-        raise RuntimeError(
-            f"the 'batchmax' attention of layer {module.layer_idx} got keys that are not its cache "
-            "layer's: the model must pass the cache's keys straight to its attention function"
-        )
+    layer = _cache_layer(module, key, batchmax)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if isinstance(layer, PoolLayer):  # a continuous-batching decode pass over the whole pool
         pool = layer.cache
@@ -74,14 +69,38 @@ def batchmax_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    return _bounded_attention(layer, query, key, value, attention_mask, scaling), None
+
+
+def _cache_layer(module: torch.nn.Module, key: torch.Tensor, batchmax: ForwardPass | None):
+    """The cache layer this attention call reads: the pass description's (engine, pool), else the layer HF's
+    generate just updated (its hand-off); a slot cache layer must have handed over its own keys."""
+    layer = take_updated_layer(key) if batchmax is None else batchmax.layer(module)
+    if isinstance(layer, (BoundedLayer, PoolLayer)) and layer.keys is not key:
+        raise RuntimeError(
+            f"the 'batchmax' attention of layer {module.layer_idx} got keys that are not its cache "
+            "layer's: the model must pass the cache's keys straight to its attention function"
+        )
+    return layer
+
+
+def _bounded_attention(
+    layer: BoundedLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """A ``BoundedLayer``'s pass: a look-ahead probe, an unmasked decode step (fused) or a block (chunked)."""
     if layer.probe_kv is not None:  # a look-ahead probe pass: nothing was written, the probe only reads
         probe_kv, layer.probe_kv = layer.probe_kv, None
         probe_mask = None if attention_mask is None else attention_mask[:, -query.shape[2] :].bool()  # [B, w]
-        return _probe_attention(layer, query, probe_kv, probe_mask, scaling), None
+        return _probe_attention(layer, query, probe_kv, probe_mask, scaling)
     if query.shape[2] == 1 and attention_mask is None:
         layer.new_slots = None
-        return _decode_attention(layer, query, key, value, scaling, layer.high), None
-    return _block_attention(layer, query, key, value, attention_mask, scaling), None
+        return _decode_attention(layer, query, key, value, scaling, layer.high)
+    return _block_attention(layer, query, key, value, attention_mask, scaling)
 
 
 def _decode_attention(
@@ -112,7 +131,7 @@ def _decode_attention(
     logits = torch.baddbmm(bias, q, keys_t, alpha=scaling)  # [B*Hkv, g, hi], scaled and masked
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B*Hkv, g, hi]
     del logits
-    if layer.cache.method.name == "bm":
+    if layer.cache.method.reads_scores:
         received = probs.view(B, Hkv, g, hi).sum(dim=2)  # [B, Hkv, hi]: attention received, summed over the group
         if active is None:
             layer.score[:, :, :hi] += received
@@ -140,12 +159,8 @@ def _block_attention(
     hi = layer.high  # slots [hi, C) were never written: leave them out of every product
     keys_t = key[:, :, :hi].transpose(2, 3)  # [B, Hkv, D, hi]
     values = value[:, :, :hi]  # [B, Hkv, hi, D]
-    slot_pos = layer.pos[:, :, :hi]  # [B, Hkv, hi]
     score = layer.score[:, :, :hi]  # [B, Hkv, hi], a view: accumulated in place
-    if n == 1:  # a decode step: every kept slot precedes the query, only empty/evicted slots are hidden
-        hidden = (slot_pos < 0)[:, :, None, None, :]  # [B, Hkv, 1, 1, hi]
-    else:  # empty and pad slots get a position after every query, so one comparison hides them too
-        eff_pos = slot_pos.masked_fill(slot_pos < 0, torch.iinfo(slot_pos.dtype).max)  # [B, Hkv, hi]
+    hiding = _slot_hiding(layer.pos[:, :, :hi], n)
     first = layer.seen - n  # padded position of the block's first query
     qg = query.view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head (a view)
 
@@ -165,28 +180,8 @@ def _block_attention(
         m = b - a
         if out is None and m < n:
             out = torch.empty(B, n, Hkv, g, D, dtype=value.dtype, device=value.device)
-        # The chunk's scaled queries, copied contiguous (never a view: scaled in place) [B, Hkv, g, m, D]
-        qc = qg[:, :, :, a:b].clone(memory_format=torch.contiguous_format).mul_(scaling)
-        logits = torch.matmul(qc.view(B, Hkv, g * m, D), keys_t[..., :lim])  # [B, Hkv, g*m, lim]
-        del qc
-        logits = logits.float().view(B, Hkv, g, m, lim)  # [B, Hkv, g, m, lim]
-        if n > 1:
-            qpos = torch.arange(first + a, first + b, device=query.device)  # [m]
-            hidden = (eff_pos[:, :, None, :lim] > qpos[:, None])[:, :, None]  # [B, Hkv, 1, m, lim]
-            del qpos
-        # A pad query sees no slot at all; a finite fill keeps its row finite (its weights are dropped below).
-        logits.masked_fill_(hidden, torch.finfo(torch.float32).min)
-        probs = torch.softmax(logits, dim=-1).view(B, Hkv, g * m, lim)  # [B, Hkv, g*m, lim]
-        del logits
-        if n > 1:
-            del hidden
-        # Attention received per slot, summed over the query group and the block's real queries.
-        if token_mask is None:
-            score[..., :lim] += probs.sum(dim=2)  # [B, Hkv, lim]
-        else:
-            real = token_mask[:, a:b].repeat(1, g).to(probs.dtype)  # [B, g*m], row order of probs
-            score[..., :lim] += torch.matmul(real[:, None, None, :], probs).view(B, Hkv, lim)  # pads add 0
-            del real
+        probs = _chunk_probs(qg[:, :, :, a:b], keys_t[..., :lim], scaling, hiding, first + a)  # [B, Hkv, g*m, lim]
+        _add_received(score[..., :lim], probs, None if token_mask is None else token_mask[:, a:b])
         o = torch.matmul(probs.to(value.dtype), values[:, :, :lim]).view(B, Hkv, g, m, D)  # [B, Hkv, g, m, D]
         del probs
         if out is None:  # the whole block in one chunk
@@ -195,6 +190,51 @@ def _block_attention(
             out[:, a:b].copy_(o.permute(0, 3, 1, 2, 4))  # [B, m, Hkv, g, D]
         del o
     return out.view(B, n, Hq, D)  # [B, n, Hq, D]
+
+
+def _slot_hiding(slot_pos: torch.Tensor, n: int) -> torch.Tensor:
+    """What hides slots [B, Hkv, hi] from a block of ``n`` queries. A decode step (n == 1): every kept slot precedes
+    the query, so the mask [B, Hkv, 1, 1, hi] of empty/evicted slots. A longer block: each slot's effective
+    position [B, Hkv, hi] (empty and pad slots after every query), compared per chunk with the queries'."""
+    if n == 1:
+        return (slot_pos < 0)[:, :, None, None, :]  # [B, Hkv, 1, 1, hi]
+    return slot_pos.masked_fill(slot_pos < 0, torch.iinfo(slot_pos.dtype).max)  # [B, Hkv, hi]
+
+
+def _chunk_probs(
+    q: torch.Tensor, keys_t: torch.Tensor, scaling: float, hiding: torch.Tensor, first: int
+) -> torch.Tensor:
+    """A query chunk's attention probabilities: q [B, Hkv, g, m, D] (a view), keys_t [B, Hkv, D, lim], ``hiding``
+    from ``_slot_hiding``, ``first`` the padded position of the chunk's first query. Returns [B, Hkv, g*m, lim]."""
+    B, Hkv, g, m, D = q.shape
+    lim = keys_t.shape[-1]
+    # The chunk's scaled queries, copied contiguous (never a view: scaled in place) [B, Hkv, g, m, D]
+    qc = q.clone(memory_format=torch.contiguous_format).mul_(scaling)
+    logits = torch.matmul(qc.view(B, Hkv, g * m, D), keys_t)  # [B, Hkv, g*m, lim]
+    del qc
+    logits = logits.float().view(B, Hkv, g, m, lim)  # [B, Hkv, g, m, lim]
+    if hiding.dim() == 5:  # a decode step's mask [B, Hkv, 1, 1, hi]
+        hidden = hiding[..., :lim]
+    else:
+        qpos = torch.arange(first, first + m, device=q.device)  # [m]
+        hidden = (hiding[:, :, None, :lim] > qpos[:, None])[:, :, None]  # [B, Hkv, 1, m, lim]
+        del qpos
+    # A pad query sees no slot at all; a finite fill keeps its row finite (its weights are dropped below).
+    logits.masked_fill_(hidden, torch.finfo(torch.float32).min)
+    probs = torch.softmax(logits, dim=-1).view(B, Hkv, g * m, lim)  # [B, Hkv, g*m, lim]
+    del logits, hidden
+    return probs
+
+
+def _add_received(score: torch.Tensor, probs: torch.Tensor, token_mask: torch.Tensor | None) -> None:
+    """Add the attention each slot received, summed over the query group and the chunk's real queries, to
+    ``score`` [B, Hkv, lim] (a view, in place). probs [B, Hkv, g*m, lim]; token_mask [B, m] or None."""
+    if token_mask is None:
+        score += probs.sum(dim=2)  # [B, Hkv, lim]
+        return
+    B, Hkv, gm, lim = probs.shape
+    real = token_mask.repeat(1, gm // token_mask.shape[1]).to(probs.dtype)  # [B, g*m], row order of probs
+    score += torch.matmul(real[:, None, None, :], probs).view(B, Hkv, lim)  # pads add 0
 
 
 def _probe_attention(

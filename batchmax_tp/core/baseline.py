@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import Cache
-from transformers.generation.streamers import BaseStreamer
 from transformers.utils import is_flash_attn_2_available
 
 from .cache import SlotLayer
@@ -90,9 +87,6 @@ class DenseLayer(SlotLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.start + query_length, 0
 
-    def get_max_length(self) -> int:
-        return -1 if self.cache.method.name == "fkv" else self.cache.method.kv_max
-
     def kv_bytes(self) -> int:
         if self.keys is None:
             return 0
@@ -107,20 +101,21 @@ class DenseLayer(SlotLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if cache.keep_newest:
-            newest = cache.held_before - 1
-            if self.keys.shape[2] > cache.method.kv_max:  # the prompt-sized buffer is no longer needed
-                k_old, v_old = self.keys, self.values
-                B, H, _, Dk = k_old.shape
-                self._allocate(B, H, Dk, v_old.shape[-1], cache.method.kv_max)
-                self.keys[:, :, 0] = k_old[:, :, newest]
-                self.values[:, :, 0] = v_old[:, :, newest]
-            else:
-                self.keys[:, :, 0] = self.keys[:, :, newest]
-                self.values[:, :, 0] = self.values[:, :, newest]
+            self._keep_newest(cache.held_before - 1)
         a, b = cache.start, cache.length
         self.keys[:, :, a:b] = key_states
         self.values[:, :, a:b] = value_states
         return self.keys[:, :, :b], self.values[:, :, :b]  # [B, H, b, D] views
+
+    def _keep_newest(self, newest: int) -> None:
+        """ED's eviction: the pair at slot ``newest`` moves to slot 0 (into a ``kv_max`` buffer once the
+        prompt-sized one is no longer needed)."""
+        method, src_k, src_v = self.cache.method, self.keys, self.values
+        if src_k.shape[2] > method.kv_max:
+            B, H, _, Dk = src_k.shape
+            self._allocate(B, H, Dk, src_v.shape[-1], method.kv_max)
+        method.keep_newest(self.keys, src_k, newest)
+        method.keep_newest(self.values, src_v, newest)
 
     def reset(self) -> None:
         self.keys = self.values = None
@@ -144,8 +139,10 @@ class DenseCache(Cache):
     peak_meta_bytes = 0  # no per-slot bookkeeping (the decode mask is counted by the planner as slot_meta)
 
     def __init__(self, method: Method, num_layers: int, reserve: int, attention_mask: torch.Tensor, impl: str = SDPA):
-        if method.name not in ("fkv", "ed"):
-            raise ValueError(f"DenseCache serves the baselines fkv and ed, not {method.name!r}")
+        if method.reads_scores:
+            raise ValueError(
+                f"DenseCache serves the baselines fkv and ed (no attention scores read), not {method.name!r}"
+            )
         super().__init__(layers=[DenseLayer(self, i) for i in range(num_layers)])
         self.method = method
         self.reserve = reserve
@@ -161,7 +158,7 @@ class DenseCache(Cache):
         self.max_pads = int(pads.max()) if pads.numel() else 0  # slots [0, max_pads) may hold a pad
         self._shape = None  # (query heads, KV heads, head dim, element bytes) once ``note_workspace`` saw them
         self._mask2d = self._mask4d = None
-        if method.name == "fkv" and self.max_pads and reserve > self.prompt_len:
+        if not method.evicts and self.max_pads and reserve > self.prompt_len:  # FKV holds its pads all run
             full = torch.ones(attention_mask.shape[0], reserve, dtype=torch.bool, device=attention_mask.device)
             full[:, : self.prompt_len] = self.prompt_mask
             self._mask2d = full  # [B, C]
@@ -179,7 +176,7 @@ class DenseCache(Cache):
         if phase is None:
             return
         self.held_before = self.length
-        self.keep_newest = self.method.name == "ed" and phase.evict > 0
+        self.keep_newest = self.method.keeps_newest_only and phase.evict > 0
         self.start = 1 if self.keep_newest else self.length
         self.length = self.start + phase.size
         self.seen = phase.end
@@ -256,95 +253,3 @@ class DenseCache(Cache):
     def kept_positions(self) -> list[list[list[list[int]]]]:
         """Per layer, sample and local KV head: the sorted positions of the pairs held."""
         return [layer.kept_positions() for layer in self.layers]
-
-
-# -- Plain HF references (benchmarks): the simplest HF-SDPA versions of the same algorithms ----------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.inference_mode()
-def hf_reference_generate(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    method: Method,
-    max_new_tokens: int,
-) -> tuple[torch.Tensor, float, float]:
-    """Greedy ``max_new_tokens`` (EOS ignored) by plain HF on the model's current attention, for benchmarks.
-
-    FKV: ``model.generate`` with its default cache (``min_new_tokens`` ignores EOS). ED: a loop over a
-    ``DynamicCache`` prefilled with the whole prompt and cut to its newest pair at the first step and whenever it
-    holds ``kv_max`` pairs (Algorithm 3). Returns (tokens [B, T], prefill seconds, decode seconds).
-    """
-
-    device = input_ids.device
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    padded = not bool(attention_mask.all())
-    s, T = input_ids.shape[1], max_new_tokens
-    if method.name == "fkv":
-
-        class Clock(BaseStreamer):  # put() gets the prompt first, then each new token
-            def __init__(self):
-                self.times = []
-
-            def put(self, value):
-                _sync(device)
-                self.times.append(time.perf_counter())
-
-            def end(self):
-                pass
-
-        clock = Clock()
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model.generate(
-            input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=T,
-            min_new_tokens=T,
-            do_sample=False,
-            pad_token_id=0,
-            streamer=clock,
-        )
-        _sync(device)
-        t2 = time.perf_counter()
-        t1 = clock.times[1] if len(clock.times) > 1 else t2
-        return out[:, s:], t1 - t0, t2 - t1
-    if method.name != "ed":
-        raise ValueError(f"no plain HF reference for method {method.name!r}")
-    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, s]
-    tokens = torch.empty(input_ids.shape[0], T, dtype=torch.long, device=device)  # [B, T]
-    cache = DynamicCache(config=model.config)
-    _sync(device)
-    t0 = time.perf_counter()
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask if padded else None,
-        position_ids=pos,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    tokens[:, 0] = out.logits[:, -1].argmax(-1)
-    _sync(device)
-    t1 = time.perf_counter()
-    held, next_pos = s, pos[:, -1:] + 1  # [B, 1]
-    for t in range(1, T):
-        if t == 1 or held >= method.kv_max:  # keep only the newest pair
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, -1:], layer.values[:, :, -1:]
-            held = 1
-        out = model(
-            input_ids=tokens[:, t - 1 : t],
-            position_ids=next_pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        tokens[:, t] = out.logits[:, -1].argmax(-1)
-        held, next_pos = held + 1, next_pos + 1
-    _sync(device)
-    return tokens, t1 - t0, time.perf_counter() - t1

@@ -87,6 +87,11 @@ class SlotLayer(CacheLayerMixin):
         self.cache = cache
         self.layer_idx = layer_idx
 
+    def get_max_length(self) -> int:
+        """The most pairs held per (sample, KV head): the method's ``kv_max``, -1 for the full cache."""
+        kv_max = self.cache.method.held_kv_max
+        return -1 if kv_max is None else kv_max
+
 
 class BoundedLayer(SlotLayer):
     """One decoder layer's slots: keys/values [B, H, C, D], pos [B, H, C] (int64), score [B, H, C] (float32),
@@ -123,9 +128,6 @@ class BoundedLayer(SlotLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1 if self.cache.method.name == "fkv" else self.cache.method.kv_max
 
     def reset(self) -> None:
         self.keys = self.values = self.pos = self.score = self.bias = self.probe = None
@@ -190,26 +192,25 @@ class BoundedLayer(SlotLayer):
             probe = self.probe
         self.probe_fresh = False
         priority = eviction_priority(method, self.score, self.pos, curr_id, probe)  # [B, H, C]
-        if method.name == "ed":
-            # Keep only the newest pair: move it to slot 0 and make the rest of the buffer free again.
-            kept = slots_to_evict(-priority, self.pos, self.filled - n)  # [B, H, filled - n]
-            k = kept.shape[-1]
-            for buf in (self.keys, self.values):
-                idx = kept[..., None].expand(-1, -1, -1, buf.shape[-1])  # [B, H, k, D]
-                buf[:, :, :k] = buf.gather(2, idx)
-            for buf in (self.pos, self.score, self.bias):
-                buf[:, :, :k] = buf.gather(2, kept)
-            self.pos[:, :, k:] = -1
-            self.score[:, :, k:] = 0
-            self.bias[:, :, k:] = float("-inf")
-            self.filled, self.free, self.free_ptr, self.high = k, None, 0, k
-            if self.capacity > method.kv_max:
-                self._resize(method.kv_max)
+        if method.keeps_newest_only:
+            self._keep_newest(slots_to_evict(-priority, self.pos, 1))  # [B, H, 1]: the newest pair's slot
             return
         freed = free_slots(priority, self.pos, self.score, self.bias, empty + n)  # [B, H, empty + n]
         self.filled -= n
         self.free, self.free_ptr = freed, 0
         self.high = self.capacity  # freed slots may lie anywhere below the capacity
+
+    def _keep_newest(self, newest: torch.Tensor) -> None:
+        """ED's eviction: the newest pair (slot ``newest`` [B, H, 1]) moves to slot 0, the rest of the buffer is
+        free again, and the prompt-sized buffer shrinks to ``kv_max``."""
+        for buf in (self.keys, self.values, self.pos, self.score, self.bias):
+            self.cache.method.keep_newest(buf, buf, newest)
+        self.pos[:, :, 1:] = -1
+        self.score[:, :, 1:] = 0
+        self.bias[:, :, 1:] = float("-inf")
+        self.filled, self.free, self.free_ptr, self.high = 1, None, 0, 1
+        if self.capacity > self.cache.method.kv_max:
+            self._resize(self.cache.method.kv_max)
 
     # -- the update called by the attention module ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -231,54 +232,65 @@ class BoundedLayer(SlotLayer):
             self.probe_kv = (key_states, value_states)  # [B, H, w, D] each
             return self.keys, self.values
         n = key_states.shape[2]
-        if phase is None:  # driven by HF generate: infer the phase from the block itself
-            first_decode = n == 1 and self.seen > 0 and not self.decoding
-            self.decoding = self.decoding or first_decode
-            evict = self.cache.method.num_to_evict(self.filled, n, self.cache.method.kv_max, first_decode)
-        else:
-            evict = phase.evict
+        evict = self._evict_count(n) if phase is None else phase.evict
         if evict:
             self.evict(evict, curr_id=self.seen - 1, prefill=phase is not None and phase.kind == "prefill")
-
         if self.free is None:
-            needed = self.filled + n
-            if needed > self.capacity:
-                if self.cache.method.bounded:
-                    raise ValueError(f"a block of {n} tokens does not fit in kv_max={self.cache.method.kv_max}")
-                # Grow geometrically when HF generate drives the cache (the engine reserves the exact size).
-                self._resize(max(needed, self.cache.reserve, 2 * self.capacity))
-            slots = slice(self.filled, needed)
-            self.high = max(self.high, needed)
-            self.keys[:, :, slots] = key_states
-            self.values[:, :, slots] = value_states
-            if n == 1:
-                self.pos[:, :, slots] = self.seen
-            else:
-                self.pos[:, :, slots] = torch.arange(self.seen, self.seen + n, device=self.device)
-            self.score[:, :, slots] = 0.0
-            self.bias[:, :, slots] = 0.0
+            self.new_slots = self._append(key_states, value_states)
         else:
-            if self.free_ptr + n > self.free.shape[-1]:
-                raise ValueError(f"a block of {n} tokens does not fit in the {self.free.shape[-1]} freed slots")
-            slots = self.free[..., self.free_ptr : self.free_ptr + n]  # [B, H, n]
-            self.free_ptr += n
-            idx_k = slots[..., None].expand(-1, -1, -1, key_states.shape[-1])  # [B, H, n, Dk]
-            idx_v = slots[..., None].expand(-1, -1, -1, value_states.shape[-1])  # [B, H, n, Dv]
-            self.keys.scatter_(2, idx_k, key_states)
-            self.values.scatter_(2, idx_v, value_states)
-            if n == 1:
-                self.pos.scatter_(2, slots, self.seen)
-            else:
-                new_pos = torch.arange(self.seen, self.seen + n, device=self.device).expand_as(slots)  # [B, H, n]
-                self.pos.scatter_(2, slots, new_pos)
-            self.score.scatter_(2, slots, 0.0)
-            self.bias.scatter_(2, slots, 0.0)
+            self.new_slots = self._write_free(key_states, value_states)
         self.filled += n
         self.seen += n
-        self.new_slots = slots
         if phase is None:  # HF's generate passes no pass description: hand the layer to its attention call
             _handoff.layer = self
         return self.keys, self.values
+
+    def _evict_count(self, n: int) -> int:
+        """Driven by HF generate (no phase stated): the eviction before a block of ``n``, inferred from the block."""
+        first_decode = n == 1 and self.seen > 0 and not self.decoding
+        self.decoding = self.decoding or first_decode
+        return self.cache.method.num_to_evict(self.filled, n, self.cache.method.kv_max, first_decode)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> slice:
+        """Write the block [B, H, n, D] at slots [filled, filled + n) of a compact layout; return those slots."""
+        n = key_states.shape[2]
+        needed = self.filled + n
+        if needed > self.capacity:
+            if self.cache.method.bounded:
+                raise ValueError(f"a block of {n} tokens does not fit in kv_max={self.cache.method.kv_max}")
+            # Grow geometrically when HF generate drives the cache (the engine reserves the exact size).
+            self._resize(max(needed, self.cache.reserve, 2 * self.capacity))
+        slots = slice(self.filled, needed)
+        self.high = max(self.high, needed)
+        self.keys[:, :, slots] = key_states
+        self.values[:, :, slots] = value_states
+        if n == 1:
+            self.pos[:, :, slots] = self.seen
+        else:
+            self.pos[:, :, slots] = torch.arange(self.seen, self.seen + n, device=self.device)
+        self.score[:, :, slots] = 0.0
+        self.bias[:, :, slots] = 0.0
+        return slots
+
+    def _write_free(self, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+        """Write the block [B, H, n, D] into the next ``n`` freed slots; return their indices [B, H, n]."""
+        n = key_states.shape[2]
+        if self.free_ptr + n > self.free.shape[-1]:
+            raise ValueError(f"a block of {n} tokens does not fit in the {self.free.shape[-1]} freed slots")
+        slots = self.free[..., self.free_ptr : self.free_ptr + n]  # [B, H, n]
+        self.free_ptr += n
+        idx_k = slots[..., None].expand(-1, -1, -1, key_states.shape[-1])  # [B, H, n, Dk]
+        idx_v = slots[..., None].expand(-1, -1, -1, value_states.shape[-1])  # [B, H, n, Dv]
+        self.keys.scatter_(2, idx_k, key_states)
+        self.values.scatter_(2, idx_v, value_states)
+        if n == 1:
+            self.pos.scatter_(2, slots, self.seen)
+        else:
+            new_pos = torch.arange(self.seen, self.seen + n, device=self.device).expand_as(slots)  # [B, H, n]
+            self.pos.scatter_(2, slots, new_pos)
+        self.score.scatter_(2, slots, 0.0)
+        self.bias.scatter_(2, slots, 0.0)
+        return slots
 
     def mark_pads(self, token_mask: torch.Tensor) -> None:
         """Invalidate the slots just written for pad tokens. token_mask: [B, n] bool, True for real tokens."""

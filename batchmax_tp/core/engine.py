@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -109,7 +110,6 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     return_logits: bool = False,
-    fast_baselines: bool = True,
     force_tokens: torch.Tensor | None = None,
 ) -> GenerationOutput:
     """Generate ``max_new_tokens`` tokens for a LEFT-padded batch ``input_ids [B, s]``.
@@ -117,106 +117,36 @@ def generate(
     Prefill runs in the method's blocks (BM: ``min(s, kv_max)`` then ``p`` at a time), decoding one token per
     step; before each pass the cache evicts what the schedule says. Greedy unless ``do_sample``. BM runs on the
     score-collecting "batchmax" attention; the baselines FKV and ED on the model's fastest kernel with a
-    ``DenseCache`` (``core.baseline``); ``fast_baselines=False`` runs them through the "batchmax" attention
-    too (the slower path they used before, kept for comparisons). ``force_tokens`` [B, >= max_new_tokens]: teacher
-    forcing -- each step feeds these tokens instead of the chosen ones, while ``tokens`` still records the model's
-    own choices (how often they agree with another run's output measures fidelity without compounding drift).
+    ``DenseCache`` (``core.baseline``). ``force_tokens`` [B, >= max_new_tokens]: teacher forcing -- each step feeds
+    these tokens instead of the chosen ones, while ``tokens`` still records the model's own choices (how often they
+    agree with another run's output measures fidelity without compounding drift).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    device = input_ids.device
+    attention_mask = _checked_mask(input_ids, attention_mask, max_new_tokens, force_tokens)
     B, s = input_ids.shape
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    attention_mask = attention_mask.to(device=device, dtype=torch.long)
-    # One check per call (a host sync, never per step): pads must all sit on the left of each row, or the block
-    # schedule and the positions below would silently treat pads as the prompt's end.
-    if not bool((attention_mask[:, 1:] >= attention_mask[:, :-1]).all() and attention_mask[:, -1].all()):
-        raise ValueError(
-            "input_ids must be LEFT-padded (every pad before the first real token, the last position "
-            "real): set tokenizer.padding_side = 'left' (batchmax_tp.eval.run.encode_prompts does)"
-        )
-    if force_tokens is not None and (force_tokens.shape[0] != B or force_tokens.shape[1] < max_new_tokens):
-        raise ValueError(f"force_tokens must be [{B}, >= {max_new_tokens}], got {list(force_tokens.shape)}")
-    eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().view(-1)
-    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
-
     phases = plan(method, s, max_new_tokens)
-    num_layers, reserve = model.config.num_hidden_layers, capacity(method, s, max_new_tokens)
-    dense = fast_baselines and method.name != "bm"
-    if dense:
-        impl = fastest_attention(model)
-        cache = DenseCache(method, num_layers, reserve, attention_mask, impl)
-        attention = use_attention(model, impl)
-    else:
-        cache = BatchMaxCache(method, num_layers=num_layers, reserve=reserve)
-        attention = use_batchmax_attention(model)
-    real_pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, s] RoPE positions (pads counted out)
-    token_mask = attention_mask.bool()  # [B, s]
-
-    warpers, gen = None, None
+    cache, attention = setup_cache(model, method, attention_mask, max_new_tokens)
+    sampler = Sampler.start(
+        B, max_new_tokens, input_ids.device, eos_token_id, pad_token_id, ignore_eos, return_logits, force_tokens
+    )
     if do_sample:
-        warpers = sampling_warpers(temperature, top_k, top_p)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(0 if seed is None else seed)
-
-    tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)  # [B, T]
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
-    num_generated = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # [B]
-    all_logits = [] if return_logits else None
-
-    def emit(t: int, logits: torch.Tensor) -> torch.Tensor:
-        """Record token t (0-based) from last-position logits [B, V]; returns it as the next input [B, 1]."""
-        nonlocal finished
-        if return_logits:
-            all_logits.append(logits.float())
-        tok = _next_token(logits, warpers, gen)  # [B]
-        if not ignore_eos and eos.numel():
-            tok = tok.masked_fill(finished, pad)
-            hit = torch.isin(tok, eos) & ~finished
-            num_generated.masked_fill_(hit, t + 1)
-            finished = finished | hit
-        tokens[:, t] = tok
-        return tok[:, None] if force_tokens is None else force_tokens[:, t : t + 1].to(device)  # [B, 1]
-
+        sampler.sample(temperature, top_k, top_p, seed)
+    real_pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, s] RoPE positions (pads counted out)
     with attention:
         t0 = time.perf_counter()
-        for phase in (ph for ph in phases if ph.kind != "decode"):
-            cache.begin(phase)
-            a, b = phase.start, phase.end
-            ids, mask, pos = input_ids[:, a:b], token_mask[:, a:b], real_pos[:, a:b]  # [B, n]
-            step = ForwardPass.static(cache, phase)
-            if phase.kind == "probe":  # look-ahead probe: the prompt's last tokens as queries, never cached
-                forward_pass(model, step, ids, mask, pos)
-                cache.note_meta()
-                continue
-            out = forward_pass(model, step, ids, cache.attention_mask() if dense else mask, pos)
-        if dense:
-            cache.note_workspace(model.config)
-        else:
-            cache.end_prefill()
-        next_input = emit(0, out.logits[:, -1])
+        logits = prefill(model, cache, phases, input_ids, attention_mask.bool(), real_pos)  # [B, V]
+        next_input = sampler.emit(0, logits)  # [B, 1]
         next_pos = real_pos[:, -1:] + 1  # [B, 1]
-        _sync(device)
+        _sync(input_ids.device)
         t1 = time.perf_counter()
-        for phase in (ph for ph in phases if ph.kind == "decode"):
-            if not ignore_eos and phase.step % EOS_CHECK_EVERY == 0 and bool(finished.all()):
-                break
-            cache.begin(phase)
-            # generated tokens are never pads; the baselines mask prompt pads they still hold
-            out = forward_pass(
-                model, ForwardPass.static(cache, phase), next_input, cache.attention_mask() if dense else None, next_pos
-            )
-            next_input = emit(phase.step, out.logits[:, -1])
-            next_pos = next_pos + 1
-        _sync(device)
+        decode(model, cache, phases, sampler, next_input, next_pos)
+        _sync(input_ids.device)
         t2 = time.perf_counter()
         cache.begin(None)
 
     logger.debug("%s: prefill %.3fs, decode %.3fs, B=%d s=%d", method.label(), t1 - t0, t2 - t1, B, s)
     return GenerationOutput(
-        tokens=tokens,
-        num_generated=num_generated,
+        tokens=sampler.tokens,
+        num_generated=sampler.num_generated,
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
         peak_kv_bytes=cache.peak_kv_bytes,
@@ -224,5 +154,150 @@ def generate(
         peak_workspace_bytes=cache.peak_workspace_bytes,
         cache=cache,
         phases=phases,
-        logits=all_logits,
+        logits=sampler.logits,
     )
+
+
+def _checked_mask(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int, force_tokens: torch.Tensor | None
+) -> torch.Tensor:
+    """The batch's [B, s] padding mask (long, on the ids' device); ValueError for bad arguments."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    B = input_ids.shape[0]
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
+    # One check per call (a host sync, never per step): pads must all sit on the left of each row, or the block
+    # schedule and the positions would silently treat pads as the prompt's end.
+    if not bool((attention_mask[:, 1:] >= attention_mask[:, :-1]).all() and attention_mask[:, -1].all()):
+        raise ValueError(
+            "input_ids must be LEFT-padded (every pad before the first real token, the last position "
+            "real): set tokenizer.padding_side = 'left' (batchmax_tp.eval.run.encode_prompts does)"
+        )
+    if force_tokens is not None and (force_tokens.shape[0] != B or force_tokens.shape[1] < max_new_tokens):
+        raise ValueError(f"force_tokens must be [{B}, >= {max_new_tokens}], got {list(force_tokens.shape)}")
+    return attention_mask
+
+
+def setup_cache(
+    model: torch.nn.Module, method: Method, attention_mask: torch.Tensor, max_new_tokens: int
+) -> tuple[BatchMaxCache | DenseCache, contextlib.AbstractContextManager]:
+    """The method's cache and the attention the model runs with: BM's score-collecting "batchmax" attention on a
+    ``BatchMaxCache``; a method that reads no scores (FKV, ED) the model's fastest kernel on a ``DenseCache``."""
+    num_layers, s = model.config.num_hidden_layers, attention_mask.shape[1]
+    reserve = capacity(method, s, max_new_tokens)
+    if method.reads_scores:
+        return BatchMaxCache(method, num_layers=num_layers, reserve=reserve), use_batchmax_attention(model)
+    impl = fastest_attention(model)
+    return DenseCache(method, num_layers, reserve, attention_mask, impl), use_attention(model, impl)
+
+
+def _pass_mask(cache: BatchMaxCache | DenseCache, token_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask a pass hands the model: the baselines' cache builds its own (None once no pad is held); BM's
+    attention takes the block's padding mask [B, n] (None in a decode step: generated tokens are never pads)."""
+    return cache.attention_mask() if isinstance(cache, DenseCache) else token_mask
+
+
+def prefill(
+    model: torch.nn.Module,
+    cache: BatchMaxCache | DenseCache,
+    phases: list[Phase],
+    input_ids: torch.Tensor,
+    token_mask: torch.Tensor,
+    real_pos: torch.Tensor,
+) -> torch.Tensor:
+    """The prompt's prefill blocks and look-ahead probes (ids, token_mask, real_pos [B, s]); returns the last
+    position's logits [B, V]."""
+    for phase in (ph for ph in phases if ph.kind != "decode"):
+        cache.begin(phase)
+        a, b = phase.start, phase.end
+        ids, mask, pos = input_ids[:, a:b], token_mask[:, a:b], real_pos[:, a:b]  # [B, n]
+        step = ForwardPass.static(cache, phase)
+        if phase.kind == "probe":  # look-ahead probe: the prompt's last tokens as queries, never cached
+            forward_pass(model, step, ids, mask, pos)
+            cache.note_meta()
+            continue
+        out = forward_pass(model, step, ids, _pass_mask(cache, mask), pos)
+    if isinstance(cache, DenseCache):
+        cache.note_workspace(model.config)
+    else:
+        cache.end_prefill()
+    return out.logits[:, -1]
+
+
+def decode(
+    model: torch.nn.Module,
+    cache: BatchMaxCache | DenseCache,
+    phases: list[Phase],
+    sampler: Sampler,
+    next_input: torch.Tensor,
+    next_pos: torch.Tensor,
+) -> None:
+    """The decode steps: one token per pass from ``next_input``/``next_pos`` [B, 1] until the schedule ends (or,
+    checked every ``EOS_CHECK_EVERY`` steps, every sample has finished)."""
+    for phase in (ph for ph in phases if ph.kind == "decode"):
+        if sampler.stops_at(phase.step):
+            break
+        cache.begin(phase)
+        step = ForwardPass.static(cache, phase)
+        out = forward_pass(model, step, next_input, _pass_mask(cache, None), next_pos)
+        next_input = sampler.emit(phase.step, out.logits[:, -1])  # [B, 1]
+        next_pos = next_pos + 1
+
+
+@dataclass
+class Sampler:
+    """The emit step: chooses each token from last-position logits (greedy or warped sampling), records it and the
+    samples' EOS, and returns the next input (the chosen token, or the forced one)."""
+
+    tokens: torch.Tensor  # [B, T], pad after a sample's EOS
+    num_generated: torch.Tensor  # [B]
+    finished: torch.Tensor  # [B] bool
+    eos: torch.Tensor  # [E] EOS ids (empty: none)
+    pad: int
+    ignore_eos: bool
+    logits: list[torch.Tensor] | None  # per token, float32 [B, V], when asked for
+    force_tokens: torch.Tensor | None
+    warpers: LogitsProcessorList | None = None
+    gen: torch.Generator | None = None
+
+    @classmethod
+    def start(cls, B, T, device, eos_token_id, pad_token_id, ignore_eos, return_logits, force_tokens) -> Sampler:
+        eos = torch.tensor([] if eos_token_id is None else eos_token_id, device=device).long().view(-1)
+        pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
+        return cls(
+            tokens=torch.full((B, T), pad, dtype=torch.long, device=device),  # [B, T]
+            num_generated=torch.full((B,), T, dtype=torch.long, device=device),  # [B]
+            finished=torch.zeros(B, dtype=torch.bool, device=device),  # [B]
+            eos=eos,
+            pad=pad,
+            ignore_eos=ignore_eos,
+            logits=[] if return_logits else None,
+            force_tokens=force_tokens,
+        )
+
+    def sample(self, temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
+        """Sample (after temperature/top-k/top-p warping) instead of the greedy choice, seeded."""
+        self.warpers = sampling_warpers(temperature, top_k, top_p)
+        self.gen = torch.Generator(device=self.tokens.device)
+        self.gen.manual_seed(0 if seed is None else seed)
+
+    def stops_at(self, step: int) -> bool:
+        """Whether every sample has finished; checked (a host sync) only every ``EOS_CHECK_EVERY`` steps."""
+        return not self.ignore_eos and step % EOS_CHECK_EVERY == 0 and bool(self.finished.all())
+
+    def emit(self, t: int, logits: torch.Tensor) -> torch.Tensor:
+        """Record token t (0-based) from last-position logits [B, V]; returns it as the next input [B, 1]."""
+        if self.logits is not None:
+            self.logits.append(logits.float())
+        tok = _next_token(logits, self.warpers, self.gen)  # [B]
+        if not self.ignore_eos and self.eos.numel():
+            tok = tok.masked_fill(self.finished, self.pad)
+            hit = torch.isin(tok, self.eos) & ~self.finished
+            self.num_generated.masked_fill_(hit, t + 1)
+            self.finished = self.finished | hit
+        self.tokens[:, t] = tok
+        if self.force_tokens is None:
+            return tok[:, None]  # [B, 1]
+        return self.force_tokens[:, t : t + 1].to(self.tokens.device)  # [B, 1]

@@ -52,6 +52,13 @@ class Method:
     #: Whether ``rule`` chooses anything (only BM's eviction has rules); a class attribute, so that a method's
     #: name tells it before any instance exists (``method_type(name).takes_rule``).
     takes_rule: ClassVar[bool] = False
+    #: Whether eviction reads attention scores (BM's rule): its attention must collect them (the "batchmax"
+    #: attention, ``BatchMaxCache``/``BoundedPool``). FKV and ED never do: they run on the model's own fastest
+    #: attention with the baselines' ``DenseCache``/``DensePool``.
+    reads_scores: ClassVar[bool] = False
+    #: Whether an eviction keeps only the newest pair (ED, Algorithm 3): every cache moves it to slot 0
+    #: (``ExtremeDecoding.keep_newest``).
+    keeps_newest_only: ClassVar[bool] = False
 
     def __new__(cls, name: str | None = None, *args, **kwargs):
         if cls is Method:  # the registry: a name parses into its class
@@ -106,6 +113,10 @@ class Method:
         """Slots each (sample, KV head) needs at its largest."""
         raise NotImplementedError
 
+    def decode_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Slots each (sample, KV head) needs once its prompt is prefilled (a continuous-batching pool's row)."""
+        return self.capacity(prompt_len, max_new_tokens)
+
     def prefill_blocks(self, prompt_len: int) -> list[tuple[int, int]]:
         """The prompt's prefill blocks ``[start, end)``: one block unless the method bounds the prefill."""
         return [(0, prompt_len)]
@@ -146,9 +157,24 @@ class ExtremeDecoding(Method):
     name: str = "ed"
     default_kv_max: ClassVar[int] = 2
     least_kv_max: ClassVar[int] = 2
+    keeps_newest_only: ClassVar[bool] = True
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return max(self.kv_max, prompt_len)
+
+    def decode_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        return self.kv_max  # after the first eviction: never more than kv_max pairs
+
+    @staticmethod
+    def keep_newest(dst: Tensor, src: Tensor, newest: int | Tensor) -> None:
+        """Algorithm 3's eviction, in every cache layout: the newest pair of ``src`` [B, H, C, ...] moves to slot 0
+        of ``dst`` [B, H, C', ...] (``src`` itself, or a buffer replacing it). ``newest``: its slot, one host int
+        for every row (the dense caches hold slots in position order) or an index [B, H, 1] per row and head."""
+        if isinstance(newest, int):
+            dst[:, :, 0] = src[:, :, newest]
+            return
+        idx = newest.view(*newest.shape, *[1] * (src.dim() - 3)).expand(*newest.shape, *src.shape[3:])  # [B, H, 1, ...]
+        dst[:, :, :1] = src.gather(2, idx)
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
         # Before each single-token decode pass the newest pair alone is kept after the prompt and whenever |kv|
@@ -169,6 +195,7 @@ class BatchMax(Method):
     name: str = "bm"
     bounded: ClassVar[bool] = True
     takes_rule: ClassVar[bool] = True
+    reads_scores: ClassVar[bool] = True
     default_kv_max: ClassVar[int] = 512
 
     def validate_kv_max(self) -> None:

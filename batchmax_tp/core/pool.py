@@ -239,8 +239,8 @@ class BoundedPool(_Pool):
     """BM's pool: ``slots`` rows of ``kv_max`` slots (+ the scratch column) per layer and local KV head."""
 
     def __init__(self, method: Method, num_layers: int, slots: int):
-        if method.name != "bm":
-            raise ValueError(f"BoundedPool serves method 'bm', not {method.name!r}")
+        if not method.reads_scores:
+            raise ValueError(f"BoundedPool serves method 'bm' (its attention scores), not {method.name!r}")
         super().__init__(method, num_layers, slots, method.kv_max, PoolLayer)
         self.evicting: list[tuple[int, int, int]] = []  # (row, slots to free, curr_id) of this decode pass
         self.write_ptr: torch.Tensor | None = None  # [S, 1, 1] index into each row's free list
@@ -328,9 +328,9 @@ class DensePoolLayer(_PoolLayer):
         """A decode pass: ED rows that evict keep their newest pair (moved to slot 0); each row writes its pair
         [S, H, 1, D] at slot ``length`` (idle rows: the scratch column). Returns slots [0, span) as views."""
         pool = self.cache
-        for row, newest in pool.compact:
-            self.keys[row, :, 0] = self.keys[row, :, newest]
-            self.values[row, :, 0] = self.values[row, :, newest]
+        for row, newest in pool.compact:  # ED: [1, H, C + 1, D] views of the row
+            for buf in (self.keys[row : row + 1], self.values[row : row + 1]):
+                pool.method.keep_newest(buf, buf, newest)
         S, H = self.keys.shape[:2]
         idx = pool.write_ptr[..., None]  # [S, 1, 1, 1]
         self.keys.scatter_(2, idx.expand(S, H, 1, self.keys.shape[-1]), key_states)
@@ -374,8 +374,10 @@ class DensePool(_Pool):
     ``capacity``: ED ``kv_max``; FKV the longest prompt + max_new_tokens - 1."""
 
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int):
-        if method.name not in ("fkv", "ed"):
-            raise ValueError(f"DensePool serves the baselines fkv and ed, not {method.name!r}")
+        if method.reads_scores:
+            raise ValueError(
+                f"DensePool serves the baselines fkv and ed (no attention scores read), not {method.name!r}"
+            )
         super().__init__(method, num_layers, slots, capacity, DensePoolLayer)
         self.compact: list[tuple[int, int]] = []  # (row, slot of its newest pair): ED rows evicting this pass
         self.write_ptr: torch.Tensor | None = None  # [S, 1, 1] slot each row writes
@@ -386,7 +388,7 @@ class DensePool(_Pool):
         device = self.layers[0].device if self.allocated else None
         prefill = rows[:1] if shared else rows  # shared: one prompt for all rows, prefilled once
         mask = torch.ones(len(prefill), prompt_len, dtype=torch.long, device=device)  # [k, s]: unpadded
-        if self.method.name == "fkv":
+        if not self.method.keeps_newest_only:  # FKV: the row holds the prompt itself
             if prompt_len > self.capacity:
                 raise ValueError(f"a {prompt_len}-token prompt does not fit FKV slots of {self.capacity}")
             cache = _RowDenseCache(self, prefill, mask)
@@ -404,11 +406,11 @@ class DensePool(_Pool):
         cache = self.row_caches[rows.start]
         self.note()
         held = cache.length
-        ed = self.method.name == "ed"
+        ed = self.method.keeps_newest_only
         if ed:  # [k or 1, H, D] -> every row of the group
             for layer, src in zip(self.layers, cache.layers):
-                layer.keys[rows.start : rows.stop, :, 0] = src.keys[:, :, held - 1]
-                layer.values[rows.start : rows.stop, :, 0] = src.values[:, :, held - 1]
+                self.method.keep_newest(layer.keys[rows.start : rows.stop], src.keys, held - 1)
+                self.method.keep_newest(layer.values[rows.start : rows.stop], src.values, held - 1)
         elif cache.layers[0].rows.stop < rows.stop:  # FKV, a shared prefill: its row becomes every row
             self.fork(rows)
         for row, more in zip(rows, decodes):
@@ -421,7 +423,7 @@ class DensePool(_Pool):
         self.compact, self.decode_rows = [], [w.row for w in work]
         for w in work:
             st = self.rows[w.row]
-            if self.method.name == "ed" and w.phase.evict:
+            if self.method.keeps_newest_only and w.phase.evict:
                 self.compact.append((w.row, st.length - 1))
                 st.length = 1
             write[w.row] = st.length

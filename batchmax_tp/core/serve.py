@@ -124,9 +124,9 @@ def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int]
     fused grouped product with each row's held length as an additive mask (SDPA would need a mask there, and with
     a mask HF copies K/V for every query head)."""
     layers = model.config.num_hidden_layers
-    if method.name == "bm":
+    if method.reads_scores:
         return BoundedPool(method, layers, slots)
-    cap = method.kv_max if method.name == "ed" else max(s + t - 1 for s, t in zip(lengths, max_new))
+    cap = max(method.decode_capacity(s, t) for s, t in zip(lengths, max_new))  # ED kv_max, FKV s + t - 1
     return DensePool(method, layers, slots, cap)
 
 
@@ -170,7 +170,7 @@ class _Run:
         ]  # [s_i]
         self.lengths = [int(p.numel()) for p in self.prompts]
         self.max_new = [r.max_new_tokens for r in requests]
-        self.dense = method.name != "bm"
+        self.dense = not method.reads_scores  # the baselines' caches: their own attention masks
         self.warpers, self.eos, self.stop, self.return_logits = sampling, eos, stop, return_logits
         self.tp_group, self.token_bound = tp_group, token_bound
         self.gens: list[torch.Generator | None] = [None] * slots

@@ -1,0 +1,107 @@
+"""Plain HF references for benchmarks: the simplest HF versions of the baselines, timed.
+
+``hf_reference_generate`` runs FKV through ``model.generate`` with its default cache and ED (Algorithm 3) as a
+loop over a ``DynamicCache`` cut to its newest pair: what ``core.engine.generate`` is compared against in
+``launch/bench_throughput.py`` and ``launch/bench_baselines.py``, and a test oracle (``tests/test_baseline.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from ..core.method import Method
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def hf_reference_generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    method: Method,
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, float, float]:
+    """Greedy ``max_new_tokens`` (EOS ignored) by plain HF on the model's current attention, for benchmarks.
+
+    FKV: ``model.generate`` with its default cache (``min_new_tokens`` ignores EOS). ED: a loop over a
+    ``DynamicCache`` prefilled with the whole prompt and cut to its newest pair at the first step and whenever it
+    holds ``kv_max`` pairs (Algorithm 3). Returns (tokens [B, T], prefill seconds, decode seconds).
+    """
+
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    padded = not bool(attention_mask.all())
+    s, T = input_ids.shape[1], max_new_tokens
+    if not method.evicts:  # the full cache: HF generate as it is
+
+        class Clock(BaseStreamer):  # put() gets the prompt first, then each new token
+            def __init__(self):
+                self.times = []
+
+            def put(self, value):
+                _sync(device)
+                self.times.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        clock = Clock()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=T,
+            min_new_tokens=T,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=clock,
+        )
+        _sync(device)
+        t2 = time.perf_counter()
+        t1 = clock.times[1] if len(clock.times) > 1 else t2
+        return out[:, s:], t1 - t0, t2 - t1
+    if not method.keeps_newest_only:
+        raise ValueError(f"no plain HF reference for method {method.name!r}")
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, s]
+    tokens = torch.empty(input_ids.shape[0], T, dtype=torch.long, device=device)  # [B, T]
+    cache = DynamicCache(config=model.config)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask if padded else None,
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    tokens[:, 0] = out.logits[:, -1].argmax(-1)
+    _sync(device)
+    t1 = time.perf_counter()
+    held, next_pos = s, pos[:, -1:] + 1  # [B, 1]
+    for t in range(1, T):
+        if t == 1 or held >= method.kv_max:  # keep only the newest pair
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, -1:], layer.values[:, :, -1:]
+            held = 1
+        out = model(
+            input_ids=tokens[:, t - 1 : t],
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        tokens[:, t] = out.logits[:, -1].argmax(-1)
+        held, next_pos = held + 1, next_pos + 1
+    _sync(device)
+    return tokens, t1 - t0, time.perf_counter() - t1
