@@ -1,11 +1,11 @@
-"""launch/bench_serving.py: the workload's prompt lengths, the percentile helper and row methods (no model runs)."""
+"""batchmax_tp.bench.serving (launch/bench_serving.py's library): the workload's prompt lengths, the percentile
+helper and row methods (no model runs)."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import load_launch_script
 
-bs = load_launch_script("bench_serving")
+from batchmax_tp.bench import serving as bs
 
 
 def test_target_lengths_spread_deterministic():
