@@ -1,11 +1,17 @@
-"""launch/bench_throughput.py: rule parsing, row labels and the ratio / best-rule selection (no model runs)."""
+"""batchmax_tp.bench.throughput (launch/bench_throughput.py's library): rule parsing, row labels and the ratio /
+best-rule selection (no model runs), and the script's refusal of a bad rule."""
 
 from __future__ import annotations
 
-import pytest
-from conftest import load_launch_script
+import subprocess
+import sys
+from pathlib import Path
 
-bt = load_launch_script("bench_throughput")
+import pytest
+
+from batchmax_tp.bench import throughput as bt
+
+SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "bench_throughput.py"
 
 
 def _row(method, tokens_per_s, kv_max=None, rule=None, batch=4, status="ok"):
@@ -70,7 +76,17 @@ def test_rules_lengths_and_labels():
         assert m.rule == rule and m.kv_max - m.p >= m.scorer.protected()
 
 
-def test_bad_rules_stop_before_the_model_loads(capsys):
+def test_bad_rules_stop_before_the_model_loads(capsys, tmp_path):
     with pytest.raises(SystemExit):
-        bt.main(["--rules", "paper,nope", "--device", "cpu"])
+        bt.parse_args(["--rules", "paper,nope", "--device", "cpu"])
     assert "unknown rule 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--lengths", "512,x"])
+    assert "invalid literal" in capsys.readouterr().err
+    a = bt.parse_args(["--rules", "paper;question:every=1", "--lengths", "512, 1024"])
+    assert a.rules == ["paper", "question:every=1"] and a.lengths == "512, 1024"  # the results' args: as given
+    # the script: one line on stderr, exit 2, no model loaded and no file written
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, str(SCRIPT), "--rules", "paper,nope", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown rule 'nope'" in proc.stderr and not out.exists(), proc.stderr
