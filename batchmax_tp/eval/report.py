@@ -25,6 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator
 
+from ..core.method import METHODS, BatchMax, ExtremeDecoding, FullCache, Method
 from .files import atomic_write_text
 from .metrics import METRIC_LABELS
 
@@ -120,6 +121,11 @@ _TIMING_CELL = "t/s"  # what mask_timings puts in place of a timing
 
 def _is_oom(s: dict[str, Any]) -> bool:
     return s.get("status") == "oom"
+
+
+def _is(s: dict[str, Any], kind: type[Method]) -> bool:
+    """Whether summary ``s`` is a run of the method class ``kind`` (its name parsed by the registry)."""
+    return METHODS.get(s["method"]) is kind
 
 
 def _lead(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -245,9 +251,9 @@ def _comparison(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
     to each throughput ratio: how far the runs' own batches spread (the machine's noise as the runs saw it); a
     difference smaller than that spread is called so."""
     ok = [s for s in summaries if not _is_oom(s)]
-    ed = [s for s in ok if s["method"] == "ed" and s.get("tokens_per_s")]
-    fkv = [s for s in ok if s["method"] == "fkv" and s.get("score") is not None]
-    bm = [s for s in ok if s["method"] == "bm"]
+    ed = [s for s in ok if _is(s, ExtremeDecoding) and s.get("tokens_per_s")]
+    fkv = [s for s in ok if _is(s, FullCache) and s.get("score") is not None]
+    bm = [s for s in ok if _is(s, BatchMax)]
     if not bm or not (ed or fkv):
         return []
     best_ed = max(ed, key=lambda s: s["tokens_per_s"]) if ed else None
@@ -289,9 +295,9 @@ def _same_memory_ratios(summaries: Sequence[dict[str, Any]], label: str) -> list
     if not any(s.get("same_memory_budget_bytes") for s in summaries):
         return []
     ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
-    bm = sorted((s for s in summaries if s["method"] == "bm"), key=lambda s: s.get("rule", "paper") != "paper")
-    fkv = next((s for s in ok if s["method"] == "fkv"), None)
-    ed = max((s for s in ok if s["method"] == "ed"), key=lambda s: s["tokens_per_s"], default=None)
+    bm = sorted((s for s in summaries if _is(s, BatchMax)), key=lambda s: s.get("rule", "paper") != "paper")
+    fkv = next((s for s in ok if _is(s, FullCache)), None)
+    ed = max((s for s in ok if _is(s, ExtremeDecoding)), key=lambda s: s["tokens_per_s"], default=None)
     if not bm:
         return []
     lines = ["## Same memory: BM's tokens/s over FKV's and ED's", ""]
@@ -401,7 +407,7 @@ def _series(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, str, list[di
         used.add(method)
         label = (
             _LEGEND.get(method, method)
-            if method == "fkv"
+            if not _evicts(method)
             else f"{_method_label({'method': method, 'rule': rule})}, kv_max {kv}"
         )
         out.append((label, colour, sorted(runs, key=lambda s: s["batch_size"])))
@@ -480,46 +486,11 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
     kvs = sorted({s["kv_max"] for s in ok if s.get("kv_max") is not None})
     for method, rule, (legend, colour, marker) in _point_series(ok):
         runs = [s for s in ok if s["method"] == method and s.get("rule", "paper") == rule]
-        if method == "fkv":
-            for value in sorted({round(s["score"], 6) for s in runs}):
-                bs = ",".join(str(s["batch_size"]) for s in runs if round(s["score"], 6) == value)
-                ax.axhline(value, linestyle="--", color=colour, label=f"{legend}, b={bs}")
+        if not _evicts(method):  # the full cache: one dashed line per score
+            _plot_full_cache(ax, runs, legend, colour)
             continue
-        runs = sorted(runs, key=lambda s: (s["kv_max"], s["batch_size"]))
-        ax.plot(
-            [s["kv_max"] for s in runs],
-            [s["score"] for s in runs],
-            linestyle="none",
-            marker=marker,
-            markersize=7,
-            color=colour,
-            label=legend,
-            clip_on=False,
-            zorder=3,
-        )
-        points: dict[tuple[int, float], list[int]] = {}  # runs at the same point share one label "b=1,3"
-        for s in runs:
-            points.setdefault((s["kv_max"], round(s["score"], 6)), []).append(s["batch_size"])
-        keys = list(points)
-        for index, (kv, value) in enumerate(keys):  # a label goes below its point when the neighbour is higher
-            other = keys[index - 1] if index else keys[min(1, len(keys) - 1)]
-            below = other != (kv, value) and 0 < value < other[1]
-            ax.annotate(
-                "b=" + ",".join(map(str, points[(kv, value)])),
-                (kv, value),
-                textcoords="offset points",
-                xytext=(5, -11 if below else 4),
-                fontsize=7,
-                color=colour,
-            )
-    if kvs:
-        ax.set_xscale("log", base=2)
-        low, high = min(kvs) / 1.5, max(kvs) * 1.5
-        ticks = [2**e for e in range(0, 24) if low <= 2**e <= high]
-        ax.xaxis.set_major_locator(FixedLocator(ticks))
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xticklabels([str(t) for t in ticks])
-        ax.set_xlim(low, high)
+        _plot_points(ax, sorted(runs, key=lambda s: (s["kv_max"], s["batch_size"])), legend, colour, marker)
+    _kv_axis(ax, kvs)
     ax.set_xlabel("kv_max (KV pairs kept per sample and KV head, log scale)")
     ax.set_ylabel(
         _AXIS_LABELS.get(
@@ -534,6 +505,61 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
     fig.tight_layout()
     fig.savefig(path, format="png")
     return fig
+
+
+def _evicts(method: str) -> bool:
+    """Whether the method called ``method`` evicts (FKV: a line across the metric plot, no kv_max)."""
+    kind = METHODS.get(method)
+    return kind is None or kind.evicts
+
+
+def _plot_full_cache(ax, runs: list[dict[str, Any]], legend: str, colour: str) -> None:
+    for value in sorted({round(s["score"], 6) for s in runs}):
+        bs = ",".join(str(s["batch_size"]) for s in runs if round(s["score"], 6) == value)
+        ax.axhline(value, linestyle="--", color=colour, label=f"{legend}, b={bs}")
+
+
+def _plot_points(ax, runs: list[dict[str, Any]], legend: str, colour: str, marker: str) -> None:
+    """One method and rule's (kv_max, metric) points, each labelled with its batch sizes."""
+    ax.plot(
+        [s["kv_max"] for s in runs],
+        [s["score"] for s in runs],
+        linestyle="none",
+        marker=marker,
+        markersize=7,
+        color=colour,
+        label=legend,
+        clip_on=False,
+        zorder=3,
+    )
+    points: dict[tuple[int, float], list[int]] = {}  # runs at the same point share one label "b=1,3"
+    for s in runs:
+        points.setdefault((s["kv_max"], round(s["score"], 6)), []).append(s["batch_size"])
+    keys = list(points)
+    for index, (kv, value) in enumerate(keys):  # a label goes below its point when the neighbour is higher
+        other = keys[index - 1] if index else keys[min(1, len(keys) - 1)]
+        below = other != (kv, value) and 0 < value < other[1]
+        ax.annotate(
+            "b=" + ",".join(map(str, points[(kv, value)])),
+            (kv, value),
+            textcoords="offset points",
+            xytext=(5, -11 if below else 4),
+            fontsize=7,
+            color=colour,
+        )
+
+
+def _kv_axis(ax, kvs: list[int]) -> None:
+    """A log2 kv_max axis with a tick at each power of two the runs span."""
+    if not kvs:
+        return
+    ax.set_xscale("log", base=2)
+    low, high = min(kvs) / 1.5, max(kvs) * 1.5
+    ticks = [2**e for e in range(0, 24) if low <= 2**e <= high]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.set_xlim(low, high)
 
 
 def write_report(

@@ -223,12 +223,7 @@ def summarise(
     CUDA) are the largest batch's on one rank. ``score`` is the mean ``metric`` over samples with a reference;
     ``accuracy`` the fraction of ``correct`` samples among those with a yes/no verdict.
     """
-    per_replica: dict[int, list[float]] = {}
-    for batch in batches:
-        times = per_replica.setdefault(int(batch.get("replica") or 0), [0.0, 0.0])
-        times[0] += float(batch["prefill_s"])
-        times[1] += float(batch["decode_s"])
-    prefill_s, decode_s = max(per_replica.values(), key=sum, default=[0.0, 0.0])
+    prefill_s, decode_s = _slowest_replica(batches)
     total_s = prefill_s + decode_s
     generated = sum(int(r["generated_tokens"]) for r in samples)
     scores = [x for x in (metric_score(metric, r["output"], r.get("reference")) for r in samples) if x is not None]
@@ -236,13 +231,6 @@ def summarise(
     peak = max((int(b.get("peak_kv_bytes") or 0) for b in batches), default=0)
     workspace = max((int(b.get("peak_workspace_bytes") or 0) for b in batches), default=0)
     cuda = [int(b["cuda_max_memory_allocated"]) for b in batches if b.get("cuda_max_memory_allocated") is not None]
-    full = max((len(b["ids"]) for b in batches), default=0)
-    speeds = [
-        b["generated_tokens"] / (b["prefill_s"] + b["decode_s"])
-        for b in batches
-        if len(b["ids"]) == full and b["prefill_s"] + b["decode_s"] > 0
-    ]
-    spread = (max(speeds) - min(speeds)) / 2 / (sum(speeds) / len(speeds)) if len(speeds) > 1 else None
     cut = [int(n) for b in batches for n in b.get("tokens_cut", [])]
     return {
         "num_samples": len(samples),
@@ -252,7 +240,7 @@ def summarise(
         "decode_s": decode_s,
         "total_s": total_s,
         "tokens_per_s": generated / total_s if total_s > 0 else None,
-        "tokens_per_s_spread": spread,
+        "tokens_per_s_spread": _speed_spread(batches),
         "peak_kv_bytes": peak,
         "peak_kv_mib": peak / 2**20,
         "peak_workspace_bytes": workspace,
@@ -265,6 +253,27 @@ def summarise(
         "samples_cut": sum(1 for n in cut if n),
         "tokens_cut": sum(cut),
     }
+
+
+def _slowest_replica(batches: Sequence[Mapping[str, Any]]) -> list[float]:
+    """[prefill_s, decode_s] summed over the batches of the replica whose sum is the largest."""
+    per_replica: dict[int, list[float]] = {}
+    for batch in batches:
+        times = per_replica.setdefault(int(batch.get("replica") or 0), [0.0, 0.0])
+        times[0] += float(batch["prefill_s"])
+        times[1] += float(batch["decode_s"])
+    return max(per_replica.values(), key=sum, default=[0.0, 0.0])
+
+
+def _speed_spread(batches: Sequence[Mapping[str, Any]]) -> float | None:
+    """Half the range of the full batches' own tokens/s, as a fraction of their mean (None below two)."""
+    full = max((len(b["ids"]) for b in batches), default=0)
+    speeds = [
+        b["generated_tokens"] / (b["prefill_s"] + b["decode_s"])
+        for b in batches
+        if len(b["ids"]) == full and b["prefill_s"] + b["decode_s"] > 0
+    ]
+    return (max(speeds) - min(speeds)) / 2 / (sum(speeds) / len(speeds)) if len(speeds) > 1 else None
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -399,15 +408,8 @@ def merge_run(
     summary.update(head["extra"])
     if error:
         summary.update({"error": error, "oom_cause": cause})
-    starts = [p["started_at"] for p in parts if p.get("started_at")]
     walls = {int(p["replica"]): float(p["wall_s"]) for p in parts if p.get("wall_s") is not None}
-    summary.update(
-        {
-            "started_at": min(starts) if starts else utc_now(),
-            "finished_at": utc_now(),
-            "wall_s": max(walls.values(), default=0.0),
-        }
-    )
+    summary.update(_session_times(parts, walls))
     if dp * tp > 1 and not error:
         summary["per_replica"] = [dict(r, wall_s=walls.get(r["replica"])) for r in per_replica(batches, dp, tp)]
     if head["continuous"] and not error:
@@ -416,6 +418,16 @@ def merge_run(
     for marker in folder.glob("oom-rank*.json"):
         marker.unlink(missing_ok=True)
     return summary
+
+
+def _session_times(parts: Sequence[Mapping[str, Any]], walls: dict[int, float]) -> dict[str, Any]:
+    """When the run's earliest replica started, now, and the slowest replica's seconds this session."""
+    starts = [p["started_at"] for p in parts if p.get("started_at")]
+    return {
+        "started_at": min(starts) if starts else utc_now(),
+        "finished_at": utc_now(),
+        "wall_s": max(walls.values(), default=0.0),
+    }
 
 
 def read_summary(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
