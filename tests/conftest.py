@@ -18,19 +18,6 @@ from tiny import PEAKED, tiny_llama, tiny_random_model  # noqa: E402, F401 (PEAK
 torch.set_num_threads(int(os.environ.get("BATCHMAX_TEST_THREADS", "1")))
 
 
-def load_launch_script(name: str):
-    """Import ``launch/<name>.py`` as module ``name`` (registered in ``sys.modules``: dataclasses look their module
-    up while the file runs)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def left_padded_batch(lengths, vocab: int = 128, seed: int = 0, low: int = 3):
     """Random token ids (avoiding pad/bos/eos 0/1/2), LEFT-padded with 0 to the longest length."""
     g = torch.Generator().manual_seed(seed)

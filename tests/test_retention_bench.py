@@ -1,4 +1,5 @@
-"""launch/bench_retention.py: prompt building, needle scoring, batching and the table/CSV (behaviour only).
+"""batchmax_tp.bench.retention (launch/bench_retention.py's library): prompt building, needle scoring, batching and
+the table/CSV (behaviour only).
 
 Prompts are measured with the embedded model's tokenizer; one end-to-end test runs the embedded model on two
 ~200-token prompts (FKV and the paper's BM at kv_max 96, p 32, so BM evicts during prefill).
@@ -13,9 +14,8 @@ import json
 import re
 
 import pytest
-from conftest import load_launch_script
 
-br = load_launch_script("bench_retention")
+from batchmax_tp.bench import retention as br
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def test_score_rows_table_and_csv():
 
 def test_interleaved_timings_give_median_speed_and_ratio():
     samples, runs = _fake_runs()
-    paper, other = (r for r in runs if r.method == "bm")
+    paper, other = (r for r in runs if r.evicts)
     runs[paper]["speed"], runs[other]["speed"] = [10.0, 20.0, 30.0], [4.0, 20.0, 27.0]  # ratios 0.4, 1.0, 0.9
     table, _ = br.score_rows(samples, runs, target_length=2048)
     assert table[1]["tokens_per_s"] == 20.0 and table[2]["tokens_per_s"] == 20.0
@@ -387,15 +387,15 @@ def test_fill_samples():
 
 
 def test_same_memory_only_for_plain_runs():
-    from batchmax_tp.config import RunConfig
+    from batchmax_tp.config import RunConfig, parse_args
 
-    plain = RunConfig()
-    assert plain.same_memory_for([])
-    assert not plain.same_memory_for(["--method", "bm"])
-    assert not RunConfig(runs=[{"method": "fkv", "batch_size": 1}]).same_memory_for([])
-    assert not RunConfig(memory_budget="1GiB", procedure="paper").same_memory_for([])
-    assert RunConfig(same_memory=True).same_memory_for(["--out", "x"])
-    assert not RunConfig(same_memory=False).same_memory_for([])
+    assert RunConfig().main_job and parse_args([]).main_job
+    assert parse_args(["--out", "x"]).main_job  # a flag that lists no runs keeps the main job (issue 21)
+    assert not parse_args(["--method", "bm"]).main_job
+    assert not RunConfig(runs=[{"method": "fkv", "batch_size": 1}]).main_job
+    assert not RunConfig(memory_budget="1GiB", procedure="paper").main_job
+    assert RunConfig(same_memory=True).main_job
+    assert not RunConfig(same_memory=False).main_job
 
 
 def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
