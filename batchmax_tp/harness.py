@@ -134,8 +134,8 @@ class Settings:
         """What a response depends on besides the request: part of every ``--use_cache`` file name."""
         m = self.method_()
         model = self.pretrained.strip("/").replace("/", "__").replace(":", "-")
-        parts = [model, m.name] + ([] if m.name == "fkv" else [f"kv{m.kv_max}"])
-        parts += [f"p{m.p}", m.rule] if m.name == "bm" else []
+        parts = [model, m.name] + ([] if m.held_kv_max is None else [f"kv{m.kv_max}"])
+        parts += [f"p{m.p}", m.rule] if m.bounded else []  # BM: its blocks of p and its rule
         return "batchmax-" + "-".join(parts + [self.dtype, f"len{self.max_length or 'model'}"])
 
 

@@ -273,6 +273,22 @@ class _SampleState:
         ]
 
 
+@dataclass(frozen=True)
+class Policy:
+    """The oracle's own reading of a method (independent of ``batchmax_tp.core.method``)."""
+
+    blocks: bool  # Algorithm 1: prefill min(s, kv_max) then blocks of p; evict p pairs before a step when full
+    keeps_newest: bool  # Algorithm 3: keep only the newest pair after the prompt and whenever the cache is full
+    bounded: bool  # the cache holds fewer than kv_max pairs before every decode step
+
+
+POLICIES = {
+    "bm": Policy(blocks=True, keeps_newest=False, bounded=True),
+    "ed": Policy(blocks=False, keeps_newest=True, bounded=True),
+    "fkv": Policy(blocks=False, keeps_newest=False, bounded=False),
+}
+
+
 @torch.no_grad()
 def reference_generate(
     model,
@@ -295,9 +311,10 @@ def reference_generate(
     ``logits_per_step`` a list of float32 ``[B, V]`` (one per generated token), ``kept[layer][sample][kv_head]``
     the sorted real positions kept at the end, ``tokens`` ``[B, max_new_tokens]``.
     """
-    if method_name not in ("bm", "ed", "fkv"):
+    if method_name not in POLICIES:
         raise ValueError(f"unknown method {method_name!r}")
-    if method_name == "bm":
+    policy = POLICIES[method_name]
+    if policy.blocks:
         assert p is not None and p >= 1 and kv_max is not None and kv_max > p
     need = {
         "paper": set(),
@@ -310,9 +327,9 @@ def reference_generate(
     rule_params = dict(rule_params or {})
     assert rule in need and set(rule_params) == need[rule], (rule, rule_params)
     every = rule_params.get("every", 1)
-    assert rule == "paper" or method_name == "bm"
+    assert rule == "paper" or policy.blocks  # rules are BM's
     window = rule_params.get("window", 0)
-    if method_name == "ed":
+    if policy.keeps_newest:
         assert kv_max is not None and kv_max >= 2
     assert max_new_tokens >= 1
     input_ids = input_ids.cpu()
@@ -336,7 +353,7 @@ def reference_generate(
             return st.process([(pos, ids[pos]) for pos in range(t0, t1)], [(pos, ids[pos]) for pos in probe])
 
         # ---------------- prefill
-        if method_name == "bm":
+        if policy.blocks:
             t1 = min(s, kv_max)
             last = block(0, t1)
             while t1 < s:
@@ -353,13 +370,13 @@ def reference_generate(
         # ---------------- decoding
         for t in range(1, max_new_tokens):
             pos = s + t - 1
-            if method_name == "bm" and st.size() == kv_max:
+            if policy.blocks and st.size() == kv_max:
                 st.evict_bm(p, curr_id=pos - 1, result=result, sample=j, rule=rule, params=rule_params)
-            if method_name == "ed" and (t == 1 or st.size() == kv_max):
+            if policy.keeps_newest and (t == 1 or st.size() == kv_max):
                 # Algorithm 3 removes all but the most recent pair right after the prompt and after a step
                 # that fills the cache; doing it just before the next step is the same computation.
                 st.keep_newest(result, j, curr_id=pos - 1)
-            assert method_name == "fkv" or st.size() < kv_max
+            assert not policy.bounded or st.size() < kv_max
             fed = tok if force_tokens is None else int(force_tokens[j, t - 1])
             out = st.process([(pos, fed)])
             logits.append(out)

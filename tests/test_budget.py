@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from batchmax_tp import cli
 from batchmax_tp.config import ConfigError, parse_args
-from batchmax_tp.core.method import Method
+from batchmax_tp.core.method import BatchMax, ExtremeDecoding, Method
 from batchmax_tp.eval import report, tasks
 from batchmax_tp.eval import run as evaluate
 from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
@@ -82,7 +82,7 @@ def stack(monkeypatch, tokenizer, tiny_model):
 
     def counting(model, ids, mask, method, new, **kw):
         if new > 2:  # timed (the warm-up makes 2 tokens)
-            state.calls.append((method.name, method.kv_max if method.name != "fkv" else None, ids.shape[0]))
+            state.calls.append((method.name, method.held_kv_max, ids.shape[0]))
             if state.fail is not None and state.fail(method, ids.shape[0]):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real(model, ids, mask, method, new, **kw)
@@ -220,7 +220,7 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
 def test_a_real_out_of_memory_is_recorded_and_memory_is_freed_after_the_handler(tmp_path, stack, monkeypatch):
     freed = []
     monkeypatch.setattr(evaluate, "free_memory", lambda device: freed.append(sys.exc_info()[0]))
-    stack.fail = lambda method, b: method.name == "ed"  # CUDA OOM in ed's first batch
+    stack.fail = lambda method, b: isinstance(method, ExtremeDecoding)  # CUDA OOM in ed's first batch
     out = tmp_path / "res"
     runs = [{"method": "ed", "batch_size": 2, "kv_max": 2}, {"method": "bm", "batch_size": 2, "kv_max": 128}]
     assert _load("run").main(["--config", _yaml(tmp_path, _nqa(out, runs=runs, memory_budget="1GiB"))]) == 0
@@ -374,7 +374,7 @@ def test_paper_procedure_sizes_bm_with_the_rule_it_runs():
         kv_values=cfg.memory.kv_values,
         num_samples=960,
     )
-    bm = [x for x in specs if x.method.name == "bm"]
+    bm = [x for x in specs if isinstance(x.method, BatchMax)]
     assert [x.method for x in bm] == [question] and bm[0].name == f"bm-question-b{bm[0].batch_size}-kv512"
     assert 0 < bm[0].batch_size < 40 and predict(shape, question, bm[0].batch_size, s, new).total <= limit
     assert [r["fits"] for r in info["runs"] if r["method"] == "bm"] == [True]

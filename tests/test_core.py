@@ -28,7 +28,7 @@ from transformers import (
 
 from batchmax_tp.core.cache import BatchMaxCache
 from batchmax_tp.core.engine import generate
-from batchmax_tp.core.method import Method
+from batchmax_tp.core.method import ExtremeDecoding, FullCache, Method
 
 ATOL = 1e-4
 
@@ -342,5 +342,5 @@ def test_method_validation(args, kwargs):
 
 def test_valid_methods():
     assert Method("bm", kv_max=5, p=4).kv_max == 5
-    assert Method("ed", kv_max=2).name == "ed"
-    assert Method("fkv").name == "fkv"
+    assert type(Method("ed", kv_max=2)) is ExtremeDecoding and Method("ed", kv_max=2).name == ExtremeDecoding.name
+    assert type(Method("fkv")) is FullCache and Method("fkv").name == FullCache.name

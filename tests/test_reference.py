@@ -28,12 +28,8 @@ def engine_generate(model, ids, mask, method_name, kv_max=None, p=None, max_new_
     from batchmax_tp.core.engine import generate
     from batchmax_tp.core.method import Method
 
-    if method_name == "bm":
-        method = Method("bm", kv_max=kv_max, p=p)
-    elif method_name == "ed":
-        method = Method("ed", kv_max=kv_max)
-    else:
-        method = Method("fkv")
+    given = {"kv_max": kv_max, "p": p}
+    method = Method(method_name, **{k: v for k, v in given.items() if v is not None})
     return generate(model, ids, mask, method, max_new_tokens, ignore_eos=True, return_logits=True)
 
 

@@ -339,15 +339,15 @@ def test_run_config_rule(tmp_path):
     from batchmax_tp.eval.run import RunSpec, run_settings
 
     cfg = parse_args([])
-    assert cfg.rule == "paper" and [m.rule for m in cfg.method_specs()] == ["paper"] * 3
-    assert [s.name for s in cfg.run_specs()] == ["fkv-b4", "ed-b4-kv2", "bm-b4-kv512"]  # paper names unchanged
+    assert cfg.sweep.rule == "paper" and [m.rule for m in cfg.sweep.method_specs()] == ["paper"] * 3
+    assert [s.name for s in cfg.sweep.run_specs()] == ["fkv-b4", "ed-b4-kv2", "bm-b4-kv512"]  # paper names unchanged
     cfg = parse_args(["--rule", "snapkv:window=64", "--kv-max", "256"])
-    assert [(m.name, m.rule) for m in cfg.method_specs()] == [
+    assert [(m.name, m.rule) for m in cfg.sweep.method_specs()] == [
         ("fkv", "paper"),
         ("ed", "paper"),
         ("bm", "snapkv:window=64"),
     ]
-    spec = cfg.run_specs()[2]
+    spec = cfg.sweep.run_specs()[2]
     assert spec.name == "bm-snapkv-window64-b4-kv256"
     assert run_settings(cfg, spec)["rule"] == "snapkv:window=64"
     assert run_settings(cfg, RunSpec(Method("fkv"), 4))["rule"] == "paper"
@@ -356,7 +356,7 @@ def test_run_config_rule(tmp_path):
         "rule: pooled\nruns:\n  - {method: bm, batch_size: 8, kv_max: 256}\n"
         "  - {method: bm, batch_size: 8, kv_max: 256, rule: paper}\n"
     )
-    assert [s.name for s in parse_args(["--config", str(yaml_file)]).run_specs()] == [
+    assert [s.name for s in parse_args(["--config", str(yaml_file)]).sweep.run_specs()] == [
         "bm-pooled-b8-kv256",
         "bm-b8-kv256",
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchmax_tp.core.method import Method
+from batchmax_tp.core.method import BatchMax, Method
 from batchmax_tp.plan.planner import ModelShape, max_batch, predict
 from batchmax_tp.plan.tuner import Trial, divisor_batches, kv_grid, largest_batch, paper_plan, tune
 
@@ -18,10 +18,10 @@ S, T = 2048, 256
 def toy(method: Method, b: int) -> Trial:
     """Throughput: prefill per sample + decode steps that get cheaper per token with batch, dearer with kv.
     Metric: grows with kv_max, saturating at FKV's 0.30."""
-    kv = S + T if method.name == "fkv" else method.kv_max
+    kv = S + T if not method.evicts else method.kv_max
     step = 0.02 + 0.0005 * b + 1e-6 * b * kv
     tps = b * T / (b * S / 300 + T * step)
-    metric = 0.30 if method.name == "fkv" else 0.30 * min(1.0, (kv / 1536) ** 0.5)
+    metric = 0.30 if not method.evicts else 0.30 * min(1.0, (kv / 1536) ** 0.5)
     return Trial(method.name, method.kv_max, b, tps, metric)
 
 
@@ -63,7 +63,7 @@ def test_tune_sizes_bm_with_the_rule_it_runs():
         return toy(method, b)
 
     res = tune(evaluate, budget, SHAPE, S, T, target=0.5, kv_values=[512, 640, 768], batches=batches, rule="question")
-    bm = [(m, b) for m, b in asked if m.name == "bm"]
+    bm = [(m, b) for m, b in asked if isinstance(m, BatchMax)]
     assert bm and all(m.rule == "question" and m.p == 64 for m, _ in bm)
     for m, b in bm:
         above = min(x for x in batches if x > b)  # the largest divisor batch that fits, for this rule
@@ -163,7 +163,7 @@ def test_paper_specs_use_a_measured_b0_and_say_so():
     )
     cfg = parse_args(["--memory-budget", "2GiB", "--max-new-tokens", "64", "--kv-values", "512", "--device", "cpu"])
     kw = dict(
-        budget=cfg.budget_bytes(),
+        budget=cfg.memory.budget_bytes(),
         max_new_tokens=64,
         dtype="float32",
         p=64,

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..core.method import Method
+from ..core.method import BatchMax, Method, method_type
 from .planner import (
     MemoryEstimate,
     ModelShape,
@@ -54,9 +54,11 @@ __all__ = [
 def run_dir_name(method: str, batch_size: int, kv_max: int | None, rule: str = "paper") -> str:
     """Folder of one run: ``fkv-b4``, ``ed-b4-kv2``, ``bm-b32-kv1024``; a rule other than the paper's is named
     after the method: ``bm-snapkv-b32-kv1024``, ``bm-snapkv-window64-b32-kv1024``."""
+    if not method_type(method).evicts:  # the full cache's kv_max holds nothing back
+        kv_max = None
     if rule != "paper":
         method = f"{method}-{rule_slug(rule)}"
-    return f"{method}-b{batch_size}" if kv_max is None or method == "fkv" else f"{method}-b{batch_size}-kv{kv_max}"
+    return f"{method}-b{batch_size}" if kv_max is None else f"{method}-b{batch_size}-kv{kv_max}"
 
 
 def rule_slug(rule: str) -> str:
@@ -74,7 +76,7 @@ class RunSpec:
 
     @property
     def kv_max(self) -> int | None:
-        return None if self.method.name == "fkv" else self.method.kv_max
+        return self.method.held_kv_max
 
     @property
     def rule(self) -> str:
@@ -162,7 +164,7 @@ def paper_specs(
     b0 = specs[0].batch_size
     adjusted = None
     for spec in specs:
-        if spec.method.name == "fkv" and spec.batch_size < b0 - 1:
+        if not spec.method.evicts and spec.batch_size < b0 - 1:
             adjusted = (
                 f"FKV at b0 - 1 = {b0 - 1} is predicted over the budget; it runs at b = {spec.batch_size}, "
                 f"the largest batch that fits (only its metric is used)"
@@ -182,7 +184,7 @@ def paper_specs(
                 "fits": est.total <= budget,
             }
         )
-    planned = {s.kv_max for s in specs if s.method.name == "bm"}
+    planned = {s.kv_max for s in specs if isinstance(s.method, BatchMax)}
     info = {
         "procedure": "paper",
         "memory_budget_bytes": budget,

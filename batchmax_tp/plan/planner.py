@@ -138,11 +138,11 @@ def predict(
     per_token = _per_token(shape, tp, nbytes)
     logits = batch * shape.vocab * 4
     weights = shape.weights_per_rank(tp) * nbytes
-    if method.name != "bm":  # FKV/ED run on the model's SDPA or FlashAttention-2 with a DenseCache
+    if not method.reads_scores:  # FKV/ED run on the model's SDPA or FlashAttention-2 with a DenseCache
         # (core.baseline): no score blocks, no per-slot bookkeeping; worst case a padded batch (HF's prefill mask,
         # FKV's decode mask).
         workspace = baseline_workspace(shape, method, batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype)
-        slot_meta = batch * cap if method.name == "fkv" and max_new_tokens > 1 else 0
+        slot_meta = batch * cap if not method.evicts and max_new_tokens > 1 else 0  # FKV's bool decode mask
         activations = batch * prompt_len * per_token + logits
         return MemoryEstimate(kv, workspace, weights, activations, slot_meta)
 
@@ -188,7 +188,7 @@ def baseline_workspace(
         impls = (SDPA, FLASH) if nbytes == 2 else (SDPA,)
     passes = [(prompt_len, prompt_len, padded)]  # (queries, slots, masked)
     if max_new_tokens > 1:
-        if method.name == "fkv":
+        if not method.evicts:  # FKV: the last step over prompt + generation, its pads still held
             passes.append((1, capacity(method, prompt_len, max_new_tokens), padded))
         else:
             passes.append((1, min(method.kv_max, prompt_len + 1), False))
@@ -274,15 +274,15 @@ def predict_pool(
     L, D = shape.layers, shape.head_dim
     per_token = _per_token(shape, tp, nbytes)
     weights = shape.weights_per_rank(tp) * nbytes
-    cap = capacity(method, prompt_len, max_new_tokens) if method.name != "ed" else method.kv_max
+    cap = method.decode_capacity(prompt_len, max_new_tokens)
     kv = 2 * slots * L * kv_heads * (cap + 1) * D * nbytes
     decode = (
         slots * per_token + slots * shape.vocab * 4,
         decode_workspace_bytes(slots, q_heads, kv_heads, cap, D, nbytes) if max_new_tokens > 1 else 0,
         0,
     )
-    if method.name != "bm":
-        if method.name == "ed":
+    if not method.reads_scores:
+        if method.keeps_newest_only:  # ED prefills into a staging cache, then keeps the newest pair
             kv += 2 * L * kv_heads * prompt_len * D * nbytes  # the staging cache of the slot being prefilled
         # A slot's prefill: unpadded, causal SDPA (the "batchmax" attention hands it over): no mask, no K/V copies.
         prefill = (
@@ -308,7 +308,7 @@ def pool_bookkeeping_bytes(
     """The most bookkeeping a BM pool holds at once (what ``ServeOutput.peak_meta_bytes`` measures): every row's
     position, attention sum, additive mask and free list, and the look-ahead probe's prefill-only values and
     stored queries of the one slot being prefilled; 0 for FKV/ED."""
-    if method.name != "bm":
+    if not method.reads_scores:
         return 0
     q_heads, kv_heads = shape.local_heads(tp)
     nbytes = DTYPE_BYTES[dtype]
@@ -374,7 +374,7 @@ def bookkeeping_bytes(
 ) -> int:
     """The most per-slot bookkeeping BM holds at once (what ``BatchMaxCache.peak_meta_bytes`` measures); 0 for
     FKV/ED, which run on the baselines' cache."""
-    if method.name != "bm":
+    if not method.reads_scores:
         return 0
     q_heads, kv_heads = shape.local_heads(tp)
     cap = capacity(method, prompt_len, max_new_tokens)
