@@ -1,0 +1,177 @@
+"""The whole configuration: :class:`RunConfig` composing the parts (``PARTS``), its rules across parts, the main
+job, and reading YAML (:func:`load_yaml`) / writing it back (:meth:`RunConfig.to_yaml`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from ..core.method import BatchMax
+from .memory import MemoryConfig
+from .parts import DataConfig, GenerationConfig, ModelConfig, OutputConfig, ParallelConfig
+from .settings import ConfigError, Part, Setting
+from .sweep import SweepConfig
+
+#: The parts in the order the resolved configuration lists their keys: (attribute of RunConfig, class).
+PARTS: tuple[tuple[str, type[Part]], ...] = (
+    ("model", ModelConfig),
+    ("data", DataConfig),
+    ("generation", GenerationConfig),
+    ("sweep", SweepConfig),
+    ("memory", MemoryConfig),
+    ("parallel", ParallelConfig),
+    ("output", OutputConfig),
+)
+#: Every setting by its YAML key.
+SETTINGS: dict[str, Setting] = {key: s for _, part in PARTS for _, s, key in part.settings()}
+#: The keys that list the job's runs: set to a value (YAML or flag), they leave the main job.
+LISTING_KEYS: tuple[str, ...] = tuple(key for key, s in SETTINGS.items() if s.lists)
+
+
+@dataclass(frozen=True, init=False)
+class RunConfig:
+    """Everything one ``launch/run.py`` invocation needs, in parts. ``RunConfig(**settings)`` takes the flat keys
+    (the YAML's) and validates (raises :class:`ConfigError`); ``given`` holds the keys that were set."""
+
+    model: ModelConfig
+    data: DataConfig
+    generation: GenerationConfig
+    sweep: SweepConfig
+    memory: MemoryConfig
+    parallel: ParallelConfig
+    output: OutputConfig
+    given: frozenset[str] = field(compare=False, repr=False)
+
+    def __init__(self, **settings: Any) -> None:
+        self._build(settings, frozenset(settings))
+
+    def _build(self, settings: dict[str, Any], given: frozenset[str]) -> None:
+        _check_keys(settings, "RunConfig")
+        settings = dict(settings)
+        if isinstance(settings.get("methods"), str):
+            settings["methods"] = [settings["methods"]]
+        for key, value in settings.items():  # every value's type first, whichever part holds it
+            SETTINGS[key].kind.check(key, value)
+        for name, part in PARTS:
+            object.__setattr__(self, name, part.from_flat(settings))
+        object.__setattr__(self, "given", given)
+        self._validate()
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with some flat keys changed (validated again; the changed keys count as given)."""
+        new = object.__new__(type(self))
+        new._build({**self.to_dict(), **changes}, self.given | frozenset(changes))
+        return new
+
+    # -- rules across parts
+    def _validate(self) -> None:
+        procedure = self.memory.procedure
+        if procedure is not None and self.sweep.scheduler == "continuous":
+            raise ConfigError("scheduler", f"procedure {procedure} plans static batches: use scheduler static")
+        for k in self.memory.kv_values or ():
+            try:  # each entry is a BM run with the configured rule (Method owns the rules)
+                BatchMax(kv_max=k, p=self.sweep.p, rule=self.sweep.rule)
+            except ValueError as err:
+                raise ConfigError("kv_values", f"BM cannot run with kv_max={k}: {err}") from None
+        if self.memory.kv_values is not None and len(set(self.memory.kv_values)) != len(self.memory.kv_values):
+            raise ConfigError("kv_values", f"duplicate values in {self.memory.kv_values}")
+        if self.sweep.same_memory and (self.sweep.runs is not None or procedure is not None):
+            listed = "runs" if self.sweep.runs is not None else "procedure"
+            raise ConfigError("same_memory", f"the main job plans its own runs: it cannot run with {listed} set")
+        if self.main_job:
+            self._validate_main_job()
+
+    def _validate_main_job(self) -> None:
+        """The main job runs FKV, ED, the paper's BM and BM with the best rule (whatever ``methods`` says): each
+        must run with ``kv_max`` and ``p``."""
+        try:
+            self.sweep.story_methods()
+        except ValueError as err:
+            key = "kv_max" if self.sweep.kv_max is not None else "p"
+            raise ConfigError(
+                key, f"the same-memory run (FKV, ED, BM, BM with the best rule) cannot use it: {err}"
+            ) from None
+
+    @property
+    def listed_by(self) -> list[str]:
+        """The keys set to a value that list the runs (:data:`LISTING_KEYS`, in that order)."""
+        flat = self.to_dict()
+        return [key for key in LISTING_KEYS if key in self.given and flat[key] is not None]
+
+    @property
+    def main_job(self) -> bool:
+        """Whether the job is the same-memory comparison (``plan.budget.same_memory_plan``): ``same_memory`` when
+        set, else unless a listing key is set (``listed_by``). Only which keys list runs decides, never which
+        other flags were given."""
+        if self.sweep.same_memory is not None:
+            return self.sweep.same_memory
+        return not self.listed_by
+
+    # -- (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """The flat keys and values (the YAML's): ``OUT/config.yaml`` and the resume key."""
+        return {key: value for name, _ in PARTS for key, value in getattr(self, name).to_flat().items()}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return list(SETTINGS)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> RunConfig:
+        """Build from a YAML-style mapping (unknown keys rejected; ``method: bm`` is accepted for one method)."""
+        return cls(**_normalise_mapping(data, source))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> RunConfig:
+        return cls.from_dict(load_yaml(path), source=str(path))
+
+
+def _check_keys(data: dict[str, Any], source: str) -> None:
+    for key in data:
+        if key not in SETTINGS:
+            known = list(SETTINGS)
+            hint = f" (did you mean {key.replace('-', '_')}?)" if str(key).replace("-", "_") in known else ""
+            raise ConfigError(str(key), f"unknown key in {source}{hint}; known keys: method, {', '.join(known)}")
+
+
+def _normalise_mapping(data: Any, source: str) -> dict[str, Any]:
+    """A YAML mapping's keys checked against the settings, ``method: X`` read as ``methods: [X]``."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{source}: top level must be a mapping of keys, got {type(data).__name__}")
+    data = dict(data)
+    _check_keys({k: v for k, v in data.items() if k != "method"}, source)
+    if "method" in data:
+        if "methods" in data:
+            raise ConfigError("method", f"give either method or methods in {source}, not both")
+        method = data.pop("method")
+        if not isinstance(method, str):
+            raise ConfigError("method", f"must be a string (use methods: [...] for several), got {method!r}")
+        data["methods"] = [method]
+    return data
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML config file into a plain dict (empty file -> {}). Errors are one line, keyed ``config``."""
+    if not os.path.isfile(path):
+        raise ConfigError("config", f"file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError("config", f"cannot parse {path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path}: top level must be a mapping of keys, got {type(data).__name__}")
+    return data
