@@ -6,7 +6,7 @@
     torchrun --nproc_per_node 4 launch/run.py --tp-size 2 [flags]     # 2 replicas x 2 tensor-parallel ranks
     deepspeed --num_gpus 4 launch/run.py --config configs/X.yaml      # heads split over the 4 GPUs
 
-= ``batchmax_tp.cli.main`` (the job: ``batchmax_tp.job``; README: Architecture).
+= ``batchmax_tp.cli.main`` (the job: ``batchmax_tp.job``; docs/architecture.md: The run path and the layers).
 """
 
 import os

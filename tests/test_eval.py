@@ -351,7 +351,7 @@ def test_report_is_laid_out_like_the_paper(tmp_path):
 
 
 def _same_memory_runs(speed: float = 1.0):
-    """The plain run's rows (README: the plain run): FKV, ED, BM with the paper's rule and with question."""
+    """The plain run's rows (docs/performance.md: The main job): FKV, ED, BM with the paper's rule and with question."""
     rows = [
         ("fkv", "paper", 4, None, 1.0, 12.0),
         ("ed", "paper", 4, 2, 0.0, 12.5),
