@@ -41,6 +41,22 @@ class GenerationOutput:
     phases: list[Phase]
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # per generated token, float32 [B, V]
 
+    @classmethod
+    def of(cls, sampler: Sampler, cache, phases: list[Phase], prefill_s: float, decode_s: float) -> GenerationOutput:
+        """A finished run's output: the sampler's tokens and logits, the cache's peaks."""
+        return cls(
+            tokens=sampler.tokens,
+            num_generated=sampler.num_generated,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            peak_kv_bytes=cache.peak_kv_bytes,
+            peak_meta_bytes=cache.peak_meta_bytes,
+            peak_workspace_bytes=cache.peak_workspace_bytes,
+            cache=cache,
+            phases=phases,
+            logits=sampler.logits,
+        )
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -144,18 +160,7 @@ def generate(
         cache.begin(None)
 
     logger.debug("%s: prefill %.3fs, decode %.3fs, B=%d s=%d", method.label(), t1 - t0, t2 - t1, B, s)
-    return GenerationOutput(
-        tokens=sampler.tokens,
-        num_generated=sampler.num_generated,
-        prefill_s=t1 - t0,
-        decode_s=t2 - t1,
-        peak_kv_bytes=cache.peak_kv_bytes,
-        peak_meta_bytes=cache.peak_meta_bytes,
-        peak_workspace_bytes=cache.peak_workspace_bytes,
-        cache=cache,
-        phases=phases,
-        logits=sampler.logits,
-    )
+    return GenerationOutput.of(sampler, cache, phases, t1 - t0, t2 - t1)
 
 
 def _checked_mask(
