@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from batchmax_tp.config import RunConfig
+from batchmax_tp.core.method import ExtremeDecoding
 from batchmax_tp.eval import procedures
 from batchmax_tp.eval.run import RankOutOfMemory, encode_prompts
 from batchmax_tp.eval.tasks import Sample, prompt_ids
@@ -35,7 +36,7 @@ class Recorder:
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, model, input_ids, attention_mask, method, max_new_tokens, **kw):
-        assert method.name == "ed" and method.kv_max == 2 and max_new_tokens == 2
+        assert method == ExtremeDecoding(kv_max=2, p=method.p) and max_new_tokens == 2
         self.calls.append((input_ids, attention_mask))
         return SimpleNamespace()
 
