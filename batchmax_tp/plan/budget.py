@@ -161,31 +161,29 @@ def paper_specs(
         rule=rule,
     )
     specs = [RunSpec(m, b) for m, b in plan]
+    runs = [_plan_row(spec, shape, prompt_len, max_new_tokens, budget, tp=tp, dtype=dtype) for spec in specs]
+    info = _paper_info(specs, runs, grid, guess, measured, budget, prompt_len, max_new_tokens, num_samples, tp)
+    _log_paper_plan(specs, info)
+    return specs, info
+
+
+def _paper_info(
+    specs: list[RunSpec],
+    runs: list[dict],
+    grid: list[int],
+    guess: int,
+    measured: int | None,
+    budget: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    num_samples: int,
+    tp: int,
+) -> dict:
+    """The paper procedure's plan as ``plan.json`` holds it: the budget and shapes, b0 and where it came from (the
+    planner's ``guess`` or the ``measured`` trials), the kv_max grid and which of it has no fitting batch, the runs."""
     b0 = specs[0].batch_size
-    adjusted = None
-    for spec in specs:
-        if not spec.method.evicts and spec.batch_size < b0 - 1:
-            adjusted = (
-                f"FKV at b0 - 1 = {b0 - 1} is predicted over the budget; it runs at b = {spec.batch_size}, "
-                f"the largest batch that fits (only its metric is used)"
-            )
-            logger.warning("paper procedure: %s", adjusted)
-    rows = []
-    for spec in specs:
-        est = predict(shape, spec.method, spec.batch_size, prompt_len, max_new_tokens, tp=tp, dtype=dtype)
-        rows.append(
-            {
-                "run": spec.name,
-                "method": spec.method.name,
-                "rule": spec.method.rule,
-                "batch_size": spec.batch_size,
-                "kv_max": spec.kv_max,
-                "predicted_peak_bytes": est.total,
-                "fits": est.total <= budget,
-            }
-        )
     planned = {s.kv_max for s in specs if isinstance(s.method, BatchMax)}
-    info = {
+    return {
         "procedure": "paper",
         "memory_budget_bytes": budget,
         "prompt_len": prompt_len,
@@ -195,22 +193,58 @@ def paper_specs(
         "b0": b0,
         "b0_source": "planner" if measured is None else "measured",
         "b0_planned": guess,
-        "b0_note": (
-            f"b0 = {b0} from the planner's prediction (no real out-of-memory search on this device)"
-            if measured is None
-            else f"b0 = {b0} found by real ED trials on the device (the planner "
-            f"predicted {guess}; trials in b0-trials/)"
-        ),
-        "adjusted": adjusted,
+        "b0_note": _b0_note(b0, guess, measured),
+        "adjusted": _fkv_adjusted(specs),
         "kv_values": grid,
         "kv_values_without_a_fitting_batch": [k for k in grid if k not in planned],
-        "runs": rows,
+        "runs": runs,
     }
+
+
+def _b0_note(b0: int, guess: int, measured: int | None) -> str:
+    """Where the plan's b0 came from, in words (``plan.json``'s ``b0_note``)."""
+    if measured is None:
+        return f"b0 = {b0} from the planner's prediction (no real out-of-memory search on this device)"
+    return f"b0 = {b0} found by real ED trials on the device (the planner predicted {guess}; trials in b0-trials/)"
+
+
+def _fkv_adjusted(specs: list[RunSpec]) -> str | None:
+    """The note (also logged) when FKV runs below b0 - 1 because b0 - 1 is predicted over the budget; else None."""
+    b0, adjusted = specs[0].batch_size, None
+    for spec in specs:
+        if not spec.method.evicts and spec.batch_size < b0 - 1:
+            adjusted = (
+                f"FKV at b0 - 1 = {b0 - 1} is predicted over the budget; it runs at b = {spec.batch_size}, "
+                f"the largest batch that fits (only its metric is used)"
+            )
+            logger.warning("paper procedure: %s", adjusted)
+    return adjusted
+
+
+def _plan_row(
+    spec: RunSpec, shape: ModelShape, prompt_len: int, max_new_tokens: int, budget: int, *, tp: int, dtype: str
+) -> dict:
+    """One run of ``plan.json``: its folder, method, batch, predicted peak per rank and whether that fits."""
+    est = predict(shape, spec.method, spec.batch_size, prompt_len, max_new_tokens, tp=tp, dtype=dtype)
+    return {
+        "run": spec.name,
+        "method": spec.method.name,
+        "rule": spec.method.rule,
+        "batch_size": spec.batch_size,
+        "kv_max": spec.kv_max,
+        "predicted_peak_bytes": est.total,
+        "fits": est.total <= budget,
+    }
+
+
+def _log_paper_plan(specs: list[RunSpec], info: dict) -> None:
+    """Log the plan's runs, and warn of kv_max values with no fitting batch and of batches past the samples."""
+    num_samples = info["num_samples"]
     logger.info(
         "paper procedure: budget %s, longest prompt %d tokens, b0 = %d (ED kv_max 2 does not fit); runs: %s",
-        fmt_bytes(budget),
-        prompt_len,
-        b0,
+        fmt_bytes(info["memory_budget_bytes"]),
+        info["prompt_len"],
+        info["b0"],
         ", ".join(s.name for s in specs),
     )
     if info["kv_values_without_a_fitting_batch"]:
@@ -224,7 +258,6 @@ def paper_specs(
         logger.warning(
             "paper procedure: %s ask for more than the %d samples; their batches hold %d", big, num_samples, num_samples
         )
-    return specs, info
 
 
 # ---------------------------------------------------------------------- the plain run: same memory, larger batch
