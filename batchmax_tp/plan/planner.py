@@ -271,35 +271,49 @@ def predict_pool(
     """
     nbytes = DTYPE_BYTES[dtype]
     q_heads, kv_heads = shape.local_heads(tp)
-    L, D = shape.layers, shape.head_dim
     per_token = _per_token(shape, tp, nbytes)
     weights = shape.weights_per_rank(tp) * nbytes
     cap = method.decode_capacity(prompt_len, max_new_tokens)
-    kv = 2 * slots * L * kv_heads * (cap + 1) * D * nbytes
+    kv = _pool_kv_bytes(shape, method, slots, prompt_len, cap, kv_heads, nbytes)
     decode = (
         slots * per_token + slots * shape.vocab * 4,
-        decode_workspace_bytes(slots, q_heads, kv_heads, cap, D, nbytes) if max_new_tokens > 1 else 0,
+        decode_workspace_bytes(slots, q_heads, kv_heads, cap, shape.head_dim, nbytes) if max_new_tokens > 1 else 0,
         0,
     )
     if not method.reads_scores:
-        if method.keeps_newest_only:  # ED prefills into a staging cache, then keeps the newest pair
-            kv += 2 * L * kv_heads * prompt_len * D * nbytes  # the staging cache of the slot being prefilled
-        # A slot's prefill: unpadded, causal SDPA (the "batchmax" attention hands it over): no mask, no K/V copies.
-        prefill = (
-            prompt_len * per_token + shape.vocab * 4,
-            dense_workspace_bytes(1, q_heads, kv_heads, D, prompt_len, prompt_len, nbytes, padded=False),
-            0,
-        )
-        activations, workspace, _ = max(prefill, decode, key=sum)
+        activations, workspace, _ = max(_dense_slot_prefill(shape, prompt_len, tp, nbytes), decode, key=sum)
         return MemoryEstimate(kv, workspace, weights, activations, 0)
     phases = plan(method, prompt_len, 1)
-    held = slots * L * kv_heads * (cap + 1) * (8 + 4 + nbytes + 8)  # pos, score, bias, free list per row
+    held = slots * shape.layers * kv_heads * (cap + 1) * (8 + 4 + nbytes + 8)  # pos, score, bias, free list per row
     _, probe_values, state = _bookkeeping(shape, method, 1, phases, cap, q_heads, kv_heads, nbytes)
     passes = _prefill_passes(
         shape, method, 1, phases, cap, q_heads, kv_heads, nbytes, per_token, probe_values, state, padded=False
     )
     activations, workspace, transient = max([*passes, decode], key=sum)
     return MemoryEstimate(kv, workspace, weights, activations, held + transient)
+
+
+def _pool_kv_bytes(
+    shape: ModelShape, method: Method, slots: int, prompt_len: int, cap: int, kv_heads: int, nbytes: int
+) -> int:
+    """A pool's K/V: ``slots`` rows of ``cap`` + 1 slots (the scratch slot takes idle rows' writes), plus ED's
+    prompt-sized staging cache of the slot being prefilled."""
+    L, D = shape.layers, shape.head_dim
+    kv = 2 * slots * L * kv_heads * (cap + 1) * D * nbytes
+    if not method.reads_scores and method.keeps_newest_only:  # ED prefills into a staging cache, keeps the newest
+        kv += 2 * L * kv_heads * prompt_len * D * nbytes  # the staging cache of the slot being prefilled
+    return kv
+
+
+def _dense_slot_prefill(shape: ModelShape, prompt_len: int, tp: int, nbytes: int) -> tuple[int, int, int]:
+    """(activations, attention workspace, bookkeeping) of an FKV/ED pool's slot prefill: unpadded, causal SDPA (the
+    "batchmax" attention hands it over): no mask, no K/V copies."""
+    q_heads, kv_heads = shape.local_heads(tp)
+    return (
+        prompt_len * _per_token(shape, tp, nbytes) + shape.vocab * 4,
+        dense_workspace_bytes(1, q_heads, kv_heads, shape.head_dim, prompt_len, prompt_len, nbytes, padded=False),
+        0,
+    )
 
 
 def pool_bookkeeping_bytes(
