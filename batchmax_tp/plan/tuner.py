@@ -200,15 +200,7 @@ def tune(
 ) -> TuneResult:
     """Highest-throughput BM (b, kv_max) whose metric is at least ``target`` x FKV's, under ``budget``. BM runs
     with ``rule``, and each of its batches is sized with it; ``evaluate`` gets that method."""
-    cache: dict[tuple, Trial] = {}
-
-    def run(method: Method, batch: int) -> Trial:
-        key = (method.name, method.kv_max, batch)
-        if key not in cache:
-            cache[key] = evaluate(method, batch)
-            logger.info("trial %s b=%d -> %s", method.label(), batch, cache[key])
-        return cache[key]
-
+    run = _Trials(evaluate)
     fkv_b = largest_batch(budget, shape, Method("fkv", p=p), prompt_len, new, dtype=dtype, tp=tp, batches=batches)
     if fkv_b == 0:
         raise ValueError("the budget does not fit FKV at batch 1: the target metric cannot be measured")
@@ -218,29 +210,75 @@ def tune(
         logger.warning("FKV's metric is %s: every BM configuration meets the target; the fastest one wins", fkv.metric)
 
     grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p, rule)) if k >= min_kv_max(p, rule)]
-    fitting = []  # (kv_max, batch) that fit, ascending kv_max
-    for k in grid:
-        b = largest_batch(
-            budget, shape, Method("bm", kv_max=k, p=p, rule=rule), prompt_len, new, dtype=dtype, tp=tp, batches=batches
-        )
-        if b:
-            fitting.append((k, b))
+    fitting = _fitting_bm(budget, shape, prompt_len, new, grid, p=p, rule=rule, dtype=dtype, tp=tp, batches=batches)
     if not fitting:
-        return TuneResult(None, fkv, goal, list(cache.values()))
+        return TuneResult(None, fkv, goal, run.trials)
 
     def probe(i: int) -> Trial:
         k, b = fitting[i]
         return run(Method("bm", kv_max=k, p=p, rule=rule), b)
 
-    lo, hi = 0, len(fitting)  # first index whose metric reaches the goal, in [lo, hi]
+    lo = _first_meeting(probe, len(fitting), goal)
+    candidates = [probe(i) for i in range(lo, min(lo + 1 + neighbours, len(fitting)))]
+    best = max((t for t in candidates if _meets(t, goal)), key=lambda t: t.tokens_per_s, default=None)
+    return TuneResult(best, fkv, goal, run.trials)
+
+
+class _Trials:
+    """``evaluate`` with each (method, kv_max, batch) run once and logged; ``trials``: those run, in order."""
+
+    def __init__(self, evaluate: Callable[[Method, int], Trial]):
+        self.evaluate = evaluate
+        self.done: dict[tuple, Trial] = {}
+
+    def __call__(self, method: Method, batch: int) -> Trial:
+        key = (method.name, method.kv_max, batch)
+        if key not in self.done:
+            self.done[key] = self.evaluate(method, batch)
+            logger.info("trial %s b=%d -> %s", method.label(), batch, self.done[key])
+        return self.done[key]
+
+    @property
+    def trials(self) -> list[Trial]:
+        return list(self.done.values())
+
+
+def _fitting_bm(
+    budget: int,
+    shape: ModelShape,
+    prompt_len: int,
+    new: int,
+    grid: list[int],
+    *,
+    p: int,
+    rule: str,
+    dtype: str,
+    tp: int,
+    batches: list[int] | None,
+) -> list[tuple[int, int]]:
+    """(kv_max, largest fitting batch) of BM with ``rule`` for each kv_max of ``grid`` that fits a batch, in order."""
+    fitting = []
+    for k in grid:
+        bm = Method("bm", kv_max=k, p=p, rule=rule)
+        b = largest_batch(budget, shape, bm, prompt_len, new, dtype=dtype, tp=tp, batches=batches)
+        if b:
+            fitting.append((k, b))
+    return fitting
+
+
+def _meets(trial: Trial, goal: float) -> bool:
+    """Whether a trial ran (no OOM) and its metric reaches ``goal``."""
+    return not trial.oom and trial.metric is not None and trial.metric >= goal
+
+
+def _first_meeting(probe: Callable[[int], Trial], n: int, goal: float) -> int:
+    """The first index in [0, n] whose trial meets ``goal`` (n: none), by bisection: the metric is taken as
+    non-decreasing in kv_max, so only about log2(n) indices are probed."""
+    lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) // 2
-        t = probe(mid)
-        if not t.oom and t.metric is not None and t.metric >= goal:
+        if _meets(probe(mid), goal):
             hi = mid
         else:
             lo = mid + 1
-    candidates = [probe(i) for i in range(lo, min(lo + 1 + neighbours, len(fitting)))]
-    good = [t for t in candidates if not t.oom and t.metric is not None and t.metric >= goal]
-    best = max(good, key=lambda t: t.tokens_per_s, default=None)
-    return TuneResult(best, fkv, goal, list(cache.values()))
+    return lo
