@@ -180,45 +180,23 @@ def dense_workspace_bytes(
     pad); ``elem``: bytes per element of the model dtype; ``real`` (FlashAttention-2): the unmasked keys, the pairs
     HF's varlen path gathers (``None``: all ``batch * slots``, an upper bound); ``align``: count the
     memory-efficient CUDA kernel's copy of a mask whose rows are not ``MASK_ALIGN``-aligned (False: the CPU).
-
-    SDPA (``impl="sdpa"``): without a mask, ``is_causal`` and ``enable_gqa`` (no copies): the kernel's output and
-    its float32 log-sum-exp (the output takes the queries' memory layout, [B, n, Hq, D] as HF's projections are
-    viewed and transposed, so HF's transpose back is a view). With one (a padded prefill: HF's boolean [B, 1, n, L];
-    a decode step holding pads: a view of the cache's),
-    also GQA's ``repeat_kv`` copies of K and V (prefill; a decode step packs the query heads instead), the mask
-    converted to an additive one in the model dtype inside ``scaled_dot_product_attention``, and on CUDA its
-    aligned copy.
-
-    FlashAttention-2 (``impl="flash_attention_2"``): without a mask no copy (output and log-sum-exp). With one (a
-    2D mask: a padded prefill, or an FKV decode step while it holds prompt pads), HF's varlen path gathers the
-    unmasked keys and values -- a contiguous copy of the layer's K (then V) [B, L, Hkv, D] and its gathered
-    [real, Hkv, D] -- and, in prefill, the queries alike, with the int64 indices and int32 offsets; then the
-    kernel's output and log-sum-exp, and the output scattered back into a zeroed [B, n, Hq, D]. In a decode step
-    that is a copy of the whole layer's K and V every step.
+    ``impl``: ``"sdpa"`` (:func:`_sdpa_workspace_bytes`) or ``"flash_attention_2"`` (:func:`_flash_workspace_bytes`),
+    each of which says what it counts.
     """
-    B, Hq, Hkv, D, n, L, e = batch, q_heads, kv_heads, head_dim, queries, slots, elem
     if impl == FLASH:
-        out, lse = e * B * n * Hq * D, 4 * B * Hq * n
-        if not padded:
-            return out + lse
-        if n not in (1, L):
-            raise ValueError(f"a baseline pass has one query or attends over its own block, not {n} over {L}")
-        nnz = B * L if real is None else real
-        idx = 8 * nnz + 4 * (B + 1)  # indices (int64) and offsets (int32) of the unmasked keys
-        copy, kept = e * B * L * Hkv * D, e * nnz * Hkv * D  # one of K/V: its contiguous copy, then gathered
-        steps = [idx + copy + kept, idx + kept + copy + kept]  # gathering K, then V
-        if n == 1:  # one query per row: offsets [0, B] (int32); the query is a view
-            base = idx + 2 * kept + 4 * (B + 1)
-            out_r = out
-        else:  # the queries are gathered like the keys
-            q_kept = e * nnz * Hq * D
-            steps.append(idx + 2 * kept + e * B * n * Hq * D + q_kept)
-            base = idx + 2 * kept + q_kept
-            out_r, lse = e * nnz * Hq * D, 4 * Hq * nnz
-        steps += [base + out_r + lse, base + out_r + out]  # the kernel's output; scattered into [B, n, Hq, D]
-        return max(steps)
+        return _flash_workspace_bytes(batch, q_heads, kv_heads, head_dim, queries, slots, elem, padded, real)
     if impl != SDPA:
         raise ValueError(f"no workspace count for attention implementation {impl!r}")
+    return _sdpa_workspace_bytes(batch, q_heads, kv_heads, head_dim, queries, slots, elem, padded, align)
+
+
+def _sdpa_workspace_bytes(B: int, Hq: int, Hkv: int, D: int, n: int, L: int, e: int, padded: bool, align: bool) -> int:
+    """SDPA: without a mask, ``is_causal`` and ``enable_gqa`` (no copies): the kernel's output and its float32
+    log-sum-exp (the output takes the queries' memory layout, [B, n, Hq, D] as HF's projections are viewed and
+    transposed, so HF's transpose back is a view). With one (a padded prefill: HF's boolean [B, 1, n, L]; a decode
+    step holding pads: a view of the cache's), also GQA's ``repeat_kv`` copies of K and V (prefill; a decode step
+    packs the query heads instead), the mask converted to an additive one in the model dtype inside
+    ``scaled_dot_product_attention``, and on CUDA its aligned copy."""
     out, lse = e * B * Hq * n * D, 4 * B * Hq * n  # the kernel's output and float32 log-sum-exp
     if not padded:
         return out + lse
@@ -227,3 +205,33 @@ def dense_workspace_bytes(
     additive = e * B * n * L  # the boolean mask made additive in the model dtype
     aligned = e * B * n * (L + MASK_ALIGN - L % MASK_ALIGN) if align and L % MASK_ALIGN else 0
     return held + repeat + max(additive + aligned, (aligned or additive) + out + lse)
+
+
+def _flash_workspace_bytes(
+    B: int, Hq: int, Hkv: int, D: int, n: int, L: int, e: int, padded: bool, real: int | None
+) -> int:
+    """FlashAttention-2: without a mask no copy (output and log-sum-exp). With one (a 2D mask: a padded prefill, or
+    an FKV decode step while it holds prompt pads), HF's varlen path gathers the unmasked keys and values -- a
+    contiguous copy of the layer's K (then V) [B, L, Hkv, D] and its gathered [real, Hkv, D] -- and, in prefill,
+    the queries alike, with the int64 indices and int32 offsets; then the kernel's output and log-sum-exp, and the
+    output scattered back into a zeroed [B, n, Hq, D]. In a decode step that is a copy of the whole layer's K and V
+    every step."""
+    out, lse = e * B * n * Hq * D, 4 * B * Hq * n
+    if not padded:
+        return out + lse
+    if n not in (1, L):
+        raise ValueError(f"a baseline pass has one query or attends over its own block, not {n} over {L}")
+    nnz = B * L if real is None else real
+    idx = 8 * nnz + 4 * (B + 1)  # indices (int64) and offsets (int32) of the unmasked keys
+    copy, kept = e * B * L * Hkv * D, e * nnz * Hkv * D  # one of K/V: its contiguous copy, then gathered
+    steps = [idx + copy + kept, idx + kept + copy + kept]  # gathering K, then V
+    if n == 1:  # one query per row: offsets [0, B] (int32); the query is a view
+        base = idx + 2 * kept + 4 * (B + 1)
+        out_r = out
+    else:  # the queries are gathered like the keys
+        q_kept = e * nnz * Hq * D
+        steps.append(idx + 2 * kept + e * B * n * Hq * D + q_kept)
+        base = idx + 2 * kept + q_kept
+        out_r, lse = e * nnz * Hq * D, 4 * Hq * nnz
+    steps += [base + out_r + lse, base + out_r + out]  # the kernel's output; scattered into [B, n, Hq, D]
+    return max(steps)
