@@ -147,7 +147,9 @@ def _agree(group, value: int, device: torch.device) -> None:
 
 class _Run:
     """One ``serve`` call's state between passes: which request each slot holds, the next input of every row, the
-    outputs, and how a pass's logits become tokens (chosen, agreed across tensor-parallel ranks, teacher-forced)."""
+    outputs, the seconds and K/V bytes so far, and the named steps of a pass: admit a group, run the pass (a prefill
+    block or probe, or a decode step), emit its tokens (chosen, agreed across tensor-parallel ranks, teacher-forced),
+    retire the requests that ended."""
 
     def __init__(
         self,
@@ -161,7 +163,6 @@ class _Run:
         stop,
         return_logits: bool,
         tp_group,
-        token_bound: bool,
     ):
         self.model, self.requests, self.method, self.slots = model, requests, method, slots
         self.device = next(model.parameters()).device
@@ -172,13 +173,18 @@ class _Run:
         self.max_new = [r.max_new_tokens for r in requests]
         self.dense = not method.reads_scores  # the baselines' caches: their own attention masks
         self.warpers, self.eos, self.stop, self.return_logits = sampling, eos, stop, return_logits
-        self.tp_group, self.token_bound = tp_group, token_bound
+        tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
+        self.tp_group = tp_group if tp else None  # the tensor-parallel group, when it has more than one rank
+        self.token_bound = bool(eos) or stop is not None  # whether finishing depends on the tokens
         self.gens: list[torch.Generator | None] = [None] * slots
         self.outputs: list[RequestOutput | None] = [None] * len(requests)
         self.request_of: list[int] = [-1] * slots
         self.shared: set[int] = set()  # first slot of each group prefilled once for all its rows
         self.next_ids = torch.full((slots,), pad, dtype=torch.long, device=self.device)  # [S] each row's next input
         self.forcing = any(r.continuation is not None for r in requests)
+        self.times = {"prefill": 0.0, "decode": 0.0}  # seconds spent in each kind of pass so far
+        self.kv_low: int | None = None  # smallest and largest K/V bytes held after any pass
+        self.kv_high = 0
         self.start = time.perf_counter()
 
     def admit(self, pool, rows: range, group: tuple[int, ...], passes: int, shared: bool) -> None:
@@ -297,16 +303,63 @@ class _Run:
         index = torch.tensor(rows, device=self.device)  # [k] the decoding rows
         return self.emit(rows, index, out.logits[:, -1].index_select(0, index))  # [k, V]
 
-    def finish(self, pool, row: int, i: int, times: dict[str, float], kv_high: int, keep_positions: bool):
+    def run_pass(self, pool, step: Step) -> set[int]:
+        """Run one pass (every decoding slot's step, or one group's prefill block or probe), timed, and note the K/V
+        held after it; returns the rows whose request ended early."""
+        kind = "decode" if step.kind == "decode" else "prefill"
+        t0 = time.perf_counter()
+        finished = self.decode(pool, step) if kind == "decode" else self.prefill(pool, step)
+        self.times[kind] += time.perf_counter() - t0
+        if pool.allocated and kind != "decode":  # a decode pass never changes what is allocated
+            kv = pool.kv_bytes()
+            self.kv_low = min(kv, self.kv_low if self.kv_low is not None else kv)
+            self.kv_high = max(self.kv_high, kv)
+        return finished
+
+    def retire(self, pool, row: int, i: int, keep_positions: bool) -> RequestOutput:
+        """Close request ``i``, which ended in ``row``: its timings, the run's memory so far, host log-probabilities
+        and (``keep_positions``) the positions its slot held."""
         out = self.outputs[i]
         out.finished_s = time.perf_counter() - self.start
-        out.run_prefill_s, out.run_decode_s, out.kv_bytes = times["prefill"], times["decode"], kv_high
+        out.run_prefill_s, out.run_decode_s, out.kv_bytes = self.times["prefill"], self.times["decode"], self.kv_high
         out.workspace_bytes = pool.peak_workspace_bytes
         if out.logprobs is not None:
             out.logprobs = torch.stack(out.logprobs).tolist() if out.logprobs else []
         if keep_positions:
             out.kept_positions = pool.kept_positions(row)
         return out
+
+    def agree(self, sched: Scheduler, every: int = 1) -> None:
+        """Under tensor parallelism, once every ``every`` passes: raise unless all ranks ran the same schedule."""
+        if self.tp_group is not None and sched.passes % every == 0:
+            _agree(self.tp_group, _digest(sched.log, sched.passes), self.device)
+
+    def served(self, pool, sched: Scheduler) -> ServeOutput:
+        """The run's outputs, schedule and measurements once every request has ended."""
+        return ServeOutput(
+            self.outputs,
+            list(sched.log),
+            sched.passes,
+            self.times["prefill"],
+            self.times["decode"],
+            pool.peak_kv_bytes,
+            (self.kv_low or 0, self.kv_high),
+            pool.peak_meta_bytes,
+            pool.peak_workspace_bytes,
+        )
+
+
+def _eos_ids(ignore_eos: bool, eos_token_id: int | list[int] | None) -> set[int]:
+    """The token ids that end a request (none when ``ignore_eos``)."""
+    if ignore_eos or eos_token_id is None:
+        return set()
+    return set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+
+
+def _prompt_keys(requests: Sequence[Request]) -> list[int]:
+    """Per request, the index of the first request with the same prompt (one key per distinct prompt)."""
+    first: dict[tuple[int, ...], int] = {}
+    return [first.setdefault(tuple(r.input_ids), i) for i, r in enumerate(requests)]
 
 
 @torch.inference_mode()
@@ -339,62 +392,24 @@ def serve(
     prefill once, on one row copied into the others (the choices of a multiple-choice question). ``tp_group``: the
     tensor-parallel group, when there is one."""
     check_requests(requests, slots, getattr(model.config, "max_position_embeddings", None))
-    eos = (
-        set()
-        if ignore_eos or eos_token_id is None
-        else set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-    )
+    eos = _eos_ids(ignore_eos, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-    tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
-    run = _Run(
-        model,
-        requests,
-        method,
-        slots,
-        sampling_warpers(temperature, top_k, top_p) if do_sample else None,
-        eos,
-        pad,
-        stop,
-        return_logits,
-        tp_group if tp else None,
-        bool(eos) or stop is not None,
-    )
-    keys = None
-    if share_prompts:
-        first: dict[tuple[int, ...], int] = {}
-        keys = [first.setdefault(tuple(r.input_ids), i) for i, r in enumerate(requests)]  # one key per prompt
+    warpers = sampling_warpers(temperature, top_k, top_p) if do_sample else None
+    run = _Run(model, requests, method, slots, warpers, eos, pad, stop, return_logits, tp_group)
+    keys = _prompt_keys(requests) if share_prompts else None
     sched = Scheduler(method, run.lengths, run.max_new, slots, prefill_budget, keys)
     pool = _pool(model, method, slots, run.lengths, run.max_new)
-    kv_low, kv_high = None, 0
-    times = {"prefill": 0.0, "decode": 0.0}
     with use_batchmax_attention(model):
         while (step := sched.next_step()) is not None:
             for rows, group in step.admitted:
                 run.admit(pool, rows, group, sched.passes, share_prompts and len(group) > 1)
-            t0 = time.perf_counter()
-            finished = run.decode(pool, step) if step.kind == "decode" else run.prefill(pool, step)
-            times["decode" if step.kind == "decode" else "prefill"] += time.perf_counter() - t0
-            if pool.allocated and step.kind != "decode":  # a decode pass never changes what is allocated
-                kv = pool.kv_bytes()
-                kv_low, kv_high = min(kv, kv_low if kv_low is not None else kv), max(kv_high, kv)
+            finished = run.run_pass(pool, step)
             for row, i in sched.complete(step, finished):
-                out = run.finish(pool, row, i, times, kv_high, keep_positions)
+                out = run.retire(pool, row, i, keep_positions)
                 if on_finish is not None:
                     on_finish(i, out)
-            if tp and sched.passes % AGREE_EVERY == 0:
-                _agree(tp_group, _digest(sched.log, sched.passes), run.device)
-    if tp:
-        _agree(tp_group, _digest(sched.log, sched.passes), run.device)
+            run.agree(sched, every=AGREE_EVERY)
+    run.agree(sched)
     pool.note()
     logger.debug("%s: %d requests in %d slots, %d passes", method.label(), len(requests), slots, sched.passes)
-    return ServeOutput(
-        run.outputs,
-        list(sched.log),
-        sched.passes,
-        times["prefill"],
-        times["decode"],
-        pool.peak_kv_bytes,
-        (kv_low or 0, kv_high),
-        pool.peak_meta_bytes,
-        pool.peak_workspace_bytes,
-    )
+    return run.served(pool, sched)
