@@ -43,20 +43,14 @@ from . import models, parallel
 from .config import DataConfig, RunConfig
 from .core.method import Method, min_kv_max
 from .eval import procedures, replicas, results, tasks
+from .eval.collectives import Collectives
+from .eval.context import RunContext
 from .eval.files import atomic_write_text
+from .eval.generation import fill_samples, longest_prompt, warm_up
+from .eval.oom import RankOutOfMemory, error_line
 from .eval.report import write_report
-from .eval.run import (
-    Collectives,
-    RankOutOfMemory,
-    RunContext,
-    error_line,
-    evaluate_run,
-    fill_samples,
-    longest_prompt,
-    model_shape,
-    warm_up,
-    write_config,
-)
+from .eval.run import evaluate_run
+from .eval.summary import model_shape, write_config
 from .plan.budget import (
     STORY_FKV_BATCH,
     STORY_MAX_PROMPTS,

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 from batchmax_tp.config import RunConfig
 from batchmax_tp.core.method import ExtremeDecoding
 from batchmax_tp.eval import procedures
-from batchmax_tp.eval.run import RankOutOfMemory, encode_prompts
+from batchmax_tp.eval.generation import encode_prompts
+from batchmax_tp.eval.oom import RankOutOfMemory
 from batchmax_tp.eval.tasks import Sample, prompt_ids
 from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
 

@@ -25,8 +25,7 @@ from transformers import AutoTokenizer
 from batchmax_tp import cli
 from batchmax_tp.config import ConfigError, parse_args
 from batchmax_tp.core.method import BatchMax, ExtremeDecoding, Method
-from batchmax_tp.eval import report, tasks
-from batchmax_tp.eval import run as evaluate
+from batchmax_tp.eval import batches, generation, oom, report, tasks
 from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
 from batchmax_tp.plan import budget
 from batchmax_tp.plan.planner import ModelShape, max_batch, predict
@@ -73,7 +72,7 @@ def tiny_model(tokenizer):
 def stack(monkeypatch, tokenizer, tiny_model):
     """The main job with the tiny model; records each timed generate call as (method, kv_max, batch) and can
     raise an error for the calls that ``stack.fail`` selects."""
-    import batchmax_tp.eval.run as engine  # the run path looks its ``generate`` up here at call time
+    import batchmax_tp.eval.generation as engine  # the run path looks its ``generate`` up here at call time
     import batchmax_tp.models as models
 
     real = engine.generate
@@ -110,7 +109,7 @@ def _nqa(out, **extra):
 
 def _prompt_len(tokenizer, num_samples=4) -> int:
     data = tasks.load_task("narrativeqa", num_samples=num_samples, seed=0)
-    return evaluate.longest_prompt(tokenizer, tasks.build_samples(tokenizer, data, 420))
+    return generation.longest_prompt(tokenizer, tasks.build_samples(tokenizer, data, 420))
 
 
 def _predict(model, method, b, prompt_len, new=3):
@@ -219,7 +218,7 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
 
 def test_a_real_out_of_memory_is_recorded_and_memory_is_freed_after_the_handler(tmp_path, stack, monkeypatch):
     freed = []
-    monkeypatch.setattr(evaluate, "free_memory", lambda device: freed.append(sys.exc_info()[0]))
+    monkeypatch.setattr(batches, "free_memory", lambda device: freed.append(sys.exc_info()[0]))
     stack.fail = lambda method, b: isinstance(method, ExtremeDecoding)  # CUDA OOM in ed's first batch
     out = tmp_path / "res"
     runs = [{"method": "ed", "batch_size": 2, "kv_max": 2}, {"method": "bm", "batch_size": 2, "kv_max": 128}]
@@ -237,9 +236,9 @@ def test_a_real_out_of_memory_is_recorded_and_memory_is_freed_after_the_handler(
 def test_free_memory_empties_the_cuda_cache(monkeypatch):
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
-    evaluate.free_memory(torch.device("cpu"))
+    oom.free_memory(torch.device("cpu"))
     assert emptied == []
-    evaluate.free_memory(torch.device("cuda", 0))
+    oom.free_memory(torch.device("cuda", 0))
     assert emptied == [1]
 
 
@@ -428,7 +427,7 @@ def test_tune_with_a_rule_sizes_and_names_its_trials_by_it(tmp_path, stack, toke
 
 
 def test_tune_on_the_embedded_model_writes_a_usable_tuned_config(tmp_path, monkeypatch, capsys):
-    import batchmax_tp.eval.run as engine  # the run path looks its ``generate`` up here at call time
+    import batchmax_tp.eval.generation as engine  # the run path looks its ``generate`` up here at call time
     import batchmax_tp.models as models
 
     loaded = models.load_model()
@@ -464,7 +463,7 @@ def test_tune_on_the_embedded_model_writes_a_usable_tuned_config(tmp_path, monke
     )
     shape = ModelShape.from_config(loaded[0].config)
     samples = tasks.load_jsonl(data)
-    s = evaluate.longest_prompt(loaded[1], samples)
+    s = generation.longest_prompt(loaded[1], samples)
     limit = predict(shape, Method("fkv"), 2, s, 4).total  # FKV fits both samples in one batch
     out = tmp_path / "res"
     args = [

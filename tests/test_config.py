@@ -19,9 +19,11 @@ import yaml
 from batchmax_tp import cli
 from batchmax_tp.config import EMBEDDED_MODEL, ConfigError, RunConfig, parse_args
 from batchmax_tp.core.method import Method, method_type
-from batchmax_tp.eval import results
-from batchmax_tp.eval import run as runner
+from batchmax_tp.eval import generation, results
+from batchmax_tp.eval.context import RunContext
 from batchmax_tp.eval.files import atomic_write_text
+from batchmax_tp.eval.run import evaluate_run
+from batchmax_tp.eval.summary import write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_PY = ROOT / "launch" / "run.py"
@@ -286,17 +288,17 @@ def _fake_result(num_generated, prefill_s, decode_s, peak, tokens=None):
 
 
 def test_batched_keeps_file_order():
-    assert list(runner.batched(list(range(7)), 3)) == [[0, 1, 2], [3, 4, 5], [6]]
-    assert list(runner.batched([], 3)) == []
+    assert list(generation.batched(list(range(7)), 3)) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(generation.batched([], 3)) == []
     with pytest.raises(ValueError):
-        list(runner.batched([1], 0))
+        list(generation.batched([1], 0))
 
 
 def test_cut_at_eos():
-    assert runner.cut_at_eos([5, 6, 2, 7], 4, 2) == [5, 6]
-    assert runner.cut_at_eos([5, 6, 7, 8], 3, 2) == [5, 6, 7]
-    assert runner.cut_at_eos([5, 9, 6], 3, [9, 2]) == [5]
-    assert runner.cut_at_eos([2, 5], 2, None) == [2, 5]
+    assert generation.cut_at_eos([5, 6, 2, 7], 4, 2) == [5, 6]
+    assert generation.cut_at_eos([5, 6, 7, 8], 3, 2) == [5, 6, 7]
+    assert generation.cut_at_eos([5, 9, 6], 3, [9, 2]) == [5]
+    assert generation.cut_at_eos([2, 5], 2, None) == [2, 5]
 
 
 def test_summary_with_fake_batches():
@@ -400,7 +402,7 @@ def test_evaluate_run_with_fake_engine(tmp_path):
     calls = []
     spec = cfg.sweep.run_specs()[0]
     engine = dict(generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False)
-    summary = runner.evaluate_run(runner.RunContext(SimpleNamespace(), _FakeTokenizer(), **engine), samples, spec, cfg)
+    summary = evaluate_run(RunContext(SimpleNamespace(), _FakeTokenizer(), **engine), samples, spec, cfg)
     assert [c["batch"] for c in calls] == [2, 1]
     assert [c["seed"] for c in calls] == [5, 6]
     assert all(c["ignore_eos"] is True and c["eos_token_id"] == 2 and c["max_new_tokens"] == 4 for c in calls)
@@ -448,8 +450,8 @@ def fake_stack(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (SimpleNamespace(), _FakeTokenizer()))
     # The run path looks its engine and encoder up at call time.
-    monkeypatch.setattr(runner, "encode_prompts", _fake_encode)
-    monkeypatch.setattr(runner, "generate", _make_fake_generate(calls))
+    monkeypatch.setattr(generation, "encode_prompts", _fake_encode)
+    monkeypatch.setattr(generation, "generate", _make_fake_generate(calls))
     return SimpleNamespace(data=str(data), calls=calls)
 
 
@@ -651,7 +653,7 @@ def test_saved_config_keeps_its_resume_key(tmp_path):
     }
     cfg = parse_args(["--out", str(tmp_path)]).replace(device="cpu", dtype="float32", tp_size=1, dp_size=1)
     assert cfg.main_job and cfg.to_dict()["same_memory"] is None  # as a plain run wrote it
-    runner.write_config(tmp_path, cfg)
+    write_config(tmp_path, cfg)
     assert results.check_same_config(tmp_path, cfg.to_dict())
 
 

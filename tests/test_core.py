@@ -91,7 +91,7 @@ PROMPTS = [
 
 
 def test_embedded_model_greedy_equals_hf_generate(embedded):
-    from batchmax_tp.eval.run import encode_prompts
+    from batchmax_tp.eval.generation import encode_prompts
 
     model, tok = embedded
     ids, mask = encode_prompts(tok, PROMPTS)

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from batchmax_tp import cli
 from batchmax_tp.config import ConfigError, RunConfig, parse_args
 from batchmax_tp.eval import metrics, report, results, tasks
-from batchmax_tp.eval.run import encode_prompts
+from batchmax_tp.eval.generation import encode_prompts
 from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
 from batchmax_tp.plan.budget import run_dir_name
 
@@ -560,7 +560,7 @@ def tiny_stack(monkeypatch, tokenizer):
     """launch/run.py with a tiny random Llama (the embedded tokenizer's vocabulary) and a counting engine."""
     from tiny import tiny_llama
 
-    import batchmax_tp.eval.run as engine  # the run path looks its ``generate`` up here at call time
+    import batchmax_tp.eval.generation as engine  # the run path looks its ``generate`` up here at call time
     import batchmax_tp.models as models
 
     model = tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=2048)

@@ -493,11 +493,11 @@ def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path,
     wrapper = tmp_path / "oom_rank1.py"
     wrapper.write_text(
         "import os, runpy, sys, torch\n"
-        "from batchmax_tp.eval import run as evaluate\n"
+        "from batchmax_tp.eval import batches\n"
         "from transformers.models.llama import modeling_llama\n"
         "if os.environ.get('RANK') == '1':\n"
         "    state = {'armed': False, 'calls': 0}\n"
-        "    run_batch, mlp_forward = evaluate._run_batch, modeling_llama.LlamaMLP.forward\n"
+        "    run_batch, mlp_forward = batches.run_batch, modeling_llama.LlamaMLP.forward\n"
         "    def arm(*a, **k):\n"
         "        state['armed'] = True\n"
         "        return run_batch(*a, **k)\n"
@@ -506,7 +506,7 @@ def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path,
         "        if state['calls'] == 40:  # layer 10 of the first prefill block of the first run\n"
         "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB (injected)')\n"
         "        return mlp_forward(self, x)\n"
-        "    evaluate._run_batch, modeling_llama.LlamaMLP.forward = arm, forward\n"
+        "    batches.run_batch, modeling_llama.LlamaMLP.forward = arm, forward\n"
         f"sys.argv = [{RUN_PY!r}, *sys.argv[1:]]\n"
         f"runpy.run_path({RUN_PY!r}, run_name='__main__')\n"
     )

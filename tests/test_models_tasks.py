@@ -15,8 +15,8 @@ from tiny import tiny_llama
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from batchmax_tp import models
+from batchmax_tp.eval.generation import encode_prompts
 from batchmax_tp.eval.metrics import is_correct
-from batchmax_tp.eval.run import encode_prompts
 from batchmax_tp.eval.tasks import Sample, default_fixture_path, load_jsonl
 from batchmax_tp.models import EMBEDDED_MODEL, embedded_model_dir, load_model
 

@@ -28,8 +28,11 @@ from test_launchers import RUN_PY, clean_env, free_port, tool
 
 from batchmax_tp.config import RunConfig
 from batchmax_tp.eval import merge, results
-from batchmax_tp.eval import run as runner
+from batchmax_tp.eval.context import RunContext
+from batchmax_tp.eval.oom import is_oom
 from batchmax_tp.eval.replicas import Channel, Watchdog
+from batchmax_tp.eval.run import evaluate_run
+from batchmax_tp.eval.summary import run_settings, write_config
 
 
 def local_store(world: int) -> tuple[dist.TCPStore, int]:
@@ -126,8 +129,8 @@ def test_channel_broadcast_gather_and_last_decides():
     ],
 )
 def test_cuda_library_allocation_failures_are_out_of_memory(message):
-    assert runner.is_oom(RuntimeError(message))
-    assert not runner.is_oom(RuntimeError("CUDA error: device-side assert triggered"))
+    assert is_oom(RuntimeError(message))
+    assert not is_oom(RuntimeError("CUDA error: device-side assert triggered"))
 
 
 def test_an_oom_marker_becomes_the_row_once_and_a_later_success_stands(tmp_path):
@@ -140,17 +143,17 @@ def test_an_oom_marker_becomes_the_row_once_and_a_later_success_stands(tmp_path)
     results.write_oom_marker(folder, 1, "CUDA out of memory (injected)", 0)
     calls = []
     run = dict(generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False)
-    first = runner.evaluate_run(runner.RunContext(SimpleNamespace(), _FakeTokenizer(), **run), samples, spec, cfg)
+    first = evaluate_run(RunContext(SimpleNamespace(), _FakeTokenizer(), **run), samples, spec, cfg)
     assert first["status"] == "oom" and first["oom_cause"] == "runtime" and "injected" in first["error"]
     assert calls == [] and not list(folder.glob("oom-rank*.json"))
     (folder / results.SUMMARY_FILE).unlink()
-    second = runner.evaluate_run(runner.RunContext(SimpleNamespace(), _FakeTokenizer(), **run), samples, spec, cfg)
+    second = evaluate_run(RunContext(SimpleNamespace(), _FakeTokenizer(), **run), samples, spec, cfg)
     assert second["status"] == "done" and second["num_samples"] == 3 and len(calls) == 2
 
 
 def test_resuming_with_another_dp_size_is_refused(tmp_path):
     cfg = RunConfig(out=str(tmp_path), dp_size=2, tp_size=1)
-    runner.write_config(tmp_path, cfg)
+    write_config(tmp_path, cfg)
     assert results.check_same_config(tmp_path, cfg.to_dict())
     with pytest.raises(ValueError, match="dp_size=2, this run has dp_size=1"):
         results.check_same_config(tmp_path, RunConfig(out=str(tmp_path), dp_size=1, tp_size=1).to_dict())
@@ -160,7 +163,7 @@ def test_resuming_with_another_dp_size_is_refused(tmp_path):
 def _shard(folder: Path, replica: int, batches: list[int], ids: list[list[str]], done: bool) -> None:
     method, kv = folder.name.split("-b1-kv")
     cfg = RunConfig(methods=[method], kv_max=int(kv), batch_size=1, out=str(folder.parent))
-    settings = runner.run_settings(cfg, cfg.sweep.run_specs()[0], dp_size=2)
+    settings = run_settings(cfg, cfg.sweep.run_specs()[0], dp_size=2)
     assert settings["run"] == folder.name
     head = {"settings": settings, "batch_ids": ids, "dp": 2, "tp": 1, "continuous": False, "budget": {}, "extra": {}}
     shard = folder / f"replica{replica}"

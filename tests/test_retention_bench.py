@@ -376,14 +376,14 @@ def test_same_memory_plan_gives_bm_the_larger_batch(caplog):
 
 
 def test_fill_samples():
-    from batchmax_tp.eval import run as runner
+    from batchmax_tp.eval.generation import fill_samples
     from batchmax_tp.eval.tasks import Sample
 
     base = [Sample("a", "p1", "r1"), Sample("b", "p2", "r2")]
-    filled = runner.fill_samples(base, 5)
+    filled = fill_samples(base, 5)
     assert [s.id for s in filled] == ["a", "b", "a~2", "b~2", "a~3"]
     assert [s.prompt for s in filled] == ["p1", "p2", "p1", "p2", "p1"] and filled[4].reference == "r1"
-    assert runner.fill_samples(base, 1) == base
+    assert fill_samples(base, 1) == base
 
 
 def test_same_memory_only_for_plain_runs():
@@ -408,7 +408,7 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
 
     import batchmax_tp.models as models
     from batchmax_tp import cli
-    from batchmax_tp.eval import run as runner
+    from batchmax_tp.eval import generation
 
     class Tok:
         eos_token_id = pad_token_id = 2
@@ -452,7 +452,7 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
         )
     )
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, Tok()))
-    monkeypatch.setattr(runner, "generate", fake_generate)
+    monkeypatch.setattr(generation, "generate", fake_generate)
     out = tmp_path / "out"
     rc = cli.main(
         [

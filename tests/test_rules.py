@@ -336,7 +336,8 @@ def test_probe_passes_add_only_their_own_layers_collectives_under_tp2(tmp_path):
 # ------------------------------------------------------------------------------------------- configuration
 def test_run_config_rule(tmp_path):
     from batchmax_tp.config import ConfigError, RunConfig, build_parser, parse_args
-    from batchmax_tp.eval.run import RunSpec, run_settings
+    from batchmax_tp.eval.summary import run_settings
+    from batchmax_tp.plan.budget import RunSpec
 
     cfg = parse_args([])
     assert cfg.sweep.rule == "paper" and [m.rule for m in cfg.sweep.method_specs()] == ["paper"] * 3

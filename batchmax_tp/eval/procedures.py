@@ -23,19 +23,12 @@ from ..core.engine import generate
 from ..core.method import Method, method_type
 from ..plan.budget import RunSpec, fmt_bytes, planned_dtype, predict_spec, run_dir_name
 from ..plan.tuner import Trial, divisor_batches, kv_grid, tune
+from .context import RunContext
 from .files import atomic_write_text, utc_now
+from .generation import EncodeFn, GenerateFn, encode_prompts
+from .oom import RankOutOfMemory, error_line, free_memory, is_oom
 from .report import write_report
-from .run import (
-    EncodeFn,
-    GenerateFn,
-    RankOutOfMemory,
-    RunContext,
-    encode_prompts,
-    error_line,
-    evaluate_run,
-    free_memory,
-    is_oom,
-)
+from .run import evaluate_run
 from .tasks import Sample, prompt_ids
 
 if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
@@ -72,7 +65,7 @@ def b0_trials(
     """``fits(b)`` for ``plan.tuner.find_b0``: ED (kv_max 2), 2 new tokens (ED's peak is its whole-prompt
     prefill), for real, on the batch a run of size ``b`` meets at its worst: the ``b`` longest samples' prompts
     (cycled when there are fewer samples, :func:`trial_prompts`) encoded together with left padding
-    (``encode_fn``, ``run.encode_prompts`` unless given), so the trial holds the real lengths and the padding.
+    (``encode_fn``, ``generation.encode_prompts`` unless given), so the trial holds the real lengths and the padding.
 
     A trial runs under ``cfg.memory.budget_bytes()`` (None: no budget, the whole device): on CUDA the peak is measured
     with ``torch.cuda.max_memory_allocated`` (reset before each trial; weights included, as in the planner's

@@ -18,7 +18,7 @@ import torch
 from ...core.engine import generate
 from ...core.rules import get_rule
 from ...embedded import EMBEDDED_MODEL
-from ...eval.run import encode_prompts
+from ...eval.generation import encode_prompts
 from .run import Row, available_rules, make_method, run_row
 from .score import TARGETS
 from .suite import (

@@ -11,7 +11,7 @@ from typing import Any
 from ...core.engine import generate
 from ...core.method import Method, method_type
 from ...core.rules import rule_names
-from ...eval.run import cut_at_eos, encode_prompts
+from ...eval.generation import cut_at_eos, encode_prompts
 from .suite import RetentionSample
 
 

@@ -252,7 +252,7 @@ def shared_needles(a: Sequence[RetentionSample], b: Sequence[RetentionSample]) -
 
 
 def token_counter(tokenizer: Any) -> Callable[[str], int]:
-    """Tokens of a user message with the chat template (what ``eval.run.encode_prompts`` feeds the model)."""
+    """Tokens of a user message with the chat template (what ``eval.generation.encode_prompts`` feeds the model)."""
     return lambda text: len(prompt_ids(tokenizer, text))
 
 
