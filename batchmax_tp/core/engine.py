@@ -178,7 +178,7 @@ def _checked_mask(
     if not bool((attention_mask[:, 1:] >= attention_mask[:, :-1]).all() and attention_mask[:, -1].all()):
         raise ValueError(
             "input_ids must be LEFT-padded (every pad before the first real token, the last position "
-            "real): set tokenizer.padding_side = 'left' (batchmax_tp.eval.run.encode_prompts does)"
+            "real): set tokenizer.padding_side = 'left' (batchmax_tp.eval.generation.encode_prompts does)"
         )
     if force_tokens is not None and (force_tokens.shape[0] != B or force_tokens.shape[1] < max_new_tokens):
         raise ValueError(f"force_tokens must be [{B}, >= {max_new_tokens}], got {list(force_tokens.shape)}")
