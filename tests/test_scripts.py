@@ -75,3 +75,14 @@ def test_test_command_fails_on_a_lint_error_before_any_test(tmp_path, ruff_rc):
     else:
         assert any(c.startswith("-m ruff format --check") for c in calls)
         assert any(c.startswith("-m pytest") for c in calls)
+
+
+def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = [line for line in readme.splitlines() if line.startswith("bash scripts/setup.sh && ")]
+    assert commands == [
+        "bash scripts/setup.sh && python launch/run.py",
+        "bash scripts/setup.sh && bash scripts/test.sh",
+    ]
+    assert "bash scripts/setup.sh && bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 250  # a README a new user reads in five minutes; deep dives live in docs/

@@ -21,6 +21,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Clock(BaseStreamer):
+    """Times HF generate's tokens: ``put`` gets the prompt first, then each new token."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times = device, []
+
+    def put(self, value) -> None:
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 @torch.inference_mode()
 def hf_reference_generate(
     model: torch.nn.Module,
@@ -35,45 +49,47 @@ def hf_reference_generate(
     ``DynamicCache`` prefilled with the whole prompt and cut to its newest pair at the first step and whenever it
     holds ``kv_max`` pairs (Algorithm 3). Returns (tokens [B, T], prefill seconds, decode seconds).
     """
-
-    device = input_ids.device
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    padded = not bool(attention_mask.all())
-    s, T = input_ids.shape[1], max_new_tokens
     if not method.evicts:  # the full cache: HF generate as it is
-
-        class Clock(BaseStreamer):  # put() gets the prompt first, then each new token
-            def __init__(self):
-                self.times = []
-
-            def put(self, value):
-                _sync(device)
-                self.times.append(time.perf_counter())
-
-            def end(self):
-                pass
-
-        clock = Clock()
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model.generate(
-            input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=T,
-            min_new_tokens=T,
-            do_sample=False,
-            pad_token_id=0,
-            streamer=clock,
-        )
-        _sync(device)
-        t2 = time.perf_counter()
-        t1 = clock.times[1] if len(clock.times) > 1 else t2
-        return out[:, s:], t1 - t0, t2 - t1
+        return _full_cache(model, input_ids, attention_mask, max_new_tokens)
     if not method.keeps_newest_only:
         raise ValueError(f"no plain HF reference for method {method.name!r}")
+    return _extreme_decoding(model, input_ids, attention_mask, method.kv_max, max_new_tokens)
+
+
+def _full_cache(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
+) -> tuple[torch.Tensor, float, float]:
+    """FKV: ``model.generate`` with its default cache, timed per token by a streamer."""
+    device, T = input_ids.device, max_new_tokens
+    clock = _Clock(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=T,
+        min_new_tokens=T,
+        do_sample=False,
+        pad_token_id=0,
+        streamer=clock,
+    )
+    _sync(device)
+    t2 = time.perf_counter()
+    t1 = clock.times[1] if len(clock.times) > 1 else t2
+    return out[:, input_ids.shape[1] :], t1 - t0, t2 - t1
+
+
+def _extreme_decoding(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, kv_max: int, max_new_tokens: int
+) -> tuple[torch.Tensor, float, float]:
+    """ED (Algorithm 3): the whole prompt into a ``DynamicCache``, then cut to the newest pair at the first step
+    and whenever it holds ``kv_max`` pairs."""
+    device, (B, s), T = input_ids.device, input_ids.shape, max_new_tokens
+    padded = not bool(attention_mask.all())
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, s]
-    tokens = torch.empty(input_ids.shape[0], T, dtype=torch.long, device=device)  # [B, T]
+    tokens = torch.empty(B, T, dtype=torch.long, device=device)  # [B, T]
     cache = DynamicCache(config=model.config)
     _sync(device)
     t0 = time.perf_counter()
@@ -90,9 +106,9 @@ def hf_reference_generate(
     t1 = time.perf_counter()
     held, next_pos = s, pos[:, -1:] + 1  # [B, 1]
     for t in range(1, T):
-        if t == 1 or held >= method.kv_max:  # keep only the newest pair
+        if t == 1 or held >= kv_max:  # keep only the newest pair
             for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, -1:], layer.values[:, :, -1:]
+                layer.keys, layer.values = layer.keys[:, :, -1:], layer.values[:, :, -1:]  # [B, H, 1, D]
             held = 1
         out = model(
             input_ids=tokens[:, t - 1 : t],
