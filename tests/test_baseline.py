@@ -36,7 +36,6 @@ from batchmax_tp.core.baseline import DenseCache, fastest_attention
 from batchmax_tp.core.cache import BatchMaxCache
 from batchmax_tp.core.engine import GenerationOutput, generate
 from batchmax_tp.core.method import FullCache, Method
-from batchmax_tp.core.schedule import capacity
 from batchmax_tp.core.workspace import SDPA, dense_workspace_bytes
 
 ATOL = 1e-4
@@ -52,7 +51,7 @@ def run(model, ids, mask, method, n):
 def score_path(model, ids, mask, method, n) -> GenerationOutput:
     """The score-collecting path: HF's ``model.generate`` drop-in on a ``BatchMaxCache`` (reserved as the engine
     reserves) with the "batchmax" attention; tokens, logits and cache as the engine returns them."""
-    cache = BatchMaxCache(method, reserve=capacity(method, ids.shape[1], n))
+    cache = BatchMaxCache(method, reserve=method.capacity(ids.shape[1], n))
     with torch.no_grad(), attention.use_batchmax_attention(model):
         res = model.generate(
             ids,

@@ -457,23 +457,9 @@ def fake_stack(monkeypatch, tmp_path):
 
 def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
     out = tmp_path / "res"
-    rc = cli.main(
-        [
-            "--data",
-            fake_stack.data,
-            "--out",
-            str(out),
-            "--batch-size",
-            "2",
-            "--max-new-tokens",
-            "3",
-            "--device",
-            "cpu",
-            "--log-level",
-            "WARNING",
-        ]
-    )
-    assert rc == 0
+    argv = ["--data", fake_stack.data, "--out", str(out), "--batch-size", "2", "--max-new-tokens", "3"]
+    argv += ["--device", "cpu", "--log-level", "WARNING"]
+    assert cli.main(argv) == 0
     runs = ["fkv-b2", "ed-b2-kv2", "bm-b2-kv512"]
     assert sorted(os.listdir(out)) == sorted(
         [*runs, "config.yaml", "metric_vs_kv.png", "report.md", "results.csv", "throughput.png"]
@@ -516,25 +502,7 @@ def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
     assert all(c["max_new_tokens"] == 2 and c["batch"] == 1 for c in warm)
     assert len(timed) == 9 and all(c["max_new_tokens"] == 3 for c in timed)
     # The same command again: every run is finished, nothing is generated, the same report is printed.
-    assert (
-        cli.main(
-            [
-                "--data",
-                fake_stack.data,
-                "--out",
-                str(out),
-                "--batch-size",
-                "2",
-                "--max-new-tokens",
-                "3",
-                "--device",
-                "cpu",
-                "--log-level",
-                "WARNING",
-            ]
-        )
-        == 0
-    )
+    assert cli.main(argv) == 0
     assert len(fake_stack.calls) == 12 and capsys.readouterr().out == printed
 
 

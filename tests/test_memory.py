@@ -17,7 +17,6 @@ from tiny import tiny_llama
 from batchmax_tp.core import attention, cache, engine, workspace
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
-from batchmax_tp.core.schedule import capacity
 from batchmax_tp.plan.planner import ModelShape, bookkeeping_bytes, predict
 
 CASES = [
@@ -69,7 +68,7 @@ def _score_collecting(model, ids, method, new) -> tuple[int, int]:
     if method.reads_scores:
         out = generate(model, ids, None, method, new, ignore_eos=True)
         return out.peak_workspace_bytes, len(out.phases)
-    c = cache.BatchMaxCache(method, reserve=capacity(method, ids.shape[1], new))
+    c = cache.BatchMaxCache(method, reserve=method.capacity(ids.shape[1], new))
     with torch.no_grad(), attention.use_batchmax_attention(model):
         model.generate(
             ids,

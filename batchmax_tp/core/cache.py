@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import probe as lookahead
-from .method import Method, eviction_priority
+from .method import Method
 from .schedule import Phase
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class BoundedLayer(SlotLayer):
             self.probe = lookahead.rescore(self.probe_state, self.keys, self.pos)  # [B, H, C]
             probe = self.probe
         self.probe_fresh = False
-        priority = eviction_priority(method, self.score, self.pos, curr_id, probe)  # [B, H, C]
+        priority = method.priority(self.score, self.pos, curr_id, probe)  # [B, H, C]
         if method.keeps_newest_only:
             self._keep_newest(slots_to_evict(-priority, self.pos, 1))  # [B, H, 1]: the newest pair's slot
             return

@@ -19,7 +19,7 @@ from .attention import use_batchmax_attention
 from .baseline import DenseCache, fastest_attention, use_attention
 from .cache import BatchMaxCache
 from .method import Method
-from .schedule import Phase, capacity, plan
+from .schedule import Phase, plan
 from .step import ForwardPass
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def setup_cache(
     """The method's cache and the attention the model runs with: BM's score-collecting "batchmax" attention on a
     ``BatchMaxCache``; a method that reads no scores (FKV, ED) the model's fastest kernel on a ``DenseCache``."""
     num_layers, s = model.config.num_hidden_layers, attention_mask.shape[1]
-    reserve = capacity(method, s, max_new_tokens)
+    reserve = method.capacity(s, max_new_tokens)
     if method.reads_scores:
         return BatchMaxCache(method, num_layers=num_layers, reserve=reserve), use_batchmax_attention(model)
     impl = fastest_attention(model)

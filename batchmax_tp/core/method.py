@@ -250,8 +250,3 @@ def method_type(name: str) -> type[Method]:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}: choose one of {', '.join(METHODS)}")
     return METHODS[name]
-
-
-def eviction_priority(method: Method, score: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
-    """Priority [B, H, C] of each slot (lower evicted first): ``method.priority``."""
-    return method.priority(score, pos, curr_id, probe)

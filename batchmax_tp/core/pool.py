@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache
 
 from .baseline import DenseCache, DenseLayer
 from .cache import BatchMaxCache, BoundedLayer, SlotLayer, free_slots
-from .method import Method, eviction_priority
+from .method import Method
 from .step import SlotWork
 
 
@@ -176,7 +176,7 @@ class PoolLayer(_PoolLayer):
         C = pool.capacity
         for row, n_free, curr_id in pool.evicting:
             pos, score, bias = (t[row : row + 1, :, :C] for t in (self.pos, self.score, self.bias))  # [1, H, C]
-            priority = eviction_priority(pool.method, score, pos, curr_id)  # [1, H, C]
+            priority = pool.method.priority(score, pos, curr_id)  # [1, H, C]
             self.free[row : row + 1, :, :n_free] = free_slots(priority, pos, score, bias, n_free)  # [1, H, n_free]
         S, H = self.keys.shape[:2]
         idx = self.free.gather(2, pool.write_ptr.expand(S, H, 1))  # [S, H, 1] each row's slot

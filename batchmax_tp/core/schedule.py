@@ -41,18 +41,6 @@ class Phase:
         return self.start - 1
 
 
-def capacity(method: Method, prompt_len: int, max_new_tokens: int) -> int:
-    """Slots each (sample, KV head) needs at its largest (``Method.capacity``): kv_max for BM, the prompt for ED,
-    everything for FKV."""
-    return method.capacity(prompt_len, max_new_tokens)
-
-
-def prefill_blocks(method: Method, prompt_len: int) -> list[tuple[int, int]]:
-    """Algorithm 1: first block ``min(s, kv_max)`` tokens, then blocks of ``p``; ED and FKV: one block
-    (``Method.prefill_blocks``)."""
-    return method.prefill_blocks(prompt_len)
-
-
 def plan(method: Method, prompt_len: int, max_new_tokens: int) -> list[Phase]:
     """Every forward pass of a generation of ``max_new_tokens`` tokens from a padded prompt of ``prompt_len``.
 
@@ -61,10 +49,10 @@ def plan(method: Method, prompt_len: int, max_new_tokens: int) -> list[Phase]:
     """
     if prompt_len < 1:
         raise ValueError("prompt must have at least one token")
-    cap = capacity(method, prompt_len, max_new_tokens)
+    cap = method.capacity(prompt_len, max_new_tokens)
     phases, filled = [], 0
     window = method.lookahead
-    for i, (start, end) in enumerate(prefill_blocks(method, prompt_len)):
+    for i, (start, end) in enumerate(method.prefill_blocks(prompt_len)):
         evict = method.num_to_evict(filled, end - start, cap, first_decode=False)
         filled += end - start - evict
         phases.append(Phase("prefill", start, end, evict))

@@ -33,7 +33,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..core.method import Method
-from ..core.schedule import Phase, capacity, plan
+from ..core.schedule import Phase, plan
 from ..core.workspace import (
     FLASH,
     SDPA,
@@ -131,7 +131,7 @@ def predict(
     """Peak memory per rank of generating ``max_new_tokens`` for ``batch`` prompts padded to ``prompt_len``."""
     nbytes = DTYPE_BYTES[dtype]
     q_heads, kv_heads = shape.local_heads(tp)
-    cap = capacity(method, prompt_len, max_new_tokens)
+    cap = method.capacity(prompt_len, max_new_tokens)
     kv = 2 * batch * shape.layers * kv_heads * cap * shape.head_dim * nbytes
     # Live in one decoder layer (``_per_token``); logits of the last position only (logits_to_keep=1) in
     # float32 (a probe pass makes none).
@@ -189,7 +189,7 @@ def baseline_workspace(
     passes = [(prompt_len, prompt_len, padded)]  # (queries, slots, masked)
     if max_new_tokens > 1:
         if not method.evicts:  # FKV: the last step over prompt + generation, its pads still held
-            passes.append((1, capacity(method, prompt_len, max_new_tokens), padded))
+            passes.append((1, method.capacity(prompt_len, max_new_tokens), padded))
         else:
             passes.append((1, min(method.kv_max, prompt_len + 1), False))
     return max(
@@ -300,7 +300,7 @@ def _pool_kv_bytes(
     prompt-sized staging cache of the slot being prefilled."""
     L, D = shape.layers, shape.head_dim
     kv = 2 * slots * L * kv_heads * (cap + 1) * D * nbytes
-    if not method.reads_scores and method.keeps_newest_only:  # ED prefills into a staging cache, keeps the newest
+    if method.keeps_newest_only:  # ED prefills into a staging cache, keeps the newest
         kv += 2 * L * kv_heads * prompt_len * D * nbytes  # the staging cache of the slot being prefilled
     return kv
 
@@ -391,7 +391,7 @@ def bookkeeping_bytes(
     if not method.reads_scores:
         return 0
     q_heads, kv_heads = shape.local_heads(tp)
-    cap = capacity(method, prompt_len, max_new_tokens)
+    cap = method.capacity(prompt_len, max_new_tokens)
     return sum(
         _bookkeeping(shape, method, batch, plan(method, prompt_len, 1), cap, q_heads, kv_heads, DTYPE_BYTES[dtype])
     )
