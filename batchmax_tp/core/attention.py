@@ -38,7 +38,7 @@ from . import probe, workspace
 from .baseline import DenseLayer
 from .cache import BoundedLayer, take_updated_layer
 from .pool import DensePoolLayer, PoolLayer
-from .step import ForwardPass
+from .step import ForwardPass, RowsPass
 
 NAME = "batchmax"
 
@@ -58,11 +58,10 @@ def batchmax_attention(
     padding mask (last n columns of a 2D [B, *] mask, True for real tokens) or None; ``batchmax``: the engine's
     description of the pass (``core.step``; None under HF's generate, whose cache hands its layer over instead).
     Returns [B, n, Hq, D]."""
-    layer = _cache_layer(module, key, batchmax)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if isinstance(layer, PoolLayer):  # a continuous-batching decode pass over the whole pool
-        pool = layer.cache
-        return _decode_attention(layer, query, key, value, scaling, pool.hi, pool.active), None
+    if isinstance(batchmax, RowsPass):  # a BM pool's pass: key/value are the pass's new pairs
+        return _rows_attention(batchmax.layer(module), batchmax, query, key, value, scaling), None
+    layer = _cache_layer(module, key, batchmax)
     if isinstance(layer, DensePoolLayer):  # the baselines' pool: rows of different lengths, no scores
         return _decode_attention(layer, query, key, value, scaling, key.shape[2], bias=layer.cache.row_bias), None
     if isinstance(layer, DenseLayer):  # a baseline slot's prefill: the model's SDPA, causal and unpadded
@@ -192,6 +191,88 @@ def _block_attention(
     return out.view(B, n, Hq, D)  # [B, n, Hq, D]
 
 
+def _rows_attention(
+    layer: PoolLayer, step: RowsPass, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """A BM pool's pass, as ``step`` states it: evict, write the new pairs key/value [R, Hkv, n, D], attend.
+    Returns [R, n, Hq, D]."""
+    layer.cache.allocate(key, value)
+    if step.kind == "probe":  # nothing is evicted or written: the probe only reads
+        return _rows_probe(layer, step, query, (key, value), scaling)
+    for eviction in step.evictions:
+        layer.evict(eviction)
+    layer.write(step, key, value)
+    if step.kind == "decode":
+        return _decode_attention(layer, query, layer.keys, layer.values, scaling, step.hi, step.active)
+    return _rows_block(layer, step, query, scaling)
+
+
+def _rows_block(layer: PoolLayer, step: RowsPass, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Prefill chunks of R rows, each at its own positions (``step.qpos``), causal over each row's kept slots
+    [0, hi) in query chunks. Returns [R, n, Hq, D]."""
+    R, Hq, n, D = query.shape
+    Hkv, hi = layer.keys.shape[1], step.hi
+    g = Hq // Hkv
+    keys_t = step.take(layer.keys[:, :, :hi]).transpose(2, 3)  # [R, Hkv, D, hi]
+    values = step.take(layer.values[:, :, :hi])  # [R, Hkv, hi, D]
+    score = step.take(layer.score[:, :, :hi])  # [R, Hkv, hi]: a view (adjacent rows) or a copy written back
+    hiding = _slot_hiding(step.take(layer.pos[:, :, :hi]), n)  # [R, Hkv, hi]
+    qg = query.view(R, Hkv, g, n, D)  # [R, Hkv, g, n, D]: query heads grouped by their KV head (a view)
+    gathered = 0 if step.span is not None else R * Hkv * hi * (2 * D * query.element_size() + 8 + 4)
+    layer.cache.note_workspace(
+        gathered
+        + workspace.workspace_bytes(
+            R, Hq, Hkv, n, hi, D, ordered=False, padded=step.real is not None, elem=query.element_size()
+        )
+    )
+    out = None  # [R, n, Hkv, g, D]: allocated once when the block takes more than one chunk
+    for a, b, _ in workspace.query_chunks(R, Hq, n, hi, False):
+        m = b - a
+        if out is None and m < n:
+            out = torch.empty(R, n, Hkv, g, D, dtype=values.dtype, device=values.device)
+        probs = _chunk_probs(qg[:, :, :, a:b], keys_t, scaling, hiding, step.qpos[:, a:b])  # [R, Hkv, g*m, hi]
+        _add_received(score, probs, None if step.real is None else step.real[:, a:b])
+        o = torch.matmul(probs.to(values.dtype), values).view(R, Hkv, g, m, D)  # [R, Hkv, g, m, D]
+        del probs
+        if out is None:
+            out = o.permute(0, 3, 1, 2, 4).contiguous()  # [R, n, Hkv, g, D]
+        else:
+            out[:, a:b].copy_(o.permute(0, 3, 1, 2, 4))  # [R, m, Hkv, g, D]
+        del o
+    if step.span is None:
+        layer.score[:, :, :hi].index_copy_(0, step.rows, score)
+    return out.view(R, n, Hq, D)  # [R, n, Hq, D]
+
+
+def _rows_probe(
+    layer: PoolLayer,
+    step: RowsPass,
+    query: torch.Tensor,
+    probe_kv: tuple[torch.Tensor, torch.Tensor],
+    scaling: float,
+) -> torch.Tensor:
+    """A look-ahead probe pass of R rows: queries [R, Hq, w, D] over each row's slots [0, hi) and the probe's own
+    keys (causal; masked columns are neither queries nor keys). Writes the rows' ``probe`` (and, for a rule probing
+    every few blocks, their stored queries); returns the probe outputs [R, w, Hq, D]."""
+    pk, pv = probe_kv  # [R, Hkv, w, D] each
+    R, Hq, w, D = query.shape
+    Hkv, hi = pk.shape[1], step.hi
+    layer.cache.note_workspace(workspace.probe_workspace_bytes(R, Hq, Hkv, w, hi, D, query.element_size()))
+    q = (query * scaling).reshape(R, Hkv, Hq // Hkv * w, D)  # [R, Hkv, g*w, D]
+    weights = probe.query_weights(step.real, R, w, q.device)  # [R, w]
+    own = probe.own_logits(q, pk, weights)  # [R, Hkv, g*w, w]
+    own_lse = own.logsumexp(-1, keepdim=True)  # [R, Hkv, g*w, 1]
+    slot_pos = step.take(layer.pos[:, :, :hi])  # [R, Hkv, hi]
+    to_slots, lse = probe.slot_probabilities(q, step.take(layer.keys[:, :, :hi]), slot_pos, own_lse)
+    layer.probe[:, :, :hi].index_copy_(0, step.rows, probe.per_slot(to_slots, weights))  # [R, Hkv, hi]
+    if layer.cache.method.probe_every > 1:
+        layer.store_probe(step.rows, q, own_lse, weights)
+    to_own = own.sub_(lse).exp_()  # [R, Hkv, g*w, w]
+    values = step.take(layer.values[:, :, :hi])  # [R, Hkv, hi, D]
+    out = torch.matmul(to_slots.to(pv.dtype), values) + torch.matmul(to_own.to(pv.dtype), pv)
+    return out.view(R, Hkv, Hq // Hkv, w, D).permute(0, 3, 1, 2, 4).reshape(R, w, Hq, D)  # [R, w, Hq, D]
+
+
 def _slot_hiding(slot_pos: torch.Tensor, n: int) -> torch.Tensor:
     """What hides slots [B, Hkv, hi] from a block of ``n`` queries. A decode step (n == 1): every kept slot precedes
     the query, so the mask [B, Hkv, 1, 1, hi] of empty/evicted slots. A longer block: each slot's effective
@@ -202,10 +283,11 @@ def _slot_hiding(slot_pos: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _chunk_probs(
-    q: torch.Tensor, keys_t: torch.Tensor, scaling: float, hiding: torch.Tensor, first: int
+    q: torch.Tensor, keys_t: torch.Tensor, scaling: float, hiding: torch.Tensor, qpos: torch.Tensor | int
 ) -> torch.Tensor:
     """A query chunk's attention probabilities: q [B, Hkv, g, m, D] (a view), keys_t [B, Hkv, D, lim], ``hiding``
-    from ``_slot_hiding``, ``first`` the padded position of the chunk's first query. Returns [B, Hkv, g*m, lim]."""
+    from ``_slot_hiding``, ``qpos`` the queries' positions: [B, m] per row (-1: a masked query, which sees no slot),
+    or the first one's position (every row's queries at the same positions). Returns [B, Hkv, g*m, lim]."""
     B, Hkv, g, m, D = q.shape
     lim = keys_t.shape[-1]
     # The chunk's scaled queries, copied contiguous (never a view: scaled in place) [B, Hkv, g, m, D]
@@ -216,8 +298,9 @@ def _chunk_probs(
     if hiding.dim() == 5:  # a decode step's mask [B, Hkv, 1, 1, hi]
         hidden = hiding[..., :lim]
     else:
-        qpos = torch.arange(first, first + m, device=q.device)  # [m]
-        hidden = (hiding[:, :, None, :lim] > qpos[:, None])[:, :, None]  # [B, Hkv, 1, m, lim]
+        if isinstance(qpos, int):
+            qpos = torch.arange(qpos, qpos + m, device=q.device)[None]  # [1, m]
+        hidden = (hiding[:, :, None, :lim] > qpos[:, None, :, None])[:, :, None]  # [B, Hkv, 1, m, lim]
         del qpos
     # A pad query sees no slot at all; a finite fill keeps its row finite (its weights are dropped below).
     logits.masked_fill_(hidden, torch.finfo(torch.float32).min)

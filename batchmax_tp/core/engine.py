@@ -88,26 +88,13 @@ def forward_pass(
     model: torch.nn.Module, step: ForwardPass, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor
 ):
     """One forward pass into ``step.cache``: ids/pos [B, n], mask [B, n] or the baselines' own; ``step``, the
-    pass's description, goes to every attention call. A prefill block or decode step returns the last position's
-    logits; a look-ahead probe runs through the decoder layers only (its outputs are never used: no logits)."""
+    pass's description, goes to every attention call (a pool pass has no cache: its attention writes the pool). A
+    prefill block or decode step returns the last position's logits; a look-ahead probe runs through the decoder
+    layers only (its outputs are never used: no logits)."""
+    kw = dict(attention_mask=mask, position_ids=pos, past_key_values=step.cache, use_cache=step.cache is not None)
     if step.kind == "probe":
-        return model.get_decoder()(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=step.cache,
-            use_cache=True,
-            batchmax=step,
-        )
-    return model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=pos,
-        past_key_values=step.cache,
-        use_cache=True,
-        logits_to_keep=1,
-        batchmax=step,
-    )
+        return model.get_decoder()(input_ids=ids, batchmax=step, **kw)
+    return model(input_ids=ids, logits_to_keep=1, batchmax=step, **kw)
 
 
 def generate(

@@ -121,6 +121,12 @@ class Method:
         """The prompt's prefill blocks ``[start, end)``: one block unless the method bounds the prefill."""
         return [(0, prompt_len)]
 
+    @property
+    def pass_tokens(self) -> int | None:
+        """Prompt tokens one prefill pass of a slot pool takes at most, from several rows at their own positions in
+        chunks of ``p`` (BM), or None: the whole prompt of one group of one length per pass (FKV, ED)."""
+        return None
+
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
         """How many pairs to evict before writing ``incoming`` new pairs into a cache holding ``filled``.
 
@@ -223,6 +229,11 @@ class BatchMax(Method):
             t0, t1 = t1, min(prompt_len, t1 + self.p)
             blocks.append((t0, t1))
         return blocks
+
+    @property
+    def pass_tokens(self) -> int:
+        """The size of Algorithm 1's first block: no pass holds more activations than a static first block."""
+        return max(self.kv_max, self.p)
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
         # Algorithm 1: remove p pairs before a block or decode step that does not fit.

@@ -30,10 +30,12 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from . import probe as lookahead
 from .baseline import DenseCache, DenseLayer
-from .cache import BatchMaxCache, BoundedLayer, SlotLayer, free_slots
+from .cache import SlotLayer, free_slots
 from .method import Method
-from .step import SlotWork
+from .schedule import Phase
+from .step import Eviction, RowsPass, SlotWork
 
 
 @dataclass
@@ -143,11 +145,14 @@ class _PoolLayer(SlotLayer):
 
 # -- Batch-Max ------------------------------------------------------------------------------------------------------
 class PoolLayer(_PoolLayer):
-    """One decoder layer of the BM pool: keys/values [S, H, C + 1, D]; pos, score, bias, free [S, H, C + 1]."""
+    """One decoder layer of the BM pool: keys/values [S, H, C + 1, D]; pos, score, bias, free [S, H, C + 1]; for a
+    rule with a look-ahead probe, ``probe`` [S, H, C + 1] and (a rule probing every few blocks) the last probe's
+    stored queries of every row (``probe_q``, ``probe_lse``, ``probe_w``), allocated by the first probe pass."""
 
     def __init__(self, cache: BoundedPool, layer_idx: int):
         super().__init__(cache, layer_idx)
-        self.pos = self.score = self.bias = self.free = None
+        self.pos = self.score = self.bias = self.free = self.probe = None
+        self.probe_q = self.probe_lse = self.probe_w = None
 
     def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         super().allocate(heads, k_dim, v_dim, dtype, device)
@@ -156,9 +161,20 @@ class PoolLayer(_PoolLayer):
         self.score = torch.zeros(S, heads, C + 1, dtype=torch.float32, device=device)
         self.bias = torch.full((S, heads, C + 1), float("-inf"), dtype=dtype, device=device)
         self.free = torch.arange(C + 1, device=device).repeat(S, heads, 1)  # [S, H, C + 1]: identity, ends in C
+        if self.cache.method.lookahead:
+            self.probe = torch.zeros(S, heads, C + 1, dtype=torch.float32, device=device)
 
     def row_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.keys, self.values, self.pos, self.score, self.bias, self.free
+        stored = (self.probe, self.probe_q, self.probe_lse, self.probe_w)
+        return (
+            self.keys,
+            self.values,
+            self.pos,
+            self.score,
+            self.bias,
+            self.free,
+            *(t for t in stored if t is not None),
+        )
 
     def reset_row(self, row: int) -> None:
         self.pos[row] = -1
@@ -166,26 +182,193 @@ class PoolLayer(_PoolLayer):
         self.bias[row] = float("-inf")
         self.free[row] = torch.arange(self.free.shape[-1], device=self.device)
 
+    def meta_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.pos, self.score, self.bias, self.free, self.probe, self.probe_q, self.probe_lse, self.probe_w
+
+    # -- a pass's writes: eviction, then the new pairs ---------------------------------------------------------------
+    def evict(self, ev: Eviction) -> None:
+        """Free ``ev.count`` slots in each of the rows ``ev.rows`` at once (``cache.free_slots`` on their gathered
+        slot state), and make the freed slots the head of each row's free list."""
+        C, e = self.cache.capacity, ev.rows
+        pos, score, bias = (t[:, :, :C].index_select(0, e) for t in (self.pos, self.score, self.bias))  # [E, H, C]
+        probe = None
+        if ev.probe == "fresh":
+            probe = self.probe[:, :, :C].index_select(0, e)  # [E, H, C]
+        elif ev.probe == "rescore":  # the rows' last probe pass's queries, over the slots held now
+            state = lookahead.ProbeState(*(t.index_select(0, e) for t in (self.probe_q, self.probe_lse, self.probe_w)))
+            probe = lookahead.rescore(state, self.keys[:, :, :C].index_select(0, e), pos)  # [E, H, C]
+        priority = self.cache.method.priority(score, pos, ev.curr_id, probe)  # [E, H, C]
+        freed = free_slots(priority, pos, score, bias, ev.count)  # [E, H, count]
+        for dst, src in ((self.pos, pos), (self.score, score), (self.bias, bias)):
+            dst[:, :, :C].index_copy_(0, e, src)
+        self.free[:, :, : ev.count].index_copy_(0, e, freed)
+
+    def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write each row's columns [R, H, n, D] at the slots its free list gives (masked columns: the scratch slot)."""
+        R, H, n, _ = key_states.shape
+        C1 = self.keys.shape[2]
+        slots = step.take(self.free).gather(2, step.write[:, None, :].expand(R, H, n))  # [R, H, n]
+        heads = torch.arange(H, device=self.device)[None, :, None]  # [1, H, 1]
+        flat = ((step.rows[:, None, None] * H + heads) * C1 + slots).view(-1)  # [R*H*n] into the flattened rows
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, key_states.reshape(-1, key_states.shape[-1]))
+        self.values.view(-1, self.values.shape[-1]).index_copy_(
+            0, flat, value_states.reshape(-1, value_states.shape[-1])
+        )
+        qpos = step.qpos[:, None, :].expand(R, H, n)  # [R, H, n]
+        self.pos.view(-1).index_copy_(0, flat, qpos.reshape(-1))
+        self.score.view(-1).index_fill_(0, flat, 0.0)
+        bias = torch.zeros(qpos.shape, dtype=self.bias.dtype, device=self.device).masked_fill_(qpos < 0, float("-inf"))
+        self.bias.view(-1).index_copy_(0, flat, bias.view(-1))
+
+    def store_probe(self, rows: torch.Tensor, q: torch.Tensor, own_lse: torch.Tensor, weights: torch.Tensor) -> None:
+        """Keep the rows' probe queries [R, Hkv, g*w, D], log-sum-exp [R, Hkv, g*w, 1] and weights [R, w] for
+        re-scoring (``probe.ProbeState``); every row's are allocated by the first probe pass."""
+        if self.probe_q is None:
+            S = self.cache.slots
+            self.probe_q, self.probe_lse, self.probe_w = (t.new_zeros((S, *t.shape[1:])) for t in (q, own_lse, weights))
+        for dst, src in ((self.probe_q, q), (self.probe_lse, own_lse), (self.probe_w, weights)):
+            dst.index_copy_(0, rows, src)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.capacity + query_length, 0
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """A decode pass: evict in the rows whose step says so, write each row's pair [S, H, 1, D] at its free
-        slot (idle rows: the scratch column C). Returns the whole buffers [S, H, C + 1, D]."""
-        pool = self.cache
-        C = pool.capacity
-        for row, n_free, curr_id in pool.evicting:
-            pos, score, bias = (t[row : row + 1, :, :C] for t in (self.pos, self.score, self.bias))  # [1, H, C]
-            priority = pool.method.priority(score, pos, curr_id)  # [1, H, C]
-            self.free[row : row + 1, :, :n_free] = free_slots(priority, pos, score, bias, n_free)  # [1, H, n_free]
-        S, H = self.keys.shape[:2]
-        idx = self.free.gather(2, pool.write_ptr.expand(S, H, 1))  # [S, H, 1] each row's slot
-        self.keys.scatter_(2, idx[..., None].expand(S, H, 1, self.keys.shape[-1]), key_states)
-        self.values.scatter_(2, idx[..., None].expand(S, H, 1, self.values.shape[-1]), value_states)
-        self.pos.scatter_(2, idx, pool.positions[:, :, None].expand(S, H, 1))
-        self.score.scatter_(2, idx, 0.0)
-        self.bias.scatter_(2, idx, 0.0)
-        return self.keys, self.values
+    def update(self, *args, **kwargs):
+        raise RuntimeError("BM's pool is written by the 'batchmax' attention from its pass (step.RowsPass), not by HF")
+
+
+class BoundedPool(_Pool):
+    """BM's pool: ``slots`` rows of ``kv_max`` slots (+ the scratch column) per layer and local KV head. A row's
+    prefill chunks run in passes with other rows' chunks (each row at its own position, its own evictions), then
+    its decode steps in passes over the whole pool; ``prefill_pass``/``decode_pass`` describe each pass
+    (``step.RowsPass``) from the rows' host state (``RowState``), which they advance."""
+
+    def __init__(self, method: Method, num_layers: int, slots: int):
+        if not method.reads_scores:
+            raise ValueError(f"BoundedPool serves method 'bm' (its attention scores), not {method.name!r}")
+        super().__init__(method, num_layers, slots, method.kv_max, PoolLayer)
+        self.probed: set[int] = set()  # rows whose last pass was a probe (their next prefill eviction uses it)
+
+    def meta_bytes(self) -> int:
+        return sum(_bytes(*layer.meta_tensors()) for layer in self.layers)
+
+    def admit(self, rows: range, prompt_len: int, shared: bool = False) -> None:
+        """Requests enter the slots ``rows``: their slots are emptied."""
+        for row in rows:
+            if self.allocated:
+                for layer in self.layers:
+                    layer.reset_row(row)
+            self.rows[row] = RowState()
+            self.probed.discard(row)
+
+    def graduate(self, rows: range, decodes: list[bool]) -> None:
+        """A shared group's prefill (on its first row) is over: that row becomes every row of the group."""
+        if len(rows) > 1:
+            self.fork(rows)
+            for row in rows[1:]:
+                self.rows[row] = RowState(**vars(self.rows[rows.start]))
+        self.note()
+
+    def _evictions(self, evicting: list[tuple[int, int, int, str | None]], device) -> tuple[Eviction, ...]:
+        """(row, count, curr_id, probe) per evicting row -> one ``Eviction`` per (count, probe) kind."""
+        kinds: dict[tuple[int, str | None], list[tuple[int, int]]] = {}
+        for row, count, curr_id, probe in evicting:
+            kinds.setdefault((count, probe), []).append((row, curr_id))
+        out = []
+        for (count, probe), members in kinds.items():
+            t = torch.tensor(members, device=device)  # [E, 2]: one copy per kind
+            out.append(Eviction(t[:, 0], t[:, 1].view(-1, 1, 1), count, probe))
+        return tuple(out)
+
+    def _evict_row(self, row: int, phase: Phase, prefill: bool) -> tuple[int, int, int, str | None]:
+        """A row's eviction before ``phase`` (count: its empty slots + the phase's), its host state advanced."""
+        st, C = self.rows[row], self.capacity
+        probe = None
+        if prefill and self.method.lookahead:
+            probe = "fresh" if row in self.probed or self.method.probe_every == 1 else "rescore"
+        count = C - st.filled + phase.evict
+        st.filled -= phase.evict
+        st.ptr, st.contiguous, st.high = 0, False, C
+        return row, count, st.seen - 1, probe
+
+    def prefill_pass(
+        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
+    ) -> tuple[RowsPass, torch.Tensor, torch.Tensor]:
+        """The pass of ``work`` (each row's prefill chunk, or each row's look-ahead probe), with its input ids and
+        RoPE positions [R, n]: every row's tokens right-aligned, masked columns in front."""
+        kind = work[0].phase.kind
+        n = self.method.lookahead if kind == "probe" else max(w.phase.size for w in work)  # probes: the whole window
+        rows = [w.row for w in work]
+        qpos, write, evicting, ids = [], [], [], []
+        for w, prompt in zip(work, prompts):
+            ph, st = w.phase, self.rows[w.row]
+            pad = n - ph.size
+            qpos.append([-1] * pad + list(range(ph.start, ph.end)))
+            ids.append(torch.nn.functional.pad(prompt[ph.start : ph.end], (pad, 0)))
+            if kind == "probe":
+                self.probed.add(w.row)
+                continue
+            if ph.evict:
+                evicting.append(self._evict_row(w.row, ph, prefill=True))
+            self.probed.discard(w.row)
+            write.append([self.capacity] * pad + list(range(st.ptr, st.ptr + ph.size)))
+            st.ptr, st.filled, st.seen = st.ptr + ph.size, st.filled + ph.size, ph.end
+            if st.contiguous:
+                st.high = max(st.high, st.ptr)
+        R, hi = len(rows), max(self.rows[r].high for r in rows)
+        columns = torch.tensor([*qpos, *write], device=device)  # [R or 2R, n]: one host-to-device copy
+        qpos_t = columns[:R]  # [R, n]
+        step = RowsPass(
+            kind=kind,
+            pool=self,
+            rows=torch.tensor(rows, device=device),
+            span=_span(rows),
+            qpos=qpos_t,
+            real=None if all(w.phase.size == n for w in work) else qpos_t >= 0,
+            write=columns[R:] if write else None,
+            hi=hi,
+            evictions=self._evictions(evicting, device),
+        )
+        return step, torch.stack(ids), qpos_t.clamp(min=0)
+
+    def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
+        """A decode pass over every row: each decoding row's eviction (its own step's count) and write slot."""
+        S, C = self.slots, self.capacity
+        ptr, seen, evicting = [C] * S, [-1] * S, []
+        for w in work:
+            st = self.rows[w.row]
+            if w.phase.evict:  # Algorithm 1: p pairs (the empty slots too) go before a step that does not fit
+                evicting.append(self._evict_row(w.row, w.phase, prefill=False))
+            ptr[w.row], seen[w.row] = st.ptr, st.seen
+            if st.contiguous:
+                st.high = max(st.high, st.ptr + 1)
+            st.ptr, st.filled, st.seen = st.ptr + 1, st.filled + 1, st.seen + 1
+        packed = torch.tensor([ptr, seen], device=device)  # [2, S]: one host-to-device copy for the pass
+        qpos = packed[1].view(S, 1)  # [S, 1]; -1 for idle rows
+        return RowsPass(
+            kind="decode",
+            pool=self,
+            rows=torch.arange(S, device=device),
+            span=slice(0, S),
+            qpos=qpos,
+            real=None,
+            write=packed[0].view(S, 1),
+            hi=max(self.rows[w.row].high for w in work),
+            evictions=self._evictions(evicting, device),
+            active=(qpos >= 0).to(torch.float32).view(S, 1, 1),
+        )
+
+    def kept_positions(self, row: int) -> list[list[list[int]]]:
+        """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
+        C = self.capacity
+        return [
+            [sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[row, :, :C].cpu()]
+            for layer in self.layers
+        ]
+
+
+def _span(rows: list[int]) -> slice | None:
+    """``rows`` as a slice when they are adjacent and ascending, else None."""
+    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
 
 
 class _RowView:
@@ -204,117 +387,6 @@ class _RowView:
         self.keys, self.values = src.keys[r, :, :C], src.values[r, :, :C]  # [k, H, C, D] views
         self.is_initialized = True
         return src
-
-
-class RowLayer(_RowView, BoundedLayer):
-    """A group's prefill layer: ``BoundedLayer`` on views of its rows of the pool (slots [0, C))."""
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        src, r, C = self.bind(key_states, value_states), self.rows, self.pool.capacity
-        self.pos, self.score, self.bias = (t[r, :, :C] for t in (src.pos, src.score, src.bias))  # [k, H, C]
-        if self.cache.method.lookahead:
-            k = r.stop - r.start
-            self.probe = torch.zeros(k, key_states.shape[1], C, dtype=torch.float32, device=self.device)
-
-    def _resize(self, capacity: int) -> None:
-        raise RuntimeError("a pool slot never resizes")
-
-
-class RowCache(BatchMaxCache, _RowBound):
-    """The ``BatchMaxCache`` a group's prefill runs on (its layers: views of the group's pool rows)."""
-
-    def __init__(self, pool: BoundedPool, rows: range):
-        super().__init__(pool.method, num_layers=len(pool.layers))
-        self.layers = [RowLayer(self, i, pool, rows) for i in range(len(pool.layers))]
-
-    def transient_bytes(self) -> int:
-        """Prefill-only bookkeeping: the look-ahead probe's per-slot values and stored queries."""
-        return sum(
-            _bytes(layer.probe) + (layer.probe_state.nbytes() if layer.probe_state is not None else 0)
-            for layer in self.layers
-        )
-
-
-class BoundedPool(_Pool):
-    """BM's pool: ``slots`` rows of ``kv_max`` slots (+ the scratch column) per layer and local KV head."""
-
-    def __init__(self, method: Method, num_layers: int, slots: int):
-        if not method.reads_scores:
-            raise ValueError(f"BoundedPool serves method 'bm' (its attention scores), not {method.name!r}")
-        super().__init__(method, num_layers, slots, method.kv_max, PoolLayer)
-        self.evicting: list[tuple[int, int, int]] = []  # (row, slots to free, curr_id) of this decode pass
-        self.write_ptr: torch.Tensor | None = None  # [S, 1, 1] index into each row's free list
-        self.active: torch.Tensor | None = None  # [S, 1, 1] float: 1 for the rows decoding in this pass
-        self.hi = 0  # slots [0, hi) enter the decode products (the largest high-water mark of the decoding rows)
-
-    def meta_bytes(self) -> int:
-        held = sum(_bytes(layer.pos, layer.score, layer.bias, layer.free) for layer in self.layers)
-        return held + sum(c.transient_bytes() for c in self.row_caches.values())
-
-    def admit(self, rows: range, prompt_len: int, shared: bool = False) -> RowCache:
-        """Requests enter the adjacent slots ``rows``: their slots are emptied; their prefill runs on the returned
-        cache (one row per slot; ``shared``: one prompt for all of them, prefilled on the first row alone)."""
-        for row in rows:
-            if self.allocated:
-                for layer in self.layers:
-                    layer.reset_row(row)
-            self.rows[row] = RowState()
-        self.row_caches[rows.start] = cache = RowCache(self, rows[:1] if shared else rows)
-        return cache
-
-    def graduate(self, rows: range, decodes: list[bool]) -> None:
-        """The group's prefill is over: its free lists and host state move into the pool."""
-        cache = self.row_caches[rows.start]
-        self.note()
-        cache.end_prefill()
-        for layer, src in zip(self.layers, cache.layers):
-            if src.free is not None:
-                layer.free[src.rows, :, : src.free.shape[-1]] = src.free
-        if cache.layers[0].rows.stop < rows.stop:  # a shared prefill: its row becomes every row of the group
-            self.fork(rows)
-        src = cache.layers[0]  # every layer and row holds the same host integers
-        contiguous = src.free is None
-        for row in rows:
-            self.rows[row] = RowState(
-                filled=src.filled,
-                seen=src.seen,
-                high=src.high,
-                contiguous=contiguous,
-                ptr=src.filled if contiguous else src.free_ptr,
-            )
-        del self.row_caches[rows.start]
-
-    def begin_decode(self, work: tuple[SlotWork, ...], device: torch.device) -> None:
-        """State a decode pass: each decoding row's eviction (its own step's count) and write slot."""
-        C = self.capacity
-        ptr, active = [C] * self.slots, [0.0] * self.slots
-        self.evicting, self.decode_rows = [], [w.row for w in work]
-        for w in work:
-            st = self.rows[w.row]
-            if w.phase.evict:  # Algorithm 1: p pairs (the empty slots too) go before a step that does not fit
-                self.evicting.append((w.row, C - st.filled + w.phase.evict, st.seen - 1))
-                st.filled -= w.phase.evict
-                st.ptr, st.contiguous, st.high = 0, False, C
-            ptr[w.row], active[w.row] = st.ptr, 1.0
-        self.write_ptr = self._decode_tensors(ptr, device)
-        self.active = torch.tensor(active, device=device).view(self.slots, 1, 1)  # [S, 1, 1]
-        for w in work:  # advance past this pass's token
-            st = self.rows[w.row]
-            if st.contiguous:
-                st.high = max(st.high, st.ptr + 1)
-            st.ptr, st.filled, st.seen = st.ptr + 1, st.filled + 1, st.seen + 1
-        self.hi = max(self.rows[r].high for r in self.decode_rows)
-
-    def attention_mask(self) -> None:
-        return None
-
-    def kept_positions(self, row: int) -> list[list[list[int]]]:
-        """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
-        C = self.capacity
-        return [
-            [sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[row, :, :C].cpu()]
-            for layer in self.layers
-        ]
 
 
 # -- the baselines --------------------------------------------------------------------------------------------------

@@ -97,12 +97,15 @@ def pool_by_position(x: Tensor, pos: Tensor, kernel: int, pool: str, curr_id: in
     Slots are unordered and evicted positions are absent, so neighbours are found in position space: the values
     are scattered onto a row of positions ``[0, curr_id]`` (every position held is at most ``curr_id``), pooled
     by one sliding window of ``kernel`` positions (``max`` the largest present, ``avg`` the mean over those
-    present) and read back at each slot's position. Invalid slots stay ``-inf``.
+    present) and read back at each slot's position. Invalid slots stay ``-inf``. ``curr_id``: one host int, or a
+    tensor [B, 1, 1] of each row's (a pool's rows at their own positions: the row of positions spans the largest).
     """
     r = kernel // 2
     valid = pos >= 0
     if r == 0:
         return x.masked_fill(~valid, float("-inf"))
+    if not isinstance(curr_id, int):
+        curr_id = int(curr_id.max())  # the rows' positions all lie in [0, max curr_id]
     B, H, _ = x.shape
     width = curr_id + 1 + 2 * r  # positions [-r, curr_id + r]: every window lies inside
     at = (pos + r).masked_fill(~valid, width)  # [B, H, C]; invalid slots go to a column no window reads

@@ -41,11 +41,12 @@ class Phase:
         return self.start - 1
 
 
-def plan(method: Method, prompt_len: int, max_new_tokens: int) -> list[Phase]:
+def plan(method: Method, prompt_len: int, max_new_tokens: int, chunk: int | None = None) -> list[Phase]:
     """Every forward pass of a generation of ``max_new_tokens`` tokens from a padded prompt of ``prompt_len``.
 
     The first token comes from the last prefill block; decode step t (1..max_new_tokens-1) feeds the token at
-    position ``prompt_len + t - 1``.
+    position ``prompt_len + t - 1``. ``chunk``: the first block is fed in passes of at most ``chunk`` tokens (nothing
+    is evicted before the cache is full, so this is Algorithm 1 still; a probe follows the whole block).
     """
     if prompt_len < 1:
         raise ValueError("prompt must have at least one token")
@@ -55,7 +56,8 @@ def plan(method: Method, prompt_len: int, max_new_tokens: int) -> list[Phase]:
     for i, (start, end) in enumerate(method.prefill_blocks(prompt_len)):
         evict = method.num_to_evict(filled, end - start, cap, first_decode=False)
         filled += end - start - evict
-        phases.append(Phase("prefill", start, end, evict))
+        cuts = range(start, end, chunk) if chunk and i == 0 else (start,)
+        phases.extend(Phase("prefill", a, min(a + chunk, end) if chunk and i == 0 else end, evict) for a in cuts)
         # Look-ahead probe: the prompt's positions [max(end, s - window), s), after every ``every``-th block but
         # the last.
         if window and end < prompt_len and i % method.probe_every == 0:

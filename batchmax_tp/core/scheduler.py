@@ -97,7 +97,8 @@ class Scheduler:
         key = self.lengths if self.keys is None else self.keys
         for slot, i in entered:  # adjacent slots, one key (by default: prompts of one length)
             last = groups[-1][-1] if groups else None
-            if last is not None and last[0] == slot - 1 and key[last[1]] == key[i]:
+            batched_alone = self.batched and self.keys is None  # batched prefill needs no groups of one length
+            if last is not None and last[0] == slot - 1 and key[last[1]] == key[i] and not batched_alone:
                 groups[-1].append((slot, i))
             else:
                 groups.append([(slot, i)])
@@ -105,8 +106,9 @@ class Scheduler:
         for group in groups:
             rows = range(group[0][0], group[-1][0] + 1)
             for slot, i in group:
+                chunk = self.method.p if self.batched else None  # the first block in passes of p, beside other rows
                 self.running[slot] = SlotRun(
-                    i, plan(self.method, self.lengths[i], self.max_new[i]), len(self.log), rows
+                    i, plan(self.method, self.lengths[i], self.max_new[i], chunk), len(self.log), rows
                 )
                 self.log.append((self.passes, slot, i))
             admitted.append((rows, tuple(i for _, i in group)))
@@ -122,10 +124,34 @@ class Scheduler:
         decoding = tuple(SlotWork(s, run.phase) for s, run in active if not run.prefilling)
         budget_left = self.prefill_budget is None or self._since_decode < self.prefill_budget
         if prefilling and (budget_left or not decoding):
+            if self.batched:
+                return self._batched_prefill([self.running[s] for _, s in prefilling], admitted)
             run = self.running[prefilling[0][1]]
             phase = run.phase  # the whole group is at this phase: its rows advance together
             return Step(phase.kind, tuple(SlotWork(s, phase) for s in run.group), admitted)
         return Step("decode", decoding, admitted)
+
+    @property
+    def batched(self) -> bool:
+        """Whether prefill passes take many rows at their own positions (BM's pool; the dense pools prefill one
+        group of one prompt length at a time): ``Method.pass_tokens``."""
+        return self.method.pass_tokens is not None
+
+    def _batched_prefill(self, runs: list[SlotRun], admitted) -> Step:
+        """The next prefill pass of many groups, each at its own phase: the groups of the first one's kind (a prefill
+        chunk or a probe), in admission order, while the pass's rows x columns fit ``Method.pass_tokens`` (at least
+        one group). Each row feeds as many columns as the pass's longest chunk (a probe: the rule's whole window)."""
+        kind, work, width, seen = runs[0].phase.kind, [], 0, set()
+        for run in runs:
+            if run.group.start in seen or run.phase.kind != kind:
+                continue
+            seen.add(run.group.start)
+            size = self.method.lookahead if kind == "probe" else max(width, run.phase.size)
+            if work and (len(seen)) * size > self.method.pass_tokens:
+                break
+            width = size
+            work.extend(SlotWork(s, run.phase) for s in run.group)
+        return Step(kind, tuple(work), admitted)
 
     def complete(self, step: Step, finished: set[int] | frozenset[int] = frozenset()) -> list[tuple[int, int]]:
         """Advance the slots ``step`` ran; free those whose request ended. Returns the (slot, request) pairs freed."""
@@ -133,7 +159,7 @@ class Scheduler:
         if step.kind == "decode":
             self._since_decode = 0
         elif step.kind == "prefill":
-            self._since_decode += step.work[0].phase.size * len(step.work)
+            self._since_decode += sum(w.phase.size for w in step.work)
         freed = []
         for work in step.work:
             run = self.running[work.row]

@@ -171,7 +171,6 @@ class _Run:
         ]  # [s_i]
         self.lengths = [int(p.numel()) for p in self.prompts]
         self.max_new = [r.max_new_tokens for r in requests]
-        self.dense = not method.reads_scores  # the baselines' caches: their own attention masks
         self.warpers, self.eos, self.stop, self.return_logits = sampling, eos, stop, return_logits
         tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
         self.tp_group = tp_group if tp else None  # the tensor-parallel group, when it has more than one rank
@@ -180,6 +179,8 @@ class _Run:
         self.outputs: list[RequestOutput | None] = [None] * len(requests)
         self.request_of: list[int] = [-1] * slots
         self.shared: set[int] = set()  # first slot of each group prefilled once for all its rows
+        self.group_of: list[range] = [range(r, r + 1) for r in range(slots)]  # each row's admission group
+        self.group_of_shared: set[int] = set()  # rows of a group prefilled once (on its first row)
         self.next_ids = torch.full((slots,), pad, dtype=torch.long, device=self.device)  # [S] each row's next input
         self.forcing = any(r.continuation is not None for r in requests)
         self.times = {"prefill": 0.0, "decode": 0.0}  # seconds spent in each kind of pass so far
@@ -192,6 +193,11 @@ class _Run:
         if shared:
             self.shared.add(rows.start)
         for row, i in zip(rows, group):
+            self.group_of[row] = rows
+            if shared:
+                self.group_of_shared.add(row)
+            else:
+                self.group_of_shared.discard(row)
             self.request_of[row] = i
             self.outputs[i] = RequestOutput(
                 [],
@@ -260,7 +266,10 @@ class _Run:
         return finished
 
     def prefill(self, pool, step: Step) -> set[int]:
-        """One group's prefill block or look-ahead probe, on its rows' cache (a shared group: on its first row)."""
+        """One prefill pass: on BM's pool, every row's chunk (or probe) of ``step``; on the dense pools, one group's
+        prefill block on its rows' cache (a shared group: on its first row)."""
+        if isinstance(pool, BoundedPool):
+            return self._prefill_rows(pool, step)
         rows = range(step.work[0].row, step.work[-1].row + 1)  # adjacent slots, one prompt length
         phase, group = step.work[0].phase, [self.request_of[r] for r in rows]
         run = group[:1] if rows.start in self.shared else group  # the prompts this pass computes
@@ -268,38 +277,50 @@ class _Run:
         cache.begin(phase)
         ids = torch.stack([self.prompts[i][phase.start : phase.end] for i in run])  # [k, n]
         pos = torch.arange(phase.start, phase.end, device=self.device).expand(len(run), -1)  # [k, n]
-        out = forward_pass(
-            self.model,
-            ForwardPass(phase.kind, cache, step.work),
-            ids,
-            cache.attention_mask() if self.dense else None,
-            pos,
-        )
-        if phase.kind == "probe":
-            cache.note_meta()
-            pool.note()
-            return set()
+        out = forward_pass(self.model, ForwardPass(phase.kind, cache, step.work), ids, cache.attention_mask(), pos)
         if phase.end < self.lengths[group[0]]:
             return set()
-        if self.dense:
-            cache.note_workspace(self.model.config)
+        cache.note_workspace(self.model.config)
         cache.begin(None)
         pool.graduate(rows, [self.max_new[i] > 1 for i in group])
         self.shared.discard(rows.start)
         index = torch.arange(rows.start, rows.stop, device=self.device)  # [k] the group's rows
         return self.emit(list(rows), index, out.logits[:, -1].expand(len(rows), -1))  # [k, V]
 
+    def _prefill_rows(self, pool: BoundedPool, step: Step) -> set[int]:
+        """BM: one pass of many rows' prefill chunks (or look-ahead probes), each at its own position; the rows whose
+        prompt ends here (and the rest of their shared group) emit their first token."""
+        work = tuple(w for w in step.work if self.group_of[w.row].start == w.row or w.row not in self.group_of_shared)
+        prompts = [self.prompts[self.request_of[w.row]] for w in work]
+        described, ids, pos = pool.prefill_pass(work, prompts, self.device)
+        out = forward_pass(self.model, described, ids, None, pos)
+        pool.note()
+        if step.kind == "probe":
+            return set()
+        rows, index = [], []
+        for j, w in enumerate(work):
+            if w.phase.end < self.lengths[self.request_of[w.row]]:
+                continue
+            group = self.group_of[w.row] if w.row in self.group_of_shared else range(w.row, w.row + 1)
+            pool.graduate(group, [])
+            rows.extend(group)
+            index.extend([j] * len(group))
+        if not rows:
+            return set()
+        logits = out.logits[:, -1].index_select(0, torch.tensor(index, device=self.device))  # [k, V]
+        return self.emit(rows, torch.tensor(rows, device=self.device), logits)
+
     def decode(self, pool, step: Step) -> set[int]:
         """One decode step of every decoding slot, in one pass over the pool."""
         rows = [w.row for w in step.work]
-        pool.begin_decode(step.work, self.device)
-        out = forward_pass(
-            self.model,
-            ForwardPass("decode", pool, step.work),
-            self.next_ids[:, None],
-            pool.attention_mask(),
-            pool.positions,
-        )
+        if isinstance(pool, BoundedPool):
+            described = pool.decode_pass(step.work, self.device)
+            out = forward_pass(self.model, described, self.next_ids[:, None], None, described.qpos.clamp(min=0))
+        else:
+            pool.begin_decode(step.work, self.device)
+            out = forward_pass(
+                self.model, ForwardPass("decode", pool, step.work), self.next_ids[:, None], None, pool.positions
+            )
         index = torch.tensor(rows, device=self.device)  # [k] the decoding rows
         return self.emit(rows, index, out.logits[:, -1].index_select(0, index))  # [k, V]
 
@@ -397,8 +418,8 @@ def serve(
     warpers = sampling_warpers(temperature, top_k, top_p) if do_sample else None
     run = _Run(model, requests, method, slots, warpers, eos, pad, stop, return_logits, tp_group)
     keys = _prompt_keys(requests) if share_prompts else None
-    sched = Scheduler(method, run.lengths, run.max_new, slots, prefill_budget, keys)
     pool = _pool(model, method, slots, run.lengths, run.max_new)
+    sched = Scheduler(method, run.lengths, run.max_new, slots, prefill_budget, keys)
     with use_batchmax_attention(model):
         while (step := sched.next_step()) is not None:
             for rows, group in step.admitted:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
 from .schedule import Phase
 
 if TYPE_CHECKING:
@@ -49,3 +51,48 @@ class ForwardPass:
     def layer(self, module):
         """The cache layer of the attention module being run (``module.layer_idx``, set by every HF family)."""
         return self.cache.layers[module.layer_idx]
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """Rows of a pool that evict before a pass, all the same way: ``count`` slots each (their empty slots first),
+    ranked at ``curr_id`` [E, 1, 1] (each row's last position processed); ``probe``: ``"fresh"`` (the look-ahead
+    attention of the probe pass just run), ``"rescore"`` (the last probe's stored queries over the slots held now)
+    or None (a decode eviction, or a rule without a probe)."""
+
+    rows: torch.Tensor  # [E] pool rows
+    curr_id: torch.Tensor  # [E, 1, 1]
+    count: int
+    probe: Literal["fresh", "rescore"] | None = None
+
+
+@dataclass(frozen=True)
+class RowsPass:
+    """One pass over some rows of a slot pool, every per-pass input stated: built once per pass by the pool
+    (``BoundedPool.prefill_pass``/``decode_pass``) and read by the attention; nothing is set on the pool.
+
+    Each row feeds ``n`` columns, its real tokens right-aligned (so the last column is every row's last token):
+    ``qpos`` [R, n] is each column's position (-1: a masked column, never written or scored), ``real`` [R, n]
+    the same as a mask (None when every column is real). ``write`` [R, n]: each column's index into the row's free
+    list (the scratch slot C for masked columns and idle rows); a probe pass writes nothing (None). ``hi``: slots
+    [0, hi) enter the products. ``active`` [R, 1, 1] (decode passes over every row): 1 for the rows decoding."""
+
+    kind: Literal["prefill", "probe", "decode"]
+    pool: Cache
+    rows: torch.Tensor  # [R] pool rows, in batch order
+    span: slice | None  # the same rows as a slice when they are adjacent (views instead of gathers)
+    qpos: torch.Tensor  # [R, n]
+    real: torch.Tensor | None  # [R, n] bool
+    write: torch.Tensor | None  # [R, n]
+    hi: int
+    evictions: tuple[Eviction, ...] = ()
+    active: torch.Tensor | None = None  # [R, 1, 1] float
+
+    cache = None  # a pool pass hands the model no cache: the attention writes the pool itself
+
+    def layer(self, module):
+        return self.pool.layers[module.layer_idx]
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The pass's rows of a pool tensor [S, ...]: a view when they are adjacent, else a gathered copy."""
+        return t[self.span] if self.span is not None else t.index_select(0, self.rows)

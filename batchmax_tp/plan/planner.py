@@ -283,14 +283,31 @@ def predict_pool(
     if not method.reads_scores:
         activations, workspace, _ = max(_dense_slot_prefill(shape, prompt_len, tp, nbytes), decode, key=sum)
         return MemoryEstimate(kv, workspace, weights, activations, 0)
-    phases = plan(method, prompt_len, 1)
-    held = slots * shape.layers * kv_heads * (cap + 1) * (8 + 4 + nbytes + 8)  # pos, score, bias, free list per row
-    _, probe_values, state = _bookkeeping(shape, method, 1, phases, cap, q_heads, kv_heads, nbytes)
-    passes = _prefill_passes(
-        shape, method, 1, phases, cap, q_heads, kv_heads, nbytes, per_token, probe_values, state, padded=False
-    )
-    activations, workspace, transient = max([*passes, decode], key=sum)
-    return MemoryEstimate(kv, workspace, weights, activations, held + transient)
+    meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
+    passes = _pool_prefill_passes(shape, method, slots, q_heads, kv_heads, nbytes, per_token)
+    activations, workspace = max([*passes, decode[:2]], key=sum)
+    return MemoryEstimate(kv, workspace, weights, activations, meta)
+
+
+def _pool_prefill_passes(
+    shape: ModelShape, method: Method, slots: int, q_heads: int, kv_heads: int, nbytes: int, per_token: int
+) -> list[tuple[int, int]]:
+    """(activations, attention workspace) of BM's batched prefill passes at their largest: R rows of n columns
+    (``R * n <= Method.pass_tokens``, n <= p; a probe pass n = the rule's window) over all ``kv_max`` slots, the
+    rows' slot state gathered (rows that are not adjacent)."""
+    C, D, V = method.kv_max, shape.head_dim, shape.vocab
+    passes = []
+    for n in range(1, method.p + 1):
+        R = min(slots, max(1, method.pass_tokens // n))
+        gathered = R * kv_heads * C * (2 * D * nbytes + 8 + 4)  # keys, values, positions, sums of the rows
+        ws = workspace_bytes(R, q_heads, kv_heads, n, C, D, ordered=False, padded=True, elem=nbytes)
+        passes.append((R * n * per_token + R * V * 4, gathered + ws))
+    w = method.lookahead
+    if w:
+        R = min(slots, max(1, method.pass_tokens // w))
+        gathered = R * kv_heads * C * (2 * D * nbytes + 8)
+        passes.append((R * w * per_token, gathered + probe_workspace_bytes(R, q_heads, kv_heads, w, C, D, nbytes)))
+    return passes
 
 
 def _pool_kv_bytes(
@@ -319,18 +336,20 @@ def _dense_slot_prefill(shape: ModelShape, prompt_len: int, tp: int, nbytes: int
 def pool_bookkeeping_bytes(
     shape: ModelShape, method: Method, slots: int, prompt_len: int, *, tp: int = 1, dtype: str = "float32"
 ) -> int:
-    """The most bookkeeping a BM pool holds at once (what ``ServeOutput.peak_meta_bytes`` measures): every row's
-    position, attention sum, additive mask and free list, and the look-ahead probe's prefill-only values and
-    stored queries of the one slot being prefilled; 0 for FKV/ED."""
+    """The bookkeeping a BM pool holds (what ``ServeOutput.peak_meta_bytes`` measures): every row's position,
+    attention sum, additive mask and free list; for a rule with a probe, every row's probe values and, for a rule
+    probing every few blocks, every row's stored probe queries (from the first probe pass on, so only when a prompt
+    of ``prompt_len`` tokens probes at all); 0 for FKV/ED."""
     if not method.reads_scores:
         return 0
     q_heads, kv_heads = shape.local_heads(tp)
     nbytes = DTYPE_BYTES[dtype]
-    held = slots * shape.layers * kv_heads * (method.kv_max + 1) * (8 + 4 + nbytes + 8)
-    _, probe_values, state = _bookkeeping(
-        shape, method, 1, plan(method, prompt_len, 1), method.kv_max, q_heads, kv_heads, nbytes
-    )
-    return held + probe_values + state
+    per_row = shape.layers * kv_heads * (method.kv_max + 1)
+    held = slots * per_row * (8 + 4 + nbytes + 8 + (4 if method.lookahead else 0))
+    probes = any(ph.kind == "probe" for ph in plan(method, prompt_len, 1))
+    if probes and method.probe_every > 1:
+        held += slots * shape.layers * probe_state_bytes(1, q_heads, method.lookahead, shape.head_dim, nbytes)
+    return held
 
 
 def max_slots(
