@@ -1,10 +1,11 @@
 """A fixed pool of slots for continuous batching: ``slots`` cache rows allocated once, constant for the whole run.
 
-Each slot holds one request at a time. Its prefill runs on a cache bound to the slot's row (views of the pool's
-tensors), with the rows of the requests admitted beside it when their prompts have its length (``core.scheduler``
-groups): the very code and schedule of ``engine.generate`` on those prompts, unpadded, so the kept positions are
-the same as alone. Then the slot joins the decode steps, where every decoding slot writes its token and
-attends in one pass over the pool, each at its own position and eviction step.
+Each slot holds one request at a time. Under BM its prefill chunks run in passes with the chunks of the other
+prefilling rows, each row at its own position and with its own evictions, on its unpadded prompt, so the kept
+positions are those of ``engine.generate`` of that prompt alone. Under FKV/ED its prefill runs on a cache bound to
+the slot's row (views of the pool's tensors), with the rows of the requests admitted beside it when their prompts
+have its length (``core.scheduler`` groups). Then the slot joins the decode steps, where every decoding slot writes
+its token and attends in one pass over the pool, each at its own position and eviction step.
 
 - ``BoundedPool`` (BM): per layer keys/values [S, H, C + 1, D], and per slot ``pos``/``score``/``bias`` as in
   ``core.cache`` and a free list ``free`` [S, H, C + 1] with C = ``kv_max``. Column C is a scratch slot: a row
@@ -19,8 +20,9 @@ A group admitted with ``shared=True`` holds one prompt several times (the choice
 from one context): its prefill runs on the first row alone and ``graduate`` copies that row into the others, which
 is exact, since a slot's state after its prompt depends on the prompt only.
 
-Per-slot state between passes is host integers (``RowState``) advanced by ``begin_decode``; the tensors a decode
-pass needs (write index, positions, which rows decode) are built from them once per pass.
+Per-slot state between passes is host integers (``RowState``). BM's pool describes each pass from them
+(``prefill_pass``, ``decode_pass``: a ``step.RowsPass``, its tensors built once per pass) and advances them; the
+dense pools' ``begin_decode`` states a decode pass on the pool.
 """
 
 from __future__ import annotations
@@ -41,14 +43,16 @@ from .step import Eviction, RowsPass, SlotWork
 @dataclass
 class RowState:
     """One slot's host state: pairs held (``filled``), next position (``seen``), write pointer into its free list
-    (``ptr``), slots ever written (``high``), whether its free list is still the identity (``contiguous``); the
-    dense pools' ``length`` (slots [0, length) held)."""
+    (``ptr``), slots ever written (``high``), whether its free list is still the identity (``contiguous``), whether
+    its last pass was a look-ahead probe (``probed``: its next prefill eviction ranks with it); the dense pools'
+    ``length`` (slots [0, length) held)."""
 
     filled: int = 0
     seen: int = 0
     ptr: int = 0
     high: int = 0
     contiguous: bool = True
+    probed: bool = False
     length: int = 0
 
 
@@ -246,7 +250,6 @@ class BoundedPool(_Pool):
         if not method.reads_scores:
             raise ValueError(f"BoundedPool serves method 'bm' (its attention scores), not {method.name!r}")
         super().__init__(method, num_layers, slots, method.kv_max, PoolLayer)
-        self.probed: set[int] = set()  # rows whose last pass was a probe (their next prefill eviction uses it)
 
     def meta_bytes(self) -> int:
         return sum(_bytes(*layer.meta_tensors()) for layer in self.layers)
@@ -258,7 +261,6 @@ class BoundedPool(_Pool):
                 for layer in self.layers:
                     layer.reset_row(row)
             self.rows[row] = RowState()
-            self.probed.discard(row)
 
     def graduate(self, rows: range, decodes: list[bool]) -> None:
         """A shared group's prefill (on its first row) is over: that row becomes every row of the group."""
@@ -284,7 +286,7 @@ class BoundedPool(_Pool):
         st, C = self.rows[row], self.capacity
         probe = None
         if prefill and self.method.lookahead:
-            probe = "fresh" if row in self.probed or self.method.probe_every == 1 else "rescore"
+            probe = "fresh" if st.probed or self.method.probe_every == 1 else "rescore"
         count = C - st.filled + phase.evict
         st.filled -= phase.evict
         st.ptr, st.contiguous, st.high = 0, False, C
@@ -305,11 +307,11 @@ class BoundedPool(_Pool):
             qpos.append([-1] * pad + list(range(ph.start, ph.end)))
             ids.append(torch.nn.functional.pad(prompt[ph.start : ph.end], (pad, 0)))
             if kind == "probe":
-                self.probed.add(w.row)
+                st.probed = True
                 continue
             if ph.evict:
                 evicting.append(self._evict_row(w.row, ph, prefill=True))
-            self.probed.discard(w.row)
+            st.probed = False
             write.append([self.capacity] * pad + list(range(st.ptr, st.ptr + ph.size)))
             st.ptr, st.filled, st.seen = st.ptr + ph.size, st.filled + ph.size, ph.end
             if st.contiguous:

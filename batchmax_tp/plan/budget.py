@@ -313,21 +313,23 @@ def same_memory_plan(
     ``max_prompts``; each method's batch is min(its largest fitting batch, the prompts), so the largest batch of
     the plan is the number of prompts to fill the samples up to. A method that does not fit even one sample gets
     batch 0 (reported as OOM, not run). ``scheduler`` continuous: a method's batch is its slot count
-    (``planner.max_slots``: the pool for requests of up to ``prompt_len`` tokens); the budget is still FKV's
-    static peak.
+    (``planner.max_slots``: the pool for requests of up to ``prompt_len`` tokens, at most the prompts); the budget is
+    still FKV's static peak and the prompts are still the static plan's, so both schedulers answer the same ones.
     """
     dtype = planned_dtype(dtype)
     if budget_bytes is None:
         budget_bytes = predict(shape, Method("fkv"), fkv_batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
-    largest = max_slots if scheduler == "continuous" else max_batch
-    fits = [largest(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
+    static_fits = [max_batch(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
+    fits = static_fits
+    if scheduler == "continuous":
+        fits = [max_slots(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
     peak_of = predict_pool if scheduler == "continuous" else predict
-    prompts = max(num_samples, min(max(fits, default=0), max_prompts))
-    if max(fits, default=0) > prompts:
+    prompts = max(num_samples, min(max(static_fits, default=0), max_prompts))
+    if max(static_fits, default=0) > prompts:
         logger.info(
             "same-memory run: the largest fitting batch is %d; the run answers %d prompts (at most %d, "
             "STORY_MAX_PROMPTS), so no batch is larger",
-            max(fits),
+            max(static_fits),
             prompts,
             max_prompts,
         )
