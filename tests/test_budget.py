@@ -102,6 +102,7 @@ def _nqa(out, **extra):
         "device": "cpu",
         "log_level": "WARNING",
         "out": str(out),
+        "scheduler": "static",  # the stack counts static batches (generate calls)
     }
     data.update(extra)
     return data

@@ -398,7 +398,9 @@ def test_evaluate_run_with_fake_engine(tmp_path):
         SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference=ref, tokens_cut=0)
         for i, ref in enumerate(["w10 w11", "w99", None])
     ]
-    cfg = RunConfig(methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, seed=5, out=str(tmp_path))
+    cfg = RunConfig(
+        methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, seed=5, out=str(tmp_path), scheduler="static"
+    )
     calls = []
     spec = cfg.sweep.run_specs()[0]
     engine = dict(generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False)
@@ -458,7 +460,7 @@ def fake_stack(monkeypatch, tmp_path):
 def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
     out = tmp_path / "res"
     argv = ["--data", fake_stack.data, "--out", str(out), "--batch-size", "2", "--max-new-tokens", "3"]
-    argv += ["--device", "cpu", "--log-level", "WARNING"]
+    argv += ["--device", "cpu", "--log-level", "WARNING", "--scheduler", "static"]  # the fake engine's generate
     assert cli.main(argv) == 0
     runs = ["fkv-b2", "ed-b2-kv2", "bm-b2-kv512"]
     assert sorted(os.listdir(out)) == sorted(
@@ -524,6 +526,8 @@ def test_run_py_single_method_layout(tmp_path, capsys, fake_stack):
             "cpu",
             "--log-level",
             "WARNING",
+            "--scheduler",
+            "static",  # the fake engine's generate
         ]
     )
     assert rc == 0

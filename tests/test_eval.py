@@ -589,6 +589,7 @@ def _sweep_args(out, **extra):
         "device": "cpu",
         "log_level": "WARNING",
         "out": str(out),
+        "scheduler": "static",  # batches of batch_size: what the counting engine counts
         "num_samples": 5,
         "runs": [
             {"method": "fkv", "batch_size": 2},

@@ -486,6 +486,8 @@ def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path,
                 max_new_tokens=4,
                 p=32,
                 out=str(out),
+                scheduler="static",  # the injection arms on a static batch (batches.run_batch); its rerun's
+                # ED run is the static scheduler's tp=2 run through the runner (records gathered from both ranks)
                 runs=[dict(method="bm", batch_size=1, kv_max=128), dict(method="ed", batch_size=1, kv_max=2)],
             )
         )

@@ -137,7 +137,9 @@ def test_an_oom_marker_becomes_the_row_once_and_a_later_success_stands(tmp_path)
     """A marker left by a rank that ran out of memory becomes the run's OOM row and is cleared; run again after
     that row is removed (more memory free), the run succeeds and no stale marker turns it back into an OOM."""
     samples = [SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference="w10", tokens_cut=0) for i in range(3)]
-    cfg = RunConfig(methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, out=str(tmp_path))
+    cfg = RunConfig(  # static batches: the fake engine generates them
+        methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, out=str(tmp_path), scheduler="static"
+    )
     spec = cfg.sweep.run_specs()[0]
     folder = tmp_path / spec.name
     results.write_oom_marker(folder, 1, "CUDA out of memory (injected)", 0)

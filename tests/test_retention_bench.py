@@ -471,6 +471,8 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
             "cpu",
             "--log-level",
             "WARNING",
+            "--scheduler",
+            "static",  # the fake engine's generate
         ]
     )
     assert rc == 0

@@ -66,6 +66,15 @@ class RunConfig:
         new._build({**self.to_dict(), **changes}, self.given | frozenset(changes))
         return new
 
+    @property
+    def scheduler(self) -> str:
+        """The scheduler the runs use: ``sweep.scheduler``, or by default continuous (unpadded; the main job measured
+        about twice as fast for every method as with static batches, docs/performance.md), static under a procedure
+        (it plans static batches)."""
+        if self.sweep.scheduler is not None:
+            return self.sweep.scheduler
+        return "static" if self.memory.procedure is not None else "continuous"
+
     # -- rules across parts
     def _validate(self) -> None:
         procedure = self.memory.procedure

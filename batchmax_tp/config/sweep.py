@@ -9,7 +9,18 @@ from typing import Any, ClassVar
 from ..core.method import METHODS, Method, method_type
 from ..core.rules import get_rule
 from ..plan.budget import RunSpec, story_methods
-from .settings import INT, LIST, OPTIONAL_FLAG, OPTIONAL_INT, OPTIONAL_LIST, TEXT, ConfigError, Part, setting
+from .settings import (
+    INT,
+    LIST,
+    OPTIONAL_FLAG,
+    OPTIONAL_INT,
+    OPTIONAL_LIST,
+    OPTIONAL_TEXT,
+    TEXT,
+    ConfigError,
+    Part,
+    setting,
+)
 
 SCHEDULERS = ("static", "continuous")  #: how prompts share the model's passes (``core.serve`` for continuous)
 #: Keys of one entry of ``runs`` (``rule``: BM's eviction rule for that run; default the config's ``rule``).
@@ -68,11 +79,11 @@ class SweepConfig(Part):
         "batch 4 (default: unless the configuration lists its runs)",
         off="run the methods (or runs) as given, at --batch-size",
     )
-    scheduler: str = setting(
-        "static",
-        TEXT,
+    scheduler: str | None = setting(
+        None,
+        OPTIONAL_TEXT,
         "static: padded batches of --batch-size; continuous: --batch-size slots, each refilled as soon as its "
-        "request ends (default static)",
+        "request ends (default null: continuous, static under a procedure, which plans static batches)",
         metavar="|".join(SCHEDULERS),
         choices=SCHEDULERS,
     )

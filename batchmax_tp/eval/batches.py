@@ -142,7 +142,11 @@ def serve_replica(ctx: RunContext, run: OpenRun, samples: Sequence[Sample], mine
         record = _sample_record(sample, len(requests[j].input_ids), text, out.num_generated, metric)
         batch = _served_batch_record(i, sample, out, clock, ctx.replica)
         clock[:] = [out.run_prefill_s, out.run_decode_s]
-        if ctx.lead:
+        # Every tensor-parallel rank ends request j in the same pass: its rank 0 lists each rank's K/V bytes (AutoTP
+        # may give the ranks different numbers of KV heads), as a static batch's record does.
+        peaks = ctx.comm.replica_gather(int(out.kv_bytes))
+        if peaks is not None:
+            batch["peak_kv_bytes"], batch["peak_kv_bytes_per_rank"] = sum(peaks), peaks
             run.shard.append([record], [batch])
             bar.update(1)
 

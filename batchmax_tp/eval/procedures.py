@@ -168,8 +168,10 @@ class _B0Trials:
 
 
 def tuned_config(cfg: RunConfig, best: Trial) -> RunConfig:
-    """The configuration of the chosen BM run: one method at one batch size, into ``OUT/tuned``."""
+    """The configuration of the chosen BM run: one method at one batch size, into ``OUT/tuned``, on the scheduler the
+    trials ran (static batches: a procedure's)."""
     return cfg.replace(
+        scheduler=cfg.scheduler,
         methods=["bm"],
         kv_max=best.kv_max,
         batch_size=best.batch,

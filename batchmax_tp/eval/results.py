@@ -93,7 +93,8 @@ BATCH_KEYS = (
 )
 
 #: Wall-clock (and process-memory) fields: they differ between two runs of the same configuration, and are all
-#: that may differ between a resumed run's files and an uninterrupted run's (:func:`comparable`).
+#: that may differ between a resumed run's files and an uninterrupted run's (:func:`comparable`). Under the
+#: continuous scheduler a request's latencies and its slot (where a resumed run restarted decides it) too.
 TIMING_KEYS = frozenset(
     {
         "prefill_s",
@@ -105,6 +106,12 @@ TIMING_KEYS = frozenset(
         "finished_at",
         "wall_s",
         "peak_host_bytes",
+        "first_token_s",
+        "latency_s",
+        "slot",
+        "latency_p50_s",
+        "latency_p99_s",
+        "first_token_p50_s",
     }
 )
 

@@ -86,7 +86,7 @@ def _open_run(
     ctx: RunContext, samples: Sequence[Sample], spec: RunSpec, cfg: RunConfig, extra: dict[str, Any] | None
 ) -> OpenRun:
     folder = Path(cfg.output.dir) / spec.name
-    continuous = cfg.sweep.scheduler == "continuous"
+    continuous = cfg.scheduler == "continuous"
     batches = [[s] for s in samples] if continuous else list(batched(list(samples), max(spec.batch_size, 1)))
     shard = results.RunLog(results.shard_folder(folder, ctx.replica, ctx.dp))
     return OpenRun(spec, cfg, folder, shard, batches, continuous, extra or {})
