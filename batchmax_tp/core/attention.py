@@ -59,11 +59,9 @@ def batchmax_attention(
     description of the pass (``core.step``; None under HF's generate, whose cache hands its layer over instead).
     Returns [B, n, Hq, D]."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if isinstance(batchmax, RowsPass):  # a BM pool's pass: key/value are the pass's new pairs
+    if isinstance(batchmax, RowsPass):  # a pool's pass: key/value are the pass's new pairs
         return _rows_attention(batchmax.layer(module), batchmax, query, key, value, scaling), None
     layer = _cache_layer(module, key, batchmax)
-    if isinstance(layer, DensePoolLayer):  # the baselines' pool: rows of different lengths, no scores
-        return _decode_attention(layer, query, key, value, scaling, key.shape[2], bias=layer.cache.row_bias), None
     if isinstance(layer, DenseLayer):  # a baseline slot's prefill: the model's SDPA, causal and unpadded
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
@@ -192,10 +190,15 @@ def _block_attention(
 
 
 def _rows_attention(
-    layer: PoolLayer, step: RowsPass, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    layer: PoolLayer | DensePoolLayer,
+    step: RowsPass,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
-    """A BM pool's pass, as ``step`` states it: evict, write the new pairs key/value [R, Hkv, n, D], attend.
-    Returns [R, n, Hq, D]."""
+    """A pool's pass, as ``step`` states it (BM's prefill chunks, probes and decode steps; the dense pools' decode
+    steps): evict, write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
     layer.cache.allocate(key, value)
     if step.kind == "probe":  # nothing is evicted or written: the probe only reads
         return _rows_probe(layer, step, query, (key, value), scaling)
@@ -203,7 +206,7 @@ def _rows_attention(
         layer.evict(eviction)
     layer.write(step, key, value)
     if step.kind == "decode":
-        return _decode_attention(layer, query, layer.keys, layer.values, scaling, step.hi, step.active)
+        return _decode_attention(layer, query, layer.keys, layer.values, scaling, step.hi, step.active, step.bias)
     return _rows_block(layer, step, query, scaling)
 
 

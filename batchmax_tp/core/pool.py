@@ -20,9 +20,10 @@ A group admitted with ``shared=True`` holds one prompt several times (the choice
 from one context): its prefill runs on the first row alone and ``graduate`` copies that row into the others, which
 is exact, since a slot's state after its prompt depends on the prompt only.
 
-Per-slot state between passes is host integers (``RowState``). BM's pool describes each pass from them
-(``prefill_pass``, ``decode_pass``: a ``step.RowsPass``, its tensors built once per pass) and advances them; the
-dense pools' ``begin_decode`` states a decode pass on the pool.
+Per-slot state between passes is host integers (``RowState``). Each pool describes its passes from them
+(``prefill_pass`` for BM, ``decode_pass`` for both: a ``step.RowsPass``, its tensors built once per pass, handed
+to the attention) and advances them; nothing per pass is set on a pool or layer. The dense pools' prefill runs on a
+``DenseCache`` over the group's rows (``admit``), as the static engine's does.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _bytes(*tensors: torch.Tensor | None) -> int:
 
 
 class _Pool(Cache):
-    """What both pools share: rows, peaks, the per-pass decode tensors."""
+    """What both pools share: rows, peaks, the shared prefill's fork."""
 
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, layer_class):
         super().__init__(layers=[layer_class(self, i) for i in range(num_layers)])
@@ -69,8 +70,6 @@ class _Pool(Cache):
         self.rows = [RowState() for _ in range(slots)]
         self.row_caches: dict[int, Cache] = {}  # first slot of each group being prefilled -> the group's cache
         self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
-        self.decode_rows: list[int] = []
-        self.positions: torch.Tensor | None = None  # [S, 1] position of each row's decode token (0 when idle)
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate every layer's pool from the first pass's local shapes (heads under tensor parallelism); once."""
@@ -109,15 +108,6 @@ class _Pool(Cache):
         for layer in self.layers:
             for t in layer.row_tensors():
                 t[rows.start + 1 : rows.stop] = t[rows.start : rows.start + 1]
-
-    def _decode_tensors(self, write: list[int], device: torch.device) -> torch.Tensor:
-        """The pass's positions [S, 1] (each decoding row's ``seen`` before the pass, 0 for idle rows) and the
-        per-row write index as a device tensor [S, 1, 1]."""
-        seen = [0] * self.slots
-        for r in self.decode_rows:
-            seen[r] = self.rows[r].seen
-        self.positions = torch.tensor(seen, device=device).view(self.slots, 1)  # [S, 1]
-        return torch.tensor(write, device=device).view(self.slots, 1, 1)  # [S, 1, 1]
 
 
 class _RowBound:
@@ -270,17 +260,6 @@ class BoundedPool(_Pool):
                 self.rows[row] = RowState(**vars(self.rows[rows.start]))
         self.note()
 
-    def _evictions(self, evicting: list[tuple[int, int, int, str | None]], device) -> tuple[Eviction, ...]:
-        """(row, count, curr_id, probe) per evicting row -> one ``Eviction`` per (count, probe) kind."""
-        kinds: dict[tuple[int, str | None], list[tuple[int, int]]] = {}
-        for row, count, curr_id, probe in evicting:
-            kinds.setdefault((count, probe), []).append((row, curr_id))
-        out = []
-        for (count, probe), members in kinds.items():
-            t = torch.tensor(members, device=device)  # [E, 2]: one copy per kind
-            out.append(Eviction(t[:, 0], t[:, 1].view(-1, 1, 1), count, probe))
-        return tuple(out)
-
     def _evict_row(self, row: int, phase: Phase, prefill: bool) -> tuple[int, int, int, str | None]:
         """A row's eviction before ``phase`` (count: its empty slots + the phase's), its host state advanced."""
         st, C = self.rows[row], self.capacity
@@ -328,7 +307,7 @@ class BoundedPool(_Pool):
             real=None if all(w.phase.size == n for w in work) else qpos_t >= 0,
             write=columns[R:] if write else None,
             hi=hi,
-            evictions=self._evictions(evicting, device),
+            evictions=_evictions(evicting, device),
         )
         return step, torch.stack(ids), qpos_t.clamp(min=0)
 
@@ -355,7 +334,7 @@ class BoundedPool(_Pool):
             real=None,
             write=packed[0].view(S, 1),
             hi=max(self.rows[w.row].high for w in work),
-            evictions=self._evictions(evicting, device),
+            evictions=_evictions(evicting, device),
             active=(qpos >= 0).to(torch.float32).view(S, 1, 1),
         )
 
@@ -366,6 +345,18 @@ class BoundedPool(_Pool):
             [sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[row, :, :C].cpu()]
             for layer in self.layers
         ]
+
+
+def _evictions(evicting: list[tuple[int, int, int, str | None]], device) -> tuple[Eviction, ...]:
+    """(row, count, curr_id, probe) per evicting row -> one ``Eviction`` per (count, probe) kind."""
+    kinds: dict[tuple[int, str | None], list[tuple[int, int]]] = {}
+    for row, count, curr_id, probe in evicting:
+        kinds.setdefault((count, probe), []).append((row, curr_id))
+    out = []
+    for (count, probe), members in kinds.items():
+        t = torch.tensor(members, device=device)  # [E, 2]: one copy per kind
+        out.append(Eviction(t[:, 0], t[:, 1].view(-1, 1, 1), count, probe))
+    return tuple(out)
 
 
 def _span(rows: list[int]) -> slice | None:
@@ -396,20 +387,25 @@ class DensePoolLayer(_PoolLayer):
     """One decoder layer of the baselines' pool: keys/values [S, H, C + 1, D]; row r holds slots [0, length)."""
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.span + query_length, 0
+        return self.cache.capacity + query_length, 0
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """A decode pass: ED rows that evict keep their newest pair (moved to slot 0); each row writes its pair
-        [S, H, 1, D] at slot ``length`` (idle rows: the scratch column). Returns slots [0, span) as views."""
-        pool = self.cache
-        for row, newest in pool.compact:  # ED: [1, H, C + 1, D] views of the row
-            for buf in (self.keys[row : row + 1], self.values[row : row + 1]):
-                pool.method.keep_newest(buf, buf, newest)
+    def evict(self, ev: Eviction) -> None:
+        """ED's eviction (Algorithm 3) in the rows ``ev.rows`` at once: each keeps its newest pair, at slot
+        ``ev.count`` (its pairs before the pass, less one), moved to slot 0."""
+        for buf in (self.keys, self.values):
+            rows = buf.index_select(0, ev.rows)  # [E, H, C + 1, D]: ED's rows are kv_max + 1 slots
+            self.cache.method.keep_newest(rows, rows, ev.count)
+            buf[:, :, 0].index_copy_(0, ev.rows, rows[:, :, 0])
+
+    def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """A decode pass: each row's pair [S, H, 1, D] at its slot ``step.write`` (idle rows: the scratch column)."""
         S, H = self.keys.shape[:2]
-        idx = pool.write_ptr[..., None]  # [S, 1, 1, 1]
+        idx = step.write[:, None, :, None]  # [S, 1, 1, 1]
         self.keys.scatter_(2, idx.expand(S, H, 1, self.keys.shape[-1]), key_states)
         self.values.scatter_(2, idx.expand(S, H, 1, self.values.shape[-1]), value_states)
-        return self.keys[:, :, : pool.span], self.values[:, :, : pool.span]  # [S, H, span, D] views
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("a dense pool's decode pass is written by the 'batchmax' attention (step.RowsPass)")
 
 
 class _RowDenseLayer(_RowView, DenseLayer):
@@ -453,10 +449,6 @@ class DensePool(_Pool):
                 f"DensePool serves the baselines fkv and ed (no attention scores read), not {method.name!r}"
             )
         super().__init__(method, num_layers, slots, capacity, DensePoolLayer)
-        self.compact: list[tuple[int, int]] = []  # (row, slot of its newest pair): ED rows evicting this pass
-        self.write_ptr: torch.Tensor | None = None  # [S, 1, 1] slot each row writes
-        self.span = 0  # slots [0, span) enter this pass's attention
-        self.row_bias: torch.Tensor | None = None  # [S, span] additive mask: 0 for each row's held slots, -inf after
 
     def admit(self, rows: range, prompt_len: int, shared: bool = False) -> DenseCache:
         device = self.layers[0].device if self.allocated else None
@@ -491,29 +483,37 @@ class DensePool(_Pool):
             self.rows[row] = RowState(seen=cache.seen, length=1 if ed and more else held)
         del self.row_caches[rows.start]
 
-    def begin_decode(self, work: tuple[SlotWork, ...], device: torch.device) -> None:
-        """State a decode pass: ED's keep-newest where its step evicts; each row's write slot; the row mask."""
-        write = [self.capacity] * self.slots
-        self.compact, self.decode_rows = [], [w.row for w in work]
+    def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
+        """A decode pass over every row: ED's keep-newest where a row's step evicts, each row's write slot, and the
+        additive mask [S, span] of the slots each row holds (idle rows: slot 0 alone, finite and never used)."""
+        S, C = self.slots, self.capacity
+        write, seen, lengths, evicting = [C] * S, [-1] * S, [1] * S, []
         for w in work:
             st = self.rows[w.row]
-            if self.method.keeps_newest_only and w.phase.evict:
-                self.compact.append((w.row, st.length - 1))
+            if w.phase.evict:  # ED (Algorithm 3): only the newest pair stays, moved to slot 0
+                evicting.append((w.row, st.length - 1, st.seen - 1, None))
                 st.length = 1
-            write[w.row] = st.length
-        self.write_ptr = self._decode_tensors(write, device)
-        lengths = [1] * self.slots  # idle rows see slot 0 only (kept finite, never used)
-        for w in work:
-            st = self.rows[w.row]
+            write[w.row], seen[w.row] = st.length, st.seen
             st.length, st.seen = st.length + 1, st.seen + 1
             lengths[w.row] = st.length
-        self.span = max(lengths[r] for r in self.decode_rows)
-        held = torch.tensor(lengths, device=device)  # [S]
-        self.row_bias = torch.zeros(self.slots, self.span, dtype=self.layers[0].dtype, device=device)  # [S, span]
-        self.row_bias.masked_fill_(torch.arange(self.span, device=device) >= held[:, None], float("-inf"))
-
-    def attention_mask(self) -> None:
-        return None
+        span = max(lengths[w.row] for w in work)
+        packed = torch.tensor([write, seen, lengths], device=device)  # [3, S]: one host-to-device copy for the pass
+        qpos = packed[1].view(S, 1)  # [S, 1]; -1 for idle rows
+        bias = torch.zeros(S, span, dtype=self.layers[0].dtype, device=device)  # [S, span]
+        bias.masked_fill_(torch.arange(span, device=device) >= packed[2][:, None], float("-inf"))
+        return RowsPass(
+            kind="decode",
+            pool=self,
+            rows=torch.arange(S, device=device),
+            span=slice(0, S),
+            qpos=qpos,
+            real=None,
+            write=packed[0].view(S, 1),
+            hi=span,
+            evictions=_evictions(evicting, device),
+            active=None,
+            bias=bias,
+        )
 
     def meta_bytes(self) -> int:
         return 0

@@ -313,14 +313,8 @@ class _Run:
     def decode(self, pool, step: Step) -> set[int]:
         """One decode step of every decoding slot, in one pass over the pool."""
         rows = [w.row for w in step.work]
-        if isinstance(pool, BoundedPool):
-            described = pool.decode_pass(step.work, self.device)
-            out = forward_pass(self.model, described, self.next_ids[:, None], None, described.qpos.clamp(min=0))
-        else:
-            pool.begin_decode(step.work, self.device)
-            out = forward_pass(
-                self.model, ForwardPass("decode", pool, step.work), self.next_ids[:, None], None, pool.positions
-            )
+        described = pool.decode_pass(step.work, self.device)
+        out = forward_pass(self.model, described, self.next_ids[:, None], None, described.qpos.clamp(min=0))
         index = torch.tensor(rows, device=self.device)  # [k] the decoding rows
         return self.emit(rows, index, out.logits[:, -1].index_select(0, index))  # [k, V]
 

@@ -74,8 +74,11 @@ class RowsPass:
     Each row feeds ``n`` columns, its real tokens right-aligned (so the last column is every row's last token):
     ``qpos`` [R, n] is each column's position (-1: a masked column, never written or scored), ``real`` [R, n]
     the same as a mask (None when every column is real). ``write`` [R, n]: each column's index into the row's free
-    list (the scratch slot C for masked columns and idle rows); a probe pass writes nothing (None). ``hi``: slots
-    [0, hi) enter the products. ``active`` [R, 1, 1] (decode passes over every row): 1 for the rows decoding."""
+    list (BM; the dense pools: the slot itself; the scratch slot C for masked columns and idle rows); a probe pass
+    writes nothing (None). ``hi``: slots [0, hi) enter the products. ``active`` [R, 1, 1] (BM's decode passes over
+    every row): 1 for the rows decoding, whose attention joins their slots' sums. ``bias`` [R, hi] (the dense
+    pools' decode passes): each row's held slots. ``evictions``: BM's rows that free slots first, or ED's rows that
+    keep only their newest pair."""
 
     kind: Literal["prefill", "probe", "decode"]
     pool: Cache
@@ -87,6 +90,7 @@ class RowsPass:
     hi: int
     evictions: tuple[Eviction, ...] = ()
     active: torch.Tensor | None = None  # [R, 1, 1] float
+    bias: torch.Tensor | None = None  # [R, hi] additive mask of the dense pools' rows (0: held, -inf: not)
 
     cache = None  # a pool pass hands the model no cache: the attention writes the pool itself
 
