@@ -103,6 +103,35 @@ class _Pool(Cache):
     def note_workspace(self, nbytes: int) -> None:
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
 
+    def _decode_pass(
+        self, write: list[int], seen: list[int], hi: int, evicting: list, device, lengths: list[int] | None = None
+    ) -> RowsPass:
+        """A decode pass over every row from per-row host lists (one host-to-device copy): ``write`` (BM: the index
+        into the row's free list; the dense pools: the slot), ``seen`` (the position fed; -1 for idle rows) and, for
+        the dense pools, ``lengths`` (the slots each row holds after the pass: the additive mask of its row)."""
+        S = self.slots
+        packed = torch.tensor([write, seen, *([lengths] if lengths is not None else [])], device=device)  # [2|3, S]
+        qpos = packed[1].view(S, 1)  # [S, 1]; -1 for idle rows
+        bias = active = None
+        if lengths is not None:  # [S, hi]: 0 for each row's held slots, -inf after
+            bias = torch.zeros(S, hi, dtype=self.layers[0].dtype, device=device)
+            bias.masked_fill_(torch.arange(hi, device=device) >= packed[2][:, None], float("-inf"))
+        else:  # [S, 1, 1]: the rows whose attention joins their slots' sums
+            active = (qpos >= 0).to(torch.float32).view(S, 1, 1)
+        return RowsPass(
+            kind="decode",
+            pool=self,
+            rows=torch.arange(S, device=device),
+            span=slice(0, S),
+            qpos=qpos,
+            real=None,
+            write=packed[0].view(S, 1),
+            hi=hi,
+            evictions=_evictions(evicting, device),
+            active=active,
+            bias=bias,
+        )
+
     def fork(self, rows: range) -> None:
         """Copy row ``rows.start`` (a shared prefill's result) into the other rows of ``rows``, in every layer."""
         for layer in self.layers:
@@ -323,20 +352,7 @@ class BoundedPool(_Pool):
             if st.contiguous:
                 st.high = max(st.high, st.ptr + 1)
             st.ptr, st.filled, st.seen = st.ptr + 1, st.filled + 1, st.seen + 1
-        packed = torch.tensor([ptr, seen], device=device)  # [2, S]: one host-to-device copy for the pass
-        qpos = packed[1].view(S, 1)  # [S, 1]; -1 for idle rows
-        return RowsPass(
-            kind="decode",
-            pool=self,
-            rows=torch.arange(S, device=device),
-            span=slice(0, S),
-            qpos=qpos,
-            real=None,
-            write=packed[0].view(S, 1),
-            hi=max(self.rows[w.row].high for w in work),
-            evictions=_evictions(evicting, device),
-            active=(qpos >= 0).to(torch.float32).view(S, 1, 1),
-        )
+        return self._decode_pass(ptr, seen, max(self.rows[w.row].high for w in work), evicting, device)
 
     def kept_positions(self, row: int) -> list[list[list[int]]]:
         """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
@@ -496,24 +512,7 @@ class DensePool(_Pool):
             write[w.row], seen[w.row] = st.length, st.seen
             st.length, st.seen = st.length + 1, st.seen + 1
             lengths[w.row] = st.length
-        span = max(lengths[w.row] for w in work)
-        packed = torch.tensor([write, seen, lengths], device=device)  # [3, S]: one host-to-device copy for the pass
-        qpos = packed[1].view(S, 1)  # [S, 1]; -1 for idle rows
-        bias = torch.zeros(S, span, dtype=self.layers[0].dtype, device=device)  # [S, span]
-        bias.masked_fill_(torch.arange(span, device=device) >= packed[2][:, None], float("-inf"))
-        return RowsPass(
-            kind="decode",
-            pool=self,
-            rows=torch.arange(S, device=device),
-            span=slice(0, S),
-            qpos=qpos,
-            real=None,
-            write=packed[0].view(S, 1),
-            hi=span,
-            evictions=_evictions(evicting, device),
-            active=None,
-            bias=bias,
-        )
+        return self._decode_pass(write, seen, max(lengths[w.row] for w in work), evicting, device, lengths)
 
     def meta_bytes(self) -> int:
         return 0

@@ -180,7 +180,6 @@ class _Run:
         self.request_of: list[int] = [-1] * slots
         self.shared: set[int] = set()  # first slot of each group prefilled once for all its rows
         self.group_of: list[range] = [range(r, r + 1) for r in range(slots)]  # each row's admission group
-        self.group_of_shared: set[int] = set()  # rows of a group prefilled once (on its first row)
         self.next_ids = torch.full((slots,), pad, dtype=torch.long, device=self.device)  # [S] each row's next input
         self.forcing = any(r.continuation is not None for r in requests)
         self.times = {"prefill": 0.0, "decode": 0.0}  # seconds spent in each kind of pass so far
@@ -194,10 +193,6 @@ class _Run:
             self.shared.add(rows.start)
         for row, i in zip(rows, group):
             self.group_of[row] = rows
-            if shared:
-                self.group_of_shared.add(row)
-            else:
-                self.group_of_shared.discard(row)
             self.request_of[row] = i
             self.outputs[i] = RequestOutput(
                 [],
@@ -290,7 +285,7 @@ class _Run:
     def _prefill_rows(self, pool: BoundedPool, step: Step) -> set[int]:
         """BM: one pass of many rows' prefill chunks (or look-ahead probes), each at its own position; the rows whose
         prompt ends here (and the rest of their shared group) emit their first token."""
-        work = tuple(w for w in step.work if self.group_of[w.row].start == w.row or w.row not in self.group_of_shared)
+        work = tuple(w for w in step.work if w.row == self.group_of[w.row].start)  # a shared group: its first row
         prompts = [self.prompts[self.request_of[w.row]] for w in work]
         described, ids, pos = pool.prefill_pass(work, prompts, self.device)
         out = forward_pass(self.model, described, ids, None, pos)
@@ -301,7 +296,8 @@ class _Run:
         for j, w in enumerate(work):
             if w.phase.end < self.lengths[self.request_of[w.row]]:
                 continue
-            group = self.group_of[w.row] if w.row in self.group_of_shared else range(w.row, w.row + 1)
+            group = self.group_of[w.row] if w.row in self.shared else range(w.row, w.row + 1)
+            self.shared.discard(w.row)
             pool.graduate(group, [])
             rows.extend(group)
             index.extend([j] * len(group))
