@@ -147,7 +147,7 @@ class Scheduler:
                 continue
             seen.add(run.group.start)
             size = self.method.lookahead if kind == "probe" else max(width, run.phase.size)
-            if work and (len(seen)) * size > self.method.pass_tokens:
+            if work and len(seen) * size > self.method.pass_tokens:
                 break
             width = size
             work.extend(SlotWork(s, run.phase) for s in run.group)

@@ -17,11 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from .schedule import Phase
 
 if TYPE_CHECKING:
+    import torch
     from transformers.cache_utils import Cache
 
 ALL_ROWS = -1  # a static batch's pass: every row of the cache runs the same phase
