@@ -105,7 +105,8 @@ def test_requests_of_one_length_prefill_together_and_still_equal_generate_alone(
     every prefilling row's chunk runs in one pass (up to ``pass_tokens``), each at its own position."""
     model = model_of("llama")
     g = torch.Generator().manual_seed(4)
-    lengths, new = [150, 150, 150, 97, 97, 150, 5], [6, 1, 9, 4, 7, 3, 5]
+    # three of 40 tokens fit one pass of the longest prompt's 150 tokens; two of 97 do not (the planner counts one)
+    lengths, new = [40, 40, 40, 97, 97, 150, 5], [6, 1, 9, 4, 7, 3, 5]
     ps = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
     refs = [alone(model, p, METHODS[key], n) for p, n in zip(ps, new)]
     sched = Scheduler(METHODS[key], lengths, new, 4)
@@ -113,6 +114,12 @@ def test_requests_of_one_length_prefill_together_and_still_equal_generate_alone(
     if METHODS[key].pass_tokens is None:
         assert [w.row for w in step.work] == [0, 1, 2]
         assert [rows for rows, _ in step.admitted] == [range(3), range(3, 4)]
+        for lens, groups in (
+            ([97, 97, 150], [range(1), range(1, 2), range(2, 3)]),
+            ([50, 50, 50, 150], [range(3), range(3, 4)]),
+        ):
+            first = Scheduler(METHODS[key], lens, [1] * len(lens), len(lens)).next_step()
+            assert [rows for rows, _ in first.admitted] == groups, lens  # at most the longest prompt's tokens
     else:  # 4 rows x a first chunk of p tokens <= kv_max: one pass, rows admitted alone
         assert [w.row for w in step.work] == [0, 1, 2, 3] and [w.phase.size for w in step.work] == [P] * 4
         assert [rows for rows, _ in step.admitted] == [range(r, r + 1) for r in range(4)]

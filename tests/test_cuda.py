@@ -10,11 +10,14 @@ from conftest import PEAKED, left_padded_batch, tiny_llama
 
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
+from batchmax_tp.core.serve import Request, serve
 from batchmax_tp.plan.planner import ModelShape, predict
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 METHODS = [Method("bm", kv_max=16, p=4), Method("ed", kv_max=2), Method("ed", kv_max=5), Method("fkv")]
+# The pool's methods at the continuous tests' sizes (a probe rule protects 64 pairs: kv_max >= p + 64).
+SERVED = [Method("bm", 96, 16), Method("bm", 96, 16, rule="question"), Method("ed", kv_max=2), Method("fkv")]
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.label())
@@ -43,3 +46,34 @@ def test_planner_bounds_cuda_max_memory_allocated(method):
     measured = torch.cuda.max_memory_allocated() - base
     est = predict(ModelShape.from_config(model.config), method, 4, ids.shape[1], 16, dtype="float16")
     assert measured <= est.total - est.weights, (measured, est)
+
+
+@pytest.mark.parametrize("method", SERVED, ids=lambda m: m.label())
+@pytest.mark.parametrize("slots", [2, 5])
+def test_continuous_serving_on_cuda_equals_cpu(method, slots):
+    """The default engine (slots, batched unpadded prefill, described passes): every request's tokens, logits and
+    kept positions on the GPU equal the CPU's, with EOS honoured so slots free and refill."""
+    model = tiny_llama(**PEAKED)
+    g = torch.Generator().manual_seed(3)
+    lengths, new = [5, 16, 95, 96, 97, 150, 250, 40], [9, 3, 12, 20, 1, 10, 18, 8]
+    requests = [Request(torch.randint(3, 128, (n,), generator=g).tolist(), k) for n, k in zip(lengths, new)]
+    kw = dict(eos_token_id=2, return_logits=True, keep_positions=True)
+    cpu = serve(model, requests, method, slots, **kw)
+    gpu = serve(model.cuda(), requests, method, slots, **kw)
+    for i, (a, b) in enumerate(zip(gpu.outputs, cpu.outputs)):
+        assert a.tokens == b.tokens, f"request {i}"
+        torch.testing.assert_close(torch.stack(a.logits).cpu(), torch.stack(b.logits), atol=1e-3, rtol=0)
+        assert a.kept_positions == b.kept_positions, f"request {i}"
+
+
+@pytest.mark.parametrize("method", SERVED, ids=lambda m: m.label())
+def test_continuous_serving_in_float16_on_a_gqa_model(method):
+    """Half precision on the GPU (what users run): the pool serves every request to its length, and the tokens
+    match float32's for the first steps on a peaked model (fp16 rounding may flip a late near-tie)."""
+    model = tiny_llama(**PEAKED).cuda()
+    g = torch.Generator().manual_seed(5)
+    requests = [Request(torch.randint(3, 128, (n,), generator=g).tolist(), 8) for n in (12, 100, 200, 30)]
+    want = serve(model, requests, method, 3, ignore_eos=True)
+    got = serve(model.half(), requests, method, 3, ignore_eos=True)
+    assert [o.num_generated for o in got.outputs] == [8] * 4
+    assert [o.tokens[:2] for o in got.outputs] == [o.tokens[:2] for o in want.outputs]

@@ -12,8 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Stands in for $PYTHON in scripts/gpu_check.sh: the CUDA probe, pip and the benchmark succeed, the report reads its
-# stdin, and `-m pytest` exits with $FAKE_PYTEST_RC (5: pytest's "no tests ran").
+# stdin, and `-m pytest` exits with $FAKE_PYTEST_RC (5: pytest's "no tests ran"); every call is logged.
 FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$FAKE_LOG"
 case "$1 $2" in
   "-m pytest"*) echo "fake pytest: exit $FAKE_PYTEST_RC"; exit "$FAKE_PYTEST_RC" ;;
   "- "*) cat >/dev/null; exit 0 ;;
@@ -27,7 +28,7 @@ def _gpu_check(tmp_path: Path, pytest_rc: int) -> subprocess.CompletedProcess:
     stub.write_text(FAKE_PYTHON)
     stub.chmod(0o755)
     out = tmp_path / f"out-{pytest_rc}"
-    env = {**os.environ, "PYTHON": str(stub), "FAKE_PYTEST_RC": str(pytest_rc)}
+    env = {**os.environ, "PYTHON": str(stub), "FAKE_PYTEST_RC": str(pytest_rc), "FAKE_LOG": str(out) + ".log"}
     return subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)],
         env=env,
@@ -47,6 +48,8 @@ def test_gpu_check_fails_when_pytest_runs_no_tests(tmp_path):
     assert "ran no tests" in none.stderr
     failed = _gpu_check(tmp_path, 1)
     assert failed.returncode == 1 and "pytest exit 1" in failed.stderr
+    benches = [c for c in (tmp_path / "out-1.log").read_text().splitlines() if "bench_throughput.py" in c]
+    assert len(benches) == 2 and "--scheduler continuous" in benches[1]  # every part runs after a failed one
 
 
 # Stands in for $PYTHON in scripts/test.sh: `-m ruff check` exits $FAKE_RUFF_RC, every call is logged.

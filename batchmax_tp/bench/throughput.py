@@ -15,8 +15,9 @@ import torch
 from ..core.engine import generate
 from ..core.method import BatchMax, ExtremeDecoding, FullCache, Method
 from ..core.rules import get_rule
+from ..core.serve import Request, serve
 from ..embedded import EMBEDDED_MODEL
-from ..plan.planner import ModelShape, max_batch, parse_bytes, predict
+from ..plan.planner import ModelShape, max_batch, max_slots, parse_bytes, predict, predict_pool
 from .hf_reference import hf_reference_generate
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,13 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     )
     ap.add_argument("--length-batch", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip the plain-HF runs of FKV and ED")
+    ap.add_argument(
+        "--scheduler",
+        choices=("static", "continuous"),
+        default="static",
+        help="static: one left-padded batch (core.engine); continuous: the slot pool (core.serve), as many requests "
+        "as slots, each row at the planner's max_slots",
+    )
     ap.add_argument("--out", default="results/bench_throughput.json")
     return ap
 
@@ -149,13 +157,25 @@ def _hf_row(model, ids: torch.Tensor, method: Method, new: int, device: str, our
     return row
 
 
-def timed(model, method: Method, batch: int, length: int, new: int, device: str, hf: bool = False) -> dict:
-    """One timed generation of ``new`` tokens (EOS ignored) at ``batch``; with ``hf``, FKV and ED through plain HF
-    too (``hf`` and ``ours_over_hf``)."""
+def _served(model, ids: torch.Tensor, method: Method, new: int):
+    """``ids``' rows served in as many slots (EOS ignored), the tokens as a [B, new] tensor like ``generate``'s."""
+    out = serve(model, [Request(row.tolist(), new) for row in ids], method, ids.shape[0], ignore_eos=True)
+    out.tokens = torch.tensor([o.tokens for o in out.outputs], device=ids.device)
+    return out
+
+
+def timed(
+    model, method: Method, batch: int, length: int, new: int, device: str, hf: bool = False, scheduler="static"
+) -> dict:
+    """One timed generation of ``new`` tokens (EOS ignored) at ``batch`` (static) or in ``batch`` slots
+    (continuous); with ``hf``, FKV and ED through plain HF too (``hf`` and ``ours_over_hf``)."""
     ids = prompts(model.config.vocab_size, batch, length, device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    out = generate(model, ids, None, method, new, ignore_eos=True)
+    if scheduler == "continuous":
+        out = _served(model, ids, method, new)
+    else:
+        out = generate(model, ids, None, method, new, ignore_eos=True)
     row = {
         "batch": batch,
         "prefill_s": out.prefill_s,
@@ -177,8 +197,9 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
     """Each method at its largest fitting batch (capped at --max-batch), timed: yields (method, row) as each ends;
     a method that does not fit at all is an OOM row."""
     s, T = a.prompt_len, a.new
+    pool = a.scheduler == "continuous"
     for m in methods(a):
-        fit = max_batch(budget, shape, m, s, T, dtype=a.dtype)
+        fit = (max_slots if pool else max_batch)(budget, shape, m, s, T, dtype=a.dtype)
         b = min(fit, a.max_batch)
         head = {"method": m.name, "rule": m.rule if m.takes_rule else None, "kv_max": m.kv_max}
         if b == 0:
@@ -189,8 +210,9 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
             **head,
             "largest_fitting_batch": fit,
             "status": "ok",
-            "predicted": predict(shape, m, b, s, T, dtype=a.dtype).as_dict(),
-            **timed(model, m, b, s, T, a.device, hf=not a.no_hf),
+            "scheduler": a.scheduler,
+            "predicted": (predict_pool if pool else predict)(shape, m, b, s, T, dtype=a.dtype).as_dict(),
+            **timed(model, m, b, s, T, a.device, hf=not a.no_hf, scheduler=a.scheduler),
         }
         row["wall_s"] = time.perf_counter() - t
         yield m, row

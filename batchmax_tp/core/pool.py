@@ -497,6 +497,7 @@ class DensePool(_Pool):
             self.fork(rows)
         for row, more in zip(rows, decodes):
             self.rows[row] = RowState(seen=cache.seen, length=1 if ed and more else held)
+        cache.layers.clear()  # a layer refers to its cache: ED's staging buffers go now, not at the next gc
         del self.row_caches[rows.start]
 
     def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:

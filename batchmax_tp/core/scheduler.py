@@ -7,7 +7,8 @@ preemption). A request runs its own schedule (``core.schedule.plan`` of its unpa
 
 The policy: when a slot frees (EOS, a stop, or its ``max_new_tokens``), the next queued request enters it (queue
 order, lowest free slot first). Requests admitted together into adjacent slots with prompts of one length form a
-group, whose prefill blocks run in one pass (the same schedule, rows side by side, nothing padded); with ``keys``,
+group (up to the longest prompt's tokens in all), whose prefill blocks run in one pass (the same schedule, rows side
+by side, nothing padded); with ``keys``,
 adjacent requests of one key form a group instead (``serve(share_prompts=True)`` keys identical prompts, whose
 prefill then runs once for the whole group). Prefill passes
 (one group's block or probe at a time, in admission order) run before the decode step of the slots already
@@ -95,10 +96,14 @@ class Scheduler:
                 entered.append((slot, self.queue.popleft()))
         groups: list[list[tuple[int, int]]] = []
         key = self.lengths if self.keys is None else self.keys
+        # A group of one length computes all its rows in one pass: at most the longest prompt's tokens, the one
+        # prefill the planner counts (predict_pool). A shared prompt's group computes one row.
+        room = max(self.lengths)
         for slot, i in entered:  # adjacent slots, one key (by default: prompts of one length)
             last = groups[-1][-1] if groups else None
             batched_alone = self.batched and self.keys is None  # batched prefill needs no groups of one length
-            if last is not None and last[0] == slot - 1 and key[last[1]] == key[i] and not batched_alone:
+            fits = groups and (self.keys is not None or (len(groups[-1]) + 1) * self.lengths[i] <= room)
+            if fits and last[0] == slot - 1 and key[last[1]] == key[i] and not batched_alone:
                 groups[-1].append((slot, i))
             else:
                 groups.append([(slot, i)])
