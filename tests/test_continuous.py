@@ -111,7 +111,7 @@ def test_requests_of_one_length_prefill_together_and_still_equal_generate_alone(
     refs = [alone(model, p, METHODS[key], n) for p, n in zip(ps, new)]
     sched = Scheduler(METHODS[key], lengths, new, 4)
     step = sched.next_step()
-    if METHODS[key].pass_tokens is None:
+    if METHODS[key].pass_tokens(4) is None:
         assert [w.row for w in step.work] == [0, 1, 2]
         assert [rows for rows, _ in step.admitted] == [range(3), range(3, 4)]
         for lens, groups in (
@@ -394,6 +394,16 @@ def test_a_pass_computes_its_rows_real_tokens_and_at_most_chunk_minus_one_masked
     assert sum(r for r, _ in prefill) > len(prefill)  # rows of different lengths did share passes
     real = sum(lengths)
     assert real <= sum(r * n for r, n in prefill) <= real + sum(r * (P - 1) for r, _ in prefill)
-    assert all(r * n <= METHODS["bm"].pass_tokens for r, n in prefill)
+    assert all(r * n <= METHODS["bm"].pass_tokens(5) for r, n in prefill)
     for p, o in zip(ps, out.outputs):  # and each answer is its own
         assert o.tokens == alone(model, p, METHODS["bm"], 3)[0]
+
+
+@pytest.mark.parametrize("key", ["bm", "bm-question"])
+def test_the_pass_size_changes_no_answer(key, references):
+    """One row per pass (``pass_tokens`` = p) and every row in one pass: each request equals generate() alone."""
+    model, refs = model_of("llama"), references("llama", key)
+    requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
+    for tokens in (P, 10**6):
+        kw = dict(ignore_eos=True, return_logits=True, keep_positions=True, pass_tokens=tokens)
+        check_against_alone(serve(model, requests, METHODS[key], 12, **kw), refs)

@@ -77,6 +77,13 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
         help="static: one left-padded batch (core.engine); continuous: the slot pool (core.serve), as many requests "
         "as slots, each row at the planner's max_slots",
     )
+    ap.add_argument("--methods", default="fkv,ed,bm", help="which of fkv, ed, bm to run (comma-separated)")
+    ap.add_argument(
+        "--pass-tokens",
+        type=int,
+        default=None,
+        help="continuous BM: most prompt tokens per prefill pass (default: Method.pass_tokens(slots))",
+    )
     ap.add_argument("--out", default="results/bench_throughput.json")
     return ap
 
@@ -157,15 +164,24 @@ def _hf_row(model, ids: torch.Tensor, method: Method, new: int, device: str, our
     return row
 
 
-def _served(model, ids: torch.Tensor, method: Method, new: int):
+def _served(model, ids: torch.Tensor, method: Method, new: int, pass_tokens: int | None):
     """``ids``' rows served in as many slots (EOS ignored), the tokens as a [B, new] tensor like ``generate``'s."""
-    out = serve(model, [Request(row.tolist(), new) for row in ids], method, ids.shape[0], ignore_eos=True)
+    requests = [Request(row.tolist(), new) for row in ids]
+    out = serve(model, requests, method, ids.shape[0], ignore_eos=True, pass_tokens=pass_tokens)
     out.tokens = torch.tensor([o.tokens for o in out.outputs], device=ids.device)
     return out
 
 
 def timed(
-    model, method: Method, batch: int, length: int, new: int, device: str, hf: bool = False, scheduler="static"
+    model,
+    method: Method,
+    batch: int,
+    length: int,
+    new: int,
+    device: str,
+    hf: bool = False,
+    scheduler: str = "static",
+    pass_tokens: int | None = None,
 ) -> dict:
     """One timed generation of ``new`` tokens (EOS ignored) at ``batch`` (static) or in ``batch`` slots
     (continuous); with ``hf``, FKV and ED through plain HF too (``hf`` and ``ours_over_hf``)."""
@@ -173,7 +189,7 @@ def timed(
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     if scheduler == "continuous":
-        out = _served(model, ids, method, new)
+        out = _served(model, ids, method, new, pass_tokens if isinstance(method, BatchMax) else None)
     else:
         out = generate(model, ids, None, method, new, ignore_eos=True)
     row = {
@@ -199,7 +215,10 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
     s, T = a.prompt_len, a.new
     pool = a.scheduler == "continuous"
     for m in methods(a):
-        fit = (max_slots if pool else max_batch)(budget, shape, m, s, T, dtype=a.dtype)
+        if m.name not in a.methods.split(","):
+            continue
+        kw = dict(dtype=a.dtype, pass_tokens=a.pass_tokens if isinstance(m, BatchMax) else None) if pool else {}
+        fit = (max_slots if pool else max_batch)(budget, shape, m, s, T, **({"dtype": a.dtype} | kw))
         b = min(fit, a.max_batch)
         head = {"method": m.name, "rule": m.rule if m.takes_rule else None, "kv_max": m.kv_max}
         if b == 0:
@@ -211,8 +230,9 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
             "largest_fitting_batch": fit,
             "status": "ok",
             "scheduler": a.scheduler,
-            "predicted": (predict_pool if pool else predict)(shape, m, b, s, T, dtype=a.dtype).as_dict(),
-            **timed(model, m, b, s, T, a.device, hf=not a.no_hf, scheduler=a.scheduler),
+            "pass_tokens": kw.get("pass_tokens"),
+            "predicted": (predict_pool if pool else predict)(shape, m, b, s, T, **({"dtype": a.dtype} | kw)).as_dict(),
+            **timed(model, m, b, s, T, a.device, not a.no_hf, a.scheduler, kw.get("pass_tokens")),
         }
         row["wall_s"] = time.perf_counter() - t
         yield m, row

@@ -121,10 +121,9 @@ class Method:
         """The prompt's prefill blocks ``[start, end)``: one block unless the method bounds the prefill."""
         return [(0, prompt_len)]
 
-    @property
-    def pass_tokens(self) -> int | None:
-        """Prompt tokens one prefill pass of a slot pool takes at most, from several rows at their own positions in
-        chunks of ``p`` (BM), or None: the whole prompt of one group of one length per pass (FKV, ED)."""
+    def pass_tokens(self, slots: int) -> int | None:
+        """Prompt tokens one prefill pass of a pool of ``slots`` slots takes at most, from several rows at their own
+        positions in chunks of ``p`` (BM), or None: the whole prompt of one group of one length per pass (FKV, ED)."""
         return None
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
@@ -230,10 +229,11 @@ class BatchMax(Method):
             blocks.append((t0, t1))
         return blocks
 
-    @property
-    def pass_tokens(self) -> int:
-        """The size of Algorithm 1's first block: no pass holds more activations than a static first block."""
-        return max(self.kv_max, self.p)
+    def pass_tokens(self, slots: int) -> int:
+        """Every row's next chunk of ``p`` in one pass, and never less than Algorithm 1's first block: measured
+        2026-11-26, kv_max-token passes made a pool's prefill 2.2x slower than this on an H200 (Llama-2-7B, 98
+        slots), and no faster on the 2-core CPU (16 slots, within run-to-run noise); docs/performance.md."""
+        return max(self.kv_max, self.p, slots * self.p)
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
         # Algorithm 1: remove p pairs before a block or decode step that does not fit.

@@ -75,6 +75,7 @@ class Scheduler:
     slots: int
     prefill_budget: int | None = None
     keys: list | None = None
+    pass_tokens: int | None = None  # BM: most prompt tokens per prefill pass (None: ``Method.pass_tokens(slots)``)
     queue: deque = field(init=False)
     running: list[SlotRun | None] = field(init=False)
     log: list[tuple[int, int, int]] = field(init=False, default_factory=list)  # (pass, slot, request) admissions
@@ -86,6 +87,10 @@ class Scheduler:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if len(self.lengths) != len(self.max_new) or (self.keys is not None and len(self.keys) != len(self.lengths)):
             raise ValueError("lengths, max_new and keys must have one entry per request")
+        if self.pass_tokens is None:
+            self.pass_tokens = self.method.pass_tokens(self.slots)
+        elif self.method.pass_tokens(self.slots) is None or self.pass_tokens < 1:
+            raise ValueError(f"pass_tokens: a positive number of tokens for a BM pool, got {self.pass_tokens}")
         self.queue = deque(range(len(self.lengths)))
         self.running = [None] * self.slots
 
@@ -139,12 +144,12 @@ class Scheduler:
     @property
     def batched(self) -> bool:
         """Whether prefill passes take many rows at their own positions (BM's pool; the dense pools prefill one
-        group of one prompt length at a time): ``Method.pass_tokens``."""
-        return self.method.pass_tokens is not None
+        group of one prompt length at a time)."""
+        return self.pass_tokens is not None
 
     def _batched_prefill(self, runs: list[SlotRun], admitted) -> Step:
         """The next prefill pass of many groups, each at its own phase: the groups of the first one's kind (a prefill
-        chunk or a probe), in admission order, while the pass's rows x columns fit ``Method.pass_tokens`` (at least
+        chunk or a probe), in admission order, while the pass's rows x columns fit ``pass_tokens`` (at least
         one group). Each row feeds as many columns as the pass's longest chunk (a probe: the rule's whole window)."""
         kind, work, width, seen = runs[0].phase.kind, [], 0, set()
         for run in runs:
@@ -152,7 +157,7 @@ class Scheduler:
                 continue
             seen.add(run.group.start)
             size = self.method.lookahead if kind == "probe" else max(width, run.phase.size)
-            if work and len(seen) * size > self.method.pass_tokens:
+            if work and len(seen) * size > self.pass_tokens:
                 break
             width = size
             work.extend(SlotWork(s, run.phase) for s in run.group)

@@ -388,6 +388,7 @@ def serve(
     top_k: int = 0,
     top_p: float = 1.0,
     prefill_budget: int | None = None,
+    pass_tokens: int | None = None,
     share_prompts: bool = False,
     stop: Callable[[int, list[int]], bool] | None = None,
     on_finish: Callable[[int, RequestOutput], None] | None = None,
@@ -399,9 +400,11 @@ def serve(
     request samples from its own generator, seeded with its ``seed``). A request ends at its ``max_new_tokens``,
     at an EOS unless ``ignore_eos``, or when ``stop(i, tokens)`` says so (stop strings); ``on_finish(i, output)``
     is called as each one ends. ``prefill_budget``: prompt tokens prefilled between two decode steps (None: a new
-    request is prefilled whole first). ``share_prompts``: adjacent requests with identical prompts admitted together
-    prefill once, on one row copied into the others (the choices of a multiple-choice question). ``tp_group``: the
-    tensor-parallel group, when there is one."""
+    request is prefilled whole first). ``pass_tokens``: BM's most prompt tokens (rows x columns) in one prefill
+    pass (None: ``Method.pass_tokens(slots)``, every row's next chunk; the planner counts what is given:
+    ``predict_pool(pass_tokens=...)``). ``share_prompts``: adjacent requests with
+    identical prompts admitted together prefill once, on one row copied into the others (the choices of a
+    multiple-choice question). ``tp_group``: the tensor-parallel group, when there is one."""
     check_requests(requests, slots, getattr(model.config, "max_position_embeddings", None))
     eos = _eos_ids(ignore_eos, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
@@ -409,7 +412,7 @@ def serve(
     run = _Run(model, requests, method, slots, warpers, eos, pad, stop, return_logits, tp_group)
     keys = _prompt_keys(requests) if share_prompts else None
     pool = _pool(model, method, slots, run.lengths, run.max_new)
-    sched = Scheduler(method, run.lengths, run.max_new, slots, prefill_budget, keys)
+    sched = Scheduler(method, run.lengths, run.max_new, slots, prefill_budget, keys, pass_tokens)
     with use_batchmax_attention(model):
         while (step := sched.next_step()) is not None:
             for rows, group in step.admitted:

@@ -257,9 +257,11 @@ def predict_pool(
     *,
     tp: int = 1,
     dtype: str = "float32",
+    pass_tokens: int | None = None,
 ) -> MemoryEstimate:
     """Peak memory per rank of continuous batching (``core.serve``) in ``slots`` slots, for requests of at most
-    ``prompt_len`` prompt tokens and ``max_new_tokens`` new tokens. Constant for the whole run:
+    ``prompt_len`` prompt tokens and ``max_new_tokens`` new tokens (``pass_tokens``: BM's prefill pass size as
+    ``serve`` takes it). Constant for the whole run:
 
     - ``kv``: the pool's K/V, allocated once -- ``slots`` rows of C + 1 slots (C: BM and ED ``kv_max``, FKV the
       longest prompt + generation; the extra scratch slot takes idle rows' writes) -- plus ED's prompt-sized
@@ -284,27 +286,28 @@ def predict_pool(
         activations, workspace, _ = max(_dense_slot_prefill(shape, prompt_len, tp, nbytes), decode, key=sum)
         return MemoryEstimate(kv, workspace, weights, activations, 0)
     meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
-    passes = _pool_prefill_passes(shape, method, slots, q_heads, kv_heads, nbytes, per_token)
+    tokens = method.pass_tokens(slots) if pass_tokens is None else pass_tokens
+    passes = _pool_prefill_passes(shape, method, slots, tokens, q_heads, kv_heads, nbytes, per_token)
     activations, workspace = max([*passes, decode[:2]], key=sum)
     return MemoryEstimate(kv, workspace, weights, activations, meta)
 
 
 def _pool_prefill_passes(
-    shape: ModelShape, method: Method, slots: int, q_heads: int, kv_heads: int, nbytes: int, per_token: int
+    shape: ModelShape, method: Method, slots: int, tokens: int, q_heads: int, kv_heads: int, nbytes: int, per_token: int
 ) -> list[tuple[int, int]]:
     """(activations, attention workspace) of BM's batched prefill passes at their largest: R rows of n columns
-    (``R * n <= Method.pass_tokens``, n <= p; a probe pass n = the rule's window) over all ``kv_max`` slots, the
+    (``R * n <= tokens``, the pass size, n <= p; a probe pass n = the rule's window) over all ``kv_max`` slots, the
     rows' slot state gathered (rows that are not adjacent)."""
     C, D, V = method.kv_max, shape.head_dim, shape.vocab
     passes = []
     for n in range(1, method.p + 1):
-        R = min(slots, max(1, method.pass_tokens // n))
+        R = min(slots, max(1, tokens // n))
         gathered = R * kv_heads * C * (2 * D * nbytes + 8 + 4)  # keys, values, positions, sums of the rows
         ws = workspace_bytes(R, q_heads, kv_heads, n, C, D, ordered=False, padded=True, elem=nbytes)
         passes.append((R * n * per_token + R * V * 4, gathered + ws))
     w = method.lookahead
     if w:
-        R = min(slots, max(1, method.pass_tokens // w))
+        R = min(slots, max(1, tokens // w))
         gathered = R * kv_heads * C * (2 * D * nbytes + 8)
         passes.append((R * w * per_token, gathered + probe_workspace_bytes(R, q_heads, kv_heads, w, C, D, nbytes)))
     return passes
@@ -362,11 +365,12 @@ def max_slots(
     tp: int = 1,
     dtype: str = "float32",
     limit: int = 1 << 16,
+    pass_tokens: int | None = None,
 ) -> int:
     """The most slots whose pool (``predict_pool``) fits ``budget_bytes`` (0 if not even one does)."""
+    kw = dict(tp=tp, dtype=dtype, pass_tokens=pass_tokens)
     return _largest(
-        lambda n: predict_pool(shape, method, n, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total <= budget_bytes,
-        limit,
+        lambda n: predict_pool(shape, method, n, prompt_len, max_new_tokens, **kw).total <= budget_bytes, limit
     )
 
 
