@@ -16,7 +16,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "transformers>=5.0",
+        "transformers>=5.17,<5.25",  # tested: 5.17 (scripts/gpu_env_check.sh, the GPU machine's) and 5.24
         "deepspeed",
         "sentencepiece",
         "datasets",

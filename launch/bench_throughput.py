@@ -25,21 +25,29 @@ import json
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.bench import throughput as bench  # noqa: E402
 from batchmax_tp.core.baseline import fastest_attention  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
-from batchmax_tp.models import load_model  # noqa: E402
+from batchmax_tp.models import load_model, read_config  # noqa: E402
 from batchmax_tp.plan.planner import ModelShape  # noqa: E402
 
 
 def main(argv=None) -> int:
     a = bench.parse_args(argv, description=__doc__)
     lengths = bench.lengths_arg(a.lengths)
+    try:  # the budget and whether the weights fit it, before any weight loads
+        shape = ModelShape.from_config(read_config(a.model))
+        free = torch.cuda.mem_get_info(torch.device(a.device))[0] if a.device.startswith("cuda") else None
+        budget = bench.budget_bytes(a, shape, free)
+        bench.check_fits(shape, budget, a, free)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     model, _ = load_model(a.model, dtype=a.dtype, device=a.device)
-    shape = ModelShape.from_config(model.config)
-    budget = bench.budget_bytes(a, shape)
 
     bench.warm_up(model, a.rules, a.device, hf=not a.no_hf)
     rows = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -90,6 +91,12 @@ def assert_kept_equal(got, want, what="kept positions"):
                     )
     if problems:
         raise AssertionError(f"{what}: {len(problems)} (layer, sample, head) differ; first: " + "; ".join(problems[:4]))
+
+
+#: Tensor parallelism over processes (``parallel.init_distributed``) needs DeepSpeed, which the GPU machine lacks.
+requires_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (tensor parallelism across processes)"
+)
 
 
 def pytest_configure(config):

@@ -3,6 +3,7 @@ best-rule selection (no model runs), and the script's refusal of a bad rule."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,78 @@ def test_bad_rules_stop_before_the_model_loads(capsys, tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--rules", "paper,nope", "--device", "cpu", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown rule 'nope'" in proc.stderr and not out.exists(), proc.stderr
+
+
+def _tiny_arch(tmp_path) -> str:
+    path = tmp_path / "tiny.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 256,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
+    return f"arch:{path}"
+
+
+def _bench(tmp_path, budget: str, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, str(SCRIPT), "--model", _tiny_arch(tmp_path), "--device", "cpu", "--dtype", "float32"]
+    cmd += ["--memory-budget", budget, "--lengths", "", "--no-hf", "--new", "4", "--prompt-len", "64"]
+    cmd += ["--rules", "paper", "--kv-max", "32", "--p", "16", "--out", str(out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300), out
+
+
+def test_a_budget_below_one_sample_is_a_json_of_oom_rows_and_exit_0(tmp_path):
+    from batchmax_tp.models import architecture_config
+    from batchmax_tp.plan.planner import ModelShape
+
+    shape = ModelShape.from_config(architecture_config(_tiny_arch(tmp_path)))
+    proc, out = _bench(tmp_path, str(4 * shape.weights_per_rank(1) + 1000))  # any sample needs more than 1000 bytes
+    assert proc.returncode == 0, proc.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["status"] for r in runs] == ["OOM"] * 4 and {r["oom_cause"] for r in runs} == {"planned"}
+
+
+def test_weights_beyond_the_budget_are_one_line_before_loading(tmp_path):
+    proc, out = _bench(tmp_path, "1000")
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.count("\n") == 1 and "of weights, more than the budget of 1000 bytes" in proc.stderr
+
+
+def test_on_a_card_the_budget_is_its_free_memory_and_no_cap_below_it():
+    a = bt.parse_args(["--device", "cuda"])
+    assert bt.budget_bytes(a, None, free=80 << 30) == int(bt.CARD_FRACTION * (80 << 30))
+    assert bt.batch_cap(a) >= 1 << 16 and bt.batch_cap(bt.parse_args(["--device", "cpu"])) == 64
+    assert bt.batch_cap(bt.parse_args(["--device", "cuda", "--max-batch", "8"])) == 8
+    with pytest.raises(ValueError, match="exceeds the 11.00 GiB free on cuda"):  # a 12 GB card, a 40 GiB budget
+        bt.check_fits(None, 40 << 30, a, free=11 << 30)
+
+
+def test_an_out_of_memory_error_in_a_row_is_an_oom_row_and_the_next_method_runs(monkeypatch):
+    """The planner under-counted on a card: that method's row says OOM (runtime) and the benchmark goes on."""
+    import torch
+    from tiny import tiny_random_model
+
+    from batchmax_tp.plan.planner import ModelShape
+
+    model = tiny_random_model("llama", seed=0)
+
+    def timed(model, m, b, *args):
+        if m.name == "ed":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB.")
+        return {"batch": b, "tokens_per_s": 1.0}
+
+    monkeypatch.setattr(bt, "timed", timed)
+    a = bt.parse_args(["--device", "cpu", "--prompt-len", "64", "--new", "4", "--rules", "paper", "--kv-max", "32"])
+    a.p = 16
+    rows = [row for _, row in bt.run_rows(model, ModelShape.from_config(model.config), a, 64 << 20)]
+    assert [(r["method"], r["status"]) for r in rows] == [("fkv", "ok"), ("ed", "OOM"), ("ed", "OOM"), ("bm", "ok")]
+    assert rows[1]["oom_cause"] == "runtime" and rows[1]["batch"] > 0

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import requires_deepspeed
 from test_tp import FAMILIES, ROOT, free_port
 from tiny import tiny_random_model
 
@@ -300,6 +301,7 @@ def _tp_worker(rank, world, port, outdir, family, eos):
 
 
 @pytest.mark.parametrize("tp_size, eos", [(2, None), (3, 7)])
+@requires_deepspeed
 def test_tp_serves_the_tokens_of_one_process(tmp_path, tp_size, eos):
     mp.spawn(_tp_worker, args=(tp_size, free_port(), str(tmp_path), "phi3", eos), nprocs=tp_size, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]

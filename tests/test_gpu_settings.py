@@ -13,6 +13,7 @@ from tiny import tiny_random_model
 from transformers import AutoConfig
 
 from batchmax_tp import cli, models
+from batchmax_tp.core.baseline import choose_attention
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
 
@@ -33,6 +34,35 @@ def fake_gpus(monkeypatch, capabilities: dict[int, tuple[int, int]], current: in
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capabilities[int(device)])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU{int(device)}")
+
+
+@pytest.mark.parametrize("capability", [None, (7, 0), (7, 5), (8, 0), (9, 0)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("padded_fkv", [False, True])
+def test_flash_attention_only_where_the_card_runs_it_and_no_padded_fkv_decode_syncs(capability, dtype, padded_fkv):
+    """FlashAttention-2 (installed, supported by the model) on CUDA cards of compute capability >= 8.0 in a half
+    dtype, never for FKV's left-padded batch; SDPA otherwise (a V100/TITAN V, 7.0, has no FA2 kernels)."""
+    got = choose_attention(capability, dtype, flash=True, sdpa=True, padded_fkv=padded_fkv, current="eager")
+    fa2 = capability is not None and capability >= (8, 0) and dtype != torch.float32 and not padded_fkv
+    assert got == ("flash_attention_2" if fa2 else "sdpa")
+    assert choose_attention(capability, dtype, flash=False, sdpa=True, padded_fkv=False, current="eager") == "sdpa"
+    assert choose_attention(capability, dtype, flash=False, sdpa=False, padded_fkv=False, current="eager") == "eager"
+
+
+def test_the_engine_asks_for_the_padded_fkv_case(monkeypatch):
+    """The static engine tells the kernel choice whether FKV runs a left-padded batch (ED evicts its pads)."""
+    from batchmax_tp.core import engine
+
+    asked = []
+    monkeypatch.setattr(engine, "fastest_attention", lambda model, padded_fkv: asked.append(padded_fkv) or "sdpa")
+    model = tiny_random_model("llama", seed=0)
+    ids = torch.randint(3, 100, (2, 9))
+    mask = torch.ones_like(ids)
+    generate(model, ids, mask, Method("fkv"), 2)
+    mask[0, :3] = 0
+    generate(model, ids, mask, Method("fkv"), 2)
+    generate(model, ids, mask, Method("ed", kv_max=2), 2)
+    assert asked == [False, True, False]
 
 
 @pytest.mark.parametrize("checkpoint", ["bfloat16", "float32", None, "float16"])

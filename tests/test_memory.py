@@ -257,10 +257,12 @@ def flash_on_cpu(monkeypatch):
     from transformers import modeling_flash_attention_utils as fa
 
     process = fa._lazy_define_process_function(_flash_varlen)
+    # transformers 5.24 returns the varlen and the kv-cache kwargs processors, 5.17 the varlen one alone
+    processors = (process, dict) if hasattr(fa, "_process_with_kvcache_kwargs_fn") else process
     monkeypatch.setattr(
         fa,
         "lazy_import_flash_attention",
-        lambda *a, **k: ((_flash, _flash_varlen, None, fa._pad_input, fa._unpad_input), (process, dict)),
+        lambda *a, **k: ((_flash, _flash_varlen, None, fa._pad_input, fa._unpad_input), processors),
     )
 
     @contextlib.contextmanager
@@ -271,7 +273,7 @@ def flash_on_cpu(monkeypatch):
         finally:
             model.config._attn_implementation = previous
 
-    monkeypatch.setattr(engine, "fastest_attention", lambda model: workspace.FLASH)
+    monkeypatch.setattr(engine, "fastest_attention", lambda model, **kw: workspace.FLASH)  # the padded FKV case too
     monkeypatch.setattr(engine, "use_attention", use)
 
 

@@ -16,6 +16,7 @@ from conftest import (
     assert_logits_close,
     assert_tokens_equal,
     left_padded_batch,
+    requires_deepspeed,
     tiny_llama,
 )
 from reference import reference_generate
@@ -302,6 +303,7 @@ def _tp_worker(rank, world, port, outdir):
     dist.destroy_process_group()
 
 
+@requires_deepspeed
 def test_probe_passes_add_only_their_own_layers_collectives_under_tp2(tmp_path):
     from test_tp import batch, free_port, make_model
 

@@ -89,3 +89,30 @@ def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
     ]
     assert "bash scripts/setup.sh && bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 250  # a README a new user reads in five minutes; deep dives live in docs/
+
+
+def _wheel_specs() -> list[tuple[str, str]]:
+    lines = (ROOT / "scripts" / "gpu_wheels.txt").read_text().splitlines()
+    specs = [line.split("#")[0].split()[0] for line in lines if line.split("#")[0].strip()]
+    return [tuple(spec.split("==")) for spec in specs]
+
+
+def test_the_gpu_environment_check_fails_when_a_needed_wheel_is_missing(tmp_path):
+    """The wheel folder's check (run first by scripts/gpu_env_check.sh, before any virtualenv is built): a complete
+    folder passes; with one wheel removed the check, and the environment check, fail naming it."""
+    folder = tmp_path / "whl"
+    folder.mkdir()
+    for name, version in _wheel_specs():
+        (folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").write_bytes(b"")
+    check = ["bash", str(ROOT / "scripts" / "gpu_wheels.sh"), "--check", str(folder)]
+    assert subprocess.run(check, capture_output=True, text=True, timeout=60).returncode == 0
+    name, version = _wheel_specs()[1]
+    (folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").unlink()
+    run = subprocess.run(check, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and f"{name}=={version}" in run.stderr
+    env = {**os.environ, "GPU_WHEELS": str(folder), "GPU_ENV": str(tmp_path / "env")}
+    whole = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_env_check.sh")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert whole.returncode == 1 and f"{name}=={version}" in whole.stderr and "FAILED" in whole.stderr
+    assert not (tmp_path / "env").exists()  # nothing built

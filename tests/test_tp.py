@@ -14,9 +14,12 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import requires_deepspeed
 from tiny import tiny_random_model
 
 from batchmax_tp.core.method import Method
+
+pytestmark = requires_deepspeed  # every test here runs tensor-parallel ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 9 query / 3 KV heads, like the embedded model: AutoTP splits them unevenly on tp=2 (6/2 and 3/1).

@@ -17,7 +17,9 @@ from ..core.method import BatchMax, ExtremeDecoding, FullCache, Method
 from ..core.rules import get_rule
 from ..core.serve import Request, serve
 from ..embedded import EMBEDDED_MODEL
-from ..plan.planner import ModelShape, max_batch, max_slots, parse_bytes, predict, predict_pool
+from ..eval.oom import free_memory
+from ..plan.budget import fmt_bytes
+from ..plan.planner import DTYPE_BYTES, ModelShape, max_batch, max_slots, parse_bytes, predict, predict_pool
 from .hf_reference import hf_reference_generate
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,12 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prompt-len", type=int, default=1536)
     ap.add_argument("--new", type=int, default=512)
-    ap.add_argument("--memory-budget", default=None, help="bytes or e.g. 24GiB; default: FKV's peak at --fkv-batch")
+    ap.add_argument(
+        "--memory-budget",
+        default=None,
+        help="bytes or e.g. 24GiB; default: on CUDA 90%% of the card's free memory before the model loads, on the "
+        "CPU FKV's peak at --fkv-batch",
+    )
     ap.add_argument("--fkv-batch", type=int, default=4)
     ap.add_argument("--kv-max", default="512", help="comma-separated BM kv_max values to try")
     ap.add_argument(
@@ -64,7 +71,9 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
         "rule whose ratios are shown beside the paper rule's",
     )
     ap.add_argument("--p", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=64, help="cap on any batch (time on a CPU)")
+    ap.add_argument(
+        "--max-batch", type=int, default=None, help="cap on any batch (default: 64 on the CPU, for time; none on CUDA)"
+    )
     ap.add_argument(
         "--lengths", default="512,1024,2048,4096", help="prompt lengths of the memory-by-length part ('' skips it)"
     )
@@ -117,11 +126,41 @@ def prompts(vocab: int, batch: int, length: int, device: str, seed: int = 0) -> 
     return torch.randint(100, vocab, (batch, length), generator=g).to(device)
 
 
-def budget_bytes(a: argparse.Namespace, shape: ModelShape) -> int:
-    """--memory-budget, else the planner's peak of FKV at --fkv-batch (FKV fits exactly that many)."""
+#: The share of a card's free memory the default budget takes (the allocator's rounding and the CUDA context).
+CARD_FRACTION = 0.9
+
+
+def budget_bytes(a: argparse.Namespace, shape: ModelShape, free: int | None = None) -> int:
+    """--memory-budget; else on a card ``free`` bytes (its free memory before the model loads) x CARD_FRACTION;
+    else (the CPU) the planner's peak of FKV at --fkv-batch (FKV fits exactly that many)."""
     if a.memory_budget:
         return parse_bytes(a.memory_budget)
+    if free is not None:
+        return int(CARD_FRACTION * free)
     return predict(shape, Method("fkv"), a.fkv_batch, a.prompt_len, a.new, dtype=a.dtype).total
+
+
+def check_fits(shape: ModelShape, budget: int, a: argparse.Namespace, free: int | None = None) -> None:
+    """ValueError (one line) when the budget exceeds the card's ``free`` memory, or the model's weights alone
+    exceed the budget: nothing can run as planned, say so before loading them."""
+    if free is not None and budget > free:
+        raise ValueError(
+            f"the budget of {fmt_bytes(budget)} exceeds the {fmt_bytes(free)} free on {a.device}: give a smaller "
+            "--memory-budget (default: 90% of the free memory)"
+        )
+    weights = shape.weights_per_rank(1) * DTYPE_BYTES[a.dtype]
+    if weights > budget:
+        raise ValueError(
+            f"{a.model} in {a.dtype} has {fmt_bytes(weights)} of weights, more than the budget of {fmt_bytes(budget)}: "
+            "give a smaller model (e.g. --model arch:PATH.json) or a larger --memory-budget"
+        )
+
+
+def batch_cap(a: argparse.Namespace) -> int:
+    """--max-batch, else 64 on the CPU (time) and no cap on CUDA (the budget decides)."""
+    if a.max_batch is not None:
+        return a.max_batch
+    return 1 << 16 if a.device.startswith("cuda") else 64
 
 
 def methods(a: argparse.Namespace) -> list[Method]:
@@ -219,12 +258,19 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
             continue
         kw = dict(dtype=a.dtype, pass_tokens=a.pass_tokens if isinstance(m, BatchMax) else None) if pool else {}
         fit = (max_slots if pool else max_batch)(budget, shape, m, s, T, **({"dtype": a.dtype} | kw))
-        b = min(fit, a.max_batch)
+        b = min(fit, batch_cap(a))
         head = {"method": m.name, "rule": m.rule if m.takes_rule else None, "kv_max": m.kv_max}
         if b == 0:
-            yield m, {**head, "batch": 0, "status": "OOM"}
+            yield m, {**head, "batch": 0, "status": "OOM", "oom_cause": "planned"}
             continue
         t = time.perf_counter()
+        try:
+            timed_row = timed(model, m, b, s, T, a.device, not a.no_hf, a.scheduler, kw.get("pass_tokens"))
+        except torch.OutOfMemoryError as err:  # the planner under-counted on this card: a row, and the next method
+            logger.warning("%s at batch %d: out of memory (%s)", m.label(), b, str(err).split(".")[0])
+            free_memory(torch.device(a.device))
+            yield m, {**head, "batch": b, "largest_fitting_batch": fit, "status": "OOM", "oom_cause": "runtime"}
+            continue
         row = {
             **head,
             "largest_fitting_batch": fit,
@@ -232,7 +278,7 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
             "scheduler": a.scheduler,
             "pass_tokens": kw.get("pass_tokens"),
             "predicted": (predict_pool if pool else predict)(shape, m, b, s, T, **({"dtype": a.dtype} | kw)).as_dict(),
-            **timed(model, m, b, s, T, a.device, not a.no_hf, a.scheduler, kw.get("pass_tokens")),
+            **timed_row,
         }
         row["wall_s"] = time.perf_counter() - t
         yield m, row

@@ -36,20 +36,32 @@ from .workspace import FLASH, SDPA, dense_workspace_bytes
 logger = logging.getLogger(__name__)
 
 
-def fastest_attention(model: torch.nn.Module) -> str:
-    """The fastest attention implementation ``model`` offers here: FlashAttention-2 when the package is installed,
-    the model is on CUDA in float16/bfloat16 and supports it; otherwise SDPA (if supported); else its current one."""
+def fastest_attention(model: torch.nn.Module, padded_fkv: bool = False) -> str:
+    """The fastest attention implementation ``model`` offers on its device (``choose_attention``); ``padded_fkv``:
+    the run is FKV on a left-padded batch."""
     param = next(model.parameters())
-    if (
-        param.device.type == "cuda"
-        and param.dtype in (torch.float16, torch.bfloat16)
-        and getattr(model, "_supports_flash_attn", False)
-        and is_flash_attn_2_available()
-    ):
+    cuda = param.device.type == "cuda"
+    return choose_attention(
+        torch.cuda.get_device_capability(param.device) if cuda else None,
+        param.dtype,
+        flash=getattr(model, "_supports_flash_attn", False) and is_flash_attn_2_available(),
+        sdpa=getattr(model, "_supports_sdpa", False),
+        padded_fkv=padded_fkv,
+        current=model.config._attn_implementation,
+    )
+
+
+def choose_attention(
+    capability: tuple[int, int] | None, dtype: torch.dtype, *, flash: bool, sdpa: bool, padded_fkv: bool, current: str
+) -> str:
+    """FlashAttention-2 where it runs and pays: a CUDA card of compute capability >= 8.0 (a V100 or TITAN V is 7.0,
+    where its kernels do not exist), float16/bfloat16, the package installed and the model supporting it, and not
+    FKV on a left-padded batch (whose every decode step would gather the unpadded K/V with host syncs in every
+    layer). Otherwise SDPA where the model supports it, else the model's own. ``capability`` None: not CUDA."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if capability is not None and tuple(capability) >= (8, 0) and half and flash and not padded_fkv:
         return FLASH
-    if getattr(model, "_supports_sdpa", False):
-        return SDPA
-    return model.config._attn_implementation
+    return SDPA if sdpa else current
 
 
 @contextlib.contextmanager

@@ -181,7 +181,7 @@ def setup_cache(
     reserve = method.capacity(s, max_new_tokens)
     if method.reads_scores:
         return BatchMaxCache(method, num_layers=num_layers, reserve=reserve), use_batchmax_attention(model)
-    impl = fastest_attention(model)
+    impl = fastest_attention(model, padded_fkv=not method.evicts and not bool(attention_mask.all()))
     return DenseCache(method, num_layers, reserve, attention_mask, impl), use_attention(model, impl)
 
 

@@ -9,7 +9,9 @@ in ``tests/test_memory.py``.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 #: Largest attention-probability block materialised at once (bytes of float32 scores); longer query blocks are
 #: processed in chunks of queries so prefill never builds an attention matrix over the whole prompt.
@@ -190,6 +192,19 @@ def dense_workspace_bytes(
     return _sdpa_workspace_bytes(batch, q_heads, kv_heads, head_dim, queries, slots, elem, padded, align)
 
 
+@functools.cache
+def sdpa_packs_gqa() -> bool:
+    """Whether HF's SDPA attention packs a masked decode step's query heads per KV head (``pack_gqa``: transformers
+    5.24) instead of copying K and V per query head (``repeat_kv``: 5.17). Read from the code of the transformers
+    that ``import`` would find first on ``sys.path``, not its version string, without importing it (this module
+    stays free of torch); True where none is found there."""
+    for root in sys.path:
+        source = Path(root or ".") / "transformers" / "integrations" / "sdpa_attention.py"
+        if source.is_file():
+            return "def pack_gqa(" in source.read_text(encoding="utf-8")
+    return True
+
+
 def _sdpa_workspace_bytes(B: int, Hq: int, Hkv: int, D: int, n: int, L: int, e: int, padded: bool, align: bool) -> int:
     """SDPA: without a mask, ``is_causal`` and ``enable_gqa`` (no copies): the kernel's output and its float32
     log-sum-exp (the output takes the queries' memory layout, [B, n, Hq, D] as HF's projections are viewed and
@@ -201,7 +216,8 @@ def _sdpa_workspace_bytes(B: int, Hq: int, Hkv: int, D: int, n: int, L: int, e: 
     if not padded:
         return out + lse
     held = B * n * L if n > 1 else 0  # HF's boolean [B, 1, n, L] mask (a decode step's is the cache's view)
-    repeat = 2 * e * B * Hq * L * D if n > 1 and Hq != Hkv else 0  # repeat_kv's K and V (decode: pack_gqa)
+    # repeat_kv's K and V (a decode step packs the query heads instead where HF has pack_gqa: 5.24, not 5.17)
+    repeat = 2 * e * B * Hq * L * D if Hq != Hkv and (n > 1 or not sdpa_packs_gqa()) else 0
     additive = e * B * n * L  # the boolean mask made additive in the model dtype
     aligned = e * B * n * (L + MASK_ALIGN - L % MASK_ALIGN) if align and L % MASK_ALIGN else 0
     return held + repeat + max(additive + aligned, (aligned or additive) + out + lse)
