@@ -136,6 +136,13 @@ def test_requests_of_one_length_prefill_together_and_still_equal_generate_alone(
     check_against_alone(out, refs)
 
 
+@pytest.mark.parametrize("key", list(METHODS))
+def test_no_request_is_no_pass(key):
+    """A replica whose share is already done (a resumed run) schedules nothing, for every method."""
+    assert Scheduler(METHODS[key], [], [], 3).next_step() is None
+    assert serve(model_of("llama"), [], METHODS[key], 3).outputs == []
+
+
 def test_admission_is_a_pure_function_of_the_inputs():
     model = model_of("llama")
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]

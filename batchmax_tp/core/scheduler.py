@@ -103,7 +103,7 @@ class Scheduler:
         key = self.lengths if self.keys is None else self.keys
         # A group of one length computes all its rows in one pass: at most the longest prompt's tokens, the one
         # prefill the planner counts (predict_pool). A shared prompt's group computes one row.
-        room = max(self.lengths)
+        room = max(self.lengths, default=0)
         for slot, i in entered:  # adjacent slots, one key (by default: prompts of one length)
             last = groups[-1][-1] if groups else None
             batched_alone = self.batched and self.keys is None  # batched prefill needs no groups of one length

@@ -126,7 +126,8 @@ def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int]
     layers = model.config.num_hidden_layers
     if method.reads_scores:
         return BoundedPool(method, layers, slots)
-    cap = max(method.decode_capacity(s, t) for s, t in zip(lengths, max_new))  # ED kv_max, FKV s + t - 1
+    # ED kv_max, FKV s + t - 1 (no request: a replica whose share is done; the pool is never written)
+    cap = max((method.decode_capacity(s, t) for s, t in zip(lengths, max_new)), default=1)
     return DensePool(method, layers, slots, cap)
 
 
