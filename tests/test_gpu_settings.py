@@ -13,9 +13,11 @@ from tiny import tiny_random_model
 from transformers import AutoConfig
 
 from batchmax_tp import cli, models
+from batchmax_tp.core import workspace
 from batchmax_tp.core.baseline import choose_attention
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
+from batchmax_tp.plan.planner import half_dtype_impls
 
 
 @pytest.fixture
@@ -39,12 +41,18 @@ def fake_gpus(monkeypatch, capabilities: dict[int, tuple[int, int]], current: in
 @pytest.mark.parametrize("capability", [None, (7, 0), (7, 5), (8, 0), (9, 0)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("padded_fkv", [False, True])
-def test_flash_attention_only_where_the_card_runs_it_and_no_padded_fkv_decode_syncs(capability, dtype, padded_fkv):
+@pytest.mark.parametrize("gqa", [False, True])
+def test_flash_attention_only_where_the_card_runs_it_and_no_padded_fkv_decode_syncs(capability, dtype, padded_fkv, gqa):
     """FlashAttention-2 (installed, supported by the model) on CUDA cards of compute capability >= 8.0 in a half
-    dtype, never for FKV's left-padded batch; SDPA otherwise (a V100/TITAN V, 7.0, has no FA2 kernels)."""
-    got = choose_attention(capability, dtype, flash=True, sdpa=True, padded_fkv=padded_fkv, current="eager")
-    fa2 = capability is not None and capability >= (8, 0) and dtype != torch.float32 and not padded_fkv
-    assert got == ("flash_attention_2" if fa2 else "sdpa")
+    dtype, never for FKV's left-padded batch; below 8.0 (a V100/TITAN V: no FA2 kernels) a GQA model in a half
+    dtype gets SDPA with K/V copied per query head (no ``enable_gqa``, so no math-kernel fallback); SDPA otherwise."""
+    got = choose_attention(capability, dtype, flash=True, sdpa=True, padded_fkv=padded_fkv, current="eager", gqa=gqa)
+    half = dtype != torch.float32
+    fa2 = capability is not None and capability >= (8, 0) and half and not padded_fkv
+    repeat = capability is not None and capability < (8, 0) and half and gqa
+    assert got == ("flash_attention_2" if fa2 else workspace.SDPA_REPEAT if repeat else "sdpa")
+    counted = half_dtype_impls(2 if half else 4, 4, 2 if gqa else 4)
+    assert got in counted  # the planner counts the path chosen (its largest path, an upper bound)
     assert choose_attention(capability, dtype, flash=False, sdpa=True, padded_fkv=False, current="eager") == "sdpa"
     assert choose_attention(capability, dtype, flash=False, sdpa=False, padded_fkv=False, current="eager") == "eager"
 

@@ -184,8 +184,8 @@ def _expected_passes(model, mask, method, new, impl):
     for t in range(1, new):
         if not method.evicts:  # FKV: every pad stays held: a mask each step, over s + t slots
             passes.append(count(1, s + t, True, real + B * t))
-        else:  # ED keeps the newest pair from the first step on: no pad held, no mask
-            passes.append(count(1, None, False, None))
+        else:  # ED keeps the newest pair from the first step on: no pad held, no mask; kv_max slots held
+            passes.append(count(1, method.kv_max, False, None))
     return passes
 
 
@@ -302,6 +302,41 @@ def test_padded_flash_attention_copies_are_counted(model, monkeypatch, flash_on_
         baseline_workspace(shape, method, B, s, new, dtype="float16", impls=(impl,))
         for impl in (workspace.SDPA, workspace.FLASH)
     )
+
+
+@pytest.mark.parametrize("method", BASELINES, ids=["fkv", "ed2"])
+def test_gqa_on_a_card_below_8_0_copies_kv_per_query_head_as_counted(model, monkeypatch, method):
+    """The path a GQA model takes in a half dtype on a V100/TITAN V (``SDPA_REPEAT``: K/V copied per query head, no
+    ``enable_gqa``, so SDPA's memory-efficient kernel instead of the math kernel), run on the CPU: the tokens of
+    SDPA, and every pass allocates exactly what ``dense_workspace_bytes`` counts for it."""
+    ids, mask = _padded_batch(PADDED_LENGTHS)
+    new = 6
+    want = generate(model, ids, mask, method, new, ignore_eos=True)
+    monkeypatch.setattr(engine, "fastest_attention", lambda model, **kw: workspace.SDPA_REPEAT)
+    with AttentionPasses(monkeypatch).measure() as measured:
+        out = generate(model, ids, mask, method, new, ignore_eos=True)
+    assert torch.equal(out.tokens, want.tokens)
+    assert measured == _expected_passes(model, mask, method, new, workspace.SDPA_REPEAT)
+    assert max(measured) == out.peak_workspace_bytes
+
+
+def test_a_pools_dense_prefill_takes_the_same_path_below_8_0(monkeypatch):
+    """The slot pool's dense prefill hands a GQA layer to ``sdpa_repeat_kv`` on a card below 8.0 in a half dtype
+    (simulated capability), which computes SDPA's output."""
+    from batchmax_tp.core import baseline
+
+    q, k = torch.randn(2, 4, 5, 16, dtype=torch.bfloat16), torch.randn(2, 2, 5, 16, dtype=torch.bfloat16)
+    assert baseline.dense_prefill_attention(q, k) is baseline.sdpa_attention_forward  # the CPU
+    monkeypatch.setattr(baseline, "_capability", lambda device: (7, 0))
+    assert baseline.dense_prefill_attention(q, k) is baseline.sdpa_repeat_kv
+    assert baseline.dense_prefill_attention(q.float(), k.float()) is baseline.sdpa_attention_forward
+    assert baseline.dense_prefill_attention(q, torch.randn(2, 4, 5, 16)) is baseline.sdpa_attention_forward  # MHA
+    module = type("Attn", (torch.nn.Module,), {})()
+    module.num_key_value_groups, module.is_causal, module.training = 2, True, False
+    q, k, v = q.float(), k.float(), torch.randn(2, 2, 5, 16)
+    got, _ = baseline.sdpa_repeat_kv(module, q, k, v, None, scaling=0.25)
+    want, _ = baseline.sdpa_attention_forward(module, q, k, v, None, scaling=0.25)
+    torch.testing.assert_close(got, want)
 
 
 # -- a whole generation ---------------------------------------------------------------------------------------------

@@ -31,11 +31,10 @@ import contextlib
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import probe, workspace
-from .baseline import DenseLayer
+from .baseline import DenseLayer, dense_prefill_attention
 from .cache import BoundedLayer, take_updated_layer
 from .pool import DensePoolLayer, PoolLayer
 from .step import ForwardPass, RowsPass
@@ -63,9 +62,8 @@ def batchmax_attention(
         return _rows_attention(batchmax.layer(module), batchmax, query, key, value, scaling), None
     layer = _cache_layer(module, key, batchmax)
     if isinstance(layer, DenseLayer):  # a baseline slot's prefill: the model's SDPA, causal and unpadded
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        sdpa = dense_prefill_attention(query, key)
+        return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return _bounded_attention(layer, query, key, value, attention_mask, scaling), None
 
 

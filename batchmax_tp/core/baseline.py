@@ -25,13 +25,17 @@ import contextlib
 import logging
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import is_flash_attn_2_available
 
 from .cache import SlotLayer
 from .method import Method
 from .schedule import Phase
-from .workspace import FLASH, SDPA, dense_workspace_bytes
+from .workspace import FLASH, SDPA, SDPA_REPEAT, dense_workspace_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -40,33 +44,91 @@ def fastest_attention(model: torch.nn.Module, padded_fkv: bool = False) -> str:
     """The fastest attention implementation ``model`` offers on its device (``choose_attention``); ``padded_fkv``:
     the run is FKV on a left-padded batch."""
     param = next(model.parameters())
-    cuda = param.device.type == "cuda"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
     return choose_attention(
-        torch.cuda.get_device_capability(param.device) if cuda else None,
+        _capability(param.device),
         param.dtype,
         flash=getattr(model, "_supports_flash_attn", False) and is_flash_attn_2_available(),
         sdpa=getattr(model, "_supports_sdpa", False),
         padded_fkv=padded_fkv,
         current=model.config._attn_implementation,
+        gqa=(getattr(config, "num_key_value_heads", None) or heads) != heads,
     )
 
 
 def choose_attention(
-    capability: tuple[int, int] | None, dtype: torch.dtype, *, flash: bool, sdpa: bool, padded_fkv: bool, current: str
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    *,
+    flash: bool,
+    sdpa: bool,
+    padded_fkv: bool,
+    current: str,
+    gqa: bool = False,
 ) -> str:
     """FlashAttention-2 where it runs and pays: a CUDA card of compute capability >= 8.0 (a V100 or TITAN V is 7.0,
     where its kernels do not exist), float16/bfloat16, the package installed and the model supporting it, and not
     FKV on a left-padded batch (whose every decode step would gather the unpadded K/V with host syncs in every
-    layer). Otherwise SDPA where the model supports it, else the model's own. ``capability`` None: not CUDA."""
+    layer). Otherwise SDPA where the model supports it -- for a GQA model in a half dtype on a card below 8.0 with
+    K/V copied per query head first (``SDPA_REPEAT``: SDPA's memory-efficient kernel rejects ``enable_gqa`` there
+    and the math kernel would hold every score) -- else the model's own. ``capability`` None: not CUDA."""
     half = dtype in (torch.float16, torch.bfloat16)
     if capability is not None and tuple(capability) >= (8, 0) and half and flash and not padded_fkv:
         return FLASH
+    if sdpa and gqa and half and capability is not None and tuple(capability) < (8, 0):
+        return SDPA_REPEAT
     return SDPA if sdpa else current
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+class _OneGroup:
+    """An attention module seen with as many KV heads as query heads: HF's SDPA function then neither repeats K/V
+    nor asks SDPA for ``enable_gqa`` (it reads ``num_key_value_groups`` only when the module has one)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._module = module
+
+    def __getattr__(self, name: str):
+        if name == "num_key_value_groups":
+            raise AttributeError(name)
+        return getattr(self._module, name)
+
+
+def sdpa_repeat_kv(module, query, key, value, attention_mask, **kwargs):
+    """HF's SDPA attention with K and V copied per query head first (``SDPA_REPEAT``): key/value [B, Hkv, L, D]
+    -> [B, Hq, L, D], so SDPA runs its memory-efficient kernel on a card below compute capability 8.0."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # [B, Hq, L, D] each
+    return sdpa_attention_forward(_OneGroup(module), query, key, value, attention_mask, **kwargs)
+
+
+def register_sdpa_repeat() -> None:
+    """Register ``sdpa_repeat_kv`` as ``SDPA_REPEAT`` beside HF's attention functions, with SDPA's mask builder
+    (once: a registration made before, or wrapped since, stays)."""
+    if SDPA_REPEAT not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(SDPA_REPEAT, sdpa_repeat_kv)
+        AttentionMaskInterface.register(SDPA_REPEAT, sdpa_mask)
+
+
+def dense_prefill_attention(query: torch.Tensor, key: torch.Tensor):
+    """The SDPA function a pool's dense prefill hands a layer to: ``sdpa_repeat_kv`` for GQA on a card below compute
+    capability 8.0 (as ``choose_attention``), else HF's own."""
+    capability = _capability(query.device)
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if query.shape[1] != key.shape[1] and half and capability is not None and tuple(capability) < (8, 0):
+        return sdpa_repeat_kv
+    return sdpa_attention_forward
 
 
 @contextlib.contextmanager
 def use_attention(model: torch.nn.Module, name: str):
     """Run ``model`` with attention implementation ``name`` inside the block, restoring its own after."""
+    if name == SDPA_REPEAT:
+        register_sdpa_repeat()
     previous = model.config._attn_implementation
     if name != previous:
         model.set_attn_implementation(name)
@@ -202,7 +264,7 @@ class DenseCache(Cache):
             return None
         if self.phase.kind == "prefill":
             return self.prompt_mask[:, self.phase.start : self.phase.end]  # [B, s]: HF builds the causal mask
-        if self.impl == SDPA:
+        if self.impl in (SDPA, SDPA_REPEAT):
             return self._mask4d[..., : self.length]  # [B, 1, 1, L] view
         return self._mask2d[:, : self.length]  # [B, L] view
 

@@ -18,8 +18,12 @@ from pathlib import Path
 SCORE_CHUNK_BYTES = 64 * 2**20
 #: Query chunk of an in-order (not yet evicted) block: smaller chunks skip more of the causal upper triangle.
 CAUSAL_CHUNK = 128
-#: The baselines' attention implementations (transformers' names).
+#: The baselines' attention implementations (transformers' names, and ours registered beside them).
 SDPA = "sdpa"
+#: HF's SDPA with K/V copied per query head first (``core.baseline.sdpa_repeat_kv``): a GQA model on a card of
+#: compute capability < 8.0, where SDPA's memory-efficient kernel rejects ``enable_gqa`` and the math kernel would
+#: materialise every [n, L] score block.
+SDPA_REPEAT = "batchmax_sdpa_repeat"
 FLASH = "flash_attention_2"
 
 
@@ -182,11 +186,14 @@ def dense_workspace_bytes(
     pad); ``elem``: bytes per element of the model dtype; ``real`` (FlashAttention-2): the unmasked keys, the pairs
     HF's varlen path gathers (``None``: all ``batch * slots``, an upper bound); ``align``: count the
     memory-efficient CUDA kernel's copy of a mask whose rows are not ``MASK_ALIGN``-aligned (False: the CPU).
-    ``impl``: ``"sdpa"`` (:func:`_sdpa_workspace_bytes`) or ``"flash_attention_2"`` (:func:`_flash_workspace_bytes`),
-    each of which says what it counts.
+    ``impl``: ``"sdpa"`` (:func:`_sdpa_workspace_bytes`), ``"flash_attention_2"`` (:func:`_flash_workspace_bytes`),
+    each of which says what it counts, or ``SDPA_REPEAT`` (K/V copied per query head, then SDPA's count).
     """
     if impl == FLASH:
         return _flash_workspace_bytes(batch, q_heads, kv_heads, head_dim, queries, slots, elem, padded, real)
+    if impl == SDPA_REPEAT:  # K and V copied per query head, then SDPA over as many KV heads as query heads
+        copies = 2 * elem * batch * q_heads * slots * head_dim if q_heads != kv_heads else 0
+        return copies + _sdpa_workspace_bytes(batch, q_heads, q_heads, head_dim, queries, slots, elem, padded, align)
     if impl != SDPA:
         raise ValueError(f"no workspace count for attention implementation {impl!r}")
     return _sdpa_workspace_bytes(batch, q_heads, kv_heads, head_dim, queries, slots, elem, padded, align)

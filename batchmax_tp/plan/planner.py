@@ -37,6 +37,7 @@ from ..core.schedule import Phase, plan
 from ..core.workspace import (
     FLASH,
     SDPA,
+    SDPA_REPEAT,
     decode_workspace_bytes,
     dense_workspace_bytes,
     probe_state_bytes,
@@ -179,13 +180,13 @@ def baseline_workspace(
     """The largest attention workspace per rank of an FKV/ED pass (``core.workspace.dense_workspace_bytes``): the
     prefill (one block over the prompt) or a decode step (FKV's last: over prompt + generation, the prompt's pads
     still held when ``padded``; ED's: no pad left after its first eviction). ``impls``: the attention
-    implementations the run may get (``core.baseline.fastest_attention``); default SDPA, and FlashAttention-2 too in a
-    half dtype. ``padded``: a left-padded batch, the worst case (FlashAttention-2 counted as if every pair were real,
+    implementations the run may get (``core.baseline.fastest_attention``; default ``half_dtype_impls``).
+    ``padded``: a left-padded batch, the worst case (FlashAttention-2 counted as if every pair were real,
     an upper bound); False: no pad, no mask."""
     nbytes = DTYPE_BYTES[dtype]
     q_heads, kv_heads = shape.local_heads(tp)
     if impls is None:
-        impls = (SDPA, FLASH) if nbytes == 2 else (SDPA,)
+        impls = half_dtype_impls(nbytes, q_heads, kv_heads)
     passes = [(prompt_len, prompt_len, padded)]  # (queries, slots, masked)
     if max_new_tokens > 1:
         if not method.evicts:  # FKV: the last step over prompt + generation, its pads still held
@@ -325,13 +326,25 @@ def _pool_kv_bytes(
     return kv
 
 
+def half_dtype_impls(nbytes: int, q_heads: int, kv_heads: int) -> tuple[str, ...]:
+    """The attention paths a baseline may take, whatever the card (``core.baseline.choose_attention``): SDPA; in a
+    half dtype FlashAttention-2 too and, for GQA, SDPA with K/V copied per query head (cards below compute
+    capability 8.0). The planner counts the largest: an upper bound on the card it runs on."""
+    if nbytes != 2:
+        return (SDPA,)
+    return (SDPA, FLASH, SDPA_REPEAT) if q_heads != kv_heads else (SDPA, FLASH)
+
+
 def _dense_slot_prefill(shape: ModelShape, prompt_len: int, tp: int, nbytes: int) -> tuple[int, int, int]:
     """(activations, attention workspace, bookkeeping) of an FKV/ED pool's slot prefill: unpadded, causal SDPA (the
-    "batchmax" attention hands it over): no mask, no K/V copies."""
+    "batchmax" attention hands it over: no mask, no K/V copies; on a card below compute capability 8.0 a GQA
+    model's K/V copied per query head, ``core.baseline.dense_prefill_attention``)."""
     q_heads, kv_heads = shape.local_heads(tp)
+    paths = [SDPA, SDPA_REPEAT] if nbytes == 2 and q_heads != kv_heads else [SDPA]
+    D, L = shape.head_dim, prompt_len
     return (
         prompt_len * _per_token(shape, tp, nbytes) + shape.vocab * 4,
-        dense_workspace_bytes(1, q_heads, kv_heads, shape.head_dim, prompt_len, prompt_len, nbytes, padded=False),
+        max(dense_workspace_bytes(1, q_heads, kv_heads, D, L, L, nbytes, padded=False, impl=i) for i in paths),
         0,
     )
 
