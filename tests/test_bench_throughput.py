@@ -84,6 +84,9 @@ def test_bad_rules_stop_before_the_model_loads(capsys, tmp_path):
     with pytest.raises(SystemExit):
         bt.parse_args(["--lengths", "512,x"])
     assert "invalid literal" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--methods", "bm,hf"])
+    assert "--methods: unknown hf" in capsys.readouterr().err
     a = bt.parse_args(["--rules", "paper;question:every=1", "--lengths", "512, 1024"])
     assert a.rules == ["paper", "question:every=1"] and a.lengths == "512, 1024"  # the results' args: as given
     # the script: one line on stderr, exit 2, no model loaded and no file written

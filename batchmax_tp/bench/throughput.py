@@ -104,6 +104,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     try:
         a.rules = parse_rules(a.rules)
         lengths_arg(a.lengths)  # kept as given (the results' "args"): lengths_arg(a.lengths) reads it
+        unknown = sorted(set(a.methods.split(",")) - {"fkv", "ed", "bm"})
+        if unknown:
+            raise ValueError(f"--methods: unknown {', '.join(unknown)} (give some of fkv, ed, bm)")
     except ValueError as err:
         ap.error(str(err))
     return a
