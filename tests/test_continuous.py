@@ -416,3 +416,60 @@ def test_the_pass_size_changes_no_answer(key, references):
     for tokens in (P, 10**6):
         kw = dict(ignore_eos=True, return_logits=True, keep_positions=True, pass_tokens=tokens)
         check_against_alone(serve(model, requests, METHODS[key], 12, **kw), refs)
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+@pytest.mark.parametrize("key", list(METHODS))
+def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
+    """Every decode pass of a run with evictions and slots refilled, counted: one host read (the new tokens, one
+    ``tolist``), one host-to-device copy of the pass's description plus one per kind of eviction in it, and no
+    other synchronisation (HF's look for packed sequences in the position ids is avoided by an all-true mask). BM
+    ``question`` keeps one more: its pooled score's width is read at an eviction (``rules.pool_by_position``)."""
+    from batchmax_tp.core import pool as pool_mod
+    from batchmax_tp.core import serve as serve_mod
+
+    reads, copies, expected, inside = [], [0], [0], [False]
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _name=name, _f=original, **k):
+            if inside[0]:
+                reads.append(_name)
+            return _f(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    to_device = pool_mod.to_device
+
+    def copy(data, device):
+        copies[0] += inside[0]
+        return to_device(data, device)
+
+    monkeypatch.setattr(pool_mod, "to_device", copy)
+    decode, passes = serve_mod._Run.decode, [0]
+
+    def watched(self, pool, step):
+        real = pool.decode_pass
+
+        def described(work, device):
+            d = real(work, device)
+            expected[0] += 1 + len(d.evictions)
+            return d
+
+        pool.decode_pass, inside[0] = described, True
+        try:
+            passes[0] += 1
+            return decode(self, pool, step)
+        finally:
+            inside[0] = False
+            del pool.decode_pass
+
+    monkeypatch.setattr(serve_mod._Run, "decode", watched)
+    requests = [Request(p, n) for p, n in zip(prompts(), [30, 2, 25, 40, 3, 20])]
+    serve(model_of("llama"), requests, METHODS[key], 3, eos_token_id=None, ignore_eos=True)
+    assert passes[0] >= 40 and copies[0] == expected[0]
+    assert (expected[0] > passes[0]) == (key != "fkv")  # decode passes evicted (every method but FKV)
+    assert reads.count("tolist") == passes[0]
+    extra = [r for r in reads if r != "tolist"]
+    assert extra == [] if key != "bm-question" else set(extra) <= {"__int__"}, extra

@@ -104,18 +104,27 @@ class _Pool(Cache):
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
 
     def _decode_pass(
-        self, write: list[int], seen: list[int], hi: int, evicting: list, device, lengths: list[int] | None = None
+        self,
+        work: tuple[SlotWork, ...],
+        write: list[int],
+        seen: list[int],
+        hi: int,
+        evicting: list,
+        device,
+        lengths: list[int] | None = None,
     ) -> RowsPass:
         """A decode pass over every row from per-row host lists (one host-to-device copy): ``write`` (BM: the index
         into the row's free list; the dense pools: the slot), ``seen`` (the position fed; -1 for idle rows) and, for
-        the dense pools, ``lengths`` (the slots each row holds after the pass: the additive mask of its row)."""
-        S = self.slots
-        packed = torch.tensor([write, seen, *([lengths] if lengths is not None else [])], device=device)  # [2|3, S]
+        the dense pools, ``lengths`` (the slots each row holds after the pass: the additive mask of its row); the
+        decoding rows of ``work`` ride in the same copy."""
+        S, k = self.slots, len(work)
+        decoding = [w.row for w in work] + [-1] * (S - k)
+        packed = to_device([write, seen, decoding, *([lengths] if lengths is not None else [])], device)  # [3|4, S]
         qpos = packed[1].view(S, 1)  # [S, 1]; -1 for idle rows
         bias = active = None
         if lengths is not None:  # [S, hi]: 0 for each row's held slots, -inf after
             bias = torch.zeros(S, hi, dtype=self.layers[0].dtype, device=device)
-            bias.masked_fill_(torch.arange(hi, device=device) >= packed[2][:, None], float("-inf"))
+            bias.masked_fill_(torch.arange(hi, device=device) >= packed[3][:, None], float("-inf"))
         else:  # [S, 1, 1]: the rows whose attention joins their slots' sums
             active = (qpos >= 0).to(torch.float32).view(S, 1, 1)
         return RowsPass(
@@ -130,6 +139,7 @@ class _Pool(Cache):
             evictions=_evictions(evicting, device),
             active=active,
             bias=bias,
+            decoding=packed[2, :k],
         )
 
     def fork(self, rows: range) -> None:
@@ -325,12 +335,12 @@ class BoundedPool(_Pool):
             if st.contiguous:
                 st.high = max(st.high, st.ptr)
         R, hi = len(rows), max(self.rows[r].high for r in rows)
-        columns = torch.tensor([*qpos, *write], device=device)  # [R or 2R, n]: one host-to-device copy
+        columns = to_device([*qpos, *write], device)  # [R or 2R, n]: one host-to-device copy
         qpos_t = columns[:R]  # [R, n]
         step = RowsPass(
             kind=kind,
             pool=self,
-            rows=torch.tensor(rows, device=device),
+            rows=to_device(rows, device),
             span=_span(rows),
             qpos=qpos_t,
             real=None if all(w.phase.size == n for w in work) else qpos_t >= 0,
@@ -352,7 +362,7 @@ class BoundedPool(_Pool):
             if st.contiguous:
                 st.high = max(st.high, st.ptr + 1)
             st.ptr, st.filled, st.seen = st.ptr + 1, st.filled + 1, st.seen + 1
-        return self._decode_pass(ptr, seen, max(self.rows[w.row].high for w in work), evicting, device)
+        return self._decode_pass(work, ptr, seen, max(self.rows[w.row].high for w in work), evicting, device)
 
     def kept_positions(self, row: int) -> list[list[list[int]]]:
         """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
@@ -363,6 +373,14 @@ class BoundedPool(_Pool):
         ]
 
 
+def to_device(data: list, device) -> torch.Tensor:
+    """Host lists (of ints) as one tensor on ``device``. On CUDA through pinned memory, asynchronously: a copy from
+    pageable memory would wait for the device to finish its queued work, so the host could not run ahead."""
+    if torch.device(device).type == "cuda":
+        return torch.tensor(data, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(data, device=device)
+
+
 def _evictions(evicting: list[tuple[int, int, int, str | None]], device) -> tuple[Eviction, ...]:
     """(row, count, curr_id, probe) per evicting row -> one ``Eviction`` per (count, probe) kind."""
     kinds: dict[tuple[int, str | None], list[tuple[int, int]]] = {}
@@ -370,7 +388,7 @@ def _evictions(evicting: list[tuple[int, int, int, str | None]], device) -> tupl
         kinds.setdefault((count, probe), []).append((row, curr_id))
     out = []
     for (count, probe), members in kinds.items():
-        t = torch.tensor(members, device=device)  # [E, 2]: one copy per kind
+        t = to_device(members, device)  # [E, 2]: one copy per kind
         out.append(Eviction(t[:, 0], t[:, 1].view(-1, 1, 1), count, probe))
     return tuple(out)
 
@@ -513,7 +531,7 @@ class DensePool(_Pool):
             write[w.row], seen[w.row] = st.length, st.seen
             st.length, st.seen = st.length + 1, st.seen + 1
             lengths[w.row] = st.length
-        return self._decode_pass(write, seen, max(lengths[w.row] for w in work), evicting, device, lengths)
+        return self._decode_pass(work, write, seen, max(lengths[w.row] for w in work), evicting, device, lengths)
 
     def meta_bytes(self) -> int:
         return 0

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .attention import use_batchmax_attention
 from .engine import forward_pass, sampling_warpers
 from .method import Method
-from .pool import BoundedPool, DensePool
+from .pool import BoundedPool, DensePool, to_device
 from .scheduler import Scheduler, Step
 from .step import ForwardPass
 
@@ -182,6 +182,9 @@ class _Run:
         self.shared: set[int] = set()  # first slot of each group prefilled once for all its rows
         self.group_of: list[range] = [range(r, r + 1) for r in range(slots)]  # each row's admission group
         self.next_ids = torch.full((slots,), pad, dtype=torch.long, device=self.device)  # [S] each row's next input
+        # [S, 1] all true, a decode pass's mask: the attention reads the description, not a mask, but without one
+        # HF's mask builder looks for packed sequences in the position ids, a host sync in every pass
+        self.all_true = torch.ones(slots, 1, dtype=torch.bool, device=self.device)
         self.forcing = any(r.continuation is not None for r in requests)
         self.times = {"prefill": 0.0, "decode": 0.0}  # seconds spent in each kind of pass so far
         self.kv_low: int | None = None  # smallest and largest K/V bytes held after any pass
@@ -289,7 +292,7 @@ class _Run:
         work = tuple(w for w in step.work if w.row == self.group_of[w.row].start)  # a shared group: its first row
         prompts = [self.prompts[self.request_of[w.row]] for w in work]
         described, ids, pos = pool.prefill_pass(work, prompts, self.device)
-        out = forward_pass(self.model, described, ids, None, pos)
+        out = forward_pass(self.model, described, ids, torch.ones_like(ids, dtype=torch.bool), pos)  # see all_true
         pool.note()
         if step.kind == "probe":
             return set()
@@ -304,15 +307,15 @@ class _Run:
             index.extend([j] * len(group))
         if not rows:
             return set()
-        logits = out.logits[:, -1].index_select(0, torch.tensor(index, device=self.device))  # [k, V]
-        return self.emit(rows, torch.tensor(rows, device=self.device), logits)
+        logits = out.logits[:, -1].index_select(0, to_device(index, self.device))  # [k, V]
+        return self.emit(rows, to_device(rows, self.device), logits)
 
     def decode(self, pool, step: Step) -> set[int]:
         """One decode step of every decoding slot, in one pass over the pool."""
         rows = [w.row for w in step.work]
         described = pool.decode_pass(step.work, self.device)
-        out = forward_pass(self.model, described, self.next_ids[:, None], None, described.qpos.clamp(min=0))
-        index = torch.tensor(rows, device=self.device)  # [k] the decoding rows
+        out = forward_pass(self.model, described, self.next_ids[:, None], self.all_true, described.qpos.clamp(min=0))
+        index = described.decoding  # [k] the decoding rows
         return self.emit(rows, index, out.logits[:, -1].index_select(0, index))  # [k, V]
 
     def run_pass(self, pool, step: Step) -> set[int]:

@@ -77,7 +77,8 @@ class RowsPass:
     writes nothing (None). ``hi``: slots [0, hi) enter the products. ``active`` [R, 1, 1] (BM's decode passes over
     every row): 1 for the rows decoding, whose attention joins their slots' sums. ``bias`` [R, hi] (the dense
     pools' decode passes): each row's held slots. ``evictions``: BM's rows that free slots first, or ED's rows that
-    keep only their newest pair."""
+    keep only their newest pair. ``decoding`` (decode passes): the rows that decode, in work order, for the caller
+    (it arrives in the description's one host-to-device copy)."""
 
     kind: Literal["prefill", "probe", "decode"]
     pool: Cache
@@ -90,6 +91,7 @@ class RowsPass:
     evictions: tuple[Eviction, ...] = ()
     active: torch.Tensor | None = None  # [R, 1, 1] float
     bias: torch.Tensor | None = None  # [R, hi] additive mask of the dense pools' rows (0: held, -inf: not)
+    decoding: torch.Tensor | None = None  # [k] a decode pass's decoding rows (whose logits the caller reads)
 
     cache = None  # a pool pass hands the model no cache: the attention writes the pool itself
 
