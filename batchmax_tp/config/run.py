@@ -80,6 +80,8 @@ class RunConfig:
         procedure = self.memory.procedure
         if procedure is not None and self.sweep.scheduler == "continuous":
             raise ConfigError("scheduler", f"procedure {procedure} plans static batches: use scheduler static")
+        if self.sweep.compile != "none" and self.scheduler != "continuous":
+            raise ConfigError("compile", "compiles the continuous scheduler's decode passes: use scheduler continuous")
         for k in self.memory.kv_values or ():
             try:  # each entry is a BM run with the configured rule (Method owns the rules)
                 BatchMax(kv_max=k, p=self.sweep.p, rule=self.sweep.rule)

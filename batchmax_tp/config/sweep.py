@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from ..core.method import METHODS, Method, method_type
 from ..core.rules import get_rule
+from ..core.step import COMPILE_MODES
 from ..plan.budget import RunSpec, story_methods
 from .settings import (
     INT,
@@ -86,6 +87,14 @@ class SweepConfig(Part):
         "request ends (default null: continuous, static under a procedure, which plans static batches)",
         metavar="|".join(SCHEDULERS),
         choices=SCHEDULERS,
+    )
+    compile: str = setting(
+        "none",
+        TEXT,
+        "continuous: decode passes eager (none) or compiled whole with torch.compile (default: 1.24x faster steps "
+        "for BM on a 2-core CPU, after about 2 minutes of compiling per run; default none)",
+        metavar="|".join(COMPILE_MODES),
+        choices=COMPILE_MODES,
     )
     prefill_budget: int | None = setting(
         None,

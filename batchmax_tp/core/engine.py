@@ -83,7 +83,7 @@ def _next_token(logits: torch.Tensor, warpers: LogitsProcessorList | None, gen: 
     return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen).squeeze(1)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def forward_pass(
     model: torch.nn.Module, step: ForwardPass, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor
 ):

@@ -19,6 +19,7 @@ divergence stops the job with an error instead of a hang.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import zlib
@@ -33,7 +34,7 @@ from .engine import forward_pass, sampling_warpers
 from .method import Method
 from .pool import BoundedPool, DensePool, to_device
 from .scheduler import Scheduler, Step
-from .step import ForwardPass
+from .step import COMPILE_MODES, ForwardPass
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ class _Run:
         # [S, 1] all true, a decode pass's mask: the attention reads the description, not a mask, but without one
         # HF's mask builder looks for packed sequences in the position ids, a host sync in every pass
         self.all_true = torch.ones(slots, 1, dtype=torch.bool, device=self.device)
+        self.decode_forward = forward_pass  # or its compiled form (serve's ``compile``)
         self.forcing = any(r.continuation is not None for r in requests)
         self.times = {"prefill": 0.0, "decode": 0.0}  # seconds spent in each kind of pass so far
         self.kv_low: int | None = None  # smallest and largest K/V bytes held after any pass
@@ -314,7 +316,7 @@ class _Run:
         """One decode step of every decoding slot, in one pass over the pool."""
         rows = [w.row for w in step.work]
         described = pool.decode_pass(step.work, self.device)
-        out = forward_pass(self.model, described, self.next_ids[:, None], self.all_true, described.qpos.clamp(min=0))
+        out = self.decode_forward(self.model, described, self.next_ids[:, None], self.all_true, described.qpos.clamp(0))
         index = described.decoding  # [k] the decoding rows
         return self.emit(rows, index, out.logits[:, -1].index_select(0, index))  # [k, V]
 
@@ -364,6 +366,12 @@ class _Run:
         )
 
 
+@functools.cache
+def _compiled_forward():
+    """``forward_pass`` compiled once per process (its graphs are cached per pass shape and model)."""
+    return torch.compile(forward_pass, fullgraph=True)
+
+
 def _eos_ids(ignore_eos: bool, eos_token_id: int | list[int] | None) -> set[int]:
     """The token ids that end a request (none when ``ignore_eos``)."""
     if ignore_eos or eos_token_id is None:
@@ -377,7 +385,7 @@ def _prompt_keys(requests: Sequence[Request]) -> list[int]:
     return [first.setdefault(tuple(r.input_ids), i) for i, r in enumerate(requests)]
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def serve(
     model: torch.nn.Module,
     requests: Sequence[Request],
@@ -399,6 +407,7 @@ def serve(
     return_logits: bool = False,
     keep_positions: bool = False,
     tp_group=None,
+    compile: str = "none",
 ) -> ServeOutput:
     """Generate for every request in ``slots`` slots (continuous batching); greedy unless ``do_sample`` (each
     request samples from its own generator, seeded with its ``seed``). A request ends at its ``max_new_tokens``,
@@ -408,12 +417,17 @@ def serve(
     pass (None: ``Method.pass_tokens(slots)``, every row's next chunk; the planner counts what is given:
     ``predict_pool(pass_tokens=...)``). ``share_prompts``: adjacent requests with
     identical prompts admitted together prefill once, on one row copied into the others (the choices of a
-    multiple-choice question). ``tp_group``: the tensor-parallel group, when there is one."""
+    multiple-choice question). ``tp_group``: the tensor-parallel group, when there is one. ``compile``: ``"none"``
+    (eager) or ``"default"``: every decode pass through ``torch.compile(forward_pass, fullgraph=True)`` (one graph
+    per pass shape; the same tokens)."""
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
     check_requests(requests, slots, getattr(model.config, "max_position_embeddings", None))
     eos = _eos_ids(ignore_eos, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     warpers = sampling_warpers(temperature, top_k, top_p) if do_sample else None
     run = _Run(model, requests, method, slots, warpers, eos, pad, stop, return_logits, tp_group)
+    run.decode_forward = _compiled_forward() if compile == "default" else forward_pass
     keys = _prompt_keys(requests) if share_prompts else None
     pool = _pool(model, method, slots, run.lengths, run.max_new)
     sched = Scheduler(method, run.lengths, run.max_new, slots, prefill_budget, keys, pass_tokens)

@@ -52,6 +52,11 @@ class ForwardPass:
         return self.cache.layers[module.layer_idx]
 
 
+#: How a slot pool's decode passes run (``serve(compile=...)``, the ``compile`` setting): ``none`` eager;
+#: ``default`` through ``torch.compile(forward_pass, fullgraph=True)``.
+COMPILE_MODES = ("none", "default")
+
+
 @dataclass(frozen=True)
 class Eviction:
     """Rows of a pool that evict before a pass, all the same way: ``count`` slots each (their empty slots first),

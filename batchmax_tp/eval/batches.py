@@ -159,6 +159,7 @@ def serve_replica(ctx: RunContext, run: OpenRun, samples: Sequence[Sample], mine
             eos_token_id=eos,
             pad_token_id=pad,
             prefill_budget=cfg.sweep.prefill_budget,
+            compile=cfg.sweep.compile,
             on_finish=finished,
             tp_group=getattr(ctx.model, "batchmax_tp_group", None),
             **cfg.generation.sampling(),
