@@ -61,20 +61,25 @@ bench_rc=${PIPESTATUS[0]}
   --out "$OUT/bench_continuous.json" 2>&1 | tee "$OUT/bench_continuous.log"
 cont_rc=${PIPESTATUS[0]}
 
-"$PY" - "$OUT" "$tests_rc" "$bench_rc" "$cont_rc" <<'PYEOF'
+# 4. The default engine's decode passes compiled (torch.compile, whole graph), BM and FKV: against part 3's rows.
+"$PY" launch/bench_throughput.py "${BENCH[@]}" --scheduler continuous --compile default --methods fkv,bm --no-hf \
+  --lengths '' --out "$OUT/bench_compiled.json" 2>&1 | tee "$OUT/bench_compiled.log"
+comp_rc=${PIPESTATUS[0]}
+
+"$PY" - "$OUT" "$tests_rc" "$bench_rc" "$cont_rc" "$comp_rc" <<'PYEOF'
 import json, os, sys, xml.etree.ElementTree as ET
 import torch, transformers
 
-out, tests_rc, bench_rc, cont_rc = sys.argv[1], *map(int, sys.argv[2:5])
+out = sys.argv[1]
+rcs = dict(zip(("cuda_tests", "bench_throughput", "bench_continuous", "bench_compiled"), map(int, sys.argv[2:6])))
 report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "transformers": transformers.__version__,
-          "parts": {"cuda_tests": tests_rc == 0, "bench_throughput": bench_rc == 0, "bench_continuous": cont_rc == 0},
-          "rc": {"cuda_tests": tests_rc, "bench_throughput": bench_rc, "bench_continuous": cont_rc}}
+          "parts": {part: rc == 0 for part, rc in rcs.items()}, "rc": rcs}
 junit = os.path.join(out, "cuda_tests.xml")
 if os.path.exists(junit):
     root = ET.parse(junit).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     report["cuda_tests"] = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-for part in ("bench_throughput", "bench_continuous"):
+for part in ("bench_throughput", "bench_continuous", "bench_compiled"):
     path = os.path.join(out, f"{part}.json")
     if os.path.exists(path):
         data = json.load(open(path))
@@ -87,4 +92,5 @@ print(json.dumps(report, indent=2))
 PYEOF
 pytest_failed "the tests marked cuda" "$tests_rc" && exit "$tests_rc"
 [ "$bench_rc" -ne 0 ] && exit "$bench_rc"
-exit "$cont_rc"
+[ "$cont_rc" -ne 0 ] && exit "$cont_rc"
+exit "$comp_rc"

@@ -16,6 +16,7 @@ from ..core.engine import generate
 from ..core.method import BatchMax, ExtremeDecoding, FullCache, Method
 from ..core.rules import get_rule
 from ..core.serve import Request, serve
+from ..core.step import COMPILE_MODES
 from ..embedded import EMBEDDED_MODEL
 from ..eval.oom import free_memory
 from ..plan.budget import fmt_bytes
@@ -88,6 +89,12 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     )
     ap.add_argument("--methods", default="fkv,ed,bm", help="which of fkv, ed, bm to run (comma-separated)")
     ap.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default="none",
+        help="continuous: decode passes eager (none) or through torch.compile (default; compile time is in the row)",
+    )
+    ap.add_argument(
         "--pass-tokens",
         type=int,
         default=None,
@@ -107,6 +114,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         unknown = sorted(set(a.methods.split(",")) - {"fkv", "ed", "bm"})
         if unknown:
             raise ValueError(f"--methods: unknown {', '.join(unknown)} (give some of fkv, ed, bm)")
+        if a.compile != "none" and a.scheduler != "continuous":
+            raise ValueError("--compile compiles the continuous scheduler's decode passes: add --scheduler continuous")
     except ValueError as err:
         ap.error(str(err))
     return a
@@ -206,10 +215,10 @@ def _hf_row(model, ids: torch.Tensor, method: Method, new: int, device: str, our
     return row
 
 
-def _served(model, ids: torch.Tensor, method: Method, new: int, pass_tokens: int | None):
+def _served(model, ids: torch.Tensor, method: Method, new: int, pass_tokens: int | None, compile: str = "none"):
     """``ids``' rows served in as many slots (EOS ignored), the tokens as a [B, new] tensor like ``generate``'s."""
     requests = [Request(row.tolist(), new) for row in ids]
-    out = serve(model, requests, method, ids.shape[0], ignore_eos=True, pass_tokens=pass_tokens)
+    out = serve(model, requests, method, ids.shape[0], ignore_eos=True, pass_tokens=pass_tokens, compile=compile)
     out.tokens = torch.tensor([o.tokens for o in out.outputs], device=ids.device)
     return out
 
@@ -224,6 +233,7 @@ def timed(
     hf: bool = False,
     scheduler: str = "static",
     pass_tokens: int | None = None,
+    compile: str = "none",
 ) -> dict:
     """One timed generation of ``new`` tokens (EOS ignored) at ``batch`` (static) or in ``batch`` slots
     (continuous); with ``hf``, FKV and ED through plain HF too (``hf`` and ``ours_over_hf``)."""
@@ -231,7 +241,7 @@ def timed(
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     if scheduler == "continuous":
-        out = _served(model, ids, method, new, pass_tokens if isinstance(method, BatchMax) else None)
+        out = _served(model, ids, method, new, pass_tokens if isinstance(method, BatchMax) else None, compile)
     else:
         out = generate(model, ids, None, method, new, ignore_eos=True)
     row = {
@@ -268,7 +278,7 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
             continue
         t = time.perf_counter()
         try:
-            timed_row = timed(model, m, b, s, T, a.device, not a.no_hf, a.scheduler, kw.get("pass_tokens"))
+            timed_row = timed(model, m, b, s, T, a.device, not a.no_hf, a.scheduler, kw.get("pass_tokens"), a.compile)
         except torch.OutOfMemoryError as err:  # the planner under-counted on this card: a row, and the next method
             logger.warning("%s at batch %d: out of memory (%s)", m.label(), b, str(err).split(".")[0])
             free_memory(torch.device(a.device))
