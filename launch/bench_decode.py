@@ -14,6 +14,11 @@ Three measurements, in one process:
    kept K/V ([B, Hkv, kept, D] and [B, Hq, 1, D] queries), interleaved ``--reps`` times; median microseconds per
    call and the median of the per-repeat ratios. The cache update that precedes BM's call is timed apart.
 
+4. **With ``--compiled``: the slot pool's decode pass, eager against compiled** (``serve(compile=...)``), BM and
+   FKV: ``--batch`` requests of ``--kv-max + 64`` tokens in as many slots, ``--compiled-new`` new tokens each, run
+   eager, compiled, compiled, eager in one process; the median of each run's last 100 decode passes, and the first
+   compiled run's wall time (its compiling). About 8 minutes on 2 cores at --batch 16.
+
 Every figure is wall time on this machine; run it alone. Results: ``--out`` (JSON) and a table on stdout.
 """
 
@@ -32,9 +37,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.core import attention, cache  # noqa: E402
+from batchmax_tp.core import serve as serve_mod  # noqa: E402
 from batchmax_tp.core.engine import generate  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
 from batchmax_tp.core.schedule import Phase  # noqa: E402
+from batchmax_tp.core.step import ForwardPass  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 
 
@@ -122,15 +129,19 @@ def attention_vs_sdpa(config, batch: int, kv_max: int, reps: int, calls: int = 1
     layer, module = c.layers[0], torch.nn.Module()
     module.layer_idx = 0
     with torch.inference_mode():
-        c.begin(Phase("prefill", 0, kept, 0))
+        prefill = Phase("prefill", 0, kept, 0)
+        c.begin(prefill)
         k = torch.randn(batch, Hkv, kept, D, generator=g)
         keys, values = layer.update(k, torch.randn(batch, Hkv, kept, D, generator=g))
-        attention.batchmax_attention(module, torch.randn(batch, Hq, kept, D, generator=g), keys, values, None)
-        c.begin(Phase("decode", kept, kept + 1, 0, step=1))
+        q = torch.randn(batch, Hq, kept, D, generator=g)
+        attention.batchmax_attention(module, q, keys, values, None, batchmax=ForwardPass.static(c, prefill))
+        decode = Phase("decode", kept, kept + 1, 0, step=1)
+        described = ForwardPass.static(c, decode)  # the engine's description of a decode step
+        c.begin(decode)
         q = torch.randn(batch, 1, Hq, D, generator=g).transpose(1, 2)  # [B, Hq, 1, D], laid out as HF's
         k1 = torch.randn(batch, Hkv, 1, D, generator=g)
         layer.update(k1, k1)
-        attention.batchmax_attention(module, q, keys, values, None)
+        attention.batchmax_attention(module, q, keys, values, None, batchmax=described)
         k_sdpa, v_sdpa = keys[:, :, :kv_max].contiguous(), values[:, :, :kv_max].contiguous()
 
         def update():  # rewrite the same slot: the same state every call
@@ -141,7 +152,7 @@ def attention_vs_sdpa(config, batch: int, kv_max: int, reps: int, calls: int = 1
 
         def bm():
             cache._handoff.layer = layer
-            return attention.batchmax_attention(module, q, keys, values, None)
+            return attention.batchmax_attention(module, q, keys, values, None, batchmax=described)
 
         def sdpa():
             return F.scaled_dot_product_attention(q, k_sdpa, v_sdpa, enable_gqa=Hq != Hkv, scale=D**-0.5)
@@ -170,6 +181,47 @@ def attention_vs_sdpa(config, batch: int, kv_max: int, reps: int, calls: int = 1
     }
 
 
+def compiled_vs_eager(model, methods: list[Method], batch: int, prompt_len: int, new: int) -> list[dict]:
+    """Per method: ms per decode pass of the slot pool (median of each run's last 100), eager and compiled, runs
+    interleaved eager, compiled, compiled, eager; the wall seconds of the first compiled run and of the eager
+    ones."""
+    g = torch.Generator().manual_seed(0)
+    requests = [serve_mod.Request(torch.randint(100, 1000, (prompt_len,), generator=g).tolist(), new)]
+    requests = requests * batch
+    times: list[float] = []
+    decode = serve_mod._Run.decode
+
+    def timed(self, pool, step):
+        t = time.perf_counter()
+        out = decode(self, pool, step)
+        times.append(time.perf_counter() - t)
+        return out
+
+    serve_mod._Run.decode = timed
+    rows = []
+    try:
+        for m in methods:
+            row = {"method": m.label(), "eager_ms": [], "compiled_ms": [], "eager_wall_s": [], "compiled_wall_s": []}
+            for mode in ("none", "default", "default", "none"):
+                times.clear()
+                t0 = time.perf_counter()
+                serve_mod.serve(model, requests, m, batch, ignore_eos=True, compile=mode)
+                key = "eager" if mode == "none" else "compiled"
+                row[f"{key}_ms"].append(1e3 * statistics.median(times[-100:]))
+                row[f"{key}_wall_s"].append(time.perf_counter() - t0)
+            row["eager_over_compiled"] = statistics.mean(row["eager_ms"]) / statistics.mean(row["compiled_ms"])
+            rows.append(row)
+            print(
+                f"{m.label()}: eager {row['eager_ms']} ms, compiled {row['compiled_ms']} ms per pass, "
+                f"eager/compiled {row['eager_over_compiled']:.3f}, "
+                f"first compiled run {row['compiled_wall_s'][0]:.0f} s",
+                flush=True,
+            )
+    finally:
+        serve_mod._Run.decode = decode
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=EMBEDDED_MODEL)
@@ -181,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rule", default="paper")
     ap.add_argument("--new", type=int, default=129, help="new tokens (two evictions at the defaults)")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--compiled", action="store_true", help="also part 4: the pool's decode pass, eager vs compiled")
+    ap.add_argument("--compiled-new", type=int, default=160, help="part 4: new tokens per request")
     ap.add_argument("--out", default="results/bench_decode.json")
     a = ap.parse_args(argv)
 
@@ -193,6 +247,8 @@ def main(argv=None) -> int:
     split = decode_split(model, method, a.batch, a.kv_max + a.p, a.new)
     own = model_step(model, a.batch, a.kv_max, a.new)
     micro = attention_vs_sdpa(model.config, a.batch, a.kv_max, a.reps)
+    methods = [method, Method("fkv")]
+    compiled = compiled_vs_eager(model, methods, a.batch, a.kv_max + 64, a.compiled_new) if a.compiled else None
 
     print(
         f"\nmodel={a.model} dtype={a.dtype} threads={torch.get_num_threads()} batch={a.batch} "
@@ -223,6 +279,7 @@ def main(argv=None) -> int:
                 "decode_split": split,
                 "fkv_step_ms": own,
                 "attention": micro,
+                "compiled": compiled,
             },
             f,
             indent=2,
