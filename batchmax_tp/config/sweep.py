@@ -91,8 +91,8 @@ class SweepConfig(Part):
     compile: str = setting(
         "none",
         TEXT,
-        "continuous: decode passes eager (none) or compiled whole with torch.compile (default: 1.24x faster steps "
-        "for BM on a 2-core CPU, after about 2 minutes of compiling per run; default none)",
+        "continuous: decode passes eager (none) or compiled whole with torch.compile (default: 1.23x faster steps "
+        "for BM on a 2-core CPU, after 1-3 minutes of compiling; default none)",
         metavar="|".join(COMPILE_MODES),
         choices=COMPILE_MODES,
     )
