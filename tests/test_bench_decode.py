@@ -8,27 +8,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tiny import tiny_arch
+
 SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "bench_decode.py"
 
 
 def test_bench_decode_runs_on_a_tiny_architecture(tmp_path):
-    arch = tmp_path / "tiny.json"
-    arch.write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "vocab_size": 2048,
-                "max_position_embeddings": 512,
-            }
-        )
-    )
     out = tmp_path / "d.json"
-    cmd = [sys.executable, str(SCRIPT), "--model", f"arch:{arch}", "--batch", "2", "--kv-max", "128", "--p", "16"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--model",
+        tiny_arch(tmp_path, vocab=2048),
+        "--batch",
+        "2",
+        "--kv-max",
+        "128",
+        "--p",
+        "16",
+    ]
     cmd += ["--new", "20", "--reps", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import tiny_arch
 
 from batchmax_tp.bench import throughput as bt
 
@@ -97,22 +98,7 @@ def test_bad_rules_stop_before_the_model_loads(capsys, tmp_path):
 
 
 def _tiny_arch(tmp_path) -> str:
-    path = tmp_path / "tiny.json"
-    path.write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "vocab_size": 256,
-                "max_position_embeddings": 512,
-            }
-        )
-    )
-    return f"arch:{path}"
+    return tiny_arch(tmp_path)
 
 
 def _bench(tmp_path, budget: str, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:

@@ -59,3 +59,15 @@ def tiny_random_model(family: str = "llama", seed: int = 0, **overrides: Any) ->
 def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
     """A tiny random GQA Llama (:func:`tiny_random_model` with ``family="llama"``)."""
     return tiny_random_model("llama", seed=seed, **overrides)
+
+
+def tiny_arch(folder, vocab: int = 256) -> str:
+    """``arch:PATH`` of a tiny Llama architecture written into ``folder`` (for the launch scripts' ``--model``)."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / f"tiny-{vocab}.json"
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    fields.update(num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=512)
+    path.write_text(json.dumps({"model_type": "llama", **fields}))
+    return f"arch:{path}"
