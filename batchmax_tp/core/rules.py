@@ -91,33 +91,37 @@ def average_attention(attn: Tensor, pos: Tensor, curr_id: int) -> Tensor:
     return (attn / count).masked_fill(~valid, float("-inf"))
 
 
-def pool_by_position(x: Tensor, pos: Tensor, kernel: int, pool: str, curr_id: int) -> Tensor:
+def pool_by_position(x: Tensor, pos: Tensor, kernel: int, pool: str, curr_id: int | Tensor) -> Tensor:
     """Pool ``x`` [B, H, C] over the valid slots whose positions are within ``kernel // 2`` of each slot's.
 
-    Slots are unordered and evicted positions are absent, so neighbours are found in position space: the values
-    are scattered onto a row of positions ``[0, curr_id]`` (every position held is at most ``curr_id``), pooled
-    by one sliding window of ``kernel`` positions (``max`` the largest present, ``avg`` the mean over those
-    present) and read back at each slot's position. Invalid slots stay ``-inf``. ``curr_id``: one host int, or a
-    tensor [B, 1, 1] of each row's (a pool's rows at their own positions: the row of positions spans the largest).
-    """
+    Slots are unordered and evicted positions are absent, so neighbours are found in position space: each row's
+    slots are sorted by position (a row holds each position once), and a slot's neighbours within ``r = kernel //
+    2`` positions lie within ``r`` places of it in that order; ``max`` takes the largest present, ``avg`` the mean
+    over those present. Invalid slots stay ``-inf``. Shapes are fixed by ``x``'s and nothing is read back to the
+    host (``curr_id``, an int or a tensor of each row's, is not needed: it bounds the positions only)."""
     r = kernel // 2
     valid = pos >= 0
     if r == 0:
         return x.masked_fill(~valid, float("-inf"))
-    if not isinstance(curr_id, int):
-        curr_id = int(curr_id.max())  # the rows' positions all lie in [0, max curr_id]
-    B, H, _ = x.shape
-    width = curr_id + 1 + 2 * r  # positions [-r, curr_id + r]: every window lies inside
-    at = (pos + r).masked_fill(~valid, width)  # [B, H, C]; invalid slots go to a column no window reads
+    far = 1 << 62  # invalid slots sort last and are never anyone's neighbour
+    key = pos.masked_fill(~valid, far)  # [B, H, C]
+    order = key.argsort(dim=-1)  # [B, H, C]
+    spos, sx = key.gather(-1, order), x.gather(-1, order)  # [B, H, C] each, by position
     empty = float("-inf") if pool == "max" else 0.0
-    row = x.new_full((B, H, width + 1), empty).scatter_(-1, at, x)  # [B, H, width + 1]
-    windows = row[..., :width].unfold(-1, kernel, 1)  # [B, H, curr_id + 1, kernel], a view
+    B, H, C = x.shape
+    padded_pos = key.new_full((B, H, C + 2 * r), far)
+    padded_pos[..., r : r + C] = spos
+    padded_x = x.new_full((B, H, C + 2 * r), empty)
+    padded_x[..., r : r + C] = sx
+    win_pos = padded_pos.unfold(-1, 2 * r + 1, 1)  # [B, H, C, 2r + 1]: each slot's r neighbours either side
+    win_x = padded_x.unfold(-1, 2 * r + 1, 1)  # [B, H, C, 2r + 1]
+    near = (win_pos - spos[..., None]).abs() <= r  # [B, H, C, 2r + 1]
     if pool == "max":
-        pooled = windows.amax(-1)  # [B, H, curr_id + 1]
+        pooled = win_x.masked_fill(~near, float("-inf")).amax(-1)  # [B, H, C]
     else:
-        present = x.new_zeros((B, H, width + 1)).scatter_(-1, at, valid.to(x.dtype))  # [B, H, width + 1]
-        pooled = windows.sum(-1) / present[..., :width].unfold(-1, kernel, 1).sum(-1).clamp(min=1)
-    return pooled.gather(-1, pos.clamp(min=0)).masked_fill(~valid, float("-inf"))  # [B, H, C]
+        pooled = win_x.masked_fill(~near, 0.0).sum(-1) / near.sum(-1).clamp(min=1)
+    out = pooled.scatter(-1, order, pooled)  # back to slot order (``order`` is a permutation)
+    return out.masked_fill(~valid, float("-inf"))  # [B, H, C]
 
 
 def protect(priority: Tensor, pos: Tensor, curr_id: int, sinks: int, recent: int) -> Tensor:
