@@ -269,8 +269,10 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
     for m in methods(a):
         if m.name not in a.methods.split(","):
             continue
-        kw = dict(dtype=a.dtype, pass_tokens=a.pass_tokens if isinstance(m, BatchMax) else None) if pool else {}
-        fit = (max_slots if pool else max_batch)(budget, shape, m, s, T, **({"dtype": a.dtype} | kw))
+        kw = dict(dtype=a.dtype)  # the planner's settings; a pool's BM passes take --pass-tokens
+        if pool and isinstance(m, BatchMax):
+            kw["pass_tokens"] = a.pass_tokens
+        fit = (max_slots if pool else max_batch)(budget, shape, m, s, T, **kw)
         b = min(fit, batch_cap(a))
         head = {"method": m.name, "rule": m.rule if m.takes_rule else None, "kv_max": m.kv_max}
         if b == 0:
@@ -290,7 +292,7 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
             "status": "ok",
             "scheduler": a.scheduler,
             "pass_tokens": kw.get("pass_tokens"),
-            "predicted": (predict_pool if pool else predict)(shape, m, b, s, T, **({"dtype": a.dtype} | kw)).as_dict(),
+            "predicted": (predict_pool if pool else predict)(shape, m, b, s, T, **kw).as_dict(),
             **timed_row,
         }
         row["wall_s"] = time.perf_counter() - t

@@ -117,11 +117,11 @@ def register_sdpa_repeat() -> None:
 def dense_prefill_attention(query: torch.Tensor, key: torch.Tensor):
     """The SDPA function a pool's dense prefill hands a layer to: ``sdpa_repeat_kv`` for GQA on a card below compute
     capability 8.0 (as ``choose_attention``), else HF's own."""
-    capability = _capability(query.device)
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    if query.shape[1] != key.shape[1] and half and capability is not None and tuple(capability) < (8, 0):
-        return sdpa_repeat_kv
-    return sdpa_attention_forward
+    gqa = query.shape[1] != key.shape[1]
+    chosen = choose_attention(
+        _capability(query.device), query.dtype, flash=False, sdpa=True, padded_fkv=False, current=SDPA, gqa=gqa
+    )
+    return sdpa_repeat_kv if chosen == SDPA_REPEAT else sdpa_attention_forward
 
 
 @contextlib.contextmanager

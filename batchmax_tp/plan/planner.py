@@ -340,7 +340,7 @@ def _dense_slot_prefill(shape: ModelShape, prompt_len: int, tp: int, nbytes: int
     "batchmax" attention hands it over: no mask, no K/V copies; on a card below compute capability 8.0 a GQA
     model's K/V copied per query head, ``core.baseline.dense_prefill_attention``)."""
     q_heads, kv_heads = shape.local_heads(tp)
-    paths = [SDPA, SDPA_REPEAT] if nbytes == 2 and q_heads != kv_heads else [SDPA]
+    paths = [i for i in half_dtype_impls(nbytes, q_heads, kv_heads) if i != FLASH]  # its prefill never takes FA2
     D, L = shape.head_dim, prompt_len
     return (
         prompt_len * _per_token(shape, tp, nbytes) + shape.vocab * 4,
