@@ -77,3 +77,52 @@ def test_continuous_serving_in_float16_on_a_gqa_model(method):
     got = serve(model.half(), requests, method, 3, ignore_eos=True)
     assert [o.num_generated for o in got.outputs] == [8] * 4
     assert [o.tokens[:2] for o in got.outputs] == [o.tokens[:2] for o in want.outputs]
+
+
+@pytest.mark.parametrize(
+    "method, mode",
+    [(m, "cudagraphs") for m in SERVED] + [(SERVED[0], "default")],  # inductor: about a minute a method
+    ids=lambda x: x.label() if isinstance(x, Method) else x,
+)
+def test_captured_and_compiled_decode_passes_equal_eager_on_cuda(method, mode):
+    """``compile="cudagraphs"``: the decode pass captured once as a CUDA graph and replayed for every later pass
+    (``core.replay.CapturedDecode``); ``"default"``: compiled by inductor. Over a run with EOS honoured, slots freed
+    and refilled and evictions in many passes, every request's tokens, logits (1e-3) and kept positions equal the
+    eager run's on the same GPU."""
+    model = tiny_llama(**PEAKED).cuda()
+    g = torch.Generator().manual_seed(7)
+    lengths, new = [5, 16, 95, 96, 97, 150, 250, 40, 12, 70], [40, 3, 120, 60, 1, 90, 140, 8, 100, 30]
+    requests = [Request(torch.randint(3, 128, (n,), generator=g).tolist(), k) for n, k in zip(lengths, new)]
+    kw = dict(eos_token_id=2, return_logits=True, keep_positions=True)
+    eager = serve(model, requests, method, 3, **kw)
+    got = serve(model, requests, method, 3, compile=mode, **kw)
+    assert got.compile_s > 0
+    for i, (a, b) in enumerate(zip(got.outputs, eager.outputs)):
+        assert a.tokens == b.tokens, f"request {i}"
+        torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-3, rtol=0)
+        assert a.kept_positions == b.kept_positions, f"request {i}"
+
+
+def test_captured_decode_pass_replays_one_graph_in_float16():
+    """The captured pass on a half-precision GQA model: one capture for the whole run (the replay raises if a pass
+    changes shape), the first tokens as eager's."""
+    from batchmax_tp.core import replay
+
+    captures = []
+    real = replay.CapturedDecode._capture
+
+    def counted(self, *a):
+        captures.append(1)
+        return real(self, *a)
+
+    model = tiny_llama(**PEAKED).cuda().half()
+    g = torch.Generator().manual_seed(9)
+    requests = [Request(torch.randint(3, 128, (n,), generator=g).tolist(), 64) for n in (12, 100, 200, 30, 90)]
+    want = serve(model, requests, SERVED[0], 3, ignore_eos=True)
+    replay.CapturedDecode._capture = counted
+    try:
+        got = serve(model, requests, SERVED[0], 3, ignore_eos=True, compile="auto")
+    finally:
+        replay.CapturedDecode._capture = real
+    assert captures == [1]
+    assert [o.tokens[:4] for o in got.outputs] == [o.tokens[:4] for o in want.outputs]

@@ -50,7 +50,7 @@ def test_gpu_check_fails_when_pytest_runs_no_tests(tmp_path):
     assert failed.returncode == 1 and "pytest exit 1" in failed.stderr
     benches = [c for c in (tmp_path / "out-1.log").read_text().splitlines() if "bench_throughput.py" in c]
     assert len(benches) == 3 and "--scheduler continuous" in benches[1]  # every part runs after a failed one
-    assert "--compile default" in benches[2]
+    assert "--compile cudagraphs" in benches[2]
 
 
 # Stands in for $PYTHON in scripts/test.sh: `-m ruff check` exits $FAKE_RUFF_RC, every call is logged.

@@ -80,8 +80,10 @@ class RunConfig:
         procedure = self.memory.procedure
         if procedure is not None and self.sweep.scheduler == "continuous":
             raise ConfigError("scheduler", f"procedure {procedure} plans static batches: use scheduler static")
-        if self.sweep.compile != "none" and self.scheduler != "continuous":
+        if self.sweep.compile not in ("none", "auto") and self.scheduler != "continuous":
             raise ConfigError("compile", "compiles the continuous scheduler's decode passes: use scheduler continuous")
+        if self.sweep.compile == "cudagraphs" and self.model.device == "cpu":
+            raise ConfigError("compile", "cudagraphs captures CUDA graphs: it needs device cuda (or auto on a GPU)")
         for k in self.memory.kv_values or ():
             try:  # each entry is a BM run with the configured rule (Method owns the rules)
                 BatchMax(kv_max=k, p=self.sweep.p, rule=self.sweep.rule)

@@ -89,10 +89,11 @@ class SweepConfig(Part):
         choices=SCHEDULERS,
     )
     compile: str = setting(
-        "none",
+        "auto",
         TEXT,
-        "continuous: decode passes eager (none) or compiled whole with torch.compile (default: 1.23x faster steps "
-        "for BM on a 2-core CPU, after 1-3 minutes of compiling; default none)",
+        "continuous: decode passes eager (none), compiled whole with torch.compile (default: 1.23x faster steps "
+        "for BM on a 2-core CPU, after 1-3 minutes of compiling), captured once as a CUDA graph and replayed "
+        "(cudagraphs, CUDA only), or auto (cudagraphs on CUDA, none elsewhere)",
         metavar="|".join(COMPILE_MODES),
         choices=COMPILE_MODES,
     )

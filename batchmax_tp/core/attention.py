@@ -116,7 +116,8 @@ def _decode_attention(
     B, Hq, _, D = query.shape
     Hkv = key.shape[1]
     g = Hq // Hkv
-    layer.cache.note_workspace(workspace.decode_workspace_bytes(B, Hq, Hkv, hi, D, query.element_size()))
+    if not torch.compiler.is_compiling():  # a compiled pass's pool notes it (``_Pool.note_decode``): no guard on it
+        layer.cache.note_workspace(workspace.decode_workspace_bytes(B, Hq, Hkv, hi, D, query.element_size()))
     q = query.reshape(B * Hkv, g, D)  # [B*Hkv, g, D]: query heads grouped by their KV head (a view)
     keys_t = key[:, :, :hi].transpose(2, 3).reshape(B * Hkv, D, hi)  # [B*Hkv, D, hi] (a view)
     if bias is None:
@@ -128,10 +129,9 @@ def _decode_attention(
     del logits
     if layer.cache.method.reads_scores:
         received = probs.view(B, Hkv, g, hi).sum(dim=2)  # [B, Hkv, hi]: attention received, summed over the group
-        if active is None:
-            layer.score[:, :, :hi] += received
-        else:
-            layer.score[:, :, :hi].addcmul_(received, active)
+        if active is not None:  # idle rows add nothing (a fill, not a product: an empty row's softmax is NaN)
+            received.masked_fill_(active == 0, 0.0)
+        layer.score[:, :, :hi] += received
         del received
     out = torch.bmm(probs.to(value.dtype), value[:, :, :hi].reshape(B * Hkv, hi, D))  # [B*Hkv, g, D]
     return out.view(B, 1, Hq, D)  # [B, 1, Hq, D]: (Hkv, g) rows are the query heads in order
@@ -196,13 +196,11 @@ def _rows_attention(
     scaling: float,
 ) -> torch.Tensor:
     """A pool's pass, as ``step`` states it (BM's prefill chunks, probes and decode steps; the dense pools' decode
-    steps): evict, write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
+    steps): write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
     layer.cache.allocate(key, value)
     if step.kind == "probe":  # nothing is evicted or written: the probe only reads
         return _rows_probe(layer, step, query, (key, value), scaling)
-    for eviction in step.evictions:
-        layer.evict(eviction)
-    layer.write(step, key, value)
+    layer.write(step, key, value)  # the pass's evictions ran before it (the pool's ``evict``)
     if step.kind == "decode":
         return _decode_attention(layer, query, layer.keys, layer.values, scaling, step.hi, step.active, step.bias)
     return _rows_block(layer, step, query, scaling)

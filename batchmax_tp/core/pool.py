@@ -39,6 +39,7 @@ from .cache import SlotLayer, free_slots
 from .method import Method
 from .schedule import Phase
 from .step import Eviction, RowsPass, SlotWork
+from .workspace import decode_workspace_bytes
 
 
 @dataclass
@@ -64,22 +65,38 @@ def _bytes(*tensors: torch.Tensor | None) -> int:
 class _Pool(Cache):
     """What both pools share: rows, peaks, the shared prefill's fork."""
 
-    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, layer_class):
+    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, layer_class, static: bool):
         super().__init__(layers=[layer_class(self, i) for i in range(num_layers)])
         self.method, self.slots, self.capacity = method, slots, capacity
+        # static: every decode pass attends over all C slots (one shape for the whole run: compiled or captured
+        # once); else over the slots written so far
+        self.static = static
+        self.stacks: dict[str, torch.Tensor] = {}
         self.rows = [RowState() for _ in range(slots)]
         self.row_caches: dict[int, Cache] = {}  # first slot of each group being prefilled -> the group's cache
         self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate every layer's pool from the first pass's local shapes (heads under tensor parallelism); once."""
+        """Allocate the pool from the first pass's local shapes (heads under tensor parallelism), once: each tensor
+        stacked over the layers [L, S, ...] (``stacks``: an eviction frees slots in every layer in one call), each
+        layer holding its views [S, ...]."""
         if self.allocated:
             return
-        for layer in self.layers:
-            layer.allocate(
-                key_states.shape[1], key_states.shape[-1], value_states.shape[-1], key_states.dtype, key_states.device
-            )
+        H, dtype, device = key_states.shape[1], key_states.dtype, key_states.device
+        S, C1 = self.slots, self.capacity + 1
+        L = len(self.layers)
+        self.stacks = {
+            "keys": torch.zeros(L, S, H, C1, key_states.shape[-1], dtype=dtype, device=device),
+            "values": torch.zeros(L, S, H, C1, value_states.shape[-1], dtype=dtype, device=device),
+            **self.meta_stacks(L, H, dtype, device),
+        }
+        for i, layer in enumerate(self.layers):
+            layer.bind_storage({name: t[i] for name, t in self.stacks.items()}, dtype, device)
         self.note()
+
+    def meta_stacks(self, L: int, H: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """The pool's per-slot bookkeeping, stacked over the layers (none for the dense pools)."""
+        return {}
 
     @property
     def allocated(self) -> bool:
@@ -102,6 +119,20 @@ class _Pool(Cache):
 
     def note_workspace(self, nbytes: int) -> None:
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
+
+    def release(self) -> None:
+        """Drop every buffer (the run is over): the layers refer to their pool, so without this the memory would
+        wait for a garbage collection."""
+        self.stacks = {}
+        self.row_caches.clear()
+        self.layers.clear()
+
+    def note_decode(self, query_group: int, hi: int) -> None:
+        """Note a decode pass's workspace from the host (a compiled pass does not: ``attention._decode_attention``);
+        ``query_group``: query heads per KV head."""
+        keys = self.stacks["keys"]  # [L, S, H, C + 1, D]
+        H, D = keys.shape[2], keys.shape[-1]
+        self.note_workspace(decode_workspace_bytes(self.slots, H * query_group, H, hi, D, keys.element_size()))
 
     def _decode_pass(
         self,
@@ -154,12 +185,11 @@ class _RowBound:
 
 
 class _PoolLayer(SlotLayer):
-    """One decoder layer of a pool: keys/values [S, H, C + 1, D], allocated by the pool from a prefill's shapes."""
+    """One decoder layer of a pool: keys/values [S, H, C + 1, D], views of the pool's stacks (``_Pool.allocate``)."""
 
-    def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        S, C = self.cache.slots, self.cache.capacity
-        self.keys = torch.zeros(S, heads, C + 1, k_dim, dtype=dtype, device=device)
-        self.values = torch.zeros(S, heads, C + 1, v_dim, dtype=dtype, device=device)
+    def bind_storage(self, views: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        for name, view in views.items():
+            setattr(self, name, view)
         self.dtype, self.device, self.is_initialized = dtype, device, True
 
     def row_tensors(self) -> tuple[torch.Tensor, ...]:
@@ -187,16 +217,6 @@ class PoolLayer(_PoolLayer):
         self.pos = self.score = self.bias = self.free = self.probe = None
         self.probe_q = self.probe_lse = self.probe_w = None
 
-    def allocate(self, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().allocate(heads, k_dim, v_dim, dtype, device)
-        S, C = self.cache.slots, self.cache.capacity
-        self.pos = torch.full((S, heads, C + 1), -1, dtype=torch.long, device=device)
-        self.score = torch.zeros(S, heads, C + 1, dtype=torch.float32, device=device)
-        self.bias = torch.full((S, heads, C + 1), float("-inf"), dtype=dtype, device=device)
-        self.free = torch.arange(C + 1, device=device).repeat(S, heads, 1)  # [S, H, C + 1]: identity, ends in C
-        if self.cache.method.lookahead:
-            self.probe = torch.zeros(S, heads, C + 1, dtype=torch.float32, device=device)
-
     def row_tensors(self) -> tuple[torch.Tensor, ...]:
         stored = (self.probe, self.probe_q, self.probe_lse, self.probe_w)
         return (
@@ -218,24 +238,7 @@ class PoolLayer(_PoolLayer):
     def meta_tensors(self) -> tuple[torch.Tensor | None, ...]:
         return self.pos, self.score, self.bias, self.free, self.probe, self.probe_q, self.probe_lse, self.probe_w
 
-    # -- a pass's writes: eviction, then the new pairs ---------------------------------------------------------------
-    def evict(self, ev: Eviction) -> None:
-        """Free ``ev.count`` slots in each of the rows ``ev.rows`` at once (``cache.free_slots`` on their gathered
-        slot state), and make the freed slots the head of each row's free list."""
-        C, e = self.cache.capacity, ev.rows
-        pos, score, bias = (t[:, :, :C].index_select(0, e) for t in (self.pos, self.score, self.bias))  # [E, H, C]
-        probe = None
-        if ev.probe == "fresh":
-            probe = self.probe[:, :, :C].index_select(0, e)  # [E, H, C]
-        elif ev.probe == "rescore":  # the rows' last probe pass's queries, over the slots held now
-            state = lookahead.ProbeState(*(t.index_select(0, e) for t in (self.probe_q, self.probe_lse, self.probe_w)))
-            probe = lookahead.rescore(state, self.keys[:, :, :C].index_select(0, e), pos)  # [E, H, C]
-        priority = self.cache.method.priority(score, pos, ev.curr_id, probe)  # [E, H, C]
-        freed = free_slots(priority, pos, score, bias, ev.count)  # [E, H, count]
-        for dst, src in ((self.pos, pos), (self.score, score), (self.bias, bias)):
-            dst[:, :, :C].index_copy_(0, e, src)
-        self.free[:, :, : ev.count].index_copy_(0, e, freed)
-
+    # -- a pass's writes: the new pairs (evictions: ``BoundedPool.evict``, before the pass) ----------------------
     def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write each row's columns [R, H, n, D] at the slots its free list gives (masked columns: the scratch slot)."""
         R, H, n, _ = key_states.shape
@@ -275,13 +278,52 @@ class BoundedPool(_Pool):
     its decode steps in passes over the whole pool; ``prefill_pass``/``decode_pass`` describe each pass
     (``step.RowsPass``) from the rows' host state (``RowState``), which they advance."""
 
-    def __init__(self, method: Method, num_layers: int, slots: int):
+    def __init__(self, method: Method, num_layers: int, slots: int, static: bool = False):
         if not method.reads_scores:
             raise ValueError(f"BoundedPool serves method 'bm' (its attention scores), not {method.name!r}")
-        super().__init__(method, num_layers, slots, method.kv_max, PoolLayer)
+        super().__init__(method, num_layers, slots, method.kv_max, PoolLayer, static)
+
+    def meta_stacks(self, L: int, H: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """pos (-1: empty), score, bias (-inf: empty), the free lists (identity, ending in the scratch slot C) and,
+        for a rule with a look-ahead probe, probe: each [L, S, H, C + 1]."""
+        shape = (L, self.slots, H, self.capacity + 1)
+        stacks = {
+            "pos": torch.full(shape, -1, dtype=torch.long, device=device),
+            "score": torch.zeros(shape, dtype=torch.float32, device=device),
+            "bias": torch.full(shape, float("-inf"), dtype=dtype, device=device),
+            "free": torch.arange(shape[-1], device=device).repeat(*shape[:-1], 1),
+        }
+        if self.method.lookahead:
+            stacks["probe"] = torch.zeros(shape, dtype=torch.float32, device=device)
+        return stacks
 
     def meta_bytes(self) -> int:
         return sum(_bytes(*layer.meta_tensors()) for layer in self.layers)
+
+    def evict(self, ev: Eviction) -> None:
+        """Free ``ev.count`` slots in each of the rows ``ev.rows``, in every layer at once (``cache.free_slots`` on
+        their slot state gathered from the stacks, [L*E, H, C]), and make the freed slots the head of each row's free
+        list. A "rescore" eviction first ranks each layer's slots with that layer's stored probe queries."""
+        L, C, e = len(self.layers), self.capacity, ev.rows
+        pos, score, bias = (self.stacks[n][..., :C].index_select(1, e).flatten(0, 1) for n in ("pos", "score", "bias"))
+        probe = None  # [L*E, H, C]
+        if ev.probe == "fresh":
+            probe = self.stacks["probe"][..., :C].index_select(1, e).flatten(0, 1)
+        elif ev.probe == "rescore":  # each layer's last probe pass's queries, over the slots it holds now
+            probe = torch.cat([self._rescored(layer, e, p) for layer, p in zip(self.layers, pos.chunk(L))])
+        priority = self.method.priority(score, pos, ev.curr_id.repeat(L, 1, 1), probe)  # [L*E, H, C]
+        freed = free_slots(priority, pos, score, bias, ev.count)  # [L*E, H, count]
+        for name, src in (("pos", pos), ("score", score), ("bias", bias)):
+            self.stacks[name][..., :C].index_copy_(1, e, src.unflatten(0, (L, -1)))
+        self.stacks["free"][..., : ev.count].index_copy_(1, e, freed.unflatten(0, (L, -1)))
+
+    def _rescored(self, layer: PoolLayer, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s look-ahead attention [E, H, C] over the slots ``pos`` [E, H, C] of ``rows``, from the
+        queries its last probe pass stored."""
+        state = lookahead.ProbeState(
+            *(t.index_select(0, rows) for t in (layer.probe_q, layer.probe_lse, layer.probe_w))
+        )
+        return lookahead.rescore(state, layer.keys[:, :, : self.capacity].index_select(0, rows), pos)
 
     def admit(self, rows: range, prompt_len: int, shared: bool = False) -> None:
         """Requests enter the slots ``rows``: their slots are emptied."""
@@ -362,7 +404,8 @@ class BoundedPool(_Pool):
             if st.contiguous:
                 st.high = max(st.high, st.ptr + 1)
             st.ptr, st.filled, st.seen = st.ptr + 1, st.filled + 1, st.seen + 1
-        return self._decode_pass(work, ptr, seen, max(self.rows[w.row].high for w in work), evicting, device)
+        hi = C if self.static else max(self.rows[w.row].high for w in work)
+        return self._decode_pass(work, ptr, seen, hi, evicting, device)
 
     def kept_positions(self, row: int) -> list[list[list[int]]]:
         """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
@@ -423,14 +466,6 @@ class DensePoolLayer(_PoolLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.capacity + query_length, 0
 
-    def evict(self, ev: Eviction) -> None:
-        """ED's eviction (Algorithm 3) in the rows ``ev.rows`` at once: each keeps its newest pair, at slot
-        ``ev.count`` (its pairs before the pass, less one), moved to slot 0."""
-        for buf in (self.keys, self.values):
-            rows = buf.index_select(0, ev.rows)  # [E, H, C + 1, D]: ED's rows are kv_max + 1 slots
-            self.cache.method.keep_newest(rows, rows, ev.count)
-            buf[:, :, 0].index_copy_(0, ev.rows, rows[:, :, 0])
-
     def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """A decode pass: each row's pair [S, H, 1, D] at its slot ``step.write`` (idle rows: the scratch column)."""
         S, H = self.keys.shape[:2]
@@ -477,12 +512,21 @@ class DensePool(_Pool):
     """The baselines' pool: prefill on the model's SDPA, decode on ``core.attention``'s fused grouped product.
     ``capacity``: ED ``kv_max``; FKV the longest prompt + max_new_tokens - 1."""
 
-    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int):
+    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, static: bool = False):
         if method.reads_scores:
             raise ValueError(
                 f"DensePool serves the baselines fkv and ed (no attention scores read), not {method.name!r}"
             )
-        super().__init__(method, num_layers, slots, capacity, DensePoolLayer)
+        super().__init__(method, num_layers, slots, capacity, DensePoolLayer, static)
+
+    def evict(self, ev: Eviction) -> None:
+        """ED's eviction (Algorithm 3) in the rows ``ev.rows``, in every layer at once: each keeps its newest pair,
+        at slot ``ev.count`` (its pairs before the pass, less one), moved to slot 0."""
+        for name in ("keys", "values"):
+            stack = self.stacks[name]  # [L, S, H, C + 1, D]
+            rows = stack.index_select(1, ev.rows).flatten(0, 1)  # [L*E, H, C + 1, D]: ED's rows are kv_max + 1 slots
+            self.method.keep_newest(rows, rows, ev.count)
+            stack[:, :, :, 0].index_copy_(1, ev.rows, rows[:, :, 0].unflatten(0, (len(self.layers), -1)))
 
     def admit(self, rows: range, prompt_len: int, shared: bool = False) -> DenseCache:
         device = self.layers[0].device if self.allocated else None
@@ -531,7 +575,8 @@ class DensePool(_Pool):
             write[w.row], seen[w.row] = st.length, st.seen
             st.length, st.seen = st.length + 1, st.seen + 1
             lengths[w.row] = st.length
-        return self._decode_pass(work, write, seen, max(lengths[w.row] for w in work), evicting, device, lengths)
+        hi = C if self.static else max(lengths[w.row] for w in work)
+        return self._decode_pass(work, write, seen, hi, evicting, device, lengths)
 
     def meta_bytes(self) -> int:
         return 0

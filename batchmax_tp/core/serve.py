@@ -19,7 +19,6 @@ divergence stops the job with an error instead of a hang.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import zlib
@@ -29,12 +28,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import replay
 from .attention import use_batchmax_attention
 from .engine import forward_pass, sampling_warpers
 from .method import Method
 from .pool import BoundedPool, DensePool, to_device
 from .scheduler import Scheduler, Step
-from .step import COMPILE_MODES, ForwardPass
+from .step import ForwardPass
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class ServeOutput:
     kv_bytes_range: tuple[int, int]  # smallest and largest K/V bytes held after any pass
     peak_meta_bytes: int
     peak_workspace_bytes: int
+    compile_s: float = 0.0  # the first decode pass when compiled or captured (compilation or capture and one pass)
 
     @property
     def generated_tokens(self) -> int:
@@ -119,17 +120,17 @@ def check_requests(requests: Sequence[Request], slots: int, context: int | None)
             )
 
 
-def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int], max_new: list[int]):
-    """The method's pool. Every pool runs on the "batchmax" attention, which reads the pass description: BM's
-    scoring attention; for the baselines, SDPA in a slot's (unpadded, causal) prefill and, in a decode pass, the
+def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int], max_new: list[int], static: bool):
+    """The method's pool (``static``: one decode-pass shape for the whole run, ``core.replay``). Every pool runs on
+    the "batchmax" attention, which reads the pass description: BM's scoring attention; for the baselines, SDPA in a slot's (unpadded, causal) prefill and, in a decode pass, the
     fused grouped product with each row's held length as an additive mask (SDPA would need a mask there, and with
     a mask HF copies K/V for every query head)."""
     layers = model.config.num_hidden_layers
     if method.reads_scores:
-        return BoundedPool(method, layers, slots)
+        return BoundedPool(method, layers, slots, static)
     # ED kv_max, FKV s + t - 1 (no request: a replica whose share is done; the pool is never written)
     cap = max((method.decode_capacity(s, t) for s, t in zip(lengths, max_new)), default=1)
-    return DensePool(method, layers, slots, cap)
+    return DensePool(method, layers, slots, cap, static)
 
 
 def _digest(log: list[tuple[int, int, int]], passes: int) -> int:
@@ -186,9 +187,12 @@ class _Run:
         # [S, 1] all true, a decode pass's mask: the attention reads the description, not a mask, but without one
         # HF's mask builder looks for packed sequences in the position ids, a host sync in every pass
         self.all_true = torch.ones(slots, 1, dtype=torch.bool, device=self.device)
-        self.decode_forward = forward_pass  # or its compiled form (serve's ``compile``)
+        self.decode_forward = replay.eager_decode  # or compiled, or captured (serve's ``compile``)
         self.forcing = any(r.continuation is not None for r in requests)
-        self.times = {"prefill": 0.0, "decode": 0.0}  # seconds spent in each kind of pass so far
+        self.times = {"prefill": 0.0, "decode": 0.0, "compile": 0.0}  # seconds spent in each kind of pass so far
+        self.compiles: bool | None = None  # None: eager; True until the first decode pass compiles or captures
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.query_group = config.num_attention_heads // (config.num_key_value_heads or config.num_attention_heads)
         self.kv_low: int | None = None  # smallest and largest K/V bytes held after any pass
         self.kv_high = 0
         self.start = time.perf_counter()
@@ -294,6 +298,8 @@ class _Run:
         work = tuple(w for w in step.work if w.row == self.group_of[w.row].start)  # a shared group: its first row
         prompts = [self.prompts[self.request_of[w.row]] for w in work]
         described, ids, pos = pool.prefill_pass(work, prompts, self.device)
+        for eviction in described.evictions:
+            pool.evict(eviction)
         out = forward_pass(self.model, described, ids, torch.ones_like(ids, dtype=torch.bool), pos)  # see all_true
         pool.note()
         if step.kind == "probe":
@@ -316,7 +322,11 @@ class _Run:
         """One decode step of every decoding slot, in one pass over the pool."""
         rows = [w.row for w in step.work]
         described = pool.decode_pass(step.work, self.device)
-        out = self.decode_forward(self.model, described, self.next_ids[:, None], self.all_true, described.qpos.clamp(0))
+        for eviction in described.evictions:  # in every layer at once, before the model call
+            pool.evict(eviction)
+        if self.compiles is not None:  # a compiled pass notes no workspace itself
+            pool.note_decode(self.query_group, described.hi)
+        out = self.decode_forward(self.model, described.for_model(), self.next_ids[:, None], self.all_true)
         index = described.decoding  # [k] the decoding rows
         return self.emit(rows, index, out.logits[:, -1].index_select(0, index))  # [k, V]
 
@@ -326,8 +336,10 @@ class _Run:
         kind = "decode" if step.kind == "decode" else "prefill"
         t0 = time.perf_counter()
         finished = self.decode(pool, step) if kind == "decode" else self.prefill(pool, step)
+        if kind == "decode" and self.compiles:  # the first compiled pass: its time is the compilation's
+            kind, self.compiles = "compile", False
         self.times[kind] += time.perf_counter() - t0
-        if pool.allocated and kind != "decode":  # a decode pass never changes what is allocated
+        if pool.allocated and kind == "prefill":  # a decode pass never changes what is allocated
             kv = pool.kv_bytes()
             self.kv_low = min(kv, self.kv_low if self.kv_low is not None else kv)
             self.kv_high = max(self.kv_high, kv)
@@ -363,13 +375,8 @@ class _Run:
             (self.kv_low or 0, self.kv_high),
             pool.peak_meta_bytes,
             pool.peak_workspace_bytes,
+            self.times["compile"],
         )
-
-
-@functools.cache
-def _compiled_forward():
-    """``forward_pass`` compiled once per process (its graphs are cached per pass shape and model)."""
-    return torch.compile(forward_pass, fullgraph=True)
 
 
 def _eos_ids(ignore_eos: bool, eos_token_id: int | list[int] | None) -> set[int]:
@@ -407,7 +414,7 @@ def serve(
     return_logits: bool = False,
     keep_positions: bool = False,
     tp_group=None,
-    compile: str = "none",
+    compile: str = "auto",
 ) -> ServeOutput:
     """Generate for every request in ``slots`` slots (continuous batching); greedy unless ``do_sample`` (each
     request samples from its own generator, seeded with its ``seed``). A request ends at its ``max_new_tokens``,
@@ -417,31 +424,35 @@ def serve(
     pass (None: ``Method.pass_tokens(slots)``, every row's next chunk; the planner counts what is given:
     ``predict_pool(pass_tokens=...)``). ``share_prompts``: adjacent requests with
     identical prompts admitted together prefill once, on one row copied into the others (the choices of a
-    multiple-choice question). ``tp_group``: the tensor-parallel group, when there is one. ``compile``: ``"none"``
-    (eager) or ``"default"``: every decode pass through ``torch.compile(forward_pass, fullgraph=True)`` (one graph
-    per pass shape; the same tokens)."""
-    if compile not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {compile!r}")
+    multiple-choice question). ``tp_group``: the tensor-parallel group, when there is one. ``compile``: how decode
+    passes run (``core.replay``): ``"none"`` eager, ``"default"`` compiled, ``"cudagraphs"`` captured once and
+    replayed, ``"auto"`` (the default) the fastest measured on the model's device type; the same tokens in every
+    mode."""
+    tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
+    mode = replay.resolve(compile, next(model.parameters()).device, tensor_parallel=tp)
     check_requests(requests, slots, getattr(model.config, "max_position_embeddings", None))
     eos = _eos_ids(ignore_eos, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     warpers = sampling_warpers(temperature, top_k, top_p) if do_sample else None
     run = _Run(model, requests, method, slots, warpers, eos, pad, stop, return_logits, tp_group)
-    run.decode_forward = _compiled_forward() if compile == "default" else forward_pass
+    run.decode_forward, run.compiles = replay.decode_runner(mode), (True if mode != "none" else None)
     keys = _prompt_keys(requests) if share_prompts else None
-    pool = _pool(model, method, slots, run.lengths, run.max_new)
+    pool = _pool(model, method, slots, run.lengths, run.max_new, static=mode != "none")
     sched = Scheduler(method, run.lengths, run.max_new, slots, prefill_budget, keys, pass_tokens)
-    with use_batchmax_attention(model):
-        while (step := sched.next_step()) is not None:
-            for rows, group in step.admitted:
-                run.admit(pool, rows, group, sched.passes, share_prompts and len(group) > 1)
-            finished = run.run_pass(pool, step)
-            for row, i in sched.complete(step, finished):
-                out = run.retire(pool, row, i, keep_positions)
-                if on_finish is not None:
-                    on_finish(i, out)
-            run.agree(sched, every=AGREE_EVERY)
-    run.agree(sched)
-    pool.note()
-    logger.debug("%s: %d requests in %d slots, %d passes", method.label(), len(requests), slots, sched.passes)
-    return run.served(pool, sched)
+    try:
+        with use_batchmax_attention(model):
+            while (step := sched.next_step()) is not None:
+                for rows, group in step.admitted:
+                    run.admit(pool, rows, group, sched.passes, share_prompts and len(group) > 1)
+                finished = run.run_pass(pool, step)
+                for row, i in sched.complete(step, finished):
+                    out = run.retire(pool, row, i, keep_positions)
+                    if on_finish is not None:
+                        on_finish(i, out)
+                run.agree(sched, every=AGREE_EVERY)
+        run.agree(sched)
+        pool.note()
+        logger.debug("%s: %d requests in %d slots, %d passes", method.label(), len(requests), slots, sched.passes)
+        return run.served(pool, sched)
+    finally:
+        pool.release()  # its memory goes now, not at the next garbage collection (layers refer to their pool)

@@ -14,7 +14,7 @@ decoding slot, each at its own step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from .schedule import Phase
@@ -52,9 +52,10 @@ class ForwardPass:
         return self.cache.layers[module.layer_idx]
 
 
-#: How a slot pool's decode passes run (``serve(compile=...)``, the ``compile`` setting): ``none`` eager;
-#: ``default`` through ``torch.compile(forward_pass, fullgraph=True)``.
-COMPILE_MODES = ("none", "default")
+#: How a slot pool's decode passes run (``serve(compile=...)``, the ``compile`` setting; ``core.replay``): ``none``
+#: eager; ``default`` through ``torch.compile(..., fullgraph=True)``; ``cudagraphs`` (CUDA only) captured once as a
+#: CUDA graph and replayed; ``auto``: ``cudagraphs`` on CUDA, ``none`` elsewhere (what measured fastest on each).
+COMPILE_MODES = ("auto", "none", "default", "cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,11 @@ class RowsPass:
 
     def layer(self, module):
         return self.pool.layers[module.layer_idx]
+
+    def for_model(self) -> RowsPass:
+        """What the model call reads: the pass less its evictions (the pool runs them first, ``evict``) and the
+        caller's ``decoding`` rows, so that every decode pass of a static pool has one shape."""
+        return replace(self, evictions=(), decoding=None)
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """The pass's rows of a pool tensor [S, ...]: a view when they are adjacent, else a gathered copy."""
