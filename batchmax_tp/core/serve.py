@@ -122,9 +122,9 @@ def check_requests(requests: Sequence[Request], slots: int, context: int | None)
 
 def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int], max_new: list[int], static: bool):
     """The method's pool (``static``: one decode-pass shape for the whole run, ``core.replay``). Every pool runs on
-    the "batchmax" attention, which reads the pass description: BM's scoring attention; for the baselines, SDPA in a slot's (unpadded, causal) prefill and, in a decode pass, the
-    fused grouped product with each row's held length as an additive mask (SDPA would need a mask there, and with
-    a mask HF copies K/V for every query head)."""
+    the "batchmax" attention, which reads the pass description: BM's scoring attention; for the baselines, SDPA in
+    a slot's (unpadded, causal) prefill and, in a decode pass, the fused grouped product with each row's held length
+    as an additive mask (SDPA would need a mask there, and with a mask HF copies K/V for every query head)."""
     layers = model.config.num_hidden_layers
     if method.reads_scores:
         return BoundedPool(method, layers, slots, static)
