@@ -55,6 +55,7 @@ from . import models, parallel
 from .config import EMBEDDED_MODEL
 from .core.method import METHODS, Method
 from .core.serve import Request, RequestOutput, serve
+from .eval import replicas
 from .plan.planner import DTYPE_BYTES, ModelShape, max_slots, parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -163,8 +164,13 @@ class BatchMaxLM(TemplateLM):
         lm_device = model_args.pop("_lm_eval_device", None)
         s = Settings.parse(model_args)
         self.settings, self.method = s, s.method_()
-        config = self._read_config(s)
         rank, world, local_rank = parallel.world_from_env()
+        # several ranks: a watchdog from the first moment to this process's end, so that no replica waits for a lost
+        # one, in our set-up or in lm-eval's own collectives (eval.replicas)
+        early = replicas.watch_from_start(rank, world, parallel.SETUP_TIMEOUT_S)
+        if early is not None:
+            early[1].until_exit()
+        config = self._read_config(s)
         tp = parallel.resolve_tp_size(s.tp_size, world)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         try:

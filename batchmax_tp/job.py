@@ -239,39 +239,66 @@ def run(cfg: RunConfig, argv: Sequence[str] | None = None) -> int:
         level=cfg.output.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     rank, world, local_rank = parallel.world_from_env()
+    try:  # several ranks: a watchdog from the first moment, so no rank ever waits for a lost one (eval.replicas)
+        early = replicas.watch_from_start(rank, world, cfg.parallel.setup_timeout)
+    except (RuntimeError, ValueError) as err:
+        return fail(str(err))
     try:
         job = _prepare(cfg, world, local_rank)
     except JobError as err:
+        _tell(early, str(err))
         return fail(str(err))
     if isinstance(job, list):
+        if early is not None:
+            early[1].leave()
         return _report(cfg.output.dir, job, [])
     if rank != 0:
         _quiet_libraries()
-    with _setup_stdout(rank == 0):  # DeepSpeed prints while it initialises: keep stdout for the report
-        layout = parallel.init_distributed(
-            job.cfg.parallel.tp_size, job.device, timeout_s=job.cfg.parallel.setup_timeout
-        )
+    try:
+        with _setup_stdout(rank == 0):  # DeepSpeed prints while it initialises: keep stdout for the report
+            layout = parallel.init_distributed(
+                job.cfg.parallel.tp_size, job.device, timeout_s=job.cfg.parallel.setup_timeout
+            )
+    except BaseException as err:  # tell every rank at once (they wait in the same set-up), then fail here
+        _tell(early, error_line(err))
+        raise
     if layout.world == 1:  # plain python (or an MPI world of one: then a group of one exists)
         rc = _run(job, layout, Collectives())
         if dist.is_initialized():
             dist.destroy_process_group()
         return rc
-    return _run_ranks(job, layout)
+    return _run_ranks(job, layout, early)
 
 
-def _run_ranks(job: Job, layout: parallel.Layout) -> int:
+def _tell(early: tuple[dist.Store, replicas.Watchdog] | None, why: str) -> None:
+    """This rank is ending with an error before the job started: every other rank's watchdog ends it too."""
+    if early is not None:
+        early[1].fail(why)
+
+
+def _run_ranks(job: Job, layout: parallel.Layout, early: tuple[dist.Store, replicas.Watchdog] | None) -> int:
     """A multi-process job: every rank is done (or failed the same check) before any leaves -- rank 0's process
     may host the store; a rank that fails tells every other and leaves at once."""
-    comm = _meet(layout)
+    comm = _meet(layout, early)
     try:
         rc = _run(job, layout, comm)
         comm.barrier()
     except BaseException as err:  # noqa: BLE001 - any failure: tell every rank, then leave at once
+        # a collective broken by a lost peer (a closed connection): name it, its beat stopped
+        lost = [] if isinstance(err, RankOutOfMemory) else comm.watchdog.silent_peers()
         comm.fail(error_line(err))
         if isinstance(err, RankOutOfMemory):
             print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         else:
             logger.exception("rank %d failed; ending the job (every other rank stops too)", layout.rank)
+        if lost:
+            print(
+                f"error: rank {layout.rank}: {', '.join(f'rank {r}' for r in lost)} has not answered (killed or "
+                "hung): ending this rank (finished samples are on disk: run the same command again to complete "
+                "the missing ones)",
+                file=sys.stderr,
+                flush=True,
+            )
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -281,9 +308,11 @@ def _run_ranks(job: Job, layout: parallel.Layout) -> int:
     return rc
 
 
-def _meet(layout: parallel.Layout) -> Collectives:
-    """The job's meetings over the launcher's store, with a watchdog that ends this rank when another dies
-    (``eval.replicas``): from here on no rank waits for a dead one."""
+def _meet(layout: parallel.Layout, early: tuple[dist.Store, replicas.Watchdog] | None) -> Collectives:
+    """The job's meetings over the launcher's store, with the watchdog that ends this rank when another dies
+    (``eval.replicas``): the one started at the first moment, or (MPI) one started now."""
+    if early is not None:
+        return Collectives(layout, *early)
     store = replicas.connect(layout.rank, layout.world)
     watchdog = replicas.Watchdog(store, layout.rank, layout.world).start()
     return Collectives(layout, store, watchdog)

@@ -120,6 +120,24 @@ def _mpi_launch() -> bool:
     )
 
 
+def rendezvous_env() -> bool:
+    """Set RANK/WORLD_SIZE/LOCAL_RANK and MASTER_ADDR/MASTER_PORT from the launcher (idempotent), before any process
+    group exists; returns whether the store's address is known now (under MPI it is found by DeepSpeed's discovery,
+    inside ``init_distributed``). ValueError: a multi-node SLURM job without MASTER_ADDR."""
+    if _mpi_launch():
+        return False
+    os.environ.update(launcher_env())
+    if "MASTER_ADDR" not in os.environ:
+        if int(os.environ.get("SLURM_NNODES", "1")) > 1:
+            raise ValueError(
+                "MASTER_ADDR is not set on a multi-node SLURM job: export MASTER_ADDR=$(scontrol show "
+                "hostnames $SLURM_JOB_NODELIST | head -n 1) before srun"
+            )
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ.setdefault("MASTER_PORT", "29500")
+    return True
+
+
 def init_distributed(tp: int, device: str = "cpu", timeout_s: int = SETUP_TIMEOUT_S) -> Layout:
     """Initialise torch.distributed (through DeepSpeed) from whichever launcher started us; returns the layout.
 
@@ -138,16 +156,7 @@ def init_distributed(tp: int, device: str = "cpu", timeout_s: int = SETUP_TIMEOU
     import deepspeed  # only multi-process runs need it (seconds to import; absent on some GPU images)
 
     port = int(os.environ.get("MASTER_PORT", "29500"))
-    if not _mpi_launch():
-        os.environ.update(launcher_env())
-        if "MASTER_ADDR" not in os.environ:
-            if int(os.environ.get("SLURM_NNODES", "1")) > 1:
-                raise ValueError(
-                    "MASTER_ADDR is not set on a multi-node SLURM job: export MASTER_ADDR=$(scontrol show "
-                    "hostnames $SLURM_JOB_NODELIST | head -n 1) before srun"
-                )
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ.setdefault("MASTER_PORT", str(port))
+    rendezvous_env()
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(local_device(device, local_rank)))
     if not dist.is_initialized():

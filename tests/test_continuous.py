@@ -276,17 +276,21 @@ def _tp_requests():
     return [Request(p, n) for p, n in zip(prompts(3)[:6], [9, 4, 12, 6, 10, 3])]
 
 
-def _tp_worker(rank, world, port, outdir, family, eos):
+def _tp_worker(rank, world, port, outdir, family, eos, compile="none"):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     from batchmax_tp import parallel as tp
+    from batchmax_tp.core import replay
 
     layout = tp.init_distributed(world)
     model = tp.apply_tensor_parallel(model_of(family), layout, torch.float32)
+    compiled = torch.compile(replay.eager_decode, fullgraph=True, backend="aot_eager")  # a graph break: an error
+    replay.compiled_decode = lambda: compiled
     results = {}
     for key in ("bm", "ed"):
         out = serve(
@@ -298,22 +302,30 @@ def _tp_worker(rank, world, port, outdir, family, eos):
             ignore_eos=eos is None,
             return_logits=True,
             tp_group=model.batchmax_tp_group,
+            compile=compile,
         )
         results[key] = dict(
             tokens=[o.tokens for o in out.outputs],
             admissions=out.admissions,
             logits=[torch.stack(o.logits) for o in out.outputs],
+            graphs=counters["stats"]["unique_graphs"],
         )
+        counters.clear()
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp_size, eos", [(2, None), (3, 7)])
+@pytest.mark.parametrize("tp_size, eos, compile", [(2, None, "none"), (3, 7, "none"), (2, 7, "default")])
 @requires_deepspeed
-def test_tp_serves_the_tokens_of_one_process(tmp_path, tp_size, eos):
-    mp.spawn(_tp_worker, args=(tp_size, free_port(), str(tmp_path), "phi3", eos), nprocs=tp_size, join=True)
+def test_tp_serves_the_tokens_of_one_process(tmp_path, tp_size, eos, compile):
+    """Every rank's tokens, admissions and logits equal one process's. Compiled (``fullgraph``, so a graph break
+    would be an error), DeepSpeed AutoTP's all-reduces trace into the decode pass: one graph per rank and method."""
+    args = (tp_size, free_port(), str(tmp_path), "phi3", eos, compile)
+    mp.spawn(_tp_worker, args=args, nprocs=tp_size, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]
+    for key in ("bm", "ed"):
+        assert [got[key]["graphs"] for got in ranks] == [1 if compile == "default" else 0] * tp_size
     model = model_of("phi3")  # 6 KV heads: split 3+3 or 2+2+2
     for key in ("bm", "ed"):
         single = serve(

@@ -7,11 +7,14 @@ runs the embedded model itself against ``hf``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -362,6 +365,80 @@ def test_tp_and_replicas_give_the_results_of_one_process(tiny_dir, tmp_path, wor
                 assert [x[0] for x in a] == [x[0] for x in b]
             else:
                 assert_scores_close([tuple(x[0]) for x in a], [tuple(x[0]) for x in b])
+
+
+_HELD_WORKER = (
+    """
+import os, pathlib, sys, time
+from batchmax_tp import models
+real = models.load_model
+def held(*a, **k):
+    if os.environ.get("RANK") == "1":  # node 1 'loads' until it is lost
+        pathlib.Path(os.environ["HOLD_MARKER"]).write_text(str(os.getpid()))
+        time.sleep(3600)
+    return real(*a, **k)
+models.load_model = held
+"""
+    + _WORKER
+)
+
+
+def test_a_replica_lost_while_loading_ends_the_other_lm_eval_replica_within_a_minute(tmp_path, tiny_dir):
+    """Two replicas of the lm-eval model on two torchrun "nodes"; node 1's worker stopped (SIGSTOP: hung, or its
+    node lost with its sockets open) while it loads. The other replica waits for it in a gloo collective (30
+    minutes); its watchdog, started before anything waits (``replicas.watch_from_start``), ends it within 60 s
+    naming rank 1."""
+    import psutil
+    from test_launchers import clean_env, tool
+    from test_tp import free_port
+
+    script, marker = tmp_path / "held.py", tmp_path / "held.pid"
+    script.write_text(_HELD_WORKER)
+    port, env = free_port(), clean_env(BATCHMAX_DEAD_AFTER_S="6", HF_DATASETS_OFFLINE="1", HOLD_MARKER=str(marker))
+    nodes = [
+        subprocess.Popen(
+            [
+                tool("torchrun") or "torchrun",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(n),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                str(script),
+                tiny_dir,
+                "1",
+                str(tmp_path / "out.json"),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for n in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), "node 1 never loaded"
+            time.sleep(0.05)
+        worker = psutil.Process(int(marker.read_text()))
+        worker.send_signal(signal.SIGSTOP)
+        lost_at = time.monotonic()
+        _, err = nodes[0].communicate(timeout=90)
+        took = time.monotonic() - lost_at
+    finally:
+        for p in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    assert nodes[0].returncode != 0 and took < 60, (took, err[-3000:])
+    assert "rank 1 has not answered" in err, err[-3000:]
 
 
 # -- the serving core under the adapter ---------------------------------------------------------------------------

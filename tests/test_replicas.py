@@ -223,11 +223,11 @@ def test_merge_py_merges_complete_runs_and_names_the_rest(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------- a killed replica, end to end
-def launch_nodes(checkpoint: str, out: Path) -> list[subprocess.Popen]:
+def launch_nodes(checkpoint: str, out: Path, script: str = RUN_PY, **env_vars: str) -> list[subprocess.Popen]:
     """Two torchrun "nodes" of one rank each (static rendezvous): replica 0 on node 0, replica 1 on node 1."""
     exe = tool("torchrun")
     port = free_port()
-    env = clean_env(BATCHMAX_DEAD_AFTER_S="6")
+    env = clean_env(BATCHMAX_DEAD_AFTER_S="6", **env_vars)
     args = [
         "--model",
         checkpoint,
@@ -263,7 +263,7 @@ def launch_nodes(checkpoint: str, out: Path) -> list[subprocess.Popen]:
                 "127.0.0.1",
                 "--master_port",
                 str(port),
-                RUN_PY,
+                script,
                 *args,
             ],
             env=env,
@@ -342,3 +342,71 @@ def test_a_dead_replica_ends_the_job_and_the_rerun_completes_only_what_is_missin
         assert shard_lines(out, r)[: len(kept[r])] == kept[r]
     assert results.comparable(out) == results.comparable(whole)
     assert json.loads((out / RUN / results.SUMMARY_FILE).read_text())["num_samples"] == 6
+
+
+# ---------------------------------------------------------------------- a node lost while the job starts
+# run.py with a hold on node 1 (rank 1): at HOLD_STAGE it writes its pid to HOLD_MARKER and waits there, as a node
+# does while it loads or meets the others; the test then loses that node. Nothing is held without HOLD_STAGE.
+HOLD_RUN_PY = """
+import os, pathlib, sys, time
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+from batchmax_tp import models
+from batchmax_tp.cli import main
+
+def held(real):
+    def call(*a, **k):
+        if os.environ.get("RANK") == "1" and os.environ.get("HOLD_STAGE"):
+            pathlib.Path(os.environ["HOLD_MARKER"]).write_text(str(os.getpid()))
+            time.sleep(3600)
+        return real(*a, **k)
+    return call
+
+stage = os.environ.get("HOLD_STAGE")
+if stage == "load":  # loading the model's weights
+    models.load_model = held(models.load_model)
+elif stage == "setup":  # inside the first process-group set-up (DeepSpeed calls torch's at call time)
+    dist.init_process_group = held(dist.init_process_group)
+sys.exit(main())
+"""
+
+
+@pytest.mark.skipif(tool("torchrun") is None, reason="torchrun is not installed")
+@pytest.mark.parametrize(
+    "stage, lose",
+    [("load", "kill"), ("load", "stop"), ("setup", "kill"), ("setup", "stop")],
+    ids=["load-node-killed", "load-worker-stopped", "setup-node-killed", "setup-worker-stopped"],
+)
+def test_a_node_lost_while_the_job_starts_ends_the_other_within_a_minute(tmp_path, tiny_dir, whole, stage, lose):
+    """Node 1 lost while it loads the model, or inside the first process-group set-up (where node 0 waits for it):
+    SIGKILL of its torchrun agent and worker (a lost node), or SIGSTOP of its worker (a hung one). Node 0's watchdog
+    runs from the first moment (``replicas.watch_from_start``), so it exits non-zero within 60 s naming rank 1,
+    where it used to wait out ``setup_timeout`` (30 minutes). The same command again completes the job with the
+    results of an uninterrupted run (checked once)."""
+    script, marker = tmp_path / "run_held.py", tmp_path / "held.pid"
+    script.write_text(HOLD_RUN_PY.format(root=str(Path(RUN_PY).parent.parent)))
+    out = tmp_path / "out"
+    procs = launch_nodes(tiny_dir, out, script=str(script), HOLD_STAGE=stage, HOLD_MARKER=str(marker))
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "node 1 never got there"
+        time.sleep(0.05)
+    worker = psutil.Process(int(marker.read_text()))
+    if lose == "kill":
+        for victim in (psutil.Process(procs[1].pid), worker):
+            victim.kill()
+    else:
+        worker.send_signal(signal.SIGSTOP)
+    lost_at = time.monotonic()
+    code, _, err = finish([procs[0]], timeout=90)[0]
+    took = time.monotonic() - lost_at
+    with contextlib.suppress(psutil.NoSuchProcess):
+        worker.kill()
+    procs[1].communicate(timeout=60)
+    assert code != 0 and took < 60, (code, took, err[-3000:])
+    assert "rank 1 has not answered" in err, err[-3000:]
+    if (stage, lose) != ("setup", "kill"):
+        return
+    for code, _, err in finish(launch_nodes(tiny_dir, out)):
+        assert code == 0, err[-4000:]
+    assert results.comparable(out) == results.comparable(whole)

@@ -22,6 +22,7 @@ an earlier one's keys.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -37,10 +38,13 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BEAT_S", "DEAD_AFTER_S", "Channel", "Watchdog", "connect"]
+__all__ = ["BEAT_S", "DEAD_AFTER_S", "START_GRACE_S", "Channel", "Watchdog", "connect", "watch_from_start"]
 
 BEAT_S = 2.0  #: seconds between two beats of a rank
 DEAD_AFTER_S = 30.0  #: a rank whose beat has not moved for this long is dead (env ``BATCHMAX_DEAD_AFTER_S``)
+#: a rank that has not beaten once after this long never started (env ``BATCHMAX_START_GRACE_S``); the launchers
+#: start every rank within seconds of the others (torchrun's agents meet first)
+START_GRACE_S = 120.0
 _POLL_S = 0.05  #: a waiting call checks its key this often
 _STORE_TIMEOUT_S = 15  #: one store operation; a store that does not answer in time is gone
 
@@ -49,6 +53,43 @@ def _exit(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     logging.shutdown()
     os._exit(1)
+
+
+def watch_from_start(rank: int, world: int, setup_timeout_s: float) -> tuple[dist.Store, Watchdog] | None:
+    """The job's store and a started watchdog, from the first moment of a multi-process job: before the model loads
+    and before any wait on another rank (the process groups' rendezvous, AutoTP, the first collectives), so a rank
+    lost at any moment ends every other within the watchdog's limit. None under MPI (no store address before
+    DeepSpeed's discovery: ``connect`` then follows the process group, and mpirun itself ends a job whose rank dies).
+
+    The store is the launcher's: torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``), else the one rank 0
+    hosts at ``MASTER_ADDR:MASTER_PORT`` for the default process group, started here first (multi-tenant: the
+    process group's rendezvous reuses it). A client waits at most ``START_GRACE_S`` for rank 0 to host it; a live
+    rank's later waits (a slow load: ``setup_timeout_s``) are bounded by its peers' beats, not by that timeout."""
+    from .. import parallel
+
+    if world <= 1 or not parallel.rendezvous_env():
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    grace = float(os.environ.get("BATCHMAX_START_GRACE_S", START_GRACE_S))
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size=world,
+            is_master=rank == 0 and not agent,
+            timeout=datetime.timedelta(seconds=grace),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+    except (RuntimeError, dist.DistStoreError) as err:
+        raise RuntimeError(
+            f"rank {rank}: the job's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} did not "
+            f"answer within {grace:.0f} s (rank 0 lost or never started: {' '.join(str(err).split())[:200]})"
+        ) from None
+    store.set_timeout(datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    prefixed = dist.PrefixStore(f"batchmax/{run}/", store)  # a restarted torchrun job never reads older keys
+    return prefixed, Watchdog(prefixed, rank, world, start_grace_s=grace).start()
 
 
 def connect(rank: int, world: int, timeout_s: float = _STORE_TIMEOUT_S) -> dist.Store:
@@ -83,6 +124,7 @@ class Watchdog:
         *,
         beat_s: float | None = None,
         dead_after_s: float | None = None,
+        start_grace_s: float | None = None,
         on_dead: Callable[[str], None] = _exit,
     ):
         if dead_after_s is None:
@@ -90,7 +132,10 @@ class Watchdog:
         beat_s = min(BEAT_S, dead_after_s / 4) if beat_s is None else beat_s
         self.store, self.rank, self.world = store, rank, world
         self.beat_s, self.dead_after_s, self.on_dead = beat_s, dead_after_s, on_dead
+        # a peer that has not beaten yet may still be starting: it is dead only after this long
+        self.start_grace_s = dead_after_s if start_grace_s is None else max(start_grace_s, dead_after_s)
         self._stop = threading.Event()
+        self._failed = False
         self._thread = threading.Thread(target=self._watch, name="batchmax-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -98,8 +143,33 @@ class Watchdog:
         self._thread.start()
         return self
 
+    def until_exit(self) -> Watchdog:
+        """Watch until this process ends (a library's process, such as lm-eval's, whose end is not ours): a normal
+        exit leaves (``leave``), an uncaught exception fails (``fail``: the peers end at once)."""
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            self.fail(f"{kind.__name__}: {' '.join(str(value).split())}")
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
+        atexit.register(lambda: None if self._failed else self.leave())
+        return self
+
+    def silent_peers(self) -> list[int]:
+        """The peers (not yet left) whose beat does not move over the next ``2.5 * beat_s`` seconds: after a
+        collective broke on a closed connection, which rank was lost. Empty when every peer beats (or no store)."""
+        try:
+            peers = [r for r in range(self.world) if r != self.rank and not self.store.add(f"left/{r}", 0)]
+            before = {r: self.store.add(f"beat/{r}", 0) for r in peers}
+            time.sleep(2.5 * self.beat_s)
+            return [r for r in peers if self.store.add(f"beat/{r}", 0) == before[r]]
+        except Exception:  # noqa: BLE001 - the store is gone with rank 0: nothing to name
+            return []
+
     def fail(self, why: str) -> None:
         """Tell every peer that this rank is ending with an error (they exit at their next check)."""
+        self._failed = True
         try:
             self.store.set("failed", f"rank {self.rank}: {why}"[:500])
         except Exception:  # noqa: BLE001 - the store may be gone too; the peers will see our beat stop
@@ -136,7 +206,7 @@ class Watchdog:
 
     def _check(self, seen: dict[int, tuple[int, float]]) -> str | None:
         self.store.add(f"beat/{self.rank}", 1)
-        if self.store.check(["failed"]):
+        if not self._failed and self.store.check(["failed"]):  # (this rank's own failure: it is ending already)
             return f"another rank failed ({self.store.get('failed').decode()})"
         now = time.monotonic()
         for r, (count, since) in list(seen.items()):
@@ -146,7 +216,9 @@ class Watchdog:
             beat = self.store.add(f"beat/{r}", 0)
             if beat != count:
                 seen[r] = (beat, now)
-            elif now - since > self.dead_after_s:
+            elif beat == 0 and now - since > self.start_grace_s:
+                return f"rank {r} never started ({now - since:.0f} s)"
+            elif beat > 0 and now - since > self.dead_after_s:
                 return f"rank {r} has not answered for {now - since:.0f} s (killed or hung)"
         return None
 
