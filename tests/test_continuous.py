@@ -550,3 +550,20 @@ def test_the_idle_pass_a_capture_runs_changes_nothing_a_later_pass_reads(monkeyp
     got = serve(model, requests, METHODS[key], 2, compile="default", **kw)
     assert checked[0] >= 100
     check_against_alone(got, [(o.tokens, o.logits, o.kept_positions) for o in want.outputs])
+
+
+def test_evicting_one_layer_at_a_time_keeps_what_evicting_every_layer_at_once_keeps(monkeypatch):
+    """The pool evicts in every layer at once unless the gathered slot state would pass
+    ``workspace.EVICT_CHUNK_BYTES``, then in groups of layers: the kept positions and tokens do not depend on it."""
+    from batchmax_tp.core import workspace
+
+    model = model_of("llama")
+    requests = [Request(p, n) for p, n in zip(prompts()[3:8], [30, 70, 5, 40, 50])]
+    kw = dict(ignore_eos=True, return_logits=True, keep_positions=True)
+    for key in ("bm", "bm-question"):
+        whole = serve(model, requests, METHODS[key], 3, **kw)
+        monkeypatch.setattr(workspace, "EVICT_CHUNK_BYTES", 1)  # one layer per call
+        assert workspace.eviction_layers(4, 3, 2, 96, 4) == 1
+        layered = serve(model, requests, METHODS[key], 3, **kw)
+        monkeypatch.undo()
+        check_against_alone(layered, [(o.tokens, o.logits, o.kept_positions) for o in whole.outputs])

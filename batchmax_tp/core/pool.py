@@ -39,7 +39,7 @@ from .cache import SlotLayer, free_slots
 from .method import Method
 from .schedule import Phase
 from .step import Eviction, RowsPass, SlotWork
-from .workspace import decode_workspace_bytes
+from .workspace import decode_workspace_bytes, eviction_layers
 
 
 @dataclass
@@ -301,21 +301,31 @@ class BoundedPool(_Pool):
         return sum(_bytes(*layer.meta_tensors()) for layer in self.layers)
 
     def evict(self, ev: Eviction) -> None:
-        """Free ``ev.count`` slots in each of the rows ``ev.rows``, in every layer at once (``cache.free_slots`` on
-        their slot state gathered from the stacks, [L*E, H, C]), and make the freed slots the head of each row's free
-        list. A "rescore" eviction first ranks each layer's slots with that layer's stored probe queries."""
-        L, C, e = len(self.layers), self.capacity, ev.rows
-        pos, score, bias = (self.stacks[n][..., :C].index_select(1, e).flatten(0, 1) for n in ("pos", "score", "bias"))
-        probe = None  # [L*E, H, C]
+        """Free ``ev.count`` slots in each of the rows ``ev.rows``, in as many layers at once as
+        ``workspace.EVICT_CHUNK_BYTES`` allows (usually all: ``cache.free_slots`` on their slot state gathered from
+        the stacks, [n*E, H, C]), and make the freed slots the head of each row's free list. A "rescore" eviction
+        first ranks each layer's slots with that layer's stored probe queries."""
+        keys = self.stacks["keys"]  # [L, S, H, C + 1, D]
+        L, E, H, C = keys.shape[0], ev.rows.numel(), keys.shape[2], self.capacity
+        step = eviction_layers(L, E, H, C, self.stacks["bias"].element_size())
+        for first in range(0, L, step):
+            self._evict_layers(ev, slice(first, min(first + step, L)))
+
+    def _evict_layers(self, ev: Eviction, layers: slice) -> None:
+        e, C = ev.rows, self.capacity
+        state = {n: self.stacks[n][layers, ..., :C] for n in ("pos", "score", "bias")}  # [n, S, H, C] views
+        pos, score, bias = (t.index_select(1, e).flatten(0, 1) for t in state.values())  # [n*E, H, C]
+        n = state["pos"].shape[0]
+        probe = None  # [n*E, H, C]
         if ev.probe == "fresh":
-            probe = self.stacks["probe"][..., :C].index_select(1, e).flatten(0, 1)
+            probe = self.stacks["probe"][layers, ..., :C].index_select(1, e).flatten(0, 1)
         elif ev.probe == "rescore":  # each layer's last probe pass's queries, over the slots it holds now
-            probe = torch.cat([self._rescored(layer, e, p) for layer, p in zip(self.layers, pos.chunk(L))])
-        priority = self.method.priority(score, pos, ev.curr_id.repeat(L, 1, 1), probe)  # [L*E, H, C]
-        freed = free_slots(priority, pos, score, bias, ev.count)  # [L*E, H, count]
-        for name, src in (("pos", pos), ("score", score), ("bias", bias)):
-            self.stacks[name][..., :C].index_copy_(1, e, src.unflatten(0, (L, -1)))
-        self.stacks["free"][..., : ev.count].index_copy_(1, e, freed.unflatten(0, (L, -1)))
+            probe = torch.cat([self._rescored(lay, e, p) for lay, p in zip(self.layers[layers], pos.chunk(n))])
+        priority = self.method.priority(score, pos, ev.curr_id.repeat(n, 1, 1), probe)  # [n*E, H, C]
+        freed = free_slots(priority, pos, score, bias, ev.count)  # [n*E, H, count]
+        for dst, src in zip(state.values(), (pos, score, bias)):
+            dst.index_copy_(1, e, src.unflatten(0, (n, -1)))
+        self.stacks["free"][layers, ..., : ev.count].index_copy_(1, e, freed.unflatten(0, (n, -1)))
 
     def _rescored(self, layer: PoolLayer, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s look-ahead attention [E, H, C] over the slots ``pos`` [E, H, C] of ``rows``, from the
@@ -520,13 +530,12 @@ class DensePool(_Pool):
         super().__init__(method, num_layers, slots, capacity, DensePoolLayer, static)
 
     def evict(self, ev: Eviction) -> None:
-        """ED's eviction (Algorithm 3) in the rows ``ev.rows``, in every layer at once: each keeps its newest pair,
-        at slot ``ev.count`` (its pairs before the pass, less one), moved to slot 0."""
+        """ED's eviction (Algorithm 3, ``Method.keep_newest`` with one slot for every row) in the rows ``ev.rows``, in
+        every layer at once: each keeps its newest pair, at slot ``ev.count`` (its pairs before the pass, less one),
+        moved to slot 0. Only that slot is gathered ([L, E, H, D])."""
         for name in ("keys", "values"):
             stack = self.stacks[name]  # [L, S, H, C + 1, D]
-            rows = stack.index_select(1, ev.rows).flatten(0, 1)  # [L*E, H, C + 1, D]: ED's rows are kv_max + 1 slots
-            self.method.keep_newest(rows, rows, ev.count)
-            stack[:, :, :, 0].index_copy_(1, ev.rows, rows[:, :, 0].unflatten(0, (len(self.layers), -1)))
+            stack[:, :, :, 0].index_copy_(1, ev.rows, stack[:, :, :, ev.count].index_select(1, ev.rows))
 
     def admit(self, rows: range, prompt_len: int, shared: bool = False) -> DenseCache:
         device = self.layers[0].device if self.allocated else None

@@ -112,6 +112,26 @@ def _workspace_bytes(
     return peak
 
 
+#: Largest slot state one eviction call gathers (bytes): the pool evicts in every layer at once (one call, few
+#: kernel launches) unless that would hold more than this, then in groups of layers (``eviction_layers``).
+EVICT_CHUNK_BYTES = 256 * 2**20
+#: Bytes per (layer, row, head, slot) an eviction holds at once, besides the bias (model dtype): gathered positions
+#: (8) and sums (4), a probe's attention (4), the priority (4), the sort key's parts and the key (8 + 8 + 8), and a
+#: rule's own temporaries (two float32 and one int64: pooling by position).
+_EVICT_ELEMENT_BYTES = 8 + 4 + 4 + 4 + 24 + 16
+
+
+def eviction_layers(layers: int, rows: int, heads: int, slots: int, elem: int) -> int:
+    """How many layers one eviction call of ``rows`` rows takes at once (at least one)."""
+    per_layer = rows * heads * slots * (_EVICT_ELEMENT_BYTES + elem)
+    return max(1, min(layers, EVICT_CHUNK_BYTES // max(per_layer, 1)))
+
+
+def eviction_workspace_bytes(layers: int, rows: int, heads: int, slots: int, elem: int) -> int:
+    """Upper bound of what one eviction call of BM's pool holds: its layers' gathered slot state and priorities."""
+    return eviction_layers(layers, rows, heads, slots, elem) * rows * heads * slots * (_EVICT_ELEMENT_BYTES + elem)
+
+
 @functools.lru_cache(maxsize=4096)
 def decode_workspace_bytes(batch: int, q_heads: int, kv_heads: int, slots: int, head_dim: int, elem: int = 4) -> int:
     """Peak bytes of an engine decode step in ``attention.batchmax_attention`` (one query, no mask): the scaled,

@@ -40,6 +40,7 @@ from ..core.workspace import (
     SDPA_REPEAT,
     decode_workspace_bytes,
     dense_workspace_bytes,
+    eviction_workspace_bytes,
     probe_state_bytes,
     probe_workspace_bytes,
     workspace_bytes,
@@ -269,8 +270,11 @@ def predict_pool(
       staging buffer of the one slot it prefills at a time;
     - ``slot_meta``: BM's per-slot position, attention sum, additive mask and free list for every row, plus the
       look-ahead probe's prefill-only buffers of the one slot being prefilled;
-    - activations and workspace of the larger of a slot's prefill passes (batch 1, the longest prompt) and a
-      decode pass over all slots (every row attending over its whole capacity).
+    - activations and workspace of a decode pass over all slots (every row attending over its whole capacity),
+      held for the whole run (a decode pass captured as a CUDA graph keeps them in the graph's memory; an upper
+      bound for an eager pass), plus the largest of a prefill pass (a dense slot's: batch 1, the longest prompt;
+      BM's batched passes) and, for BM, one eviction call (``workspace.eviction_workspace_bytes``, every row
+      evicting at once).
     """
     nbytes = DTYPE_BYTES[dtype]
     q_heads, kv_heads = shape.local_heads(tp)
@@ -284,13 +288,14 @@ def predict_pool(
         0,
     )
     if not method.reads_scores:
-        activations, workspace, _ = max(_dense_slot_prefill(shape, prompt_len, tp, nbytes), decode, key=sum)
-        return MemoryEstimate(kv, workspace, weights, activations, 0)
+        activations, workspace, _ = _dense_slot_prefill(shape, prompt_len, tp, nbytes)
+        return MemoryEstimate(kv, workspace + decode[1], weights, activations + decode[0], 0)
     meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
     tokens = method.pass_tokens(slots) if pass_tokens is None else pass_tokens
     passes = _pool_prefill_passes(shape, method, slots, tokens, q_heads, kv_heads, nbytes, per_token)
-    activations, workspace = max([*passes, decode[:2]], key=sum)
-    return MemoryEstimate(kv, workspace, weights, activations, meta)
+    evicting = (0, eviction_workspace_bytes(shape.layers, slots, kv_heads, method.kv_max, nbytes))
+    activations, workspace = max([*passes, evicting], key=sum)
+    return MemoryEstimate(kv, workspace + decode[1], weights, activations + decode[0], meta)
 
 
 def _pool_prefill_passes(
