@@ -114,7 +114,7 @@ class CapturedDecode:
         t0 = time.perf_counter()
         self.inputs = idle_pass(step)
         self.ids, self.mask = torch.zeros_like(ids), mask.clone()
-        side = torch.cuda.Stream(device=ids.device)
+        side = _warmup_stream(ids.device)
         side.wait_stream(torch.cuda.current_stream(ids.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_PASSES):
@@ -128,6 +128,13 @@ class CapturedDecode:
         logger.info(
             "decode pass captured as a CUDA graph in %.2fs (%d rows x %d slots)", self.capture_s, len(ids), step.hi
         )
+
+
+@functools.cache
+def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture's warm-up: cuBLAS keeps a workspace (32 MiB on Hopper) per
+    stream it ran on, so a new stream per run would add one each time."""
+    return torch.cuda.Stream(device=device)
 
 
 def decode_runner(mode: str):
