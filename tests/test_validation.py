@@ -267,6 +267,24 @@ def test_run_py_out_that_cannot_be_created(tmp_path):
     assert lines[0].startswith("error: out: cannot create /proc/batchmax-no-such/x") and os.listdir(tmp_path) == []
 
 
+def test_run_py_hub_model_not_cached_with_the_hub_unreachable(tmp_path):
+    """As a user meets it: no HF_HUB_OFFLINE, an endpoint nothing answers on, an empty cache: one line within
+    seconds of the set-up (the hub client's retries took 20 s and more), exit 2, nothing written."""
+    env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": ""}
+    env["TRANSFORMERS_OFFLINE"] = ""
+    start = time.perf_counter()
+    proc, lines, _ = _run_py(
+        ["--model", "nobody/not-cached-model", "--device", "cpu", "--out", str(tmp_path / "out")],
+        tmp_path,
+        importtime=False,
+        env=env,
+    )
+    assert time.perf_counter() - start < 60  # mostly importing torch and transformers
+    assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: model: ") and "unreachable" in lines[0] and "HF_HUB_OFFLINE=1" in lines[0]
+    assert os.listdir(tmp_path) == []
+
+
 # ---------------------------------------------------------------------- the whole surface, generated
 _FLAGS = sorted(
     flag
