@@ -180,6 +180,9 @@ def _make_out(out: str) -> list[Path]:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise JobError(f"out: cannot create {out}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):  # an existing folder this process cannot write (or read-only)
+        _unmake_out(made)
+        raise JobError(f"out: cannot write into {out}: permission denied or a read-only file system")
     return made
 
 

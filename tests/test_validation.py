@@ -174,6 +174,14 @@ def test_out_that_cannot_be_created_is_one_line_before_the_model(no_model_load):
     assert stderr.startswith("error: out: cannot create /proc/batchmax-no-such/x"), stderr
 
 
+def test_out_that_cannot_be_written_is_one_line_before_the_model(tmp_path, monkeypatch, no_model_load):
+    import batchmax_tp.job as job
+
+    monkeypatch.setattr(job.os, "access", lambda path, mode: False)  # as for another user's folder (tests run as root)
+    line = _assert_refused(["--device", "cpu"], "out", tmp_path / "new" / "out")
+    assert "cannot write into" in line and os.listdir(tmp_path) == []
+
+
 def test_max_new_tokens_beyond_the_models_context(tmp_path, no_model_load):
     """The model's configuration (no weights) bounds max_new_tokens; the refused job leaves no folder behind."""
     argv = ["--model", "arch:llama-2-7b", "--device", "cpu", "--method", "fkv", "--max-new-tokens", "4096"]
