@@ -3,7 +3,10 @@
 A configuration error is one ``error: <key>: <problem>`` line on stderr and exit status 2, before torch or a
 model loads: the configuration layer imports nothing heavy, and the job (``batchmax_tp.job``: torch,
 transformers, the model) is imported only once the configuration is valid -- the one deferred import of the
-package (tests/test_imports.py allows it here and nowhere else).
+package (tests/test_imports.py allows it here and nowhere else). The flags' own errors name the key too
+(``batch_size: --batch-size: expected an integer, got 'four'``) and an unknown flag gets the closest known one; what
+needs the model's configuration (its context length), the file system (the ``--out`` folder) or the hub is checked
+at the job's set-up, still before any weight loads, and ends the same way (tests/test_validation.py).
 """
 
 from __future__ import annotations

@@ -151,8 +151,48 @@ def _resolve(cfg: RunConfig, world: int, local_rank: int) -> tuple[RunConfig, st
         cfg = cfg.replace(dtype=models.resolve_dtype(cfg.model.dtype, device, model_config))
     except ValueError as err:
         raise JobError(f"dtype: {err}") from None
+    _check_model_limits(cfg, model_config)
     _check_budget_holds_one_sample(cfg, model_config)
     return cfg, device
+
+
+def _check_model_limits(cfg: RunConfig, model_config) -> None:
+    """JobError for the settings the model bounds (its configuration, no weights): ``max_new_tokens`` below its
+    context length (one prompt token at least), a sampled ``top_k`` within its vocabulary."""
+    context = getattr(model_config, "max_position_embeddings", None)
+    new = cfg.generation.max_new_tokens
+    if isinstance(context, int) and new >= context:
+        raise JobError(
+            f"max_new_tokens: {new} new tokens leave no room for a prompt in the {context}-token context of "
+            f"{cfg.model.name}: at most {context - 1}"
+        )
+    vocab, top_k = getattr(model_config, "vocab_size", None), cfg.generation.top_k
+    if cfg.generation.do_sample and isinstance(vocab, int) and top_k > vocab:
+        raise JobError(f"top_k: {top_k} is more than the {vocab} tokens of {cfg.model.name}'s vocabulary")
+
+
+def _make_out(out: str) -> list[Path]:
+    """Create the output folder before anything is read or loaded (JobError ``out: ...`` when it cannot be); the
+    folders it created, deepest last, for :func:`_unmake_out`."""
+    path = Path(out).absolute()
+    made = [p for p in (path, *path.parents) if not p.exists()][::-1]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise JobError(f"out: cannot create {out}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):  # an existing folder this process cannot write (or read-only)
+        _unmake_out(made)
+        raise JobError(f"out: cannot write into {out}: permission denied or a read-only file system")
+    return made
+
+
+def _unmake_out(made: list[Path]) -> None:
+    """Remove the folders :func:`_make_out` created, if still empty: a job refused at set-up leaves nothing."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _check_budget_holds_one_sample(cfg: RunConfig, model_config) -> None:
@@ -216,7 +256,17 @@ def _warm_up_methods(cfg: RunConfig) -> list[Method]:
 
 def _prepare(cfg: RunConfig, world: int, local_rank: int) -> Job | list[dict]:
     """The job, or the summaries of its runs when every one has finished earlier (a single process resumes a
-    listed sweep by writing the report only)."""
+    listed sweep by writing the report only). The output folder exists from the start (a folder that cannot be made
+    is one line before any model is read); a set-up that fails removes what it made."""
+    made = _make_out(cfg.output.dir)
+    try:
+        return _prepare_job(cfg, world, local_rank)
+    except JobError:
+        _unmake_out(made)
+        raise
+
+
+def _prepare_job(cfg: RunConfig, world: int, local_rank: int) -> Job | list[dict]:
     cfg, device = _resolve(cfg, world, local_rank)
     samples, task_data = _load_data(cfg.data, cfg.generation.seed)
     try:

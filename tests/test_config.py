@@ -605,8 +605,13 @@ def test_each_listing_key_leaves_the_main_job(tmp_path, argv, yaml_data):
 def test_null_listing_keys_keep_the_main_job_and_same_memory_forces_it(tmp_path):
     assert parse_args(["--kv-max", "null", "--procedure", "null"]).main_job
     assert parse_args(["--config", _write_yaml(tmp_path, {"runs": None, "kv_max": None})]).main_job
-    assert parse_args(["--method", "bm", "--same-memory"]).main_job
-    assert parse_args(["--config", _write_yaml(tmp_path, {"same_memory": True, "batch_size": 2})]).main_job
+    assert parse_args(["--same-memory", "--rule", "snapkv"]).main_job
+    # the main job reads neither methods nor batch_size: set, they are refused, not silently ignored
+    assert _error_of(["--method", "bm", "--same-memory"]).startswith("methods:")
+    assert _error_of(["--config", _write_yaml(tmp_path, {"same_memory": True, "batch_size": 2})]).startswith(
+        "batch_size:"
+    )
+    assert parse_args(["--config", _write_yaml(tmp_path, {"same_memory": True, "batch_size": 4})]).main_job
     assert not parse_args(["--config", str(ROOT / "configs" / "default.yaml")]).main_job  # it lists its runs
     for data in ({"same_memory": True, "runs": [{"method": "fkv", "batch_size": 1}]},
                  {"same_memory": True, "procedure": "paper", "memory_budget": "2GiB"}):  # fmt: skip

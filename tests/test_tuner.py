@@ -161,7 +161,9 @@ def test_paper_specs_use_a_measured_b0_and_say_so():
     shape = ModelShape(
         layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, params=134_515_008
     )
-    cfg = parse_args(["--memory-budget", "2GiB", "--max-new-tokens", "64", "--kv-values", "512", "--device", "cpu"])
+    cfg = parse_args(
+        ["--procedure", "paper", "--memory-budget", "2GiB", "--max-new-tokens", "64", "--kv-values", "512"]
+    )
     kw = dict(
         budget=cfg.memory.budget_bytes(),
         max_new_tokens=64,

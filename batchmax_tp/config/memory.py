@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..plan.planner import parse_bytes
-from .settings import BYTES, INT_LIST, NULL_OR_TEXT, NUMBER, ConfigError, Part, setting
+from .settings import BYTES, INT_LIST, MAX_TOKENS, NULL_OR_TEXT, NUMBER, ConfigError, Part, setting
 
 #: ``procedure`` values: the paper's batch-size procedure (section 4.1) and the auto-tuner
 #: (``batchmax_tp.eval.procedures``).
 PROCEDURES = ("paper", "tune")
+MAX_BUDGET = 2**60  #: the largest memory_budget read (1 EiB)
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class MemoryConfig(Part):
         "BM kv_max values the procedures try (default: multiples of 128 below the longest prompt)",
         metavar="K1,K2,...|null",
     )
-    target: float = setting(0.95, NUMBER, "tune: BM's metric must reach T x FKV's (default 0.95)", metavar="T")
+    target: float = setting(
+        0.95, NUMBER, "tune: BM's metric must reach T x FKV's, 0 < T <= 1 (default 0.95)", metavar="T", high=1.0
+    )
 
     def normalise(self) -> None:
         if isinstance(self.target, int) and not isinstance(self.target, bool):
@@ -62,6 +65,8 @@ class MemoryConfig(Part):
         for k in self.kv_values:
             if isinstance(k, bool) or not isinstance(k, int):
                 raise ConfigError("kv_values", f"entries must be integers, got {k!r}")
+            if not 1 <= k <= MAX_TOKENS:
+                raise ConfigError("kv_values", f"entries must be from 1 to {MAX_TOKENS}, got {k}")
 
     def budget_bytes(self) -> int | None:
         """``memory_budget`` in bytes (None without a budget)."""
@@ -69,11 +74,13 @@ class MemoryConfig(Part):
             return None
         try:
             value = parse_bytes(self.budget)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: inf
             value = None
         if value is None or value <= 0:
             raise ConfigError(
                 "memory_budget",
                 f"cannot read a positive byte size from {self.budget!r} (examples: 24GiB, 512MiB, 1.5GB, 1000000)",
             )
+        if value > MAX_BUDGET:
+            raise ConfigError("memory_budget", f"{self.budget!r} is more than 1 EiB per rank")
         return value

@@ -4,6 +4,8 @@ layers defaults -> ``--config`` YAML -> flags into a validated :class:`~.run.Run
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -12,12 +14,35 @@ from ..core.rules import rule_names
 from .run import LISTING_KEYS, PARTS, SETTINGS, RunConfig, _normalise_mapping, load_yaml
 from .settings import LIST, ConfigError, Setting
 
+_ARGUMENT_RE = re.compile(r"^argument (\S+?)(?:/\S+)*: (.*)$", re.S)
+
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage and exiting."""
+    """argparse that raises ConfigError instead of printing usage and exiting: the key is the setting the flag sets
+    (``argument --batch-size: ...`` -> ``batch_size: --batch-size: ...``)."""
 
     def error(self, message: str):  # type: ignore[override]
-        raise ConfigError("", message)
+        match = _ARGUMENT_RE.match(message)
+        if match is None:
+            raise ConfigError("", message)
+        flag, problem = match.groups()
+        action = self._option_string_actions.get(flag)
+        raise ConfigError(action.dest if action is not None else flag, f"{flag}: {problem}")
+
+    def unknown(self, extra: Sequence[str]) -> ConfigError:
+        """The error for the arguments no flag takes: the first unknown flag with the closest known one, or a
+        stray value."""
+        flags = [arg for arg in extra if arg.startswith("-") and arg != "-"]
+        if not flags:
+            return ConfigError(extra[0], "unexpected argument: every value follows its flag (--help lists them)")
+        name = flags[0].split("=", 1)[0]
+        known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        if name in known:  # after "--", which ends the flags
+            return ConfigError(name, "a flag after '--' (which ends the flags): drop the '--'")
+        dashed = "--" + name.lstrip("-").replace("_", "-")
+        close = [dashed] if dashed in known else difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"{self.prog} --help lists them"
+        return ConfigError(name, f"unknown flag; {hint}")
 
 
 class _ListRules(argparse.Action):
@@ -81,7 +106,11 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "run.py") -> RunConfig:
     """defaults -> ``--config`` YAML -> CLI flags, validated. Raises :class:`ConfigError` (one line)."""
-    args = vars(build_parser(prog).parse_args(argv))
+    parser = build_parser(prog)
+    namespace, extra = parser.parse_known_args(argv)
+    if extra:
+        raise parser.unknown(extra)
+    args = vars(namespace)
     args.pop("local_rank", None)
     config_path = args.pop("config", None)
     merged: dict[str, Any] = {}

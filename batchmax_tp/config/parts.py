@@ -11,11 +11,28 @@ from typing import Any, ClassVar
 from ..embedded import EMBEDDED_MODEL
 from ..eval.metrics import METRICS
 from ..eval.tasks import TASK_NAMES, TASKS
-from .settings import FLAG, INT, NUMBER, OPTIONAL_INT, OPTIONAL_TEXT, TEXT, ConfigError, Part, setting
+from .settings import (
+    FLAG,
+    INT,
+    MAX_COUNT,
+    MAX_RANKS,
+    MAX_SEED,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS,
+    NUMBER,
+    OPTIONAL_INT,
+    OPTIONAL_TEXT,
+    TEXT,
+    ConfigError,
+    Part,
+    setting,
+)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")  #: auto: float32 on CPU, the checkpoint's own on CUDA
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+#: Sampling temperatures: below the lowest, float16 logits divided by it overflow (use greedy decoding instead).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -74,6 +91,7 @@ class DataConfig(Part):
         "use N samples drawn with --seed (the same for every run), kept in file order (default null: all)",
         metavar="N|null",
         low=1,
+        high=MAX_COUNT,
         null="all",
     )
     num_shots: int | None = setting(
@@ -82,6 +100,7 @@ class DataConfig(Part):
         "few-shot examples (default null: CNN/DM 1, NarrativeQA 2, GSM8K 16)",
         metavar="N|null",
         low=0,
+        high=1024,
         null="the paper's count",
     )
     max_input_tokens: int | None = setting(
@@ -90,6 +109,7 @@ class DataConfig(Part):
         "cut paper-task prompts to N tokens, in the document only (default 3584)",
         metavar="N|null",
         low=1,
+        high=MAX_TOKENS,
         null="no limit",
     )
     metric: str | None = setting(
@@ -133,23 +153,39 @@ class GenerationConfig(Part):
     """How each prompt is continued: length, EOS, greedy or sampled, and the seed."""
 
     title: ClassVar[str] = "generation"
-    max_new_tokens: int = setting(64, INT, "tokens to generate per sample (default 64)", metavar="N", low=1)
+    max_new_tokens: int = setting(
+        64,
+        INT,
+        "tokens to generate per sample (default 64; below the model's context length)",
+        metavar="N",
+        low=1,
+        high=MAX_TOKENS,
+    )
     ignore_eos: bool = setting(
         True,
         FLAG,
         "always generate --max-new-tokens, past EOS (default; throughput runs)",
         off="stop a sample at its first EOS",
     )
-    seed: int = setting(0, INT, "random seed (default 0)", metavar="N")
+    seed: int = setting(0, INT, "random seed (default 0)", metavar="N", low=0, high=MAX_SEED)
     do_sample: bool = setting(
         False,
         FLAG,
         "sample (--temperature, --top-k, --top-p) instead of greedy decoding",
         off="greedy decoding (default)",
     )
-    temperature: float = setting(1.0, NUMBER, "sampling temperature (default 1.0)", metavar="T")
-    top_k: int = setting(0, INT, "top-k sampling, 0 = off (default 0)", metavar="K", low=0)
-    top_p: float = setting(1.0, NUMBER, "nucleus sampling, 1.0 = off (default 1.0)", metavar="P")
+    temperature: float = setting(
+        1.0,
+        NUMBER,
+        f"sampling temperature, {MIN_TEMPERATURE} to {MAX_TEMPERATURE} (default 1.0; --do-sample only)",
+        metavar="T",
+        low=MIN_TEMPERATURE,
+        high=MAX_TEMPERATURE,
+    )
+    top_k: int = setting(
+        0, INT, "top-k sampling, 0 = off (default 0; --do-sample only)", metavar="K", low=0, high=MAX_COUNT
+    )
+    top_p: float = setting(1.0, NUMBER, "nucleus sampling, 1.0 = off (default 1.0; --do-sample only)", metavar="P")
 
     def normalise(self) -> None:
         for name in ("temperature", "top_p"):
@@ -158,10 +194,14 @@ class GenerationConfig(Part):
                 self._set(name, float(value))
 
     def validate(self) -> None:
-        if self.temperature <= 0:
-            raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not self.do_sample:  # greedy decoding reads none of them: a value set is a mistake, not a no-op
+            for f, _, key in self.settings():
+                if key in ("temperature", "top_k", "top_p") and getattr(self, f.name) != f.default:
+                    raise ConfigError(
+                        key, f"{getattr(self, f.name)} is unused by greedy decoding: add --do-sample (do_sample: true)"
+                    )
 
     def sampling(self) -> dict[str, Any]:
         """The keyword arguments ``core.engine.generate`` and ``core.serve.serve`` take from this part."""
@@ -186,6 +226,7 @@ class ParallelConfig(Part):
         "data-parallel replicas = world size / N",
         metavar="N|null",
         low=1,
+        high=MAX_RANKS,
         null="the world size",
     )
     dp_size: int | None = setting(
@@ -194,6 +235,7 @@ class ParallelConfig(Part):
         "data-parallel replicas (default null: world size / tp_size); a value must equal it",
         metavar="N|null",
         low=1,
+        high=MAX_RANKS,
         null="world size / tp_size",
     )
     setup_timeout: int = setting(
@@ -202,6 +244,7 @@ class ParallelConfig(Part):
         "seconds ranks wait for each other while loading (default 1800); generation collectives time out after 60 s",
         metavar="S",
         low=1,
+        high=MAX_TIMEOUT_S,
     )
 
 
@@ -224,3 +267,8 @@ class OutputConfig(Part):
             raise ConfigError("out", "must not be empty")
         if os.path.exists(self.dir) and not os.path.isdir(self.dir):
             raise ConfigError("out", f"exists and is not a directory: {self.dir}")
+        folder = os.path.abspath(self.dir)  # the nearest folder that exists must be one (the job creates the rest)
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder):
+            raise ConfigError("out", f"cannot create {self.dir}: {folder} is not a directory")

@@ -3,13 +3,14 @@ job, and reading YAML (:func:`load_yaml`) / writing it back (:meth:`RunConfig.to
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 import yaml
 
-from ..core.method import BatchMax
+from ..core.method import METHODS, BatchMax
 from .memory import MemoryConfig
 from .parts import DataConfig, GenerationConfig, ModelConfig, OutputConfig, ParallelConfig
 from .settings import ConfigError, Part, Setting
@@ -29,6 +30,12 @@ PARTS: tuple[tuple[str, type[Part]], ...] = (
 SETTINGS: dict[str, Setting] = {key: s for _, part in PARTS for _, s, key in part.settings()}
 #: The keys that list the job's runs: set to a value (YAML or flag), they leave the main job.
 LISTING_KEYS: tuple[str, ...] = tuple(key for key, s in SETTINGS.items() if s.lists)
+#: Every setting's built-in default by its YAML key.
+DEFAULTS: dict[str, Any] = {
+    key: f.default if f.default is not MISSING else f.default_factory()
+    for _, part in PARTS
+    for f, _, key in part.settings()
+}
 
 
 @dataclass(frozen=True, init=False)
@@ -96,6 +103,63 @@ class RunConfig:
             raise ConfigError("same_memory", f"the main job plans its own runs: it cannot run with {listed} set")
         if self.main_job:
             self._validate_main_job()
+        self._refuse_unused()
+
+    def _refuse_unused(self) -> None:
+        """A setting this job would not read, set to a value other than its default, is refused with the reason (a
+        saved ``OUT/config.yaml`` holds every key at its default where the job does not read it, so it still loads).
+        """
+        sweep, procedure = self.sweep, self.memory.procedure
+        changed = {key for key, value in self.to_dict().items() if value != DEFAULTS[key]}
+
+        def refuse(keys: tuple[str, ...], why: str) -> None:
+            for key in keys:
+                if key in changed:
+                    raise ConfigError(key, why.format(key=key))
+
+        if procedure is not None:
+            refuse(
+                ("methods", "batch_size", "kv_max"),
+                f"procedure {procedure} chooses its runs (FKV, ED and BM at kv_values) and their batches: {{key}} is "
+                "unused; drop it (BM's kv_max values: kv_values)",
+            )
+        elif self.main_job:
+            refuse(
+                ("methods", "batch_size"),
+                "the main job (same_memory) runs FKV, ED, BM and BM with the best rule, each at its largest batch "
+                "within the same memory: {key} is unused; drop it, or list the runs with --no-same-memory",
+            )
+        elif sweep.runs is not None:
+            refuse(("methods", "batch_size"), "runs lists each run's method and batch_size: {key} is unused; drop it")
+        if procedure is None and not self.main_job:
+            self._refuse_unused_by_runs(changed)
+        if "prefill_budget" in changed and self.scheduler == "static":
+            raise ConfigError(
+                "prefill_budget",
+                "static batches prefill every prompt of a batch at once: it applies to scheduler continuous",
+            )
+        if procedure is None:
+            refuse(("kv_values",), "the BM kv_max values the procedures try: unused without procedure paper or tune")
+        if procedure != "tune":
+            refuse(("target",), "the goal of the tuner: unused without procedure tune")
+
+    def _refuse_unused_by_runs(self, changed: set[str]) -> None:
+        """``rule`` when no listed run is BM without its own rule; ``kv_max`` when no listed run evicts without its own
+        kv_max (a ``runs`` entry's own rule or kv_max is checked with the entry)."""
+        sweep = self.sweep
+        if sweep.runs is None:
+            listed = [(name, None, None) for name in sweep.methods]
+        else:
+            listed = [(e["method"], e.get("rule"), e.get("kv_max")) for e in sweep.runs]
+        names = ", ".join(dict.fromkeys(name for name, _, _ in listed))
+        if "rule" in changed and not any(METHODS[m].takes_rule and rule is None for m, rule, _ in listed):
+            raise ConfigError(
+                "rule", f"rule {sweep.rule!r} applies to method bm only, and no listed run takes it (runs: {names})"
+            )
+        if "kv_max" in changed and not any(METHODS[m].evicts and kv is None for m, _, kv in listed):
+            raise ConfigError(
+                "kv_max", f"applies to ed and bm (fkv keeps every pair), and no listed run takes it (runs: {names})"
+            )
 
     def _validate_main_job(self) -> None:
         """The main job runs FKV, ED, the paper's BM and BM with the best rule (whatever ``methods`` says): each
@@ -129,7 +193,14 @@ class RunConfig:
         return {key: value for name, _ in PARTS for key, value in getattr(self, name).to_flat().items()}
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        """The flat keys as YAML (``OUT/config.yaml``), loadable again with ``--config`` into the same job: the main
+        job's leaves out ``methods`` and ``batch_size`` (it reads neither, and given they would list the runs). Both
+        are neutral in the resume key (``eval.results.check_same_config``), so results written before still resume.
+        """
+        data = self.to_dict()
+        if self.main_job:
+            del data["methods"], data["batch_size"]
+        return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -149,7 +220,9 @@ def _check_keys(data: dict[str, Any], source: str) -> None:
     for key in data:
         if key not in SETTINGS:
             known = list(SETTINGS)
-            hint = f" (did you mean {key.replace('-', '_')}?)" if str(key).replace("-", "_") in known else ""
+            underscored = str(key).replace("-", "_")
+            close = [underscored] if underscored in known else difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(str(key), f"unknown key in {source}{hint}; known keys: method, {', '.join(known)}")
 
 

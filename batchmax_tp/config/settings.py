@@ -6,9 +6,20 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
+
+#: Upper bounds of settings that have no natural one without the model: far above any real use, low enough that no
+#: count overflows a tensor index or a timer. What the model bounds (its context) is checked once its configuration is
+#: read, still before any weight loads (``job._prepare``).
+MAX_TOKENS = 2**24  # token counts: kv_max, p, max_new_tokens, max_input_tokens, prefill_budget, kv_values
+MAX_COUNT = 2**31 - 1  # sample counts, top_k
+MAX_BATCH = 2**16  # batch_size
+MAX_RANKS = 2**16  # tp_size, dp_size
+MAX_SEED = 2**32 - 1  # numpy's and torch's common seed range
+MAX_TIMEOUT_S = 7 * 24 * 3600  # setup_timeout: a week
 
 
 class ConfigError(ValueError):
@@ -21,6 +32,20 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------- kinds of values
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
 def _int_or_null(text: str) -> int | None:
     if text.lower() in ("null", "none", "default", "all"):
         return None
@@ -53,7 +78,8 @@ def _int_list(text: str) -> list[int] | None:
 @dataclass(frozen=True)
 class Kind:
     """A setting's type: what a YAML value must be (:meth:`check`) and how its flag's text is read (``parse``;
-    None: the text itself). ``float`` settings take ints too; a bool is never an int here."""
+    None: the text itself). ``float`` settings take ints too and only finite values (no .nan, no .inf); a bool is
+    never an int here."""
 
     what: str
     types: tuple[type, ...]
@@ -70,14 +96,18 @@ class Kind:
             return
         if not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types):
             raise ConfigError(key, f"must be {self.describe()}, got {type(value).__name__} {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, f"must be a finite number, got {value}")
+        if isinstance(value, str) and "\x00" in value:  # no path, name or size holds one (os calls refuse it)
+            raise ConfigError(key, f"must not contain a NUL character, got {value!r}")
 
 
 TEXT = Kind("a string", (str,))
 OPTIONAL_TEXT = Kind("a string", (str,), nullable=True)
 NULL_OR_TEXT = Kind("a string", (str,), nullable=True, parse=_null_or_text)
-INT = Kind("an integer", (int,), parse=int)
+INT = Kind("an integer", (int,), parse=_int)
 OPTIONAL_INT = Kind("an integer", (int,), nullable=True, parse=_int_or_null)
-NUMBER = Kind("a number", (int, float), parse=float)
+NUMBER = Kind("a number", (int, float), parse=_number)
 FLAG = Kind("a boolean (true/false)", (bool,))
 OPTIONAL_FLAG = Kind("a boolean (true/false)", (bool,), nullable=True)
 BYTES = Kind("a byte size (e.g. 24GiB, 512MiB or 1000000)", (str, int), nullable=True, parse=_int_or_text)
@@ -89,7 +119,8 @@ OPTIONAL_LIST = Kind("a list", (list,), nullable=True)
 @dataclass(frozen=True)
 class Setting:
     """A field's metadata: its YAML key (default the field's name), kind, help and limits. ``flag``: the CLI flag
-    (default ``--key-with-dashes``; "" = YAML only); ``low``: the lowest value, ``null`` what null means then;
+    (default ``--key-with-dashes``; "" = YAML only); ``low``/``high``: the lowest/highest value, ``null`` what null
+    means then;
     ``lists``: setting it lists the job's runs (it leaves the main job); ``off``: the help of ``--no-FLAG``."""
 
     kind: Kind
@@ -97,7 +128,8 @@ class Setting:
     key: str | None = None
     flag: str | None = None
     metavar: str | None = None
-    low: int | None = None
+    low: int | float | None = None
+    high: int | float | None = None
     null: str | None = None
     choices: tuple[str, ...] | None = None
     lists: bool = False
@@ -132,6 +164,8 @@ class Part:
             return
         if s.low is not None and value < s.low:
             raise ConfigError(key, f"must be >= {s.low}{f' or null ({s.null})' if s.null else ''}, got {value}")
+        if s.high is not None and value > s.high:
+            raise ConfigError(key, f"must be <= {s.high}{f' or null ({s.null})' if s.null else ''}, got {value}")
         if s.choices is not None and value not in s.choices:
             null = " or null" if s.kind.nullable else ""
             raise ConfigError(key, f"must be one of {', '.join(s.choices)}{null}, got {value!r}")

@@ -13,6 +13,8 @@ from ..plan.budget import RunSpec, story_methods
 from .settings import (
     INT,
     LIST,
+    MAX_BATCH,
+    MAX_TOKENS,
     OPTIONAL_FLAG,
     OPTIONAL_INT,
     OPTIONAL_LIST,
@@ -61,11 +63,12 @@ class SweepConfig(Part):
         "bm/ed KV pairs per (sample, KV head) (default null: bm 512, ed 2)",
         metavar="N|null",
         low=1,
+        high=MAX_TOKENS,
         null="per-method default",
         lists=True,
     )
-    p: int = setting(64, INT, "BM eviction amount / prefill block (default 64)", metavar="N", low=1)
-    batch_size: int = setting(4, INT, "samples per batch (default 4)", metavar="N", low=1, lists=True)
+    p: int = setting(64, INT, "BM eviction amount / prefill block (default 64)", metavar="N", low=1, high=MAX_TOKENS)
+    batch_size: int = setting(4, INT, "samples per batch (default 4)", metavar="N", low=1, high=MAX_BATCH, lists=True)
     runs: list[dict[str, Any]] | None = setting(
         None,
         OPTIONAL_LIST,
@@ -103,6 +106,7 @@ class SweepConfig(Part):
         "continuous: prompt tokens prefilled between two decode steps (default null: no limit)",
         metavar="N|null",
         low=1,
+        high=MAX_TOKENS,
         null="no limit",
     )
 
@@ -230,7 +234,9 @@ def _check_run_entry(where: str, entry: Any) -> None:
         _validate_rule(rule, f"{where}.rule")
     if not isinstance(method, str):
         raise ConfigError(f"{where}.method", f"must be a string, got {method!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"{where}.batch_size", f"must be an integer >= 1, got {batch_size!r}")
-    if kv_max is not None and (isinstance(kv_max, bool) or not isinstance(kv_max, int) or kv_max < 1):
-        raise ConfigError(f"{where}.kv_max", f"must be an integer >= 1 or null, got {kv_max!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= MAX_BATCH:
+        raise ConfigError(f"{where}.batch_size", f"must be an integer from 1 to {MAX_BATCH}, got {batch_size!r}")
+    if kv_max is not None and (
+        isinstance(kv_max, bool) or not isinstance(kv_max, int) or not 1 <= kv_max <= MAX_TOKENS
+    ):
+        raise ConfigError(f"{where}.kv_max", f"must be an integer from 1 to {MAX_TOKENS} or null, got {kv_max!r}")

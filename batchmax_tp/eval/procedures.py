@@ -178,6 +178,7 @@ def tuned_config(cfg: RunConfig, best: Trial) -> RunConfig:
         runs=None,
         procedure=None,
         kv_values=None,
+        target=type(cfg.memory)().target,  # the tuner's goal, unused by the run it chose: the default
         out=str(Path(cfg.output.dir) / "tuned"),
     )
 
