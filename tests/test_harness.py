@@ -367,34 +367,28 @@ def test_tp_and_replicas_give_the_results_of_one_process(tiny_dir, tmp_path, wor
                 assert_scores_close([tuple(x[0]) for x in a], [tuple(x[0]) for x in b])
 
 
-_HELD_WORKER = (
-    """
-import os, pathlib, sys, time
-from batchmax_tp import models
-real = models.load_model
-def held(*a, **k):
-    if os.environ.get("RANK") == "1":  # node 1 'loads' until it is lost
-        pathlib.Path(os.environ["HOLD_MARKER"]).write_text(str(os.getpid()))
-        time.sleep(3600)
-    return real(*a, **k)
-models.load_model = held
-"""
-    + _WORKER
+def _held_worker() -> str:
+    from test_replicas import HOLD_PATCH
+
+    return HOLD_PATCH + _WORKER
+
+
+@pytest.mark.parametrize(
+    "stage, lose", [("load", "stop"), ("setup", "kill")], ids=["load-worker-stopped", "setup-node-killed"]
 )
-
-
-def test_a_replica_lost_while_loading_ends_the_other_lm_eval_replica_within_a_minute(tmp_path, tiny_dir):
-    """Two replicas of the lm-eval model on two torchrun "nodes"; node 1's worker stopped (SIGSTOP: hung, or its
-    node lost with its sockets open) while it loads. The other replica waits for it in a gloo collective (30
-    minutes); its watchdog, started before anything waits (``replicas.watch_from_start``), ends it within 60 s
-    naming rank 1."""
-    import psutil
+def test_a_replica_lost_while_starting_ends_the_other_lm_eval_replica_within_a_minute(tmp_path, tiny_dir, stage, lose):
+    """Two replicas of the lm-eval model on two torchrun "nodes"; node 1 lost while it loads (its worker stopped:
+    hung, or its node lost with its sockets open) or inside the first process-group set-up (its agent and worker
+    killed). The other replica waits for it (a gloo collective or the rendezvous: up to 30 minutes); its watchdog,
+    started before anything waits (``replicas.watch_from_start``), ends it within 60 s naming rank 1."""
     from test_launchers import clean_env, tool
+    from test_replicas import lose_node_1
     from test_tp import free_port
 
     script, marker = tmp_path / "held.py", tmp_path / "held.pid"
-    script.write_text(_HELD_WORKER)
-    port, env = free_port(), clean_env(BATCHMAX_DEAD_AFTER_S="6", HF_DATASETS_OFFLINE="1", HOLD_MARKER=str(marker))
+    script.write_text(_held_worker())
+    env = clean_env(BATCHMAX_DEAD_AFTER_S="6", HF_DATASETS_OFFLINE="1", HOLD_MARKER=str(marker), HOLD_STAGE=stage)
+    port = free_port()
     nodes = [
         subprocess.Popen(
             [
@@ -424,13 +418,7 @@ def test_a_replica_lost_while_loading_ends_the_other_lm_eval_replica_within_a_mi
         for n in range(2)
     ]
     try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), "node 1 never loaded"
-            time.sleep(0.05)
-        worker = psutil.Process(int(marker.read_text()))
-        worker.send_signal(signal.SIGSTOP)
-        lost_at = time.monotonic()
+        _, lost_at = lose_node_1(nodes, marker, lose)
         _, err = nodes[0].communicate(timeout=90)
         took = time.monotonic() - lost_at
     finally:

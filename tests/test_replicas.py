@@ -345,16 +345,14 @@ def test_a_dead_replica_ends_the_job_and_the_rerun_completes_only_what_is_missin
 
 
 # ---------------------------------------------------------------------- a node lost while the job starts
-# run.py with a hold on node 1 (rank 1): at HOLD_STAGE it writes its pid to HOLD_MARKER and waits there, as a node
-# does while it loads or meets the others; the test then loses that node. Nothing is held without HOLD_STAGE.
-HOLD_RUN_PY = """
-import os, pathlib, sys, time
-sys.path.insert(0, {root!r})
+# A hold on node 1 (rank 1): at HOLD_STAGE it writes its pid to HOLD_MARKER and waits there, as a node does while
+# it loads or meets the others; the test then loses that node. Nothing is held without HOLD_STAGE.
+HOLD_PATCH = """
+import os, pathlib, time
 import torch.distributed as dist
 from batchmax_tp import models
-from batchmax_tp.cli import main
 
-def held(real):
+def _held(real):
     def call(*a, **k):
         if os.environ.get("RANK") == "1" and os.environ.get("HOLD_STAGE"):
             pathlib.Path(os.environ["HOLD_MARKER"]).write_text(str(os.getpid()))
@@ -362,13 +360,31 @@ def held(real):
         return real(*a, **k)
     return call
 
-stage = os.environ.get("HOLD_STAGE")
-if stage == "load":  # loading the model's weights
-    models.load_model = held(models.load_model)
-elif stage == "setup":  # inside the first process-group set-up (DeepSpeed calls torch's at call time)
-    dist.init_process_group = held(dist.init_process_group)
-sys.exit(main())
+if os.environ.get("HOLD_STAGE") == "load":  # loading the model's weights
+    models.load_model = _held(models.load_model)
+elif os.environ.get("HOLD_STAGE") == "setup":  # inside the first process-group set-up (DeepSpeed calls torch's)
+    dist.init_process_group = _held(dist.init_process_group)
 """
+HOLD_RUN_PY = (
+    "import sys\nsys.path.insert(0, {root!r})\n" + HOLD_PATCH + "from batchmax_tp.cli import main\nsys.exit(main())\n"
+)
+
+
+def lose_node_1(nodes: list[subprocess.Popen], marker: Path, lose: str) -> tuple[psutil.Process, float]:
+    """Wait until node 1 holds (``HOLD_PATCH``), then lose it: "kill" (SIGKILL of its torchrun agent and worker: a
+    lost node) or "stop" (SIGSTOP of its worker: a hung one, or a lost node whose sockets stay open). Returns its
+    worker and when it was lost."""
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), "node 1 never got there"
+        time.sleep(0.05)
+    worker = psutil.Process(int(marker.read_text()))
+    if lose == "kill":
+        for victim in (psutil.Process(nodes[1].pid), worker):
+            victim.kill()
+    else:
+        worker.send_signal(signal.SIGSTOP)
+    return worker, time.monotonic()
 
 
 @pytest.mark.skipif(tool("torchrun") is None, reason="torchrun is not installed")
@@ -387,17 +403,7 @@ def test_a_node_lost_while_the_job_starts_ends_the_other_within_a_minute(tmp_pat
     script.write_text(HOLD_RUN_PY.format(root=str(Path(RUN_PY).parent.parent)))
     out = tmp_path / "out"
     procs = launch_nodes(tiny_dir, out, script=str(script), HOLD_STAGE=stage, HOLD_MARKER=str(marker))
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "node 1 never got there"
-        time.sleep(0.05)
-    worker = psutil.Process(int(marker.read_text()))
-    if lose == "kill":
-        for victim in (psutil.Process(procs[1].pid), worker):
-            victim.kill()
-    else:
-        worker.send_signal(signal.SIGSTOP)
-    lost_at = time.monotonic()
+    worker, lost_at = lose_node_1(procs, marker, lose)
     code, _, err = finish([procs[0]], timeout=90)[0]
     took = time.monotonic() - lost_at
     with contextlib.suppress(psutil.NoSuchProcess):

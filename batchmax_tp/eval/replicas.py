@@ -36,6 +36,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .. import parallel
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["BEAT_S", "DEAD_AFTER_S", "START_GRACE_S", "Channel", "Watchdog", "connect", "watch_from_start"]
@@ -65,8 +67,6 @@ def watch_from_start(rank: int, world: int, setup_timeout_s: float) -> tuple[dis
     hosts at ``MASTER_ADDR:MASTER_PORT`` for the default process group, started here first (multi-tenant: the
     process group's rendezvous reuses it). A client waits at most ``START_GRACE_S`` for rank 0 to host it; a live
     rank's later waits (a slow load: ``setup_timeout_s``) are bounded by its peers' beats, not by that timeout."""
-    from .. import parallel
-
     if world <= 1 or not parallel.rendezvous_env():
         return None
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
