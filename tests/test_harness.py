@@ -381,42 +381,15 @@ def test_a_replica_lost_while_starting_ends_the_other_lm_eval_replica_within_a_m
     hung, or its node lost with its sockets open) or inside the first process-group set-up (its agent and worker
     killed). The other replica waits for it (a gloo collective or the rendezvous: up to 30 minutes); its watchdog,
     started before anything waits (``replicas.watch_from_start``), ends it within 60 s naming rank 1."""
-    from test_launchers import clean_env, tool
-    from test_replicas import lose_node_1
-    from test_tp import free_port
+    from test_launchers import tool
+    from test_replicas import lose_node_1, torchrun_nodes
 
+    if tool("torchrun") is None:
+        pytest.skip("torchrun is not installed")
     script, marker = tmp_path / "held.py", tmp_path / "held.pid"
     script.write_text(_held_worker())
-    env = clean_env(BATCHMAX_DEAD_AFTER_S="6", HF_DATASETS_OFFLINE="1", HOLD_MARKER=str(marker), HOLD_STAGE=stage)
-    port = free_port()
-    nodes = [
-        subprocess.Popen(
-            [
-                tool("torchrun") or "torchrun",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(n),
-                "--nproc_per_node",
-                "1",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                str(script),
-                tiny_dir,
-                "1",
-                str(tmp_path / "out.json"),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for n in range(2)
-    ]
+    env = dict(HF_DATASETS_OFFLINE="1", HOLD_MARKER=str(marker), HOLD_STAGE=stage)
+    nodes = torchrun_nodes(str(script), [tiny_dir, "1", str(tmp_path / "out.json")], **env)
     try:
         _, lost_at = lose_node_1(nodes, marker, lose)
         _, err = nodes[0].communicate(timeout=90)

@@ -223,49 +223,14 @@ def test_merge_py_merges_complete_runs_and_names_the_rest(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------- a killed replica, end to end
-def launch_nodes(checkpoint: str, out: Path, script: str = RUN_PY, **env_vars: str) -> list[subprocess.Popen]:
-    """Two torchrun "nodes" of one rank each (static rendezvous): replica 0 on node 0, replica 1 on node 1."""
-    exe = tool("torchrun")
-    port = free_port()
-    env = clean_env(BATCHMAX_DEAD_AFTER_S="6", **env_vars)
-    args = [
-        "--model",
-        checkpoint,
-        "--method",
-        "bm",
-        "--kv-max",
-        "64",
-        "--p",
-        "16",
-        "--batch-size",
-        "1",
-        "--num-samples",
-        "6",
-        "--max-new-tokens",
-        "32",
-        "--ignore-eos",
-        "--tp-size",
-        "1",
-        "--out",
-        str(out),
-    ]
+def torchrun_nodes(script: str, args: list[str], **env_vars: str) -> list[subprocess.Popen]:
+    """``script args`` on two torchrun "nodes" of one rank each (static rendezvous on this host, watchdog limit 6 s),
+    each in a session of its own."""
+    port, env = free_port(), clean_env(BATCHMAX_DEAD_AFTER_S="6", **env_vars)
+    node = ["--nnodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
     return [
         subprocess.Popen(
-            [
-                exe,
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(n),
-                "--nproc_per_node",
-                "1",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                script,
-                *args,
-            ],
+            [tool("torchrun"), *node, "--node_rank", str(n), script, *args],
             env=env,
             cwd=Path(RUN_PY).parent.parent,
             stdout=subprocess.PIPE,
@@ -275,6 +240,13 @@ def launch_nodes(checkpoint: str, out: Path, script: str = RUN_PY, **env_vars: s
         )
         for n in range(2)
     ]
+
+
+def launch_nodes(checkpoint: str, out: Path, script: str = RUN_PY, **env_vars: str) -> list[subprocess.Popen]:
+    """The job on two nodes (``torchrun_nodes``): replica 0 on node 0, replica 1 on node 1."""
+    args = ["--model", checkpoint, "--method", "bm", "--kv-max", "64", "--p", "16", "--batch-size", "1"]
+    args += ["--num-samples", "6", "--max-new-tokens", "32", "--ignore-eos", "--tp-size", "1", "--out", str(out)]
+    return torchrun_nodes(script, args, **env_vars)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str, str]]:
