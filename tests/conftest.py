@@ -126,3 +126,15 @@ def tiny_dir(tmp_path_factory) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any model load fails the test: a configuration that is refused loads no weights."""
+    import batchmax_tp.models as models
+
+    def boom(*args, **kwargs):
+        raise AssertionError("no model may load for a configuration that is refused")
+
+    monkeypatch.setattr(models, "load_model", boom)
+    monkeypatch.setattr(models, "architecture_model", boom)

@@ -20,15 +20,6 @@ from batchmax_tp.core.method import Method
 from batchmax_tp.plan.planner import half_dtype_impls
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    def boom(*args, **kwargs):
-        raise AssertionError("no weights may load for a configuration that is refused")
-
-    monkeypatch.setattr(models, "load_model", boom)
-    monkeypatch.setattr(models, "architecture_model", boom)
-
-
 def fake_gpus(monkeypatch, capabilities: dict[int, tuple[int, int]], current: int = 0) -> None:
     """CUDA devices ``index -> compute capability``; ``is_bf16_supported`` says yes as it does on a V100 (emulation)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -53,17 +53,6 @@ def _assert_refused(argv: list[str], key: str, out: Path) -> str:
     return stderr
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    import batchmax_tp.models as models
-
-    def boom(*args, **kwargs):
-        raise AssertionError("no model may load for a bad configuration")
-
-    monkeypatch.setattr(models, "load_model", boom)
-    monkeypatch.setattr(models, "architecture_model", boom)
-
-
 def _yaml(tmp_path: Path, text: str) -> str:
     path = tmp_path / "bad.yaml"
     path.write_text(text)
