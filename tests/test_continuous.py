@@ -567,3 +567,18 @@ def test_evicting_one_layer_at_a_time_keeps_what_evicting_every_layer_at_once_ke
         layered = serve(model, requests, METHODS[key], 3, **kw)
         monkeypatch.undo()
         check_against_alone(layered, [(o.tokens, o.logits, o.kept_positions) for o in whole.outputs])
+
+
+def test_auto_compile_is_what_measured_fastest_on_each_device():
+    """``compile="auto"`` (the default): CUDA graphs on a GPU (2.0x BM's eager step on an H200), eager on a CPU
+    (compiled passes measured slower there) and under tensor parallelism (NCCL collectives were never captured)."""
+    from batchmax_tp.core.replay import resolve
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve("auto", cpu) == "none"
+    assert resolve("auto", gpu) == "cudagraphs"
+    assert resolve("auto", gpu, tensor_parallel=True) == "none"
+    assert resolve("cudagraphs", gpu, tensor_parallel=True) == "cudagraphs"  # asked for: the user's call
+    assert resolve("default", cpu) == "default"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve("cudagraphs", cpu)
