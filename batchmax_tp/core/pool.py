@@ -77,21 +77,28 @@ class _Pool(Cache):
         self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the pool from the first pass's local shapes (heads under tensor parallelism), once: each tensor
-        stacked over the layers [L, S, ...] (``stacks``: an eviction frees slots in every layer in one call), each
-        layer holding its views [S, ...]."""
+        """Allocate the pool from the first pass's local shapes (heads under tensor parallelism), once. What an
+        eviction reads is stacked over the layers [L, S, ...] (``stacks``: one call frees slots in every layer),
+        each layer holding its views [S, ...]: BM's slot state, ED's few slots of K/V. BM's and FKV's K/V are one
+        tensor per layer: a compiled pass writes those in place only when they are not views into a larger buffer
+        (inductor copied each layer's whole K/V every pass otherwise, 138 against 100 ms a BM pass on the CPU)."""
         if self.allocated:
             return
         H, dtype, device = key_states.shape[1], key_states.dtype, key_states.device
         S, C1 = self.slots, self.capacity + 1
         L = len(self.layers)
+        kv = {
+            "keys": (L, S, H, C1, key_states.shape[-1]),
+            "values": (L, S, H, C1, value_states.shape[-1]),
+        }
+        stacked = self.method.keeps_newest_only  # ED's eviction reads every layer's K/V
         self.stacks = {
-            "keys": torch.zeros(L, S, H, C1, key_states.shape[-1], dtype=dtype, device=device),
-            "values": torch.zeros(L, S, H, C1, value_states.shape[-1], dtype=dtype, device=device),
+            **({name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in kv.items()} if stacked else {}),
             **self.meta_stacks(L, H, dtype, device),
         }
         for i, layer in enumerate(self.layers):
-            layer.bind_storage({name: t[i] for name, t in self.stacks.items()}, dtype, device)
+            own = {} if stacked else {n: torch.zeros(shape[1:], dtype=dtype, device=device) for n, shape in kv.items()}
+            layer.bind_storage({**own, **{name: t[i] for name, t in self.stacks.items()}}, dtype, device)
         self.note()
 
     def meta_stacks(self, L: int, H: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
@@ -130,8 +137,8 @@ class _Pool(Cache):
     def note_decode(self, query_group: int, hi: int) -> None:
         """Note a decode pass's workspace from the host (a compiled pass does not: ``attention._decode_attention``);
         ``query_group``: query heads per KV head."""
-        keys = self.stacks["keys"]  # [L, S, H, C + 1, D]
-        H, D = keys.shape[2], keys.shape[-1]
+        keys = self.layers[0].keys  # [S, H, C + 1, D]
+        H, D = keys.shape[1], keys.shape[-1]
         self.note_workspace(decode_workspace_bytes(self.slots, H * query_group, H, hi, D, keys.element_size()))
 
     def _decode_pass(
@@ -305,9 +312,9 @@ class BoundedPool(_Pool):
         ``workspace.EVICT_CHUNK_BYTES`` allows (usually all: ``cache.free_slots`` on their slot state gathered from
         the stacks, [n*E, H, C]), and make the freed slots the head of each row's free list. A "rescore" eviction
         first ranks each layer's slots with that layer's stored probe queries."""
-        keys = self.stacks["keys"]  # [L, S, H, C + 1, D]
-        L, E, H, C = keys.shape[0], ev.rows.numel(), keys.shape[2], self.capacity
-        step = eviction_layers(L, E, H, C, self.stacks["bias"].element_size())
+        bias = self.stacks["bias"]  # [L, S, H, C + 1]
+        L, E, H, C = bias.shape[0], ev.rows.numel(), bias.shape[2], self.capacity
+        step = eviction_layers(L, E, H, C, bias.element_size())
         for first in range(0, L, step):
             self._evict_layers(ev, slice(first, min(first + step, L)))
 
