@@ -13,7 +13,7 @@ so the model call itself never changes kernels. That call is what this module ru
   decode pass is launch-bound (~1,600 kernel launches for a 7B model), so replaying it is what makes it fast.
 - ``auto`` (the default): ``cudagraphs`` on CUDA, ``none`` elsewhere (``resolve``). Measured 2026-11-26 on an
   H200 (Llama-2-7B float16, 1,536 + 512 tokens, 40 GiB): decode steps 1.2x (FKV) to 2.0x (BM, ED) faster
-  captured, 0.12-0.16 s to capture; on a 2-core CPU ``default`` makes BM's steps 1.23x faster but FKV's 0.79x,
+  captured, 0.12-0.16 s to capture; on a 2-core CPU ``default`` makes BM's steps 1.19x faster but FKV's 0.75x,
   after minutes of compiling, so the CPU stays eager.
 """
 
