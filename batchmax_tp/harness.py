@@ -167,7 +167,7 @@ class BatchMaxLM(TemplateLM):
         rank, world, local_rank = parallel.world_from_env()
         # several ranks: a watchdog from the first moment to this process's end, so that no replica waits for a lost
         # one, in our set-up or in lm-eval's own collectives (eval.replicas)
-        early = replicas.watch_from_start(rank, world, parallel.SETUP_TIMEOUT_S)
+        early = replicas.watch_from_start(rank, world)
         if early is not None:
             early[1].until_exit()
         config = self._read_config(s)

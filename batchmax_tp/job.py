@@ -290,7 +290,7 @@ def run(cfg: RunConfig, argv: Sequence[str] | None = None) -> int:
     )
     rank, world, local_rank = parallel.world_from_env()
     try:  # several ranks: a watchdog from the first moment, so no rank ever waits for a lost one (eval.replicas)
-        early = replicas.watch_from_start(rank, world, cfg.parallel.setup_timeout)
+        early = replicas.watch_from_start(rank, world)
     except (RuntimeError, ValueError) as err:
         return fail(str(err))
     try:

@@ -190,7 +190,7 @@ class _Run:
         self.decode_forward = replay.eager_decode  # or compiled, or captured (serve's ``compile``)
         self.forcing = any(r.continuation is not None for r in requests)
         self.times = {"prefill": 0.0, "decode": 0.0, "compile": 0.0}  # seconds spent in each kind of pass so far
-        self.compiles: bool | None = None  # None: eager; True until the first decode pass compiles or captures
+        self.compiles = False  # True until the first decode pass compiles or captures (timed as "compile")
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.query_group = config.num_attention_heads // (config.num_key_value_heads or config.num_attention_heads)
         self.kv_low: int | None = None  # smallest and largest K/V bytes held after any pass
@@ -324,7 +324,7 @@ class _Run:
         described = pool.decode_pass(step.work, self.device)
         for eviction in described.evictions:  # in every layer at once, before the model call
             pool.evict(eviction)
-        if self.compiles is not None:  # a compiled pass notes no workspace itself
+        if self.compiles:  # a compiled pass notes no workspace itself; a static pool's is the same every pass
             pool.note_decode(self.query_group, described.hi)
         out = self.decode_forward(self.model, described.for_model(), self.next_ids[:, None], self.all_true)
         index = described.decoding  # [k] the decoding rows
@@ -428,14 +428,13 @@ def serve(
     passes run (``core.replay``): ``"none"`` eager, ``"default"`` compiled, ``"cudagraphs"`` captured once and
     replayed, ``"auto"`` (the default) the fastest measured on the model's device type; the same tokens in every
     mode."""
-    tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
-    mode = replay.resolve(compile, next(model.parameters()).device, tensor_parallel=tp)
     check_requests(requests, slots, getattr(model.config, "max_position_embeddings", None))
     eos = _eos_ids(ignore_eos, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     warpers = sampling_warpers(temperature, top_k, top_p) if do_sample else None
     run = _Run(model, requests, method, slots, warpers, eos, pad, stop, return_logits, tp_group)
-    run.decode_forward, run.compiles = replay.decode_runner(mode), (True if mode != "none" else None)
+    mode = replay.resolve(compile, run.device, tensor_parallel=run.tp_group is not None)
+    run.decode_forward, run.compiles = replay.decode_runner(mode), mode != "none"
     keys = _prompt_keys(requests) if share_prompts else None
     pool = _pool(model, method, slots, run.lengths, run.max_new, static=mode != "none")
     sched = Scheduler(method, run.lengths, run.max_new, slots, prefill_budget, keys, pass_tokens)

@@ -57,7 +57,7 @@ def _exit(message: str) -> None:
     os._exit(1)
 
 
-def watch_from_start(rank: int, world: int, setup_timeout_s: float) -> tuple[dist.Store, Watchdog] | None:
+def watch_from_start(rank: int, world: int) -> tuple[dist.Store, Watchdog] | None:
     """The job's store and a started watchdog, from the first moment of a multi-process job: before the model loads
     and before any wait on another rank (the process groups' rendezvous, AutoTP, the first collectives), so a rank
     lost at any moment ends every other within the watchdog's limit. None under MPI (no store address before
@@ -66,7 +66,8 @@ def watch_from_start(rank: int, world: int, setup_timeout_s: float) -> tuple[dis
     The store is the launcher's: torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``), else the one rank 0
     hosts at ``MASTER_ADDR:MASTER_PORT`` for the default process group, started here first (multi-tenant: the
     process group's rendezvous reuses it). A client waits at most ``START_GRACE_S`` for rank 0 to host it; a live
-    rank's later waits (a slow load: ``setup_timeout_s``) are bounded by its peers' beats, not by that timeout."""
+    rank's later waits (a slow load: the ``setup_timeout`` setting) are bounded by its peers' beats, not by that
+    timeout."""
     if world <= 1 or not parallel.rendezvous_env():
         return None
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
