@@ -53,7 +53,7 @@ from transformers import AutoTokenizer
 
 from . import models, parallel
 from .config import EMBEDDED_MODEL
-from .core.method import METHODS, Method
+from .core.method import METHODS, BatchMax, Method
 from .core.serve import Request, RequestOutput, serve
 from .eval import replicas
 from .plan.planner import DTYPE_BYTES, ModelShape, max_slots, parse_bytes
@@ -136,7 +136,7 @@ class Settings:
         m = self.method_()
         model = self.pretrained.strip("/").replace("/", "__").replace(":", "-")
         parts = [model, m.name] + ([] if m.held_kv_max is None else [f"kv{m.kv_max}"])
-        parts += [f"p{m.p}", m.rule] if m.bounded else []  # BM: its blocks of p and its rule
+        parts += [f"p{m.p}", m.rule] if isinstance(m, BatchMax) else []  # BM: its blocks of p and its rule
         return "batchmax-" + "-".join(parts + [self.dtype, f"len{self.max_length or 'model'}"])
 
 

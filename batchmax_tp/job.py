@@ -10,7 +10,8 @@ split with AutoTP; then the runs:
   FKV, ED, the paper's BM and BM with the best rule, each at its largest batch within FKV's memory at batch 4,
   bounded only by the number of prompts (the samples repeated up to the largest fitting batch, at most
   ``plan.budget.STORY_MAX_PROMPTS``; ``plan.budget.same_memory_plan``);
-- ``procedure: paper``: the paper's b0 procedure (``plan.budget.paper_specs``; b0 by real ED trials on CUDA);
+- ``procedure: paper``: the paper's b0 procedure (``plan.budget.paper_specs``; b0 from the planner: where the paper's ED
+  runs out of the budget);
 - ``procedure: tune``: the auto-tuner's trials (``eval.procedures.run_tuner``), into ``OUT/tune/``.
 
 Every run goes through ``eval.run.evaluate_run`` into ``OUT/<run>/`` (resumable, with a progress bar on rank 0);
@@ -460,10 +461,10 @@ def _plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Plan:
 
 
 def _paper_plan(cfg: RunConfig, ctx: RunContext, samples: list[tasks.Sample]) -> Plan:
-    """The paper's b0 procedure (``plan.budget.paper_specs``): b0 by real ED trials on CUDA, else the planner's."""
-    layout, fits = ctx.layout, None
-    if str(getattr(ctx.model, "device", "cpu")).startswith("cuda"):
-        fits = procedures.b0_trials(ctx.model, ctx.tokenizer, samples, cfg, rank=layout.rank, world=layout.world)
+    """The paper's b0 procedure (``plan.budget.paper_specs``): b0 from the planner, where the paper's ED (which caches
+    every prompt through its prefill, ``planner.paper_ed_bytes``) runs out of the budget. No real trial: this
+    engine's ED holds only its slots, so it does not run out of memory where the paper's does."""
+    layout = ctx.layout
     specs, plan = paper_specs(
         ctx.shape,
         ctx.prompt_len,
@@ -475,7 +476,6 @@ def _paper_plan(cfg: RunConfig, ctx: RunContext, samples: list[tasks.Sample]) ->
         kv_values=cfg.memory.kv_values,
         num_samples=len(samples),
         tp=layout.tp,
-        fits=fits,
     )
     if layout.is_main:
         atomic_write_text(Path(cfg.output.dir) / "plan.json", json.dumps(plan, indent=2) + "\n")

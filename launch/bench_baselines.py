@@ -19,7 +19,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.bench.hf_reference import hf_reference_generate  # noqa: E402
-from batchmax_tp.core.baseline import fastest_attention  # noqa: E402
 from batchmax_tp.core.engine import generate  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
@@ -65,7 +64,7 @@ def main(argv=None) -> int:
 
     print(
         f"\nmodel={a.model} device={a.device} dtype={a.dtype} threads={torch.get_num_threads()} batch={a.batch} "
-        f"prompt={a.prompt_len} new={a.new} attention={fastest_attention(model)} (best of {a.repeats})"
+        f"prompt={a.prompt_len} new={a.new} attention=SDPA prefill, fused decode (best of {a.repeats})"
     )
     print("| method | engine ms/step | plain HF ms/step | engine/HF | tokens equal |")
     print("|---|---|---|---|---|")

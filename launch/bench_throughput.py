@@ -7,7 +7,7 @@
 One run: (1) the budget (given, or the planner's peak of FKV at --fkv-batch, so FKV fits exactly that many);
 (2) for each method the largest fitting batch (planner), one timed generation of --new tokens ignoring EOS
 from prompts of --prompt-len tokens, tokens/s = generated tokens / (prefill + decode) seconds; FKV and ED run as
-the fair baselines (the model's SDPA / FlashAttention-2, no score bookkeeping, ``batchmax_tp.core.baseline``), BM on
+the fair baselines (the model's SDPA on their prompts, no score bookkeeping, ``core.pool.DensePool``), BM on
 its own attention, once per eviction rule of --rules (default ``paper,question``) at each --kv-max, each rule at
 its own largest batch (a probe rule's extra state fits fewer samples); (3) FKV and ED again as plain HF at the same
 batch (``bench.hf_reference``: HF generate with its default cache; a DynamicCache cut to its newest
@@ -30,7 +30,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.bench import throughput as bench  # noqa: E402
-from batchmax_tp.core.baseline import fastest_attention  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
 from batchmax_tp.models import load_model, read_config  # noqa: E402
 from batchmax_tp.plan.planner import ModelShape  # noqa: E402
@@ -60,7 +59,7 @@ def main(argv=None) -> int:
     memory = bench.measure_memory(model, shape, bm, Method("fkv"), lengths, a.length_batch, a.device, a.dtype)
     growth = bench.peak_growth(memory, lengths)
 
-    attention = fastest_attention(model)
+    attention = "SDPA prompts, fused decode passes"
     out = bench.results(a, budget, attention, rows, by_rule, memory, growth)
     print(bench.header(a, budget, attention))
     print(bench.format_runs(rows))

@@ -141,11 +141,7 @@ class AttentionPasses:
 
             return wrapped
 
-        from batchmax_tp.core.baseline import register_sdpa_repeat
-        from batchmax_tp.core.workspace import SDPA_REPEAT
-
-        register_sdpa_repeat()
-        for name in ("sdpa", "flash_attention_2", SDPA_REPEAT):
+        for name in ("sdpa", "flash_attention_2"):
             monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, name, region(ALL_ATTENTION_FUNCTIONS[name], self.CALL))
         monkeypatch.setattr(attention, "batchmax_attention", region(attention.batchmax_attention, self.CALL))
         monkeypatch.setattr(modeling_llama, "create_causal_mask", region(masking_utils.create_causal_mask, self.MASK))

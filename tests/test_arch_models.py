@@ -34,7 +34,7 @@ def test_shrunk_architecture_runs_with_eviction(name):
     ids = torch.randint(3, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
     out = generate(model, ids, None, Method("bm", kv_max=16, p=4), 6, ignore_eos=True)
     assert out.tokens.shape == (2, 6)
-    assert all(len(h) <= 16 for layer in out.cache.kept_positions() for s in layer for h in s)
+    assert all(len(h) <= 16 for layer in out.kept_positions() for s in layer for h in s)
 
 
 def test_unknown_architecture_is_named():

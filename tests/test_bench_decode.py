@@ -1,5 +1,5 @@
-"""launch/bench_decode.py runs end to end on a tiny architecture (it broke once unnoticed: its micro-benchmark
-drives the attention directly) and writes its JSON: the decode split, FKV's step and the attention comparison."""
+"""launch/bench_decode.py runs end to end on a tiny architecture (it broke once unnoticed: it times the engine's
+internals) and writes its JSON: the decode split and FKV's step."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ def test_bench_decode_runs_on_a_tiny_architecture(tmp_path):
         "--p",
         "16",
     ]
-    cmd += ["--new", "20", "--reps", "2", "--out", str(out)]
+    cmd += ["--new", "20", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["decode_split"]["step_ms"] > 0 and data["fkv_step_ms"] > 0 and data["attention"]["bm_us"] > 0
+    split = data["decode_split"]
+    assert split["step_ms"] > 0 and data["fkv_step_ms"] > 0 and split["attention_ms"] > 0 and split["evict_ms"] > 0
     assert data["compiled"] is None  # part 4 only with --compiled

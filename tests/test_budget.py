@@ -28,7 +28,7 @@ from batchmax_tp.core.method import BatchMax, ExtremeDecoding, Method
 from batchmax_tp.eval import batches, generation, oom, report, tasks
 from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
 from batchmax_tp.plan import budget
-from batchmax_tp.plan.planner import ModelShape, max_batch, predict
+from batchmax_tp.plan.planner import ModelShape, max_batch, paper_ed_bytes, predict
 from batchmax_tp.plan.tuner import paper_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -285,9 +285,10 @@ def test_single_method_summaries_report_memory(tmp_path, stack):
 def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_model, capsys):
     s = _prompt_len(tokenizer)
     ed2, fkv = Method("ed", kv_max=2), Method("fkv")
-    limit = max(_predict(tiny_model, ed2, 2, s), _predict(tiny_model, fkv, 2, s)) + 1
-    assert _predict(tiny_model, ed2, 3, s) > limit  # so b0 = 3
     shape = ModelShape.from_config(tiny_model.config)
+    paper_ed = [paper_ed_bytes(shape, b, s, 3, p=32) for b in (2, 3)]  # the paper's ED defines b0
+    limit = max(paper_ed[0], _predict(tiny_model, ed2, 2, s), _predict(tiny_model, fkv, 2, s)) + 1
+    assert paper_ed[1] > limit  # so b0 = 3
     plan = paper_plan(limit, shape, s, 3, dtype="float32", p=32, num_samples=4, kv_values=[128, 192])
     names = [budget.RunSpec(m, b).name for m, b in plan]
     assert names[:4] == ["ed-b3-kv2", "ed-b2-kv2", "ed-b2-kv65", "fkv-b2"]
@@ -299,21 +300,20 @@ def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_mo
         ["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit), "--kv-max", "128,192"]
     )
     assert rc == 0
-    # ED at b0 is the OOM row (never run); the rest ran in the plan's order.
-    assert stack.calls == [("ed", 2, 2)] * 2 + [("ed", 65, 2)] * 2 + [("fkv", None, 2)] * 2 + [
-        ("bm", k, b) for k, b in bm for _ in range(4 // b)
-    ]
+    # b0 is where the paper's ED runs out of memory; this engine's ED fits it (a slot never holds its prompt), so
+    # its row runs too; every run in the plan's order.
+    assert stack.calls == [("ed", 2, 3), ("ed", 2, 1)] + [("ed", 2, 2)] * 2 + [("ed", 65, 2)] * 2 + [
+        ("fkv", None, 2)
+    ] * 2 + [("bm", k, b) for k, b in bm for _ in range(4 // b)]
     planned = json.loads((out / "plan.json").read_text())
     assert planned["b0"] == 3 and planned["prompt_len"] == s and [r["run"] for r in planned["runs"]] == names
-    assert [r["fits"] for r in planned["runs"]] == [False] + [True] * 5 and planned["adjusted"] is None
+    assert [r["fits"] for r in planned["runs"]] == [True] * 6 and planned["adjusted"] is None
     assert [r["run"] for r in _csv(out)] == names and set(report.REPORT_FILES) <= set(os.listdir(out))
     text = (out / "report.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert table[1].startswith("| ED | 3 | 2 | OOM | - | OOM | OOM |")
     assert [line.split("|")[1].strip() for line in table[1:7]] == ["ED", "ED", "ED", "FKV", "BM", "BM"]
     assert "BM against the fastest ED run" in text and capsys.readouterr().out == text
-    summary = json.loads((out / "ed-b3-kv2" / "summary.json").read_text())
-    assert summary["status"] == "oom" and summary["oom_cause"] == "predicted"
+    assert json.loads((out / "ed-b3-kv2" / "summary.json").read_text())["status"] == "done"
     # Resume: nothing runs again.
     stack.calls.clear()
     assert (
@@ -330,8 +330,8 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
         layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, params=134_515_008
     )
     cfg = parse_args(["--procedure", "paper", "--memory-budget", "1", "--max-new-tokens", "512", "--kv-values", "512"])
-    s, ed2 = 1024, Method("ed", kv_max=2)
-    cfg = cfg.replace(memory_budget=predict(shape, ed2, 6, s, 512).total)  # ED fits 6 exactly; FKV does not
+    s = 1024
+    cfg = cfg.replace(memory_budget=paper_ed_bytes(shape, 6, s, 512))  # the paper's ED fits 6 exactly; FKV does not
     assert predict(shape, Method("fkv"), 6, s, 512).total > cfg.memory.budget_bytes()
     specs, info = budget.paper_specs(
         shape,
@@ -347,7 +347,7 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
     fit = max_batch(cfg.memory.budget_bytes(), shape, Method("fkv"), s, 512)
     assert 0 < fit < 6 and predict(shape, Method("fkv"), fit, s, 512).total <= cfg.memory.budget_bytes()
     assert [x.name for x in specs[:4]] == ["ed-b7-kv2", "ed-b6-kv2", "ed-b6-kv65", f"fkv-b{fit}"]
-    assert f"b = {fit}" in info["adjusted"] and [r["fits"] for r in info["runs"]] == [False, True, True, True, True]
+    assert f"b = {fit}" in info["adjusted"] and [r["fits"] for r in info["runs"]] == [True] * 5  # ED: this engine's
 
 
 def test_paper_procedure_sizes_bm_with_the_rule_it_runs():

@@ -18,7 +18,7 @@ from test_tp import FAMILIES, ROOT, free_port
 from tiny import tiny_random_model
 
 from batchmax_tp.core.engine import generate
-from batchmax_tp.core.method import Method
+from batchmax_tp.core.method import BatchMax, Method
 from batchmax_tp.core.scheduler import Scheduler
 from batchmax_tp.core.serve import Request, check_requests, serve
 from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict_pool
@@ -51,7 +51,7 @@ def alone(model, prompt, method, new, eos=None):
         model, torch.tensor([prompt]), None, method, new, ignore_eos=eos is None, eos_token_id=eos, return_logits=True
     )
     n = int(out.num_generated[0])
-    kept = [layer[0] for layer in out.cache.kept_positions()]
+    kept = [layer[0] for layer in out.kept_positions()]
     return out.tokens[0, :n].tolist(), [x[0] for x in out.logits[:n]], kept
 
 
@@ -183,7 +183,7 @@ def test_kv_bytes_equal_the_prediction_and_stay_constant(key):
     assert out.peak_kv_bytes == want.kv
     if key != "ed":  # ED's staging buffer comes and goes with each slot's prefill (counted in the peak)
         assert out.kv_bytes_range == (want.kv, want.kv)
-    if method.reads_scores:  # BM's pool: per-slot bookkeeping
+    if isinstance(method, BatchMax):  # BM's pool: per-slot bookkeeping
         held = pool_bookkeeping_bytes(ModelShape.from_config(model.config), method, 3, max(LENGTHS))
         assert out.peak_meta_bytes == held >= want.slot_meta
 
@@ -194,10 +194,10 @@ def test_attention_calls_hold_what_they_report(monkeypatch, key):
     CPU equal the workspace it reports (a look-ahead probe's report is an upper bound, as in a static run)."""
     from memtrack import AllocationTracker
 
-    from batchmax_tp.core import attention, cache, pool
+    from batchmax_tp.core import attention, hf_cache, pool
 
     label, reported, notes, kinds = "pool-attention", [], [], []
-    for cls in (cache.BatchMaxCache, pool._Pool):
+    for cls in (hf_cache.BatchMaxCache, pool._Pool):
 
         def recording(self, nbytes, _note=cls.note_workspace):
             notes.append(nbytes)
@@ -582,3 +582,40 @@ def test_auto_compile_is_what_measured_fastest_on_each_device():
     assert resolve("default", cpu) == "default"
     with pytest.raises(ValueError, match="needs a CUDA device"):
         resolve("cudagraphs", cpu)
+
+
+def test_run_prompts_serves_text_or_ids_in_the_memory_fkv_needs():
+    """The users' entry: token ids or text (with a tokenizer) in, one output per prompt out, in order; by default
+    in as many slots as fit FKV's memory at batch 4 of these prompts (the planner's), and the tokens are serve's."""
+    from batchmax_tp.api import run_prompts, same_memory_slots
+    from batchmax_tp.plan.planner import max_slots, predict
+
+    model = tiny_random_model("llama", seed=0)
+    method = Method("bm", kv_max=32, p=8)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (40, 9, 70, 33, 51)]
+    shape = ModelShape.from_config(model.config)
+    budget = predict(shape, Method("fkv", p=8), 4, 70, 6).total
+    want_slots = max(1, max_slots(budget, shape, method, 70, 6))
+    assert same_memory_slots(model, method, 70, 6) == want_slots
+    outs = run_prompts(model, prompts, method, 6, ignore_eos=True)
+    served = serve(model, [Request(p, 6) for p in prompts], method, min(5, want_slots), ignore_eos=True)
+    assert [o.tokens for o in outs] == [o.tokens for o in served.outputs]
+    assert all(o.text is None and len(o.tokens) == 6 for o in outs)
+
+    class Tok:  # words as token ids
+        eos_token_id, pad_token_id = 2, 0
+
+        def __call__(self, text):
+            return {"input_ids": [int(w) for w in text.split()]}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(str(i) for i in ids)
+
+    texts = [" ".join(map(str, p)) for p in prompts[:2]]
+    outs = run_prompts(model, texts, method, 6, tokenizer=Tok(), slots=2, ignore_eos=True)
+    again = serve(model, [Request(p, 6) for p in prompts[:2]], method, 2, ignore_eos=True)
+    assert [o.tokens for o in outs] == [o.tokens for o in again.outputs]
+    assert [o.text for o in outs] == [" ".join(map(str, o.tokens)) for o in again.outputs]
+    with pytest.raises(ValueError, match="tokenizer"):
+        run_prompts(model, texts, method, 6)

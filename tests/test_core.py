@@ -26,8 +26,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from batchmax_tp.core.cache import BatchMaxCache
 from batchmax_tp.core.engine import generate
+from batchmax_tp.core.hf_cache import BatchMaxCache
 from batchmax_tp.core.method import ExtremeDecoding, FullCache, Method
 
 ATOL = 1e-4
@@ -51,7 +51,7 @@ def test_large_kv_max_equals_hf_full_cache_tiny(method):
         out.logits, hf_full_cache_logits(model, ids, mask, out.tokens), ATOL, what=f"{method.name} vs HF full forward"
     )
     assert_tokens_equal(out.tokens, want_plain, what=f"{method.name} vs HF generate")
-    for layer in out.cache.kept_positions():
+    for layer in out.kept_positions():
         for j, heads in enumerate(layer):
             assert heads == [real_positions(mask[j]) + list(range(s, s + n - 1))] * 2
 
@@ -244,33 +244,20 @@ def test_right_padded_batch_is_rejected_in_one_line():
 
 
 # ------------------------------------------------------------------------------------------ KV memory
-def kv_buffer_bytes(cache):
-    return sum(
-        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-        for layer in cache.layers
-    )
-
-
 def test_bm_kv_bytes_bounded_and_independent_of_prompt_length():
+    """A padded batch's K/V: B rows of kv_max slots + the scratch slot, per layer and KV head, held from the first
+    pass to the last whatever the prompt length; FKV's grows with the prompt."""
     model = tiny_llama(0, **PEAKED)
     cfg = model.config
     kv_max, p, n, batch = 32, 8, 10, 2
-    expected = batch * cfg.num_hidden_layers * cfg.num_key_value_heads * kv_max * cfg.head_dim * 2 * 4
-    seen = []
+    expected = batch * cfg.num_hidden_layers * cfg.num_key_value_heads * (kv_max + 1) * cfg.head_dim * 2 * 4
     for longest in (40, 120):
         ids, mask = left_padded_batch([longest - 7, longest], seed=longest)
         out = generate(model, ids, mask, Method("bm", kv_max=kv_max, p=p), n, ignore_eos=True)
-        assert len(out.cache.layers) == cfg.num_hidden_layers
-        assert kv_buffer_bytes(out.cache) == expected, (longest, kv_buffer_bytes(out.cache), expected)
-        assert out.peak_kv_bytes == expected
-        assert out.cache.kv_bytes() == expected
-        seen.append(kv_buffer_bytes(out.cache))
-    assert seen[0] == seen[1]
-    # and the full cache does grow with the prompt (the measure is not a constant)
+        assert out.peak_kv_bytes == expected, (longest, out.peak_kv_bytes, expected)
+        assert out.served.kv_bytes_range == (expected, expected)
     fkv = [
-        kv_buffer_bytes(
-            generate(model, *left_padded_batch([m - 7, m], seed=m), Method("fkv"), n, ignore_eos=True).cache
-        )
+        generate(model, *left_padded_batch([m - 7, m], seed=m), Method("fkv"), n, ignore_eos=True).peak_kv_bytes
         for m in (40, 120)
     ]
     assert fkv[0] < fkv[1] and fkv[1] > expected
@@ -303,7 +290,7 @@ def test_samples_alone_equal_batch_with_eviction():
     n = 14
     method = Method("bm", kv_max=16, p=4)
     batch = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
-    kept = batch.cache.kept_positions()
+    kept = batch.kept_positions()
     assert all(len(h) < min(lengths) for layer in kept for row in layer for h in row)  # evicted
     for j in range(len(lengths)):
         alone = generate(model, ids[j : j + 1], mask[j : j + 1], method, n, ignore_eos=True, return_logits=True)
@@ -312,7 +299,7 @@ def test_samples_alone_equal_batch_with_eviction():
             [x[0] for x in alone.logits], [x[j] for x in batch.logits], ATOL, what=f"row {j} alone vs in batch"
         )
         assert_kept_equal(
-            [[layer[0]] for layer in alone.cache.kept_positions()],
+            [[layer[0]] for layer in alone.kept_positions()],
             [[layer[j]] for layer in kept],
             what=f"row {j} alone vs in batch",
         )

@@ -29,7 +29,7 @@ def test_cuda_equals_cpu(method):
     torch.testing.assert_close(torch.stack(gpu.logits).cpu(), torch.stack(cpu.logits), atol=1e-3, rtol=0)
     assert torch.equal(gpu.tokens.cpu(), cpu.tokens)
     if method.evicts:
-        assert gpu.cache.kept_positions() == cpu.cache.kept_positions()
+        assert gpu.kept_positions() == cpu.kept_positions()
 
 
 @pytest.mark.parametrize("method", METHODS[:2] + METHODS[3:], ids=lambda m: m.label())

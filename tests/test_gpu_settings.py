@@ -13,11 +13,8 @@ from tiny import tiny_random_model
 from transformers import AutoConfig
 
 from batchmax_tp import cli, models
-from batchmax_tp.core import workspace
-from batchmax_tp.core.baseline import choose_attention
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
-from batchmax_tp.plan.planner import half_dtype_impls
 
 
 def fake_gpus(monkeypatch, capabilities: dict[int, tuple[int, int]], current: int = 0) -> None:
@@ -27,41 +24,6 @@ def fake_gpus(monkeypatch, capabilities: dict[int, tuple[int, int]], current: in
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capabilities[int(device)])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU{int(device)}")
-
-
-@pytest.mark.parametrize("capability", [None, (7, 0), (7, 5), (8, 0), (9, 0)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("padded_fkv", [False, True])
-@pytest.mark.parametrize("gqa", [False, True])
-def test_flash_attention_only_where_the_card_runs_it_and_no_padded_fkv_decode_syncs(capability, dtype, padded_fkv, gqa):
-    """FlashAttention-2 (installed, supported by the model) on CUDA cards of compute capability >= 8.0 in a half
-    dtype, never for FKV's left-padded batch; below 8.0 (a V100/TITAN V: no FA2 kernels) a GQA model in a half
-    dtype gets SDPA with K/V copied per query head (no ``enable_gqa``, so no math-kernel fallback); SDPA otherwise."""
-    got = choose_attention(capability, dtype, flash=True, sdpa=True, padded_fkv=padded_fkv, current="eager", gqa=gqa)
-    half = dtype != torch.float32
-    fa2 = capability is not None and capability >= (8, 0) and half and not padded_fkv
-    repeat = capability is not None and capability < (8, 0) and half and gqa
-    assert got == ("flash_attention_2" if fa2 else workspace.SDPA_REPEAT if repeat else "sdpa")
-    counted = half_dtype_impls(2 if half else 4, 4, 2 if gqa else 4)
-    assert got in counted  # the planner counts the path chosen (its largest path, an upper bound)
-    assert choose_attention(capability, dtype, flash=False, sdpa=True, padded_fkv=False, current="eager") == "sdpa"
-    assert choose_attention(capability, dtype, flash=False, sdpa=False, padded_fkv=False, current="eager") == "eager"
-
-
-def test_the_engine_asks_for_the_padded_fkv_case(monkeypatch):
-    """The static engine tells the kernel choice whether FKV runs a left-padded batch (ED evicts its pads)."""
-    from batchmax_tp.core import engine
-
-    asked = []
-    monkeypatch.setattr(engine, "fastest_attention", lambda model, padded_fkv: asked.append(padded_fkv) or "sdpa")
-    model = tiny_random_model("llama", seed=0)
-    ids = torch.randint(3, 100, (2, 9))
-    mask = torch.ones_like(ids)
-    generate(model, ids, mask, Method("fkv"), 2)
-    mask[0, :3] = 0
-    generate(model, ids, mask, Method("fkv"), 2)
-    generate(model, ids, mask, Method("ed", kv_max=2), 2)
-    assert asked == [False, True, False]
 
 
 @pytest.mark.parametrize("checkpoint", ["bfloat16", "float32", None, "float16"])

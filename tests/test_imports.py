@@ -28,6 +28,7 @@ LAYERS = [
     "parallel",
     "models",
     "plan",
+    "api",
     "eval",
     "bench",
     "config",

@@ -7,18 +7,16 @@ measurements, so neither can drift from what the code really holds.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from memtrack import AllocationTracker, AttentionPasses
+from memtrack import AllocationTracker
 from tiny import tiny_llama
 
-from batchmax_tp.core import attention, cache, engine, workspace
+from batchmax_tp.core import attention, hf_cache, workspace
 from batchmax_tp.core.engine import generate
-from batchmax_tp.core.method import Method
+from batchmax_tp.core.method import BatchMax, Method
 from batchmax_tp.core.serve import Request, serve
-from batchmax_tp.plan.planner import ModelShape, bookkeeping_bytes, predict, predict_pool
+from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict, predict_pool
 
 CASES = [
     (Method("bm", kv_max=24, p=8), 3, 70, 12),  # prefill and decode evictions
@@ -44,7 +42,7 @@ def _ids(batch: int, prompt: int) -> torch.Tensor:
 def per_call(monkeypatch):
     """Wrap every attention call in a profiler region and record the workspace it reports: -> reported list."""
     reported, notes = [], []
-    note, fn = cache.BatchMaxCache.note_workspace, attention.batchmax_attention
+    note, fn = hf_cache.BatchMaxCache.note_workspace, attention.batchmax_attention
 
     def recording_note(self, nbytes):
         notes.append(nbytes)
@@ -57,19 +55,17 @@ def per_call(monkeypatch):
         reported.append(max(notes[start:], default=0))
         return out
 
-    monkeypatch.setattr(cache.BatchMaxCache, "note_workspace", recording_note)
+    monkeypatch.setattr(hf_cache.BatchMaxCache, "note_workspace", recording_note)
     monkeypatch.setattr(attention, "batchmax_attention", labelled)  # register() picks up the wrapper
     return reported
 
 
 def _score_collecting(model, ids, method, new) -> tuple[int, int]:
-    """Generate on the score-collecting "batchmax" attention: BM through the engine; FKV/ED (which the engine runs on
-    SDPA, baseline.py) through HF's generate drop-in on a ``BatchMaxCache``, reserved as the engine reserves.
-    Returns (the reported peak workspace, the passes run per layer)."""
-    if method.reads_scores:
-        out = generate(model, ids, None, method, new, ignore_eos=True)
-        return out.peak_workspace_bytes, len(out.phases)
-    c = cache.BatchMaxCache(method, reserve=method.capacity(ids.shape[1], new))
+    """Generate through HF's generate drop-in on a ``BatchMaxCache`` (reserved to the run's size; BM's prompt in
+    chunks of p, Algorithm 1's blocks when kv_max is a multiple of p), with the "batchmax" attention. Returns (the
+    reported peak workspace, the passes run per layer). The engine's own passes: ``test_continuous``."""
+    c = hf_cache.BatchMaxCache(method, reserve=method.capacity(ids.shape[1], new))
+    s, chunk = ids.shape[1], method.p if method.kv_max is not None and method.kv_max < ids.shape[1] else None
     with torch.no_grad(), attention.use_batchmax_attention(model):
         model.generate(
             ids,
@@ -79,8 +75,10 @@ def _score_collecting(model, ids, method, new) -> tuple[int, int]:
             eos_token_id=-1,  # no EOS: every step runs (min_new_tokens would ban the EOS token instead)
             do_sample=False,
             pad_token_id=0,
+            **({"prefill_chunk_size": chunk} if chunk and method.evicts else {}),
         )
-    return c.peak_workspace_bytes, new  # one prefill pass, then new - 1 decode steps
+    prefill = 1 if not (chunk and method.evicts) else -(-s // chunk)
+    return c.peak_workspace_bytes, prefill + new - 1  # the prompt's passes, then new - 1 decode steps
 
 
 # -- the tracker itself -------------------------------------------------------------------------------------------
@@ -116,8 +114,6 @@ def test_attention_calls_hold_what_they_report_and_the_planner_predicts(
     model, monkeypatch, per_call, chunk_bytes, method, batch, prompt, new
 ):
     monkeypatch.setattr(workspace, "SCORE_CHUNK_BYTES", chunk_bytes)
-    # FKV/ED run on SDPA in the engine; their score-collecting path (HF's drop-in) is the same "batchmax" attention
-    # call and must hold what it reports too.
     with AllocationTracker() as t:
         peak, passes = _score_collecting(model, _ids(batch, prompt), method, new)
     measured = t.spans(LABEL)
@@ -126,226 +122,55 @@ def test_attention_calls_hold_what_they_report_and_the_planner_predicts(
     # float32 on CPU: the count is exact, call by call (prefill blocks, decode steps, chunked or not).
     assert measured == per_call
     assert max(measured) == peak
-    if method.reads_scores:  # the planner predicts the engine's default path (FKV/ED: SDPA, baseline.py)
-        est = predict(ModelShape.from_config(model.config), method, batch, prompt, new)
-        assert est.workspace == max(measured)
 
 
 def test_padded_and_hf_masks_are_counted(model, per_call):
-    """Left padding (token mask in every prefill call) and a long 0/1 mask (HF's, converted to bool inside)."""
+    """Left padding: a long 0/1 mask (HF's, converted to bool inside the drop-in's attention)."""
     ids = _ids(3, 40)
     mask = torch.ones_like(ids)
     mask[0, :9] = 0
     mask[1, :3] = 0
-    with AllocationTracker() as t:
-        generate(model, ids, mask, Method("bm", kv_max=16, p=8), 6, ignore_eos=True)
-    assert t.spans(LABEL) == per_call
-    per_call.clear()
     with torch.inference_mode(), attention.use_batchmax_attention(model), AllocationTracker() as t:
         model(
             input_ids=ids,
             attention_mask=mask,
-            past_key_values=cache.BatchMaxCache(Method("fkv")),
+            past_key_values=hf_cache.BatchMaxCache(Method("fkv")),
             use_cache=True,
             logits_to_keep=1,
         )
     assert t.spans(LABEL) == per_call and len(per_call) == model.config.num_hidden_layers
 
 
-# -- the baselines' attention on a padded batch ------------------------------------------------------------------
-# FKV/ED run on HF's attention (core.baseline). A left-padded prefill makes HF build a boolean [B, 1, s, s] mask,
-# held through every layer; each layer's SDPA call then copies K/V for GQA (repeat_kv) and converts the mask to an
-# additive one; FKV's decode steps pass a view of the cache's mask (converted each call). With FlashAttention-2,
-# HF's varlen path gathers copies of Q/K/V, in FKV's decode steps of the whole layer's K/V every step.
-PADDED_LENGTHS = [64, 40, 17]  # 24 and 47 left pads; 64 is a multiple of workspace.MASK_ALIGN (see below)
-BASELINES = [Method("fkv"), Method("ed", kv_max=2)]
+# -- a baseline's prompt on a card below compute capability 8.0 ---------------------------------------------------
+def test_a_baselines_prompt_copies_kv_per_query_head_below_8_0(monkeypatch):
+    """A GQA model in a half dtype on a V100/TITAN V: its prompt's SDPA gets K/V copied per query head (no
+    ``enable_gqa``, so SDPA's memory-efficient kernel instead of the math kernel), reports that count, and computes
+    SDPA's output (simulated capability; float32 here so the CPU runs it)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from batchmax_tp.core.pool import FullPool
 
-def _padded_batch(lengths):
-    s = max(lengths)
-    ids = _ids(len(lengths), s)
-    mask = (torch.arange(s) >= s - torch.tensor(lengths)[:, None]).long()  # [B, s] left padding
-    return ids.masked_fill(mask == 0, 0), mask
-
-
-def _expected_passes(model, mask, method, new, impl):
-    """Each pass's count (``workspace.dense_workspace_bytes``), from the batch's pads (a CPU run: no aligned copy)."""
-    cfg = model.config
-    B, s = mask.shape
-    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    real = int(mask.sum())
-
-    def count(n, slots, padded, real):
-        return workspace.dense_workspace_bytes(
-            B, Hq, Hkv, D, n, slots, 4, padded=padded, impl=impl, real=real, align=False
-        )
-
-    passes = [count(s, s, True, real)]
-    for t in range(1, new):
-        if not method.evicts:  # FKV: every pad stays held: a mask each step, over s + t slots
-            passes.append(count(1, s + t, True, real + B * t))
-        else:  # ED keeps the newest pair from the first step on: no pad held, no mask; kv_max slots held
-            passes.append(count(1, method.kv_max, False, None))
-    return passes
-
-
-@pytest.mark.parametrize("method", BASELINES, ids=["fkv", "ed2"])
-def test_padded_baselines_hold_what_the_planner_predicts(model, monkeypatch, method):
-    """Every pass of a padded FKV/ED run on SDPA, measured: its largest attention call plus the mask HF built for
-    it. The engine reports that peak and the planner predicts it, exactly (CPU, float32; the prompt length is a
-    multiple of ``MASK_ALIGN``, so the memory-efficient CUDA kernel's aligned mask copy, which the planner also
-    counts, would not be made either)."""
-    ids, mask = _padded_batch(PADDED_LENGTHS)
-    B, s = ids.shape
-    new = 6
-    with AttentionPasses(monkeypatch).measure() as measured:
-        out = generate(model, ids, mask, method, new, ignore_eos=True)
-    assert len(measured) == new  # the prefill and 5 decode steps
-    est = predict(ModelShape.from_config(model.config), method, B, s, new)
-    assert est.workspace == max(measured), f"planned {est.workspace} bytes, measured {max(measured)}"
-    assert out.peak_workspace_bytes == max(measured) == measured[0]  # the prefill's
-    assert measured == _expected_passes(model, mask, method, new, workspace.SDPA)
-
-
-def _flash_varlen(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
-):
-    """flash_attn_varlen_func's allocations: its output [total_q, Hq, D] and float32 log-sum-exp [Hq, total_q]."""
-    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)  # noqa: F841 (freed on return)
-    return out
-
-
-def _flash(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
-    """flash_attn_func's allocations: its output [B, n, Hq, D] and float32 log-sum-exp [B, Hq, n]."""
-    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)  # noqa: F841 (freed on return)
-    return out
-
-
-@pytest.fixture
-def flash_on_cpu(monkeypatch):
-    """The engine's baselines on HF's FlashAttention-2 path with its kernels replaced by CPU stand-ins that allocate
-    what the real ones return: HF's own unpadding and padding code runs as on a GPU (outputs are zeros)."""
-    from transformers import modeling_flash_attention_utils as fa
-
-    process = fa._lazy_define_process_function(_flash_varlen)
-    # transformers 5.24 returns the varlen and the kv-cache kwargs processors, 5.17 the varlen one alone
-    processors = (process, dict) if hasattr(fa, "_process_with_kvcache_kwargs_fn") else process
-    monkeypatch.setattr(
-        fa,
-        "lazy_import_flash_attention",
-        lambda *a, **k: ((_flash, _flash_varlen, None, fa._pad_input, fa._unpad_input), processors),
-    )
-
-    @contextlib.contextmanager
-    def use(model, name):  # set_attn_implementation would refuse: no flash_attn package, no CUDA
-        previous, model.config._attn_implementation = model.config._attn_implementation, name
-        try:
-            yield model
-        finally:
-            model.config._attn_implementation = previous
-
-    monkeypatch.setattr(engine, "fastest_attention", lambda model, **kw: workspace.FLASH)  # the padded FKV case too
-    monkeypatch.setattr(engine, "use_attention", use)
-
-
-@pytest.mark.parametrize("method", BASELINES, ids=["fkv", "ed2"])
-def test_padded_flash_attention_copies_are_counted(model, monkeypatch, flash_on_cpu, method):
-    """FlashAttention-2 on a padded batch: HF gathers copies of the real Q/K/V pairs in prefill and, in every FKV
-    decode step, of the layer's whole K/V. Measured pass by pass: what the engine reports and within the planner's
-    count (which takes every pair as real, an upper bound)."""
-    from batchmax_tp.plan.planner import baseline_workspace
-
-    ids, mask = _padded_batch(PADDED_LENGTHS)
-    B, s = ids.shape
-    new = 6
-    with AttentionPasses(monkeypatch).measure() as measured:
-        out = generate(model, ids, mask, method, new, ignore_eos=True)
-    assert measured == _expected_passes(model, mask, method, new, workspace.FLASH)
-    assert max(measured) == out.peak_workspace_bytes
-    shape = ModelShape.from_config(model.config)
-    planned = baseline_workspace(shape, method, B, s, new, impls=(workspace.FLASH,))
-    assert max(measured) <= planned
-    if not method.evicts:  # FKV: each decode step copies the layer's K/V: more than the whole [B, Hkv, L, D] K
-        assert min(measured[1:]) > B * shape.kv_heads * (s + 1) * shape.head_dim * 4
-    # A half dtype plans for FlashAttention-2 as well as SDPA
-    half = predict(shape, method, B, s, new, dtype="float16").workspace
-    assert half == max(
-        baseline_workspace(shape, method, B, s, new, dtype="float16", impls=(impl,))
-        for impl in (workspace.SDPA, workspace.FLASH)
-    )
-
-
-@pytest.mark.parametrize("method", BASELINES, ids=["fkv", "ed2"])
-def test_gqa_on_a_card_below_8_0_copies_kv_per_query_head_as_counted(model, monkeypatch, method):
-    """The path a GQA model takes in a half dtype on a V100/TITAN V (``SDPA_REPEAT``: K/V copied per query head, no
-    ``enable_gqa``, so SDPA's memory-efficient kernel instead of the math kernel), run on the CPU: the tokens of
-    SDPA, and every pass allocates exactly what ``dense_workspace_bytes`` counts for it."""
-    ids, mask = _padded_batch(PADDED_LENGTHS)
-    new = 6
-    want = generate(model, ids, mask, method, new, ignore_eos=True)
-    monkeypatch.setattr(engine, "fastest_attention", lambda model, **kw: workspace.SDPA_REPEAT)
-    with AttentionPasses(monkeypatch).measure() as measured:
-        out = generate(model, ids, mask, method, new, ignore_eos=True)
-    assert torch.equal(out.tokens, want.tokens)
-    assert measured == _expected_passes(model, mask, method, new, workspace.SDPA_REPEAT)
-    assert max(measured) == out.peak_workspace_bytes
-
-
-def test_a_pools_dense_prefill_takes_the_same_path_below_8_0(monkeypatch):
-    """The slot pool's dense prefill hands a GQA layer to ``sdpa_repeat_kv`` on a card below 8.0 in a half dtype
-    (simulated capability), which computes SDPA's output."""
-    from batchmax_tp.core import baseline
-
-    q, k = torch.randn(2, 4, 5, 16, dtype=torch.bfloat16), torch.randn(2, 2, 5, 16, dtype=torch.bfloat16)
-    assert baseline.dense_prefill_attention(q, k) is baseline.sdpa_attention_forward  # the CPU
-    monkeypatch.setattr(baseline, "_capability", lambda device: (7, 0))
-    assert baseline.dense_prefill_attention(q, k) is baseline.sdpa_repeat_kv
-    assert baseline.dense_prefill_attention(q.float(), k.float()) is baseline.sdpa_attention_forward
-    assert baseline.dense_prefill_attention(q, torch.randn(2, 4, 5, 16)) is baseline.sdpa_attention_forward  # MHA
+    pool = FullPool(Method("fkv"), 1, 2, 8)
     module = type("Attn", (torch.nn.Module,), {})()
     module.num_key_value_groups, module.is_causal, module.training = 2, True, False
-    q, k, v = q.float(), k.float(), torch.randn(2, 2, 5, 16)
-    got, _ = baseline.sdpa_repeat_kv(module, q, k, v, None, scaling=0.25)
-    want, _ = baseline.sdpa_attention_forward(module, q, k, v, None, scaling=0.25)
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    want, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25)
+    monkeypatch.setattr(torch.Tensor, "element_size", lambda self: 2)  # taken for a half dtype
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    got = attention._dense_prefill(module, pool.layers[0], q, k, v, 0.25)
+    monkeypatch.undo()
     torch.testing.assert_close(got, want)
+    assert pool.peak_workspace_bytes == workspace.dense_workspace_bytes(
+        2, 4, 2, 16, 5, 5, 2, padded=False, impl=workspace.SDPA_REPEAT, align=True
+    )
 
 
 # -- a whole generation ---------------------------------------------------------------------------------------------
 # Beyond K/V, bookkeeping and the attention call, a forward holds the decoder layer's activations, for which the
-# planner has an estimate (one layer's projections and MLP intermediates for the largest block, the last
-# position's logits). The batch is left-padded, the planner's worst case (the baselines' mask and copies). Measured
-# here: the planner's total (weights excluded) is 1.12x-1.37x a whole generation's peak on the tiny model (a
-# baseline's prompt length off a multiple of workspace.MASK_ALIGN adds the CUDA kernel's aligned mask copy, made on
-# no CPU); asserted within [1.0, 1.6]: below 1.0 is an OOM at the planned batch.
+# planner has an estimate (one layer's projections and MLP intermediates for the largest pass, the last
+# position's logits, a decode pass's held for the run). The batch is left-padded (a padded batch in as many slots).
+# Asserted within [1.0, 1.6] of the measured peak: below 1.0 is an OOM at the planned batch.
 WHOLE_CASES = CASES + [
     (Method("bm", kv_max=256, p=64), 4, 600, 8),
     (Method("fkv"), 4, 304, 8),
@@ -420,7 +245,7 @@ def test_cuda_attention_calls_within_the_plan(monkeypatch, dtype, chunk_bytes, m
     peak, _ = _score_collecting(model, ids, method, new)
     assert max(measured) <= peak + 32 * 512
     assert peak <= 1.25 * max(measured)
-    if method.reads_scores:  # the planner against the allocator, within the same rounding
+    if isinstance(method, BatchMax):  # the planner against the allocator, within the same rounding
         est = predict(ModelShape.from_config(model.config), method, batch, prompt, new, dtype=str(dtype)[6:])
         assert max(measured) <= est.workspace + 32 * 512
         assert est.workspace <= 1.25 * max(measured)
@@ -470,9 +295,7 @@ def test_planner_predicts_kv_and_bookkeeping_of_every_rule(model, rule, padded):
     out = generate(model, ids, mask, method, 12, ignore_eos=True)
     shape = ModelShape.from_config(model.config)
     assert out.peak_kv_bytes == predict(shape, method, 3, 70, 12).kv
-    assert out.peak_meta_bytes == bookkeeping_bytes(shape, method, 3, 70, 12)
-    if method.lookahead:  # the prefill-only part is gone once decoding starts
-        assert out.cache.meta_bytes() < out.peak_meta_bytes
+    assert out.peak_meta_bytes == pool_bookkeeping_bytes(shape, method, 3, 70)
 
 
 @pytest.mark.cuda

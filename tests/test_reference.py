@@ -44,7 +44,7 @@ def check_against_reference(model, ids, mask, method_name, kv_max, p, max_new_to
     assert out.logits is not None and len(out.logits) == max_new_tokens
     assert_logits_close(out.logits, ref.logits, ATOL, what=f"[{tag}] logits")
     assert_tokens_equal(out.tokens, ref.tokens, what=f"[{tag}] greedy tokens")
-    assert_kept_equal(out.cache.kept_positions(), ref.kept, what=f"[{tag}] kept positions")
+    assert_kept_equal(out.kept_positions(), ref.kept, what=f"[{tag}] kept positions")
     return ref, out
 
 
@@ -118,7 +118,7 @@ def test_bm_matches_reference(kv_max, p):
     # not vacuous: evictions happened in prefill and in decoding, and every kept set is a strict subset
     assert len(decode_evictions(ref, s)) >= 2 * len(LENGTHS) * 2 * 2  # >= 2 events per (sample, layer, head)
     assert len(ref.events) > len(decode_evictions(ref, s))
-    for layer in out.cache.kept_positions():
+    for layer in out.kept_positions():
         for j, heads in enumerate(layer):
             for positions in heads:
                 assert 0 < len(positions) <= kv_max < LENGTHS[j] + n - 1
@@ -128,7 +128,7 @@ def test_bm_matches_reference(kv_max, p):
     for steps in sorted({1, 2, p + 1, n // 2}):
         out_k = engine_generate(model, ids, mask, "bm", kv_max, p, steps)
         assert_kept_equal(
-            out_k.cache.kept_positions(),
+            out_k.kept_positions(),
             ref.kept_history[steps - 1],
             what=f"[bm kv_max={kv_max} p={p}] kept positions after {steps} generated token(s)",
         )
@@ -178,7 +178,7 @@ def test_bm_pads_fill_more_than_first_block():
     ids, mask = left_padded_batch(lengths, seed=4)
     s, kv_max, p, n = ids.shape[1], 16, 4, 14
     ref, out = check_against_reference(model, ids, mask, "bm", kv_max, p, n)
-    kept = out.cache.kept_positions()
+    kept = out.kept_positions()
     # the short sample's 5 prompt tokens all arrive in the last block; nothing of it was evicted in prefill
     assert ref.kept_after_prefill[0][0] == [list(range(s - 5, s))] * 2
     for layer in kept:
@@ -217,7 +217,7 @@ def test_ed_matches_algorithm_3(kv_max):
     for steps in (2, kv_max + 1):  # intermediate states of the engine
         out_k = engine_generate(model, ids, mask, "ed", kv_max, None, steps)
         assert_kept_equal(
-            out_k.cache.kept_positions(),
+            out_k.kept_positions(),
             ref.kept_history[steps - 1],
             what=f"[ed kv_max={kv_max}] kept after {steps} token(s)",
         )
@@ -229,7 +229,7 @@ def test_fkv_never_evicts_and_equals_hf():
     s, n = ids.shape[1], 10
     ref, out = check_against_reference(model, ids, mask, "fkv", None, None, n)
     assert ref.evictions == 0
-    for layer in out.cache.kept_positions():
+    for layer in out.kept_positions():
         for j, heads in enumerate(layer):
             assert heads == [real_positions(mask[j]) + list(range(s, s + n - 1))] * 2
     assert_logits_close(

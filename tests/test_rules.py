@@ -25,6 +25,7 @@ from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
 from batchmax_tp.core.rules import RULES, get_rule, rule_names
 from batchmax_tp.core.schedule import plan
+from batchmax_tp.core.scheduler import Scheduler
 
 ATOL = 1e-4
 LENGTHS = [37, 52, 60]  # s = 60, left paddings 23, 8, 0
@@ -156,14 +157,14 @@ def test_rule_matches_reference(case):
     tag = rule_string(rule, params)
     assert_logits_close(out.logits, ref.logits, ATOL, what=f"[{tag}] logits")
     assert_tokens_equal(out.tokens, ref.tokens, what=f"[{tag}] tokens")
-    assert_kept_equal(out.cache.kept_positions(), ref.kept, what=f"[{tag}] kept positions")
+    assert_kept_equal(out.kept_positions(), ref.kept, what=f"[{tag}] kept positions")
     # evictions in prefill and in decoding
     assert any(e[3] < s - 1 for e in ref.events) and any(e[3] >= s - 1 for e in ref.events)
     # right after prefill (the probe acts there) and after a decode eviction
     for steps in (1, 2 * p + 2):
         out_k = run_engine(model, ids, mask, rule_string(rule, params), kv_max, p, steps)
         assert_kept_equal(
-            out_k.cache.kept_positions(),
+            out_k.kept_positions(),
             ref.kept_history[steps - 1],
             what=f"[{tag}] kept positions after {steps} token(s)",
         )
@@ -194,7 +195,7 @@ def test_rule_matches_reference_short_samples(case):
     out = run_engine(model, ids, mask, rule_string(rule, params), kv_max, p, n)
     assert_logits_close(out.logits, ref.logits, ATOL, what="logits")
     assert_tokens_equal(out.tokens, ref.tokens)
-    assert_kept_equal(out.cache.kept_positions(), ref.kept)
+    assert_kept_equal(out.kept_positions(), ref.kept)
 
 
 def test_question_score_terms():
@@ -215,7 +216,7 @@ def test_sinks_are_kept():
     ids, mask = left_padded_batch(LENGTHS, seed=1)
     s, n = ids.shape[1], 14
     out = run_engine(model, ids, mask, "sinks:sinks=3,recent=5", 16, 4, n)
-    for layer in out.cache.kept_positions():
+    for layer in out.kept_positions():
         for j, heads in enumerate(layer):
             first = s - LENGTHS[j]
             for positions in heads:
@@ -234,16 +235,13 @@ def test_probe_never_enters_the_cache(rule):
     paper = run_engine(model, ids, mask, "paper", kv_max, p, 1)
     out = run_engine(model, ids, mask, rule, kv_max, p, 1)
     assert any(ph.kind == "probe" for ph in out.phases)
-    for layer in out.cache.kept_positions():
+    for layer in out.kept_positions():
         for j, heads in enumerate(layer):
             for positions in heads:
                 assert positions == sorted(set(positions)) and len(positions) <= kv_max
                 assert all(s - LENGTHS[j] <= q <= s - 1 for q in positions)  # real prompt tokens only
-    for a, b in zip(out.cache.layers, paper.cache.layers):
-        assert a.keys.shape == b.keys.shape and a.keys.shape[2] == kv_max
-        assert a.probe_kv is None and a.probe is None and a.probe_state is None  # nothing of the probe stays behind
-    assert out.cache.kv_bytes() == paper.cache.kv_bytes()
-    assert out.peak_kv_bytes == paper.peak_kv_bytes
+    assert out.peak_kv_bytes == paper.peak_kv_bytes  # the probe's keys and values are never stored
+    assert out.served.kv_bytes_range == paper.served.kv_bytes_range
 
 
 @pytest.mark.parametrize("rule", [rule_string(*c) for c in CASES])
@@ -253,18 +251,16 @@ def test_memory_equals_paper_rule(rule):
     paper = run_engine(model, ids, mask, "paper", 16, 4, 10)
     out = run_engine(model, ids, mask, rule, 16, 4, 10)
     assert out.peak_kv_bytes == paper.peak_kv_bytes
-    assert out.cache.kv_bytes() == paper.cache.kv_bytes()
-    # bookkeeping: during prefill, a probe rule keeps one more float32 per slot (its look-ahead attention), the others
-    # nothing; one that probes every few blocks also its last probe's scaled queries [B, Hq, w, D], their
-    # log-sum-exp over the probe's own keys [B, Hq, w] and the weights [B, w]. All of it is freed when prefill ends.
+    # bookkeeping: a probe rule keeps one more float32 per slot (its look-ahead attention), the others nothing; one
+    # that probes every few blocks also each row's last probe queries [Hq, w, D] (scaled), their log-sum-exp over the
+    # probe's own keys [Hq, w] and the weights [w] (w: the rule's window).
     r = get_rule(rule)
-    extra = sum(layer.pos.numel() * 4 for layer in out.cache.layers) if r.lookahead() else 0
+    c, B = model.config, ids.shape[0]
+    extra = c.num_hidden_layers * B * c.num_key_value_heads * (16 + 1) * 4 if r.lookahead() else 0
     if r.probe_every() > 1:
-        c, w = model.config, [ph.size for ph in out.phases if ph.kind == "probe"][-1]  # the last probe's w
-        per_layer = ids.shape[0] * w * (c.num_attention_heads * (c.head_dim * 4 + 4) + 4)
-        extra += c.num_hidden_layers * per_layer
+        w = r.lookahead()
+        extra += c.num_hidden_layers * B * w * (c.num_attention_heads * (c.head_dim * 4 + 4) + 4)
     assert out.peak_meta_bytes == paper.peak_meta_bytes + extra
-    assert out.cache.meta_bytes() == paper.cache.meta_bytes()
 
 
 # ------------------------------------------------------------------------------------------ tensor parallel
@@ -294,13 +290,25 @@ def _tp_worker(rank, world, port, outdir):
         res[rule] = dict(
             tokens=out.tokens,
             logits=torch.stack(out.logits),
-            kept=out.cache.kept_positions(),
-            heads=out.cache.layers[0].keys.shape[1],
+            kept=out.kept_positions(),
+            heads=len(out.kept_positions()[0][0]),
             collectives=dict(counts),
         )
     torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def passes(method, ids, mask, new) -> tuple[int, int]:
+    """The model passes (prefill and decode) and look-ahead probe passes (the decoder layers alone) the engine runs
+    for the padded batch: its schedule, a pure function of the inputs."""
+    lengths = mask.sum(-1).tolist()
+    sched = Scheduler(method, lengths, [new] * len(lengths), len(lengths), static=True, pad_to=ids.shape[1])
+    counts = [0, 0]
+    while (step := sched.next_step()) is not None:
+        counts[step.kind == "probe"] += 1
+        sched.complete(step)
+    return counts[0], counts[1]
 
 
 @requires_deepspeed
@@ -320,16 +328,17 @@ def test_probe_passes_add_only_their_own_layers_collectives_under_tp2(tmp_path):
         assert paper["collectives"].get("all_reduce", 0) > 0, "the wrapper saw no all-reduce: it cannot count"
         # A probe pass runs the decoder layers (AutoTP: one all-reduce after attention, one after the MLP, per
         # layer) and no lm_head; eviction and re-scoring stay rank-local.
-        probes = sum(ph.kind == "probe" for ph in single.phases)
+        full, probes = passes(Method("bm", kv_max=16, p=4, rule=RULE_TP), ids, mask, 12)
+        per_pass = paper["collectives"]["all_reduce"] / passes(Method("bm", kv_max=16, p=4), ids, mask, 12)[0]
         own = probes * 2 * model.config.num_hidden_layers
         assert probes and probe["collectives"] == {
             **paper["collectives"],
-            "all_reduce": paper["collectives"]["all_reduce"] + own,
+            "all_reduce": full * per_pass + own,
         }
         torch.testing.assert_close(probe["logits"], torch.stack(single.logits), atol=ATOL, rtol=0)
         assert torch.equal(probe["tokens"], single.tokens)
         h = probe["heads"]
-        want = [[heads[offset : offset + h] for heads in layer] for layer in single.cache.kept_positions()]
+        want = [[heads[offset : offset + h] for heads in layer] for layer in single.kept_positions()]
         assert probe["kept"] == want  # rank-local eviction = the single process's, head by head
         offset += h
     assert offset == 3

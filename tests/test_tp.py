@@ -113,10 +113,10 @@ def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_col
         results[m.name] = dict(
             tokens=out.tokens,
             logits=torch.stack(out.logits),
-            kept=out.cache.kept_positions(),
-            local_kv_heads=out.cache.layers[0].keys.shape[1],
+            kept=out.kept_positions(),
+            local_kv_heads=len(out.kept_positions()[0][0]),
             collectives=dict(counts),
-            forwards=len(out.phases),
+            forwards=out.served.passes,
             params=sum(p.numel() for p in model.parameters()),
             host_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
@@ -143,7 +143,7 @@ def single_process(methods, new=12, embedded=False, replica=0):
     out = {}
     for m in methods:
         o = generate(model, ids, mask, m, new, ignore_eos=True, return_logits=True)
-        out[m.name] = dict(tokens=o.tokens, logits=torch.stack(o.logits), kept=o.cache.kept_positions())
+        out[m.name] = dict(tokens=o.tokens, logits=torch.stack(o.logits), kept=o.kept_positions())
     return out
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchmax_tp.core.method import BatchMax, Method
-from batchmax_tp.plan.planner import ModelShape, max_batch, predict
+from batchmax_tp.plan.planner import ModelShape, max_batch, paper_ed_bytes, predict
 from batchmax_tp.plan.tuner import Trial, divisor_batches, kv_grid, largest_batch, paper_plan, tune
 
 SHAPE = ModelShape(
@@ -89,14 +89,14 @@ def test_tuner_rejects_a_budget_without_fkv():
 
 
 def test_paper_plan_follows_the_procedure():
-    budget = predict(SHAPE, Method("ed", kv_max=2), 5, S, T).total + 1  # ED fits 5, not 6
+    budget = paper_ed_bytes(SHAPE, 5, S, T) + 1  # the paper's ED fits 5, not 6
     runs = paper_plan(budget, SHAPE, S, T, dtype="float32")
     head = [(m.name, m.kv_max, b) for m, b in runs[:4]]
     # FKV also holds the generated tokens: at b0 - 1 = 5 it does not fit, so it runs at its own largest batch.
     b_fkv = max_batch(budget, SHAPE, Method("fkv"), S, T)
     assert b_fkv < 5
     assert head == [("ed", 2, 6), ("ed", 2, 5), ("ed", 65, 5), ("fkv", None, b_fkv)]
-    assert predict(SHAPE, Method("ed", kv_max=2), 6, S, T).total > budget  # the OOM row
+    assert paper_ed_bytes(SHAPE, 6, S, T) > budget  # the paper's OOM row (this engine's ED fits it)
     bm = [(m.kv_max, b) for m, b in runs[4:]]
     assert [k for k, _ in bm] == [k for k in kv_grid(S)]
     for k, b in bm:

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from ..core.method import Method
+from ..core.method import ExtremeDecoding, Method
 
 
 def _sync(device: torch.device) -> None:
@@ -53,7 +53,7 @@ def hf_reference_generate(
         attention_mask = torch.ones_like(input_ids)
     if not method.evicts:  # the full cache: HF generate as it is
         return _full_cache(model, input_ids, attention_mask, max_new_tokens)
-    if not method.keeps_newest_only:
+    if not isinstance(method, ExtremeDecoding):
         raise ValueError(f"no plain HF reference for method {method.name!r}")
     return _extreme_decoding(model, input_ids, attention_mask, method.kv_max, max_new_tokens)
 

@@ -1,26 +1,29 @@
 """The "batchmax" attention function, registered through transformers' ``AttentionInterface``.
 
-Queries of the current block attend over the layer's kept slots, which include the block itself (``update`` wrote
-it before the attention call): a slot is visible to a query when it is valid (not empty, evicted or a pad) and its
-position is not after the query's (causal inside the block). Each query's attention probabilities are added to
-the slots' running sums, which the eviction rule reads. GQA: queries are grouped per KV head, so one KV head's slot
-sums the probabilities of its whole query group, and no ``repeat_kv`` copy is made.
+Each pass is described by the engine (``step.RowsPass``): the attention writes the pass's new pairs into the pool
+at the slots the description gives and attends. Queries attend over their row's kept slots (the block itself
+included): a slot is visible to a query when it is valid (not empty or evicted) and its position is not after the
+query's (causal inside the block). Each query's attention probabilities are added to the slots' running sums, which
+the eviction rule reads. GQA: queries are grouped per KV head, so one KV head's slot sums the probabilities of its
+whole query group, and no ``repeat_kv`` copy is made. The baselines' prompts run on the model's SDPA over their own
+pairs (``_dense_prefill``).
 
 Memory: long blocks run in query chunks (``workspace.SCORE_CHUNK_BYTES``), one chunk's tensors alive at a time;
 each call reports its peak allocation, counted by ``workspace.workspace_bytes`` (what the planner predicts, checked
-against measured
-allocations in ``tests/test_memory.py``).
+against measured allocations in ``tests/test_memory.py``).
 
-A decode step (one query, no mask: the engine's) is one fused product: ``baddbmm`` adds the layer's additive slot
-mask (``bias``) to the scaled logits, then softmax, the score sums and ``probs @ V``; its workspace comes from
+A decode step (one query per row) is one fused product: ``baddbmm`` adds the additive slot mask (``bias``) to the
+scaled logits, then softmax, the score sums and ``probs @ V``; its workspace comes from
 ``workspace.decode_workspace_bytes``.
 
-Look-ahead probe (rules ``probe``, ``snapkv``, ``question``): a probe pass (the cache layer holds the probe's
-keys/values, never stored) attends from the probe's queries to every valid slot (all precede it) and causally to
-the probe keys up to itself (pad probe tokens hidden); its output goes on through the layer, its attention to the
-slots, summed over the query group and averaged over the sample's real probe queries, becomes the slots' ``probe``
-values (overwritten each probe pass); the paper's sums get nothing from it. The math is ``core.probe``'s, shared
-with the re-scoring of rules that probe only every few blocks.
+Look-ahead probe (rules ``probe``, ``snapkv``, ``question``): a probe pass (its keys/values never stored) attends
+from the probe's queries to every valid slot (all precede it) and causally to the probe keys up to itself (masked
+probe columns hidden); its output goes on through the layer, its attention to the slots, summed over the query
+group and averaged over the row's real probe queries, becomes the slots' ``probe`` values (overwritten each probe
+pass); the paper's sums get nothing from it. The math is ``core.probe``'s, shared with the re-scoring of rules that
+probe only every few blocks.
+
+HF's ``model.generate`` drop-in (``core.hf_cache``) hands its cache layer over instead of a description.
 
 Nothing is registered at import time: call ``register()`` (or use ``use_batchmax_attention``).
 """
@@ -31,13 +34,14 @@ import contextlib
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import probe, workspace
-from .baseline import DenseLayer, dense_prefill_attention
-from .cache import BoundedLayer, take_updated_layer
+from .hf_cache import BoundedLayer, take_updated_layer
 from .pool import DensePoolLayer, PoolLayer
-from .step import ForwardPass, RowsPass
+from .step import RowsPass
+from .workspace import SDPA, SDPA_REPEAT
 
 NAME = "batchmax"
 
@@ -50,33 +54,18 @@ def batchmax_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    batchmax: ForwardPass | None = None,
+    batchmax: RowsPass | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [B, Hq, n, D]; key/value: the cache layer's buffers [B, Hkv, C, D]; attention_mask: the block's
-    padding mask (last n columns of a 2D [B, *] mask, True for real tokens) or None; ``batchmax``: the engine's
-    description of the pass (``core.step``; None under HF's generate, whose cache hands its layer over instead).
-    Returns [B, n, Hq, D]."""
+    """query [B, Hq, n, D]; ``batchmax``: the engine's description of the pass (``core.step``), whose key/value
+    [B, Hkv, n, D] are the pass's new pairs; or, under HF's generate (``core.hf_cache``, no description), key/value
+    are the cache layer's buffers [B, Hkv, C, D] and attention_mask the block's padding mask (last n columns of a
+    2D [B, *] mask, True for real tokens) or None. Returns [B, n, Hq, D]."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if isinstance(batchmax, RowsPass):  # a pool's pass: key/value are the pass's new pairs
-        return _rows_attention(batchmax.layer(module), batchmax, query, key, value, scaling), None
-    layer = _cache_layer(module, key, batchmax)
-    if isinstance(layer, DenseLayer):  # a baseline slot's prefill: the model's SDPA, causal and unpadded
-        sdpa = dense_prefill_attention(query, key)
-        return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if batchmax is not None:
+        return _rows_attention(module, batchmax, query, key, value, scaling), None
+    layer = take_updated_layer(key)
     return _bounded_attention(layer, query, key, value, attention_mask, scaling), None
-
-
-def _cache_layer(module: torch.nn.Module, key: torch.Tensor, batchmax: ForwardPass | None):
-    """The cache layer this attention call reads: the pass description's (engine, pool), else the layer HF's
-    generate just updated (its hand-off); a slot cache layer must have handed over its own keys."""
-    layer = take_updated_layer(key) if batchmax is None else batchmax.layer(module)
-    if isinstance(layer, (BoundedLayer, PoolLayer)) and layer.keys is not key:
-        raise RuntimeError(
-            f"the 'batchmax' attention of layer {module.layer_idx} got keys that are not its cache "
-            "layer's: the model must pass the cache's keys straight to its attention function"
-        )
-    return layer
 
 
 def _bounded_attention(
@@ -87,11 +76,7 @@ def _bounded_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
 ) -> torch.Tensor:
-    """A ``BoundedLayer``'s pass: a look-ahead probe, an unmasked decode step (fused) or a block (chunked)."""
-    if layer.probe_kv is not None:  # a look-ahead probe pass: nothing was written, the probe only reads
-        probe_kv, layer.probe_kv = layer.probe_kv, None
-        probe_mask = None if attention_mask is None else attention_mask[:, -query.shape[2] :].bool()  # [B, w]
-        return _probe_attention(layer, query, probe_kv, probe_mask, scaling)
+    """A ``BoundedLayer``'s pass (the HF drop-in): an unmasked decode step (fused) or a block (chunked)."""
     if query.shape[2] == 1 and attention_mask is None:
         layer.new_slots = None
         return _decode_attention(layer, query, key, value, scaling, layer.high)
@@ -127,7 +112,7 @@ def _decode_attention(
     logits = torch.baddbmm(bias, q, keys_t, alpha=scaling)  # [B*Hkv, g, hi], scaled and masked
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B*Hkv, g, hi]
     del logits
-    if layer.cache.method.reads_scores:
+    if layer.score is not None:  # a layer that keeps score sums (the baselines' pools keep none)
         received = probs.view(B, Hkv, g, hi).sum(dim=2)  # [B, Hkv, hi]: attention received, summed over the group
         if active is not None:  # idle rows add nothing (a fill, not a product: an empty row's softmax is NaN)
             received.masked_fill_(active == 0, 0.0)
@@ -188,22 +173,57 @@ def _block_attention(
 
 
 def _rows_attention(
-    layer: PoolLayer | DensePoolLayer,
+    module: torch.nn.Module,
     step: RowsPass,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """A pool's pass, as ``step`` states it (BM's prefill chunks, probes and decode steps; the dense pools' decode
-    steps): write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
+    """A pool's pass, as ``step`` states it (BM's prefill chunks, probes and decode steps; the dense pools' prefill
+    and decode steps): write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
+    layer = step.layer(module)
     layer.cache.allocate(key, value)
     if step.kind == "probe":  # nothing is evicted or written: the probe only reads
         return _rows_probe(layer, step, query, (key, value), scaling)
     layer.write(step, key, value)  # the pass's evictions ran before it (the pool's ``evict``)
     if step.kind == "decode":
         return _decode_attention(layer, query, layer.keys, layer.values, scaling, step.hi, step.active, step.bias)
+    if isinstance(layer, DensePoolLayer):  # a baseline's prompt: one block from position 0, over its own pairs
+        return _dense_prefill(module, layer, query, key, value, scaling)
     return _rows_block(layer, step, query, scaling)
+
+
+def _dense_prefill(module, layer: DensePoolLayer, query, key, value, scaling: float) -> torch.Tensor:
+    """FKV's or ED's prompt [R, Hq, s, D]: the model's SDPA, causal, over the pass's own pairs [R, Hkv, s, D] (K/V
+    copied per query head first for GQA in a half dtype on a card below compute capability 8.0, where SDPA's
+    memory-efficient kernel rejects ``enable_gqa`` and the math kernel would hold every score). Returns
+    [R, s, Hq, D]."""
+    R, Hq, s, D = query.shape
+    Hkv = key.shape[1]
+    cuda = query.device.type == "cuda"
+    old_card = cuda and torch.cuda.get_device_capability(query.device) < (8, 0)
+    impl = SDPA_REPEAT if Hq != Hkv and query.element_size() == 2 and old_card else SDPA
+    layer.cache.note_workspace(
+        workspace.dense_workspace_bytes(R, Hq, Hkv, D, s, s, query.element_size(), padded=False, impl=impl, align=cuda)
+    )
+    if impl == SDPA_REPEAT:
+        key, value = repeat_kv(key, Hq // Hkv), repeat_kv(value, Hq // Hkv)  # [R, Hq, s, D] each
+        module = _OneGroup(module)
+    return sdpa_attention_forward(module, query, key, value, None, scaling=scaling)[0]
+
+
+class _OneGroup:
+    """An attention module seen with as many KV heads as query heads: HF's SDPA function then neither repeats K/V
+    nor asks SDPA for ``enable_gqa`` (it reads ``num_key_value_groups`` only when the module has one)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._module = module
+
+    def __getattr__(self, name: str):
+        if name == "num_key_value_groups":
+            raise AttributeError(name)
+        return getattr(self._module, name)
 
 
 def _rows_block(layer: PoolLayer, step: RowsPass, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -317,35 +337,6 @@ def _add_received(score: torch.Tensor, probs: torch.Tensor, token_mask: torch.Te
     B, Hkv, gm, lim = probs.shape
     real = token_mask.repeat(1, gm // token_mask.shape[1]).to(probs.dtype)  # [B, g*m], row order of probs
     score += torch.matmul(real[:, None, None, :], probs).view(B, Hkv, lim)  # pads add 0
-
-
-def _probe_attention(
-    layer,
-    query: torch.Tensor,
-    probe_kv: tuple[torch.Tensor, torch.Tensor],
-    probe_mask: torch.Tensor | None,
-    scaling: float,
-) -> torch.Tensor:
-    """A look-ahead probe pass: queries [B, Hq, w, D] over the slots [0, high) and the probe's own keys (causal).
-
-    Writes the probe's attention per slot into ``layer.probe`` (and keeps the queries for re-scoring when the rule
-    probes only every few blocks); returns the probe outputs [B, w, Hq, D] (they feed the probe's next layer)."""
-    pk, pv = probe_kv  # [B, Hkv, w, D] each
-    B, Hq, w, D = query.shape
-    Hkv, hi = pk.shape[1], layer.high
-    layer.cache.note_workspace(workspace.probe_workspace_bytes(B, Hq, Hkv, w, hi, D, query.element_size()))
-    q = (query * scaling).reshape(B, Hkv, Hq // Hkv * w, D)  # [B, Hkv, g*w, D]
-    weights = probe.query_weights(probe_mask, B, w, q.device)  # [B, w]
-    own = probe.own_logits(q, pk, weights)  # [B, Hkv, g*w, w]
-    own_lse = own.logsumexp(-1, keepdim=True)  # [B, Hkv, g*w, 1]
-    to_slots, lse = probe.slot_probabilities(q, layer.keys[:, :, :hi], layer.pos[:, :, :hi], own_lse)
-    layer.probe[:, :, :hi] = probe.per_slot(to_slots, weights)  # [B, Hkv, hi]
-    layer.probe_fresh = True
-    if layer.cache.method.probe_every > 1:
-        layer.probe_state = probe.ProbeState(q, own_lse, weights)
-    to_own = own.sub_(lse).exp_()  # [B, Hkv, g*w, w]
-    out = torch.matmul(to_slots.to(pv.dtype), layer.values[:, :, :hi]) + torch.matmul(to_own.to(pv.dtype), pv)
-    return out.view(B, Hkv, Hq // Hkv, w, D).permute(0, 3, 1, 2, 4).reshape(B, w, Hq, D)  # [B, w, Hq, D]
 
 
 #: The model families Batch-Max's attention runs exactly (full causal attention, no logit softcapping).

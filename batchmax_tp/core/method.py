@@ -41,8 +41,6 @@ class Method:
     p: int = 64
     rule: str = "paper"
 
-    #: Whether the prefill itself is bounded by ``kv_max`` (BM's blocks).
-    bounded: ClassVar[bool] = False
     #: Whether the method ever evicts (``kv_max`` applies).
     evicts: ClassVar[bool] = True
     #: The kv_max a run gets when none is given.
@@ -52,13 +50,6 @@ class Method:
     #: Whether ``rule`` chooses anything (only BM's eviction has rules); a class attribute, so that a method's
     #: name tells it before any instance exists (``method_type(name).takes_rule``).
     takes_rule: ClassVar[bool] = False
-    #: Whether eviction reads attention scores (BM's rule): its attention must collect them (the "batchmax"
-    #: attention, ``BatchMaxCache``/``BoundedPool``). FKV and ED never do: they run on the model's own fastest
-    #: attention with the baselines' ``DenseCache``/``DensePool``.
-    reads_scores: ClassVar[bool] = False
-    #: Whether an eviction keeps only the newest pair (ED, Algorithm 3): every cache moves it to slot 0
-    #: (``ExtremeDecoding.keep_newest``).
-    keeps_newest_only: ClassVar[bool] = False
 
     def __new__(cls, name: str | None = None, *args, **kwargs):
         if cls is Method:  # the registry: a name parses into its class
@@ -126,6 +117,11 @@ class Method:
         positions in chunks of ``p`` (BM), or None: the whole prompt of one group of one length per pass (FKV, ED)."""
         return None
 
+    def slot_state_bytes(self, elem: int) -> int:
+        """Bookkeeping bytes per slot of a pool row (``elem``: bytes per element of the model dtype); none for a
+        method that never ranks by attention."""
+        return 0
+
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
         """How many pairs to evict before writing ``incoming`` new pairs into a cache holding ``filled``.
 
@@ -162,24 +158,12 @@ class ExtremeDecoding(Method):
     name: str = "ed"
     default_kv_max: ClassVar[int] = 2
     least_kv_max: ClassVar[int] = 2
-    keeps_newest_only: ClassVar[bool] = True
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return max(self.kv_max, prompt_len)
 
     def decode_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return self.kv_max  # after the first eviction: never more than kv_max pairs
-
-    @staticmethod
-    def keep_newest(dst: Tensor, src: Tensor, newest: int | Tensor) -> None:
-        """Algorithm 3's eviction, in every cache layout: the newest pair of ``src`` [B, H, C, ...] moves to slot 0
-        of ``dst`` [B, H, C', ...] (``src`` itself, or a buffer replacing it). ``newest``: its slot, one host int
-        for every row (the dense caches hold slots in position order) or an index [B, H, 1] per row and head."""
-        if isinstance(newest, int):
-            dst[:, :, 0] = src[:, :, newest]
-            return
-        idx = newest.view(*newest.shape, *[1] * (src.dim() - 3)).expand(*newest.shape, *src.shape[3:])  # [B, H, 1, ...]
-        dst[:, :, :1] = src.gather(2, idx)
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
         # Before each single-token decode pass the newest pair alone is kept after the prompt and whenever |kv|
@@ -198,9 +182,7 @@ class BatchMax(Method):
     (sample, KV head), during prefill too; ``p`` pairs are evicted whenever a block does not fit."""
 
     name: str = "bm"
-    bounded: ClassVar[bool] = True
     takes_rule: ClassVar[bool] = True
-    reads_scores: ClassVar[bool] = True
     default_kv_max: ClassVar[int] = 512
 
     def validate_kv_max(self) -> None:
@@ -228,6 +210,11 @@ class BatchMax(Method):
             t0, t1 = t1, min(prompt_len, t1 + self.p)
             blocks.append((t0, t1))
         return blocks
+
+    def slot_state_bytes(self, elem: int) -> int:
+        """A position (int64), an attention sum (float32), an additive mask (model dtype) and a free-list entry
+        (int64) per slot; a rule with a look-ahead probe adds its probe value (float32)."""
+        return 8 + 4 + elem + 8 + (4 if self.lookahead else 0)
 
     def pass_tokens(self, slots: int) -> int:
         """Every row's next chunk of ``p`` in one pass, and never less than Algorithm 1's first block: measured

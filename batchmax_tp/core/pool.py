@@ -1,29 +1,28 @@
-"""A fixed pool of slots for continuous batching: ``slots`` cache rows allocated once, constant for the whole run.
+"""A fixed pool of slots: ``slots`` cache rows allocated once, constant for the whole run; the one engine's storage.
 
-Each slot holds one request at a time. Under BM its prefill chunks run in passes with the chunks of the other
-prefilling rows, each row at its own position and with its own evictions, on its unpadded prompt, so the kept
-positions are those of ``engine.generate`` of that prompt alone. Under FKV/ED its prefill runs on a cache bound to
-the slot's row (views of the pool's tensors), with the rows of the requests admitted beside it when their prompts
-have its length (``core.scheduler`` groups). Then the slot joins the decode steps, where every decoding slot writes
-its token and attends in one pass over the pool, each at its own position and eviction step.
+Each slot holds one request at a time. Its prefill runs in passes with the other prefilling rows (BM: each row's
+next chunk at its own position, with its own evictions, on its unpadded prompt; FKV/ED: a group of one prompt
+length, one block), then the slot joins the decode passes, where every decoding slot writes its token and attends
+in one pass over the pool, each at its own position and eviction step.
 
-- ``BoundedPool`` (BM): per layer keys/values [S, H, C + 1, D], and per slot ``pos``/``score``/``bias`` as in
-  ``core.cache`` and a free list ``free`` [S, H, C + 1] with C = ``kv_max``. Column C is a scratch slot: a row
-  that is not decoding in a decode pass writes its (unused) pair there, so nothing else is touched; the free
-  lists end in C and no attention or eviction ever reads it.
-- ``DensePool`` (FKV, ED) on the model's SDPA: per layer keys/values [S, H, C + 1, D] holding slots
-  ``[0, length)`` of each row; C = ``kv_max`` for ED (its prompt is prefilled into a prompt-sized staging cache,
-  one slot at a time, and the newest pair moves into the row: Algorithm 3's first eviction), the longest prompt +
-  generation for FKV (each slot reserves a whole request, so admission never needs more).
+- ``BoundedPool`` (BM): per layer keys/values [S, H, C + 1, D], and per slot ``pos``/``score``/``bias`` and a free
+  list ``free`` [S, H, C + 1] with C = ``kv_max``. Column C is a scratch slot: a masked column or a row that is not
+  decoding writes its (unused) pair there, so nothing else is touched; the free lists end in C and no attention or
+  eviction ever reads it. A row of the paper's padded batch (``scheduler``'s static policy) runs the batch's shared
+  schedule at padded positions: its pads are counted as held (``RowState.filled``) but never written, so they go
+  first at an eviction, as the padded batch's pad slots do, and its kept positions are the padded batch's.
+- ``DensePool`` (FKV, ED): per layer keys/values [S, H, C + 1, D] holding slots ``[0, length)`` of each row; C =
+  ``kv_max`` for ED, the longest prompt + generation for FKV (each slot reserves a whole request, so admission
+  never needs more). A prefill pass attends over its own pairs (SDPA, causal) and writes what the row keeps: FKV
+  the prompt, ED its newest pair alone, into slot 0 (Algorithm 3's first eviction).
 
-A group admitted with ``shared=True`` holds one prompt several times (the choices of a multiple-choice question, scored
-from one context): its prefill runs on the first row alone and ``graduate`` copies that row into the others, which
-is exact, since a slot's state after its prompt depends on the prompt only.
+A group admitted with ``shared=True`` holds one prompt several times (the choices of a multiple-choice question,
+scored from one context): its prefill runs on the first row alone and ``graduate`` copies that row into the others,
+which is exact, since a slot's state after its prompt depends on the prompt only.
 
 Per-slot state between passes is host integers (``RowState``). Each pool describes its passes from them
-(``prefill_pass`` for BM, ``decode_pass`` for both: a ``step.RowsPass``, its tensors built once per pass, handed
-to the attention) and advances them; nothing per pass is set on a pool or layer. The dense pools' prefill runs on a
-``DenseCache`` over the group's rows (``admit``), as the static engine's does.
+(``prefill_pass``, ``decode_pass``: a ``step.RowsPass``, its tensors built once per pass in one host-to-device copy,
+handed to the attention) and advances them; nothing per pass is set on a pool or layer.
 """
 
 from __future__ import annotations
@@ -31,15 +30,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache
 
 from . import probe as lookahead
-from .baseline import DenseCache, DenseLayer
-from .cache import SlotLayer, free_slots
-from .method import Method
+from .method import BatchMax, ExtremeDecoding, FullCache, Method
 from .schedule import Phase
 from .step import Eviction, RowsPass, SlotWork
 from .workspace import decode_workspace_bytes, eviction_layers
+
+
+def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices [B, H, n] of the ``n`` slots with the smallest ``(priority, position, slot)``, in that order.
+
+    Exact priority ties evict the older pair first, and empty slots (position -1) in slot order, so the result
+    does not depend on the slot layout. One sort of an int64 key: the float32 priority's bits made
+    order-preserving in the high half, the position (empty slots: their index, below every position) in the low.
+    """
+    C = pos.shape[-1]
+    bits = priority.float().contiguous().view(torch.int32)  # [B, H, C]
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats: reversed order fixed
+    low = torch.where(pos >= 0, pos + C, torch.arange(C, device=pos.device))  # [B, H, C], in [0, 2**32)
+    return (bits * 2**32 + low).topk(n, dim=-1, largest=False, sorted=True).indices  # [B, H, n]
+
+
+def free_slots(
+    priority: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, bias: torch.Tensor, n: int
+) -> torch.Tensor:
+    """Free the ``n`` slots of lowest ``priority`` (``slots_to_evict``) in the slot state ``pos``/``score``/``bias``
+    [B, H, C] (views are written through) and return their indices [B, H, n]."""
+    freed = slots_to_evict(priority, pos, n)  # [B, H, n]
+    pos.scatter_(2, freed, -1)
+    score.scatter_(2, freed, 0.0)
+    bias.scatter_(2, freed, float("-inf"))
+    return freed
 
 
 @dataclass
@@ -47,7 +69,7 @@ class RowState:
     """One slot's host state: pairs held (``filled``), next position (``seen``), write pointer into its free list
     (``ptr``), slots ever written (``high``), whether its free list is still the identity (``contiguous``), whether
     its last pass was a look-ahead probe (``probed``: its next prefill eviction ranks with it); the dense pools'
-    ``length`` (slots [0, length) held)."""
+    ``length`` (slots [0, length) held). A padded row's ``filled`` counts its pads (Algorithm 1 on the padded batch)."""
 
     filled: int = 0
     seen: int = 0
@@ -56,24 +78,26 @@ class RowState:
     contiguous: bool = True
     probed: bool = False
     length: int = 0
+    offset: int = 0  # a padded row's left pads: its positions are the padded batch's, its RoPE positions offset less
 
 
 def _bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class _Pool(Cache):
-    """What both pools share: rows, peaks, the shared prefill's fork."""
+class _Pool:
+    """What every pool shares: rows, peaks, the shared prefill's fork."""
+
+    stacked_kv = False  # K/V stacked over the layers too (ED's eviction reads every layer's newest pair)
 
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, layer_class, static: bool):
-        super().__init__(layers=[layer_class(self, i) for i in range(num_layers)])
+        self.layers = [layer_class(self, i) for i in range(num_layers)]
         self.method, self.slots, self.capacity = method, slots, capacity
         # static: every decode pass attends over all C slots (one shape for the whole run: compiled or captured
         # once); else over the slots written so far
         self.static = static
         self.stacks: dict[str, torch.Tensor] = {}
         self.rows = [RowState() for _ in range(slots)]
-        self.row_caches: dict[int, Cache] = {}  # first slot of each group being prefilled -> the group's cache
         self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -91,7 +115,7 @@ class _Pool(Cache):
             "keys": (L, S, H, C1, key_states.shape[-1]),
             "values": (L, S, H, C1, value_states.shape[-1]),
         }
-        stacked = self.method.keeps_newest_only  # ED's eviction reads every layer's K/V
+        stacked = self.stacked_kv
         self.stacks = {
             **({name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in kv.items()} if stacked else {}),
             **self.meta_stacks(L, H, dtype, device),
@@ -110,19 +134,15 @@ class _Pool(Cache):
         return self.layers[0].is_initialized
 
     def kv_bytes(self) -> int:
-        return sum(_bytes(layer.keys, layer.values) for layer in self.layers) + sum(
-            c.kv_bytes() for c in self.row_caches.values() if not isinstance(c, _RowBound)
-        )
+        return sum(_bytes(layer.keys, layer.values) for layer in self.layers)
 
     def meta_bytes(self) -> int:
         return 0
 
     def note(self) -> None:
-        """Record the peaks now (K/V, bookkeeping, and each prefilling slot's workspace)."""
+        """Record the peaks now (K/V, bookkeeping)."""
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
         self.peak_meta_bytes = max(self.peak_meta_bytes, self.meta_bytes())
-        for cache in self.row_caches.values():
-            self.peak_workspace_bytes = max(self.peak_workspace_bytes, cache.peak_workspace_bytes)
 
     def note_workspace(self, nbytes: int) -> None:
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
@@ -131,7 +151,6 @@ class _Pool(Cache):
         """Drop every buffer (the run is over): the layers refer to their pool, so without this the memory would
         wait for a garbage collection."""
         self.stacks = {}
-        self.row_caches.clear()
         self.layers.clear()
 
     def note_decode(self, query_group: int, hi: int) -> None:
@@ -154,15 +173,16 @@ class _Pool(Cache):
         """A decode pass over every row from per-row host lists (one host-to-device copy): ``write`` (BM: the index
         into the row's free list; the dense pools: the slot), ``seen`` (the position fed; -1 for idle rows) and, for
         the dense pools, ``lengths`` (the slots each row holds after the pass: the additive mask of its row); the
-        decoding rows of ``work`` ride in the same copy."""
+        decoding rows of ``work`` and each row's RoPE position ride in the same copy."""
         S, k = self.slots, len(work)
         decoding = [w.row for w in work] + [-1] * (S - k)
-        packed = to_device([write, seen, decoding, *([lengths] if lengths is not None else [])], device)  # [3|4, S]
+        rope = [max(0, p - st.offset) for p, st in zip(seen, self.rows)]
+        packed = to_device([write, seen, decoding, rope, *([lengths] if lengths is not None else [])], device)
         qpos = packed[1].view(S, 1)  # [S, 1]; -1 for idle rows
         bias = active = None
         if lengths is not None:  # [S, hi]: 0 for each row's held slots, -inf after
             bias = torch.zeros(S, hi, dtype=self.layers[0].dtype, device=device)
-            bias.masked_fill_(torch.arange(hi, device=device) >= packed[3][:, None], float("-inf"))
+            bias.masked_fill_(torch.arange(hi, device=device) >= packed[4][:, None], float("-inf"))
         else:  # [S, 1, 1]: the rows whose attention joins their slots' sums
             active = (qpos >= 0).to(torch.float32).view(S, 1, 1)
         return RowsPass(
@@ -171,6 +191,7 @@ class _Pool(Cache):
             rows=torch.arange(S, device=device),
             span=slice(0, S),
             qpos=qpos,
+            positions=packed[3].view(S, 1),
             real=None,
             write=packed[0].view(S, 1),
             hi=hi,
@@ -187,12 +208,14 @@ class _Pool(Cache):
                 t[rows.start + 1 : rows.stop] = t[rows.start : rows.start + 1]
 
 
-class _RowBound:
-    """Marks a batch-1 cache whose layers are views of a pool row (its K/V bytes are the pool's)."""
+class _PoolLayer:
+    """One decoder layer of a pool: keys/values [S, H, C + 1, D] (and what an eviction reads: views of the pool's
+    stacks, ``_Pool.allocate``). Storage only: the attention writes and reads it as each pass's description says."""
 
-
-class _PoolLayer(SlotLayer):
-    """One decoder layer of a pool: keys/values [S, H, C + 1, D], views of the pool's stacks (``_Pool.allocate``)."""
+    def __init__(self, cache: _Pool, layer_idx: int):
+        self.cache, self.layer_idx = cache, layer_idx
+        self.keys = self.values = None
+        self.is_initialized = False
 
     def bind_storage(self, views: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         for name, view in views.items():
@@ -202,15 +225,6 @@ class _PoolLayer(SlotLayer):
     def row_tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor with one row per slot (what ``_Pool.fork`` copies)."""
         return self.keys, self.values
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # the pool allocates in a prefill pass first
-        raise RuntimeError("a pool's decode pass ran before any prefill allocated it")
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return self.cache.capacity
 
 
 # -- Batch-Max ------------------------------------------------------------------------------------------------------
@@ -272,12 +286,6 @@ class PoolLayer(_PoolLayer):
         for dst, src in ((self.probe_q, q), (self.probe_lse, own_lse), (self.probe_w, weights)):
             dst.index_copy_(0, rows, src)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.capacity + query_length, 0
-
-    def update(self, *args, **kwargs):
-        raise RuntimeError("BM's pool is written by the 'batchmax' attention from its pass (step.RowsPass), not by HF")
-
 
 class BoundedPool(_Pool):
     """BM's pool: ``slots`` rows of ``kv_max`` slots (+ the scratch column) per layer and local KV head. A row's
@@ -285,10 +293,8 @@ class BoundedPool(_Pool):
     its decode steps in passes over the whole pool; ``prefill_pass``/``decode_pass`` describe each pass
     (``step.RowsPass``) from the rows' host state (``RowState``), which they advance."""
 
-    def __init__(self, method: Method, num_layers: int, slots: int, static: bool = False):
-        if not method.reads_scores:
-            raise ValueError(f"BoundedPool serves method 'bm' (its attention scores), not {method.name!r}")
-        super().__init__(method, num_layers, slots, method.kv_max, PoolLayer, static)
+    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, static: bool = False):
+        super().__init__(method, num_layers, slots, capacity, PoolLayer, static)
 
     def meta_stacks(self, L: int, H: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """pos (-1: empty), score, bias (-inf: empty), the free lists (identity, ending in the scratch slot C) and,
@@ -342,13 +348,14 @@ class BoundedPool(_Pool):
         )
         return lookahead.rescore(state, layer.keys[:, :, : self.capacity].index_select(0, rows), pos)
 
-    def admit(self, rows: range, prompt_len: int, shared: bool = False) -> None:
-        """Requests enter the slots ``rows``: their slots are emptied."""
-        for row in rows:
+    def admit(self, rows: range, offsets: list[int]) -> None:
+        """Requests enter the slots ``rows``: their slots are emptied; ``offsets``: each one's left pads (0 but for
+        the rows of a padded batch)."""
+        for row, offset in zip(rows, offsets):
             if self.allocated:
                 for layer in self.layers:
                     layer.reset_row(row)
-            self.rows[row] = RowState()
+            self.rows[row] = RowState(offset=offset)
 
     def graduate(self, rows: range, decodes: list[bool]) -> None:
         """A shared group's prefill (on its first row) is over: that row becomes every row of the group."""
@@ -371,30 +378,34 @@ class BoundedPool(_Pool):
 
     def prefill_pass(
         self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
-    ) -> tuple[RowsPass, torch.Tensor, torch.Tensor]:
-        """The pass of ``work`` (each row's prefill chunk, or each row's look-ahead probe), with its input ids and
-        RoPE positions [R, n]: every row's tokens right-aligned, masked columns in front."""
+    ) -> tuple[RowsPass, torch.Tensor]:
+        """The pass of ``work`` (each row's prefill chunk, or each row's look-ahead probe) and its input ids [R, n]:
+        every row's real tokens right-aligned, masked columns in front (a padded row's pads among them: counted as
+        held, never written)."""
         kind = work[0].phase.kind
         n = self.method.lookahead if kind == "probe" else max(w.phase.size for w in work)  # probes: the whole window
         rows = [w.row for w in work]
-        qpos, write, evicting, ids = [], [], [], []
+        qpos, rope, write, evicting, ids = [], [], [], [], []
         for w, prompt in zip(work, prompts):
             ph, st = w.phase, self.rows[w.row]
-            pad = n - ph.size
-            qpos.append([-1] * pad + list(range(ph.start, ph.end)))
-            ids.append(torch.nn.functional.pad(prompt[ph.start : ph.end], (pad, 0)))
+            a = min(max(ph.start, st.offset), ph.end)  # the phase's first real position (end: all pads)
+            pad = n - (ph.end - a)
+            qpos.append([-1] * pad + list(range(a, ph.end)))
+            rope.append([0] * pad + list(range(a - st.offset, ph.end - st.offset)))
+            ids.append(torch.nn.functional.pad(prompt[a - st.offset : ph.end - st.offset], (pad, 0)))
             if kind == "probe":
                 st.probed = True
                 continue
             if ph.evict:
                 evicting.append(self._evict_row(w.row, ph, prefill=True))
             st.probed = False
-            write.append([self.capacity] * pad + list(range(st.ptr, st.ptr + ph.size)))
-            st.ptr, st.filled, st.seen = st.ptr + ph.size, st.filled + ph.size, ph.end
+            real = ph.end - a
+            write.append([self.capacity] * pad + list(range(st.ptr, st.ptr + real)))
+            st.ptr, st.filled, st.seen = st.ptr + real, st.filled + ph.size, ph.end
             if st.contiguous:
                 st.high = max(st.high, st.ptr)
-        R, hi = len(rows), max(self.rows[r].high for r in rows)
-        columns = to_device([*qpos, *write], device)  # [R or 2R, n]: one host-to-device copy
+        R, hi = len(rows), max(1, *(self.rows[r].high for r in rows))  # at least one slot: a pass of pads alone
+        columns = to_device([*qpos, *rope, *write], device)  # [2R or 3R, n]: one host-to-device copy
         qpos_t = columns[:R]  # [R, n]
         step = RowsPass(
             kind=kind,
@@ -402,12 +413,13 @@ class BoundedPool(_Pool):
             rows=to_device(rows, device),
             span=_span(rows),
             qpos=qpos_t,
-            real=None if all(w.phase.size == n for w in work) else qpos_t >= 0,
-            write=columns[R:] if write else None,
+            positions=columns[R : 2 * R],
+            real=None if all(q[0] >= 0 for q in qpos) else qpos_t >= 0,
+            write=columns[2 * R :] if write else None,
             hi=hi,
             evictions=_evictions(evicting, device),
         )
-        return step, torch.stack(ids), qpos_t.clamp(min=0)
+        return step, torch.stack(ids)
 
     def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
         """A decode pass over every row: each decoding row's eviction (its own step's count) and write slot."""
@@ -458,125 +470,74 @@ def _span(rows: list[int]) -> slice | None:
     return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
 
 
-class _RowView:
-    """A cache layer whose buffers are views of the adjacent rows ``rows`` of a pool (slots [0, C)): the pool is
-    allocated from the first pass's shapes, then the layer binds its views."""
-
-    def __init__(self, cache: Cache, layer_idx: int, pool: _Pool, rows: range):
-        super().__init__(cache, layer_idx)
-        self.pool, self.rows = pool, slice(rows.start, rows.stop)
-
-    def bind(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Allocate the pool if needed; set keys/values to the rows' views [k, H, C, D]; return the pool layer."""
-        self.pool.allocate(key_states, value_states)
-        src, r, C = self.pool.layers[self.layer_idx], self.rows, self.pool.capacity
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys, self.values = src.keys[r, :, :C], src.values[r, :, :C]  # [k, H, C, D] views
-        self.is_initialized = True
-        return src
-
-
 # -- the baselines --------------------------------------------------------------------------------------------------
 class DensePoolLayer(_PoolLayer):
     """One decoder layer of the baselines' pool: keys/values [S, H, C + 1, D]; row r holds slots [0, length)."""
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.capacity + query_length, 0
+    score = None  # no score sums
 
     def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """A decode pass: each row's pair [S, H, 1, D] at its slot ``step.write`` (idle rows: the scratch column)."""
-        S, H = self.keys.shape[:2]
-        idx = step.write[:, None, :, None]  # [S, 1, 1, 1]
-        self.keys.scatter_(2, idx.expand(S, H, 1, self.keys.shape[-1]), key_states)
-        self.values.scatter_(2, idx.expand(S, H, 1, self.values.shape[-1]), value_states)
-
-    def update(self, *args, **kwargs):
-        raise RuntimeError("a dense pool's decode pass is written by the 'batchmax' attention (step.RowsPass)")
-
-
-class _RowDenseLayer(_RowView, DenseLayer):
-    """FKV's prefill layer: ``DenseLayer`` on views of a pool row (slots [0, C))."""
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.bind(key_states, value_states)
-
-
-class _RowDenseCache(DenseCache, _RowBound):
-    def __init__(self, pool: DensePool, rows: range, prompt_mask: torch.Tensor):
-        super().__init__(pool.method, len(pool.layers), pool.capacity, prompt_mask)
-        self.layers = [_RowDenseLayer(self, i, pool, rows) for i in range(len(pool.layers))]
-
-
-class _StagingLayer(DenseLayer):
-    """ED's prefill layer: a prompt-sized buffer of its own; the pool is allocated from its first shapes."""
-
-    def __init__(self, cache: DenseCache, layer_idx: int, pool: DensePool):
-        super().__init__(cache, layer_idx)
-        self.pool = pool
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.pool.allocate(key_states, value_states)
-        super().lazy_initialization(key_states, value_states)
-
-
-class _StagingCache(DenseCache):
-    def __init__(self, pool: DensePool, prompt_mask: torch.Tensor):
-        super().__init__(pool.method, len(pool.layers), prompt_mask.shape[1], prompt_mask)
-        self.layers = [_StagingLayer(self, i, pool) for i in range(len(pool.layers))]
+        """Each row's columns [R, H, n, D] at its slots ``step.write`` [R, n] (masked columns, idle rows and the
+        prompt pairs ED does not keep: the scratch column); the rows are adjacent (``step.span``)."""
+        R, H, n, _ = key_states.shape
+        idx = step.write[:, None, :, None]  # [R, 1, n, 1]
+        for dst, src in ((self.keys, key_states), (self.values, value_states)):
+            dst[step.span].scatter_(2, idx.expand(R, H, n, dst.shape[-1]), src)
 
 
 class DensePool(_Pool):
-    """The baselines' pool: prefill on the model's SDPA, decode on ``core.attention``'s fused grouped product.
-    ``capacity``: ED ``kv_max``; FKV the longest prompt + max_new_tokens - 1."""
+    """The baselines' pools: prefill on the model's SDPA over a pass's own pairs, decode on ``core.attention``'s fused
+    grouped product, no score sums. Slots [0, length) of a row hold its last ``length`` positions, in order."""
 
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, static: bool = False):
-        if method.reads_scores:
-            raise ValueError(
-                f"DensePool serves the baselines fkv and ed (no attention scores read), not {method.name!r}"
-            )
         super().__init__(method, num_layers, slots, capacity, DensePoolLayer, static)
 
-    def evict(self, ev: Eviction) -> None:
-        """ED's eviction (Algorithm 3, ``Method.keep_newest`` with one slot for every row) in the rows ``ev.rows``, in
-        every layer at once: each keeps its newest pair, at slot ``ev.count`` (its pairs before the pass, less one),
-        moved to slot 0. Only that slot is gathered ([L, E, H, D])."""
-        for name in ("keys", "values"):
-            stack = self.stacks[name]  # [L, S, H, C + 1, D]
-            stack[:, :, :, 0].index_copy_(1, ev.rows, stack[:, :, :, ev.count].index_select(1, ev.rows))
+    def admit(self, rows: range, offsets: list[int]) -> None:
+        for row, offset in zip(rows, offsets):
+            self.rows[row] = RowState(offset=offset)
 
-    def admit(self, rows: range, prompt_len: int, shared: bool = False) -> DenseCache:
-        device = self.layers[0].device if self.allocated else None
-        prefill = rows[:1] if shared else rows  # shared: one prompt for all rows, prefilled once
-        mask = torch.ones(len(prefill), prompt_len, dtype=torch.long, device=device)  # [k, s]: unpadded
-        if not self.method.keeps_newest_only:  # FKV: the row holds the prompt itself
-            if prompt_len > self.capacity:
-                raise ValueError(f"a {prompt_len}-token prompt does not fit FKV slots of {self.capacity}")
-            cache = _RowDenseCache(self, prefill, mask)
-        else:
-            cache = _StagingCache(self, mask)
+    def kept_slots(self, s: int) -> list[int]:
+        """Where each of a prompt's s pairs goes (the scratch column C: not kept)."""
+        raise NotImplementedError
+
+    def held_after_prompt(self, s: int, decodes: bool) -> int:
+        """Pairs a row holds once its s-token prompt is prefilled (``decodes``: a decode step follows)."""
+        return s
+
+    def prefill_pass(
+        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
+    ) -> tuple[RowsPass, torch.Tensor]:
+        """One group's prompts (one length s: a single block) and their ids [k, s]; each row keeps what
+        ``kept_slots`` says. A padded batch's rows hold no pad: their positions are the padded batch's, their tokens
+        their own."""
+        rows, end, offset = [w.row for w in work], work[0].phase.end, self.rows[work[0].row].offset
+        s = end - offset
+        columns = to_device([list(range(offset, end)), list(range(s)), self.kept_slots(s)], device)  # [3, s]
+        R = len(rows)
         for row in rows:
-            self.rows[row] = RowState()
-        self.row_caches[rows.start] = cache
-        return cache
+            self.rows[row].seen = end
+        step = RowsPass(
+            kind="prefill",
+            pool=self,
+            rows=to_device(rows, device),
+            span=_span(rows),
+            qpos=columns[0].expand(R, s),
+            positions=columns[1].expand(R, s),
+            real=None,
+            write=columns[2].expand(R, s),
+            hi=s,
+        )
+        return step, torch.stack(prompts)
 
     def graduate(self, rows: range, decodes: list[bool]) -> None:
-        """FKV: the row holds its prompt. ED: the prompt's newest pair moves into slot 0 of the row (Algorithm 3's
-        first eviction, done once here; the first decode step's own eviction then finds one pair); a request with
-        no decode step (its ``decodes`` entry False) keeps its prompt, as alone."""
-        cache = self.row_caches[rows.start]
-        self.note()
-        held = cache.length
-        ed = self.method.keeps_newest_only
-        if ed:  # [k or 1, H, D] -> every row of the group
-            for layer, src in zip(self.layers, cache.layers):
-                self.method.keep_newest(layer.keys[rows.start : rows.stop], src.keys, held - 1)
-                self.method.keep_newest(layer.values[rows.start : rows.stop], src.values, held - 1)
-        elif cache.layers[0].rows.stop < rows.stop:  # FKV, a shared prefill: its row becomes every row
+        """The group's prompt is held; a shared group's first row, the one its prefill ran on, becomes every row."""
+        first = self.rows[rows.start]
+        if len(rows) > 1 and self.rows[rows.start + 1].seen == 0:
             self.fork(rows)
+        s = first.seen - first.offset
         for row, more in zip(rows, decodes):
-            self.rows[row] = RowState(seen=cache.seen, length=1 if ed and more else held)
-        cache.layers.clear()  # a layer refers to its cache: ED's staging buffers go now, not at the next gc
-        del self.row_caches[rows.start]
+            self.rows[row] = RowState(seen=first.seen, length=self.held_after_prompt(s, more), offset=first.offset)
+        self.note()
 
     def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
         """A decode pass over every row: ED's keep-newest where a row's step evicts, each row's write slot, and the
@@ -603,3 +564,38 @@ class DensePool(_Pool):
         st = self.rows[row]
         held = list(range(st.seen - st.length, st.seen))
         return [[held] * layer.keys.shape[1] for layer in self.layers]
+
+
+class FullPool(DensePool):
+    """FKV's pool: a row holds its whole prompt and every token after it (C: the longest request)."""
+
+    def kept_slots(self, s: int) -> list[int]:
+        if s > self.capacity:
+            raise ValueError(f"a {s}-token prompt does not fit FKV slots of {self.capacity}")
+        return list(range(s))
+
+
+class NewestPool(DensePool):
+    """ED's pool (Algorithm 3): after the prompt and whenever a row holds ``kv_max`` pairs, only the newest pair
+    stays, moved to slot 0 (``evict``); the prompt's pairs never enter a row but its newest."""
+
+    stacked_kv = True
+
+    def kept_slots(self, s: int) -> list[int]:
+        return [self.capacity] * (s - 1) + [0]
+
+    def held_after_prompt(self, s: int, decodes: bool) -> int:
+        return 1 if decodes else s  # no decode step: its whole prompt, as far as ``kept_positions`` tells
+
+    def evict(self, ev: Eviction) -> None:
+        """In the rows ``ev.rows``, in every layer at once: each keeps its newest pair, at slot ``ev.count`` (its
+        pairs before the pass, less one), moved to slot 0. Only that slot is gathered ([L, E, H, D])."""
+        for name in ("keys", "values"):
+            stack = self.stacks[name]  # [L, S, H, C + 1, D]
+            stack[:, :, :, 0].index_copy_(1, ev.rows, stack[:, :, :, ev.count].index_select(1, ev.rows))
+
+
+def make_pool(method: Method, num_layers: int, slots: int, capacity: int, static: bool) -> _Pool:
+    """The method's pool: ``capacity`` slots per row (``Method.decode_capacity`` of the longest request)."""
+    kinds = {BatchMax: BoundedPool, FullCache: FullPool, ExtremeDecoding: NewestPool}
+    return kinds[type(method)](method, num_layers, slots, capacity, static)

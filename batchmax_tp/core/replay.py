@@ -25,7 +25,6 @@ import time
 
 import torch
 
-from .engine import forward_pass
 from .step import COMPILE_MODES, RowsPass
 
 logger = logging.getLogger(__name__)
@@ -46,9 +45,22 @@ def resolve(mode: str, device: torch.device, tensor_parallel: bool = False) -> s
     return mode
 
 
+@torch.no_grad()
+def forward_pass(model: torch.nn.Module, step: RowsPass, ids: torch.Tensor, mask: torch.Tensor):
+    """One model call described by ``step`` (ids [R, n]; ``mask`` [R, n] all true: the attention reads the
+    description, but without a mask HF's mask builder looks for packed sequences in the position ids, a host sync in
+    every pass); the description goes to every attention call, which writes the pool itself (no cache is handed to
+    the model). A prefill chunk or decode step returns the last position's logits; a look-ahead probe runs through
+    the decoder layers only (its outputs are never used: no logits)."""
+    kw = dict(attention_mask=mask, position_ids=step.positions, use_cache=False, batchmax=step)
+    if step.kind == "probe":
+        return model.get_decoder()(input_ids=ids, **kw)
+    return model(input_ids=ids, logits_to_keep=1, **kw)
+
+
 def eager_decode(model: torch.nn.Module, step: RowsPass, ids: torch.Tensor, mask: torch.Tensor):
-    """One decode pass: ids [S, 1], ``mask`` [S, 1] all true (see ``serve``), positions from ``step.qpos``."""
-    return forward_pass(model, step, ids, mask, step.qpos.clamp(min=0))
+    """One decode pass: ids [S, 1], ``mask`` [S, 1] all true."""
+    return forward_pass(model, step, ids, mask)
 
 
 @functools.cache
@@ -67,6 +79,7 @@ def idle_pass(step: RowsPass) -> RowsPass:
         rows=step.rows,
         span=step.span,
         qpos=torch.full_like(step.qpos, -1),  # no position
+        positions=torch.zeros_like(step.positions),
         real=None,
         write=torch.full_like(step.write, step.pool.capacity),  # the scratch slot
         hi=step.hi,
@@ -101,7 +114,11 @@ class CapturedDecode:
         ):
             raise RuntimeError("a captured decode pass needs one shape for the whole run (a static pool)")
         self.ids.copy_(ids)
-        for mine, theirs in ((captured.qpos, step.qpos), (captured.write, step.write)):
+        for mine, theirs in (
+            (captured.qpos, step.qpos),
+            (captured.positions, step.positions),
+            (captured.write, step.write),
+        ):
             mine.copy_(theirs)
         if step.active is not None:
             captured.active.copy_(step.active)

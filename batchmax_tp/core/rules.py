@@ -119,7 +119,10 @@ def pool_by_position(x: Tensor, pos: Tensor, kernel: int, pool: str, curr_id: in
     if pool == "max":
         pooled = win_x.masked_fill(~near, float("-inf")).amax(-1)  # [B, H, C]
     else:
-        pooled = win_x.masked_fill(~near, 0.0).sum(-1) / near.sum(-1).clamp(min=1)
+        # Summed in float64: two slots with the same neighbours (in math an exact tie, broken by position) must get
+        # the same bits whatever their window offsets, or float32 rounding would break the tie at random.
+        total = win_x.masked_fill(~near, 0.0).double().sum(-1)  # [B, H, C]
+        pooled = (total / near.sum(-1).clamp(min=1)).to(x.dtype)
     out = pooled.scatter(-1, order, pooled)  # back to slot order (``order`` is a permutation)
     return out.masked_fill(~valid, float("-inf"))  # [B, H, C]
 

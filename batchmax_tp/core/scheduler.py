@@ -5,17 +5,21 @@ token on, so a slot fits any request and admission needs no guess about the futu
 preemption). A request runs its own schedule (``core.schedule.plan`` of its unpadded prompt and its own
 ``max_new_tokens``), so its tokens do not depend on which requests share its passes.
 
-The policy: when a slot frees (EOS, a stop, or its ``max_new_tokens``), the next queued request enters it (queue
-order, lowest free slot first). Requests admitted together into adjacent slots with prompts of one length form a
-group (up to the longest prompt's tokens in all), whose prefill blocks run in one pass (the same schedule, rows side
-by side, nothing padded); with ``keys``,
-adjacent requests of one key form a group instead (``serve(share_prompts=True)`` keys identical prompts, whose
-prefill then runs once for the whole group). Prefill passes
-(one group's block or probe at a time, in admission order) run before the decode step of the slots already
-decoding, up to ``prefill_budget`` prompt tokens between two decode
-steps (None: no limit, so a new request is prefilled whole before the next decode step -- the most tokens per
-decode step). Every input is a host integer or the set of slots that finished, which every tensor-parallel rank
-knows alike: all ranks schedule the same passes.
+Two policies. ``continuous`` (the default): when a slot frees (EOS, a stop, or its ``max_new_tokens``), the next
+queued request enters it (queue order, lowest free slot first). ``static``, the paper's padded batch: the next
+``slots`` requests enter together once every slot is free; each row then runs the schedule of the batch's
+left-padded prompt (Algorithm 1 for BM, at padded positions: its pads are counted as held and go first at the first
+evictions, as in the paper), so its kept positions and tokens are the padded batch's. FKV and ED keep no pad and
+evict nothing by score: their rows run the padded schedule on their own tokens (``pool.DensePool``).
+
+Prefill passes run before the decode pass of the slots already decoding, up to ``prefill_budget`` prompt tokens
+between two decode passes (None: no limit, so a new request is prefilled whole before the next decode pass). Under
+BM a pass takes the next chunk (or look-ahead probe) of many rows, each at its own phase, up to ``pass_tokens``
+rows x columns. The baselines prefill a group per pass: requests admitted together into adjacent slots with prompts
+of one length (up to the longest prompt's tokens in all); with ``keys``, adjacent requests of one key form a group
+instead (``serve(share_prompts=True)`` keys identical prompts, whose prefill then runs once for the whole group).
+Every input is a host integer or the set of slots that finished, which every tensor-parallel rank knows alike: all
+ranks schedule the same passes.
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ class Scheduler:
     prefill_budget: int | None = None
     keys: list | None = None
     pass_tokens: int | None = None  # BM: most prompt tokens per prefill pass (None: ``Method.pass_tokens(slots)``)
+    static: bool = False  # the paper's padded batches instead of continuous refills
+    pad_to: int = 0  # static: the padded length, when longer than a batch's longest prompt
+    pads: list[int] = field(init=False)  # per request: the left pads it runs with (static BM), else 0
     queue: deque = field(init=False)
     running: list[SlotRun | None] = field(init=False)
     log: list[tuple[int, int, int]] = field(init=False, default_factory=list)  # (pass, slot, request) admissions
@@ -92,9 +99,12 @@ class Scheduler:
         elif self.method.pass_tokens(self.slots) is None or self.pass_tokens < 1:
             raise ValueError(f"pass_tokens: a positive number of tokens for a BM pool, got {self.pass_tokens}")
         self.queue = deque(range(len(self.lengths)))
+        self.pads = [0] * len(self.lengths)
         self.running = [None] * self.slots
 
     def _admit(self) -> tuple[tuple[range, tuple[int, ...]], ...]:
+        if self.static and any(run is not None for run in self.running):
+            return ()  # a padded batch is refilled only once all of it has finished
         entered = []  # (slot, request) in slot order
         for slot in range(self.slots):
             if self.running[slot] is None and self.queue:
@@ -112,14 +122,16 @@ class Scheduler:
                 groups[-1].append((slot, i))
             else:
                 groups.append([(slot, i)])
+        padded = max([self.pad_to] + [self.lengths[i] for _, i in entered])  # the padded batch's length (static)
         admitted = []
         for group in groups:
             rows = range(group[0][0], group[-1][0] + 1)
             for slot, i in group:
                 chunk = self.method.p if self.batched else None  # the first block in passes of p, beside other rows
-                self.running[slot] = SlotRun(
-                    i, plan(self.method, self.lengths[i], self.max_new[i], chunk), len(self.log), rows
-                )
+                if self.static:
+                    self.pads[i] = padded - self.lengths[i]
+                length = self.lengths[i] + self.pads[i]
+                self.running[slot] = SlotRun(i, plan(self.method, length, self.max_new[i], chunk), len(self.log), rows)
                 self.log.append((self.passes, slot, i))
             admitted.append((rows, tuple(i for _, i in group)))
         return tuple(admitted)

@@ -1,11 +1,10 @@
-"""Continuous batching over a fixed pool of bounded slots (``core.pool``, scheduled by ``core.scheduler``).
+"""The engine: generation over a fixed pool of bounded slots (``core.pool``, scheduled by ``core.scheduler``).
 
-``serve`` generates for a list of requests in ``slots`` slots: when a request ends (its EOS, a stop, or its
-``max_new_tokens``) the next one enters its slot at once; requests admitted together with prompts of one length
-prefill in one pass. Each request runs its own schedule on its unpadded
-prompt, so its tokens equal ``engine.generate`` of that prompt alone (up to the float rounding of a wider
-decode pass) and do not depend on which requests shared its passes; nothing is padded, and no batch waits for
-its slowest row.
+``serve`` generates for a list of requests in ``slots`` slots. Under the default ``continuous`` policy, when a
+request ends (its EOS, a stop, or its ``max_new_tokens``) the next one enters its slot at once; each request runs its
+own schedule on its unpadded prompt, so its tokens equal the naive reference (``tests/reference.py``) on that prompt
+alone (up to the float rounding of a wider pass) and do not depend on which requests shared its passes. Under the
+``static`` policy the requests run as the paper's padded batches (``engine.generate``, the paper's procedure).
 
 Memory is fixed before the first pass: the pool's K/V and bookkeeping (``planner.predict_pool``) plus the largest
 pass's workspace. Under BM every slot is bounded by ``kv_max`` from its first token, so admission is exact: no
@@ -27,18 +26,24 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from . import replay
 from .attention import use_batchmax_attention
-from .engine import forward_pass, sampling_warpers
 from .method import Method
-from .pool import BoundedPool, DensePool, to_device
+from .pool import make_pool, to_device
+from .replay import forward_pass
 from .scheduler import Scheduler, Step
-from .step import ForwardPass
 
 logger = logging.getLogger(__name__)
 
 AGREE_EVERY = 64  # passes between two checks that the tensor-parallel ranks still run the same schedule
+POLICIES = ("continuous", "static")  # ``serve(policy=...)``: see ``core.scheduler``
 
 
 @dataclass(frozen=True)
@@ -120,17 +125,24 @@ def check_requests(requests: Sequence[Request], slots: int, context: int | None)
             )
 
 
+def sampling_warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
+    """Temperature, top-k and top-p warping, each only where it changes anything."""
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
 def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int], max_new: list[int], static: bool):
-    """The method's pool (``static``: one decode-pass shape for the whole run, ``core.replay``). Every pool runs on
-    the "batchmax" attention, which reads the pass description: BM's scoring attention; for the baselines, SDPA in
-    a slot's (unpadded, causal) prefill and, in a decode pass, the fused grouped product with each row's held length
-    as an additive mask (SDPA would need a mask there, and with a mask HF copies K/V for every query head)."""
-    layers = model.config.num_hidden_layers
-    if method.reads_scores:
-        return BoundedPool(method, layers, slots, static)
-    # ED kv_max, FKV s + t - 1 (no request: a replica whose share is done; the pool is never written)
+    """The method's pool (``static``: one decode-pass shape for the whole run, ``core.replay``), its rows as large
+    as the longest request needs (BM and ED ``kv_max``, FKV its prompt + generation; no request: a replica whose
+    share is done, the pool is never written)."""
     cap = max((method.decode_capacity(s, t) for s, t in zip(lengths, max_new)), default=1)
-    return DensePool(method, layers, slots, cap, static)
+    return make_pool(method, model.config.num_hidden_layers, slots, cap, static)
 
 
 def _digest(log: list[tuple[int, int, int]], passes: int) -> int:
@@ -173,6 +185,7 @@ class _Run:
             torch.as_tensor(list(r.input_ids), dtype=torch.long, device=self.device) for r in requests
         ]  # [s_i]
         self.lengths = [int(p.numel()) for p in self.prompts]
+        self.ends = list(self.lengths)  # where each prompt ends: its length, plus its pads in a padded batch
         self.max_new = [r.max_new_tokens for r in requests]
         self.warpers, self.eos, self.stop, self.return_logits = sampling, eos, stop, return_logits
         tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
@@ -197,8 +210,10 @@ class _Run:
         self.kv_high = 0
         self.start = time.perf_counter()
 
-    def admit(self, pool, rows: range, group: tuple[int, ...], passes: int, shared: bool) -> None:
-        pool.admit(rows, self.lengths[group[0]], shared=shared)
+    def admit(self, pool, rows: range, group: tuple[int, ...], passes: int, shared: bool, pads: list[int]) -> None:
+        pool.admit(rows, [pads[i] for i in group])
+        for i in group:
+            self.ends[i] = self.lengths[i] + pads[i]
         if shared:
             self.shared.add(rows.start)
         for row, i in zip(rows, group):
@@ -271,46 +286,25 @@ class _Run:
         return finished
 
     def prefill(self, pool, step: Step) -> set[int]:
-        """One prefill pass: on BM's pool, every row's chunk (or probe) of ``step``; on the dense pools, one group's
-        prefill block on its rows' cache (a shared group: on its first row)."""
-        if isinstance(pool, BoundedPool):
-            return self._prefill_rows(pool, step)
-        rows = range(step.work[0].row, step.work[-1].row + 1)  # adjacent slots, one prompt length
-        phase, group = step.work[0].phase, [self.request_of[r] for r in rows]
-        run = group[:1] if rows.start in self.shared else group  # the prompts this pass computes
-        cache = pool.row_caches[rows.start]
-        cache.begin(phase)
-        ids = torch.stack([self.prompts[i][phase.start : phase.end] for i in run])  # [k, n]
-        pos = torch.arange(phase.start, phase.end, device=self.device).expand(len(run), -1)  # [k, n]
-        out = forward_pass(self.model, ForwardPass(phase.kind, cache, step.work), ids, cache.attention_mask(), pos)
-        if phase.end < self.lengths[group[0]]:
-            return set()
-        cache.note_workspace(self.model.config)
-        cache.begin(None)
-        pool.graduate(rows, [self.max_new[i] > 1 for i in group])
-        self.shared.discard(rows.start)
-        index = torch.arange(rows.start, rows.stop, device=self.device)  # [k] the group's rows
-        return self.emit(list(rows), index, out.logits[:, -1].expand(len(rows), -1))  # [k, V]
-
-    def _prefill_rows(self, pool: BoundedPool, step: Step) -> set[int]:
-        """BM: one pass of many rows' prefill chunks (or look-ahead probes), each at its own position; the rows whose
-        prompt ends here (and the rest of their shared group) emit their first token."""
-        work = tuple(w for w in step.work if w.row == self.group_of[w.row].start)  # a shared group: its first row
+        """One prefill pass of many rows' chunks (or look-ahead probes), each at its own position (a shared group: its
+        first row alone); the rows whose prompt ends here (and the rest of their shared group) emit their first
+        token."""
+        work = tuple(w for w in step.work if self.group_of[w.row].start not in self.shared or w.row in self.shared)
         prompts = [self.prompts[self.request_of[w.row]] for w in work]
-        described, ids, pos = pool.prefill_pass(work, prompts, self.device)
+        described, ids = pool.prefill_pass(work, prompts, self.device)
         for eviction in described.evictions:
             pool.evict(eviction)
-        out = forward_pass(self.model, described, ids, torch.ones_like(ids, dtype=torch.bool), pos)  # see all_true
+        out = forward_pass(self.model, described, ids, torch.ones_like(ids, dtype=torch.bool))
         pool.note()
         if step.kind == "probe":
             return set()
         rows, index = [], []
         for j, w in enumerate(work):
-            if w.phase.end < self.lengths[self.request_of[w.row]]:
+            if w.phase.end < self.ends[self.request_of[w.row]]:
                 continue
             group = self.group_of[w.row] if w.row in self.shared else range(w.row, w.row + 1)
             self.shared.discard(w.row)
-            pool.graduate(group, [])
+            pool.graduate(group, [self.max_new[self.request_of[r]] > 1 for r in group])
             rows.extend(group)
             index.extend([j] * len(group))
         if not rows:
@@ -415,6 +409,8 @@ def serve(
     keep_positions: bool = False,
     tp_group=None,
     compile: str = "auto",
+    policy: str = "continuous",
+    pad_to: int = 0,
 ) -> ServeOutput:
     """Generate for every request in ``slots`` slots (continuous batching); greedy unless ``do_sample`` (each
     request samples from its own generator, seeded with its ``seed``). A request ends at its ``max_new_tokens``,
@@ -427,7 +423,10 @@ def serve(
     multiple-choice question). ``tp_group``: the tensor-parallel group, when there is one. ``compile``: how decode
     passes run (``core.replay``): ``"none"`` eager, ``"default"`` compiled, ``"cudagraphs"`` captured once and
     replayed, ``"auto"`` (the default) the fastest measured on the model's device type; the same tokens in every
-    mode."""
+    mode. ``policy``: ``"continuous"`` refills a slot as soon as it frees; ``"static"`` runs the paper's padded
+    batches (``core.scheduler``), left-padded to their longest prompt or to ``pad_to`` tokens."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     check_requests(requests, slots, getattr(model.config, "max_position_embeddings", None))
     eos = _eos_ids(ignore_eos, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
@@ -437,12 +436,14 @@ def serve(
     run.decode_forward, run.compiles = replay.decode_runner(mode), mode != "none"
     keys = _prompt_keys(requests) if share_prompts else None
     pool = _pool(model, method, slots, run.lengths, run.max_new, static=mode != "none")
-    sched = Scheduler(method, run.lengths, run.max_new, slots, prefill_budget, keys, pass_tokens)
+    sched = Scheduler(
+        method, run.lengths, run.max_new, slots, prefill_budget, keys, pass_tokens, policy == "static", pad_to
+    )
     try:
         with use_batchmax_attention(model):
             while (step := sched.next_step()) is not None:
                 for rows, group in step.admitted:
-                    run.admit(pool, rows, group, sched.passes, share_prompts and len(group) > 1)
+                    run.admit(pool, rows, group, sched.passes, share_prompts and len(group) > 1, sched.pads)
                 finished = run.run_pass(pool, step)
                 for row, i in sched.complete(step, finished):
                     out = run.retire(pool, row, i, keep_positions)

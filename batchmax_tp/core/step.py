@@ -1,15 +1,14 @@
 """The per-pass description handed to the attention function: what one model call computes, stated explicitly.
 
-The engine builds one ``ForwardPass`` per model call and passes it as the model's ``batchmax=`` keyword; transformers
-forwards unknown keywords through the decoder layers to the attention function (every supported family, under
-DeepSpeed AutoTP too, which replaces linear layers only). The attention function finds its cache layer as
-``batchmax.cache.layers[module.layer_idx]``: no thread-local state, no global. (HF's ``model.generate`` drop-in,
-which passes no description, keeps the cache's own hand-off as a fallback.)
+The engine (``core.serve``) builds one ``RowsPass`` per model call and passes it as the model's ``batchmax=``
+keyword; transformers forwards unknown keywords through the decoder layers to the attention function (every
+supported family, under DeepSpeed AutoTP too, which replaces linear layers only). The attention function finds its
+pool layer as ``batchmax.pool.layers[module.layer_idx]``: no thread-local state, no global, nothing set on a pool or
+layer between passes. (HF's ``model.generate`` drop-in, ``core.hf_cache``, passes no description: its cache hands
+its layer over instead.)
 
-A pass is a prefill block, a look-ahead probe or a decode step. ``work`` lists, per cache row it touches, the row
-and that row's own schedule phase (``core.schedule.Phase``: its tokens' range, its eviction count, its step): a
-static batch has one entry for every row (``ALL_ROWS``); a pool's prefill pass one slot; a pool's decode pass every
-decoding slot, each at its own step.
+A pass is a prefill chunk, a look-ahead probe or a decode step. ``SlotWork`` lists, per pool row it touches, the
+row and that row's own schedule phase (``core.schedule.Phase``: its tokens' range, its eviction count, its step).
 """
 
 from __future__ import annotations
@@ -21,35 +20,14 @@ from .schedule import Phase
 
 if TYPE_CHECKING:
     import torch
-    from transformers.cache_utils import Cache
-
-ALL_ROWS = -1  # a static batch's pass: every row of the cache runs the same phase
 
 
 @dataclass(frozen=True)
 class SlotWork:
-    """One cache row's part of a pass: ``row`` (a pool slot, or ``ALL_ROWS``) runs ``phase`` of its own schedule."""
+    """One pool row's part of a pass: ``row`` runs ``phase`` of its own schedule."""
 
     row: int
     phase: Phase
-
-
-@dataclass(frozen=True)
-class ForwardPass:
-    """One model call: its kind, the cache it reads and writes, and each row's phase."""
-
-    kind: Literal["prefill", "probe", "decode"]
-    cache: Cache
-    work: tuple[SlotWork, ...]
-
-    @classmethod
-    def static(cls, cache: Cache, phase: Phase) -> ForwardPass:
-        """A static batch's pass: every row runs ``phase``."""
-        return cls(phase.kind, cache, (SlotWork(ALL_ROWS, phase),))
-
-    def layer(self, module):
-        """The cache layer of the attention module being run (``module.layer_idx``, set by every HF family)."""
-        return self.cache.layers[module.layer_idx]
 
 
 #: How a slot pool's decode passes run (``serve(compile=...)``, the ``compile`` setting; ``core.replay``): ``none``
@@ -77,8 +55,9 @@ class RowsPass:
     (``BoundedPool.prefill_pass``/``decode_pass``) and read by the attention; nothing is set on the pool.
 
     Each row feeds ``n`` columns, its real tokens right-aligned (so the last column is every row's last token):
-    ``qpos`` [R, n] is each column's position (-1: a masked column, never written or scored), ``real`` [R, n]
-    the same as a mask (None when every column is real). ``write`` [R, n]: each column's index into the row's free
+    ``qpos`` [R, n] is each column's position (-1: a masked column, never written or scored; a padded batch's row:
+    its padded position), ``positions`` [R, n] its RoPE position (the model's ``position_ids``), ``real`` [R, n]
+    ``qpos >= 0`` as a mask (None when every column is real). ``write`` [R, n]: each column's index into the row's free
     list (BM; the dense pools: the slot itself; the scratch slot C for masked columns and idle rows); a probe pass
     writes nothing (None). ``hi``: slots [0, hi) enter the products. ``active`` [R, 1, 1] (BM's decode passes over
     every row): 1 for the rows decoding, whose attention joins their slots' sums. ``bias`` [R, hi] (the dense
@@ -87,10 +66,11 @@ class RowsPass:
     (it arrives in the description's one host-to-device copy)."""
 
     kind: Literal["prefill", "probe", "decode"]
-    pool: Cache
+    pool: object  # core.pool's BoundedPool or DensePool
     rows: torch.Tensor  # [R] pool rows, in batch order
     span: slice | None  # the same rows as a slice when they are adjacent (views instead of gathers)
     qpos: torch.Tensor  # [R, n]
+    positions: torch.Tensor  # [R, n]
     real: torch.Tensor | None  # [R, n] bool
     write: torch.Tensor | None  # [R, n]
     hi: int
@@ -98,8 +78,6 @@ class RowsPass:
     active: torch.Tensor | None = None  # [R, 1, 1] float
     bias: torch.Tensor | None = None  # [R, hi] additive mask of the dense pools' rows (0: held, -inf: not)
     decoding: torch.Tensor | None = None  # [k] a decode pass's decoding rows (whose logits the caller reads)
-
-    cache = None  # a pool pass hands the model no cache: the attention writes the pool itself
 
     def layer(self, module):
         return self.pool.layers[module.layer_idx]

@@ -1,170 +1,37 @@
-"""The procedures that choose runs by running: the paper's b0 by real ED trials, and the auto-tuner's trials.
+"""The procedure that chooses runs by running: the auto-tuner's trials.
 
-- :func:`b0_trials`: ``fits(b)`` for ``plan.tuner.find_b0`` -- ED (kv_max 2) on the task's b longest prompts,
-  left-padded together, for real and under ``memory_budget`` (on CUDA; on a CPU the planner's b0 stands,
-  ``plan.budget.paper_specs``);
 - :func:`run_tuner`: ``plan.tuner.tune`` over real runs (``OUT/tune/<run>/``, resumable), the chosen config
   written as ``OUT/tuned.yaml`` (usable with ``launch/run.py --config``) and every trial in ``OUT/tune.json``
   (:func:`write_tune_results`).
+
+(The paper's b0 came from real ED trials on CUDA until 2026-11-26: this engine's ED never caches its prompts, so it
+does not run out of memory where the paper's ED does; b0 is now the planner's, ``planner.paper_ed_bytes``.)
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..core.engine import generate
 from ..core.method import Method, method_type
 from ..plan.budget import RunSpec, fmt_bytes, planned_dtype, predict_spec, run_dir_name
 from ..plan.tuner import Trial, divisor_batches, kv_grid, tune
 from .context import RunContext
 from .files import atomic_write_text, utc_now
-from .generation import EncodeFn, GenerateFn, encode_prompts
-from .oom import RankOutOfMemory, error_line, free_memory, is_oom
 from .report import write_report
 from .run import evaluate_run
-from .tasks import Sample, prompt_ids
+from .tasks import Sample
 
 if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
     from ..config import RunConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["b0_trials", "run_tuner", "tuned_config", "write_tune_results"]
-
-
-def trial_prompts(tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample]) -> Callable[[int], list]:
-    """``prompts(b)``: the prompts of the ``b`` longest samples (encoded length, chat template applied), longest
-    first, ties in sample order; cycled from the longest again when ``b`` exceeds the samples."""
-    if not samples:
-        raise ValueError("b0 trials need at least one sample")
-    lengths = [len(prompt_ids(tokenizer, s.prompt)) for s in samples]
-    order = sorted(range(len(samples)), key=lambda i: -lengths[i])  # stable: ties keep the samples' order
-    return lambda b: [samples[order[k % len(order)]].prompt for k in range(b)]
-
-
-def b0_trials(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    samples: Sequence[Sample],
-    cfg: RunConfig,
-    *,
-    rank: int = 0,
-    world: int = 1,
-    generate_fn: GenerateFn | None = None,
-    encode_fn: EncodeFn | None = None,
-) -> Callable[[int], bool]:
-    """``fits(b)`` for ``plan.tuner.find_b0``: ED (kv_max 2), 2 new tokens (ED's peak is its whole-prompt
-    prefill), for real, on the batch a run of size ``b`` meets at its worst: the ``b`` longest samples' prompts
-    (cycled when there are fewer samples, :func:`trial_prompts`) encoded together with left padding
-    (``encode_fn``, ``generation.encode_prompts`` unless given), so the trial holds the real lengths and the padding.
-
-    A trial runs under ``cfg.memory.budget_bytes()`` (None: no budget, the whole device): on CUDA the peak is measured
-    with ``torch.cuda.max_memory_allocated`` (reset before each trial; weights included, as in the planner's
-    total), and a peak over the budget is "does not fit" exactly like an out-of-memory error.
-
-    Each verdict is kept in ``OUT/b0-trials/`` (``fits-b<B>.json`` from rank 0, ``oom-b<B>-rank<R>.json`` from the
-    rank that ran out of memory or over the budget; a marker outranks ``fits``, which only speaks for rank 0), so a
-    search resumed after a crash asks no batch twice (OUT must be storage every rank sees). In one process the
-    verdict is returned; in several, the rank that fails cannot tell its peers (after an out-of-memory error they
-    may wait inside the model's all-reduce): it leaves its marker and raises ``RankOutOfMemory``, which ends the
-    job; the same command again goes on from the markers.
-    """
-    return _B0Trials(
-        model,
-        tokenizer,
-        trial_prompts(tokenizer, samples),
-        Path(cfg.output.dir) / "b0-trials",
-        Method("ed", kv_max=2, p=cfg.sweep.p),
-        cfg.memory.budget_bytes(),
-        rank,
-        world,
-        generate_fn or generate,
-        encode_fn or encode_prompts,
-    )
-
-
-@dataclass
-class _B0Trials:
-    """``fits(b)`` of :func:`b0_trials`: a verdict kept in ``folder`` is read back; otherwise ED (``ed2``) runs on
-    the ``b`` longest prompts and its verdict is kept."""
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    prompts: Callable[[int], list]
-    folder: Path
-    ed2: Method
-    budget: int | None
-    rank: int
-    world: int
-    generate_fn: GenerateFn
-    encode_fn: EncodeFn
-
-    def __call__(self, b: int) -> bool:
-        if any(self.folder.glob(f"oom-b{b}-rank*.json")):
-            return False
-        if (self.folder / f"fits-b{b}.json").is_file():
-            return True
-        error, peak = self._trial(b)
-        if error is None:
-            self._fits(b, peak)
-            return True
-        self._does_not_fit(b, error, peak)
-        return False
-
-    def _trial(self, b: int) -> tuple[str | None, int | None]:
-        """(error, peak bytes) of ED on the ``b`` longest prompts: an out-of-memory error, or a peak over the budget
-        (the peak is measured on CUDA only)."""
-        device = getattr(self.model, "device", None)
-        cuda = getattr(device, "type", None) == "cuda"
-        input_ids, attention_mask = self.encode_fn(self.tokenizer, self.prompts(b))  # [b, s] left-padded
-        if device is not None:
-            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        error, peak = None, None
-        try:
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            self.generate_fn(self.model, input_ids, attention_mask, self.ed2, 2, ignore_eos=True)
-            if cuda:
-                peak = int(torch.cuda.max_memory_allocated(device))
-        except Exception as err:  # only out-of-memory is a verdict; the rest re-raises
-            if not is_oom(err):
-                raise
-            error = error_line(err)
-        del input_ids, attention_mask
-        if error is None and peak is not None and self.budget is not None and peak > self.budget:
-            error = (
-                f"over the memory budget: peak {fmt_bytes(peak)} ({peak} bytes) > memory_budget "
-                f"{fmt_bytes(self.budget)} ({self.budget} bytes)"
-            )
-        return error, peak
-
-    def _fits(self, b: int, peak: int | None) -> None:
-        if self.rank == 0:
-            verdict = {"batch": b, "fits": True, "peak_bytes": peak, "budget_bytes": self.budget}
-            atomic_write_text(self.folder / f"fits-b{b}.json", json.dumps(verdict) + "\n")
-        logger.info(
-            "paper procedure: ED kv_max 2 at b=%d fits (peak %s, budget %s)", b, fmt_bytes(peak), fmt_bytes(self.budget)
-        )
-
-    def _does_not_fit(self, b: int, error: str, peak: int | None) -> None:
-        verdict = {"batch": b, "error": error, "peak_bytes": peak, "budget_bytes": self.budget}
-        atomic_write_text(self.folder / f"oom-b{b}-rank{self.rank}.json", json.dumps(verdict) + "\n")
-        if self.world > 1:
-            raise RankOutOfMemory(
-                f"paper procedure: rank {self.rank} does not fit ED at b={b} ({error}); "
-                "run the same command again to go on with the b0 search"
-            )
-        free_memory(getattr(self.model, "device", None))
-        logger.info("paper procedure: ED kv_max 2 at b=%d does not fit (%s)", b, error)
+__all__ = ["run_tuner", "tuned_config", "write_tune_results"]
 
 
 def tuned_config(cfg: RunConfig, best: Trial) -> RunConfig:

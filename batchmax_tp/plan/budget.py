@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..core.method import BatchMax, Method, method_type
+from ..core.method import BatchMax, ExtremeDecoding, Method, method_type
 from .planner import (
     MemoryEstimate,
     ModelShape,
@@ -309,7 +309,8 @@ def same_memory_plan(
 
     ``budget_bytes`` None = the planner's peak of FKV at ``fkv_batch`` for prompts of ``prompt_len`` tokens (so
     FKV runs at exactly that batch). The prompts every method answers: the ``num_samples`` samples, repeated up to
-    the largest fitting batch among the methods (so the method that fits most runs one full batch) but not past
+    the largest fitting batch among the methods whose slots hold their prompts (FKV, BM: so the one that fits most
+    runs one full batch; ED's slots never do) but not past
     ``max_prompts``; each method's batch is min(its largest fitting batch, the prompts), so the largest batch of
     the plan is the number of prompts to fill the samples up to. A method that does not fit even one sample gets
     batch 0 (reported as OOM, not run). ``scheduler`` continuous: a method's batch is its slot count
@@ -324,12 +325,16 @@ def same_memory_plan(
     if scheduler == "continuous":
         fits = [max_slots(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
     peak_of = predict_pool if scheduler == "continuous" else predict
-    prompts = max(num_samples, min(max(static_fits, default=0), max_prompts))
-    if max(static_fits, default=0) > prompts:
+    # The prompts fill the largest batch of a method whose slots hold their prompts: ED's never do, and fit hundreds,
+    # which would make every method answer up to ``max_prompts`` prompts.
+    holding = [f for m, f in zip(methods, static_fits) if not isinstance(m, ExtremeDecoding)]
+    largest = max(holding or static_fits, default=0)
+    prompts = max(num_samples, min(largest, max_prompts))
+    if largest > prompts:
         logger.info(
             "same-memory run: the largest fitting batch is %d; the run answers %d prompts (at most %d, "
             "STORY_MAX_PROMPTS), so no batch is larger",
-            max(static_fits),
+            largest,
             prompts,
             max_prompts,
         )

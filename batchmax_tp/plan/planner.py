@@ -1,30 +1,20 @@
-"""Memory planner: predict a run's peak memory from shapes alone, and the largest batch that fits a budget.
+"""Memory planner: predict a run's peak memory from shapes alone, and the most slots that fit a budget.
 
-Three parts are counted:
-- ``kv``: the K/V buffers (what ``BatchMaxCache.peak_kv_bytes`` measures): BM ``kv_max`` slots, ED the whole
-  prompt during prefill, FKV prompt + generation, per (sample, local KV head, layer);
-- ``slot_meta``: BM's bookkeeping (what ``BatchMaxCache.peak_meta_bytes`` measures): per slot its position, attention
-  sum and additive mask for the whole run; for a rule with a look-ahead probe, during prefill only, the probe's
-  per-slot values and (``every > 1``) its stored queries (``core.probe.ProbeState``) once the first probe pass ran;
-- ``workspace``: the peak of one "batchmax" attention call, every tensor it allocates at its worst moment
-  (``core.workspace.workspace_bytes``: one query chunk's float32 logits and probabilities, visibility mask, scaled
-  queries and output, the slot positions, the [B, n, Hq, D] result), bounded by the query chunking of
-  ``core.workspace.SCORE_CHUNK_BYTES``. The attention reports the same count (``BatchMaxCache.peak_workspace_bytes``),
-  and ``tests/test_memory.py`` holds both to the allocations measured on CPU (float32: equal, call by call) and,
-  on CUDA, to ``torch.cuda.max_memory_allocated``; for FKV/ED, which run on the model's SDPA or FlashAttention-2
-  (``core.baseline``), ``core.workspace.dense_workspace_bytes`` of their largest pass (a padded prefill: HF's 4D
-  mask, its additive copy and GQA's K/V copies, or FlashAttention-2's gathered Q/K/V; an FKV decode step holding
-  pads: FlashAttention-2's copies of the layer's whole K/V), held to measured allocations the same way;
+Every run is a pool of slots (``core.pool``: continuous batching, or the paper's padded batches in as many slots as
+the batch has rows), so one prediction serves both (``predict_pool``; ``predict``/``max_batch`` name it for a padded
+batch). Counted, per rank:
+- ``kv``: the pool's K/V (what ``ServeOutput.peak_kv_bytes`` measures), allocated once: ``slots`` rows of C + 1
+  slots (BM and ED ``kv_max``, FKV the longest prompt + generation) per layer and local KV head;
+- ``slot_meta``: BM's bookkeeping (``ServeOutput.peak_meta_bytes``): per slot its position, attention sum, additive
+  mask and free list, and for a rule with a look-ahead probe its per-slot values and (``every > 1``) stored queries;
+- ``workspace``: the peak of one attention call (``core.workspace``: BM's query chunks bounded by
+  ``SCORE_CHUNK_BYTES``, a decode pass's fused product, a baseline prompt's SDPA), as the attention reports it and
+  ``tests/test_memory.py`` holds to the allocations measured on CPU and, on CUDA, ``torch.cuda.max_memory_allocated``;
 - ``weights`` and ``activations``: the model's parameters (split by tensor parallelism) and an estimate of one
   forward's live activations; exact on no machine, checked against ``torch.cuda.max_memory_allocated`` on GPU.
 
-Everything is per rank: under tensor parallelism heads and MLP columns are divided by ``tp`` (KV heads unevenly,
-as AutoTP does: rank 0 holds the most, which is what a budget must fit).
-
-BM's peak is found pass by pass (``core.schedule.plan``: prefill blocks, probe passes, decode steps): K/V and the
-run-long bookkeeping, plus the pass's activations, attention workspace and the prefill-only probe buffers alive
-then; the estimate reports the parts of the largest pass. A rule costs what it holds when it holds it: the first,
-longest block runs before any probe state exists, and probe passes are passes of their own.
+Under tensor parallelism heads and MLP columns are divided by ``tp`` (KV heads unevenly, as AutoTP does: rank 0 holds
+the most, which is what a budget must fit).
 """
 
 from __future__ import annotations
@@ -33,9 +23,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..core.method import Method
-from ..core.schedule import Phase, plan
+from ..core.schedule import plan
 from ..core.workspace import (
-    FLASH,
     SDPA,
     SDPA_REPEAT,
     decode_workspace_bytes,
@@ -120,134 +109,12 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
-def predict(
-    shape: ModelShape,
-    method: Method,
-    batch: int,
-    prompt_len: int,
-    max_new_tokens: int,
-    *,
-    tp: int = 1,
-    dtype: str = "float32",
-) -> MemoryEstimate:
-    """Peak memory per rank of generating ``max_new_tokens`` for ``batch`` prompts padded to ``prompt_len``."""
-    nbytes = DTYPE_BYTES[dtype]
-    q_heads, kv_heads = shape.local_heads(tp)
-    cap = method.capacity(prompt_len, max_new_tokens)
-    kv = 2 * batch * shape.layers * kv_heads * cap * shape.head_dim * nbytes
-    # Live in one decoder layer (``_per_token``); logits of the last position only (logits_to_keep=1) in
-    # float32 (a probe pass makes none).
-    per_token = _per_token(shape, tp, nbytes)
-    logits = batch * shape.vocab * 4
-    weights = shape.weights_per_rank(tp) * nbytes
-    if not method.reads_scores:  # FKV/ED run on the model's SDPA or FlashAttention-2 with a DenseCache
-        # (core.baseline): no score blocks, no per-slot bookkeeping; worst case a padded batch (HF's prefill mask,
-        # FKV's decode mask).
-        workspace = baseline_workspace(shape, method, batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype)
-        slot_meta = batch * cap if not method.evicts and max_new_tokens > 1 else 0  # FKV's bool decode mask
-        activations = batch * prompt_len * per_token + logits
-        return MemoryEstimate(kv, workspace, weights, activations, slot_meta)
-
-    phases = plan(method, prompt_len, 1)  # the prefill blocks and probe passes
-    held, probe_values, state = _bookkeeping(shape, method, batch, phases, cap, q_heads, kv_heads, nbytes)
-    passes = _prefill_passes(
-        shape, method, batch, phases, cap, q_heads, kv_heads, nbytes, per_token, probe_values, state
-    )
-    if max_new_tokens > 1:  # decode steps: one query over the slots held (never more than cap), no mask
-        decode_slots = min(cap, prompt_len + max_new_tokens - 1)
-        passes.append(
-            (
-                batch * per_token + logits,
-                decode_workspace_bytes(batch, q_heads, kv_heads, decode_slots, shape.head_dim, nbytes),
-                0,
-            )
-        )
-    activations, workspace, transient = max(passes, key=sum)
-    return MemoryEstimate(kv, workspace, weights, activations, held + transient)
-
-
-def baseline_workspace(
-    shape: ModelShape,
-    method: Method,
-    batch: int,
-    prompt_len: int,
-    max_new_tokens: int,
-    *,
-    tp: int = 1,
-    dtype: str = "float32",
-    padded: bool = True,
-    impls: tuple[str, ...] | None = None,
-) -> int:
-    """The largest attention workspace per rank of an FKV/ED pass (``core.workspace.dense_workspace_bytes``): the
-    prefill (one block over the prompt) or a decode step (FKV's last: over prompt + generation, the prompt's pads
-    still held when ``padded``; ED's: no pad left after its first eviction). ``impls``: the attention
-    implementations the run may get (``core.baseline.fastest_attention``; default ``half_dtype_impls``).
-    ``padded``: a left-padded batch, the worst case (FlashAttention-2 counted as if every pair were real,
-    an upper bound); False: no pad, no mask."""
-    nbytes = DTYPE_BYTES[dtype]
-    q_heads, kv_heads = shape.local_heads(tp)
-    if impls is None:
-        impls = half_dtype_impls(nbytes, q_heads, kv_heads)
-    passes = [(prompt_len, prompt_len, padded)]  # (queries, slots, masked)
-    if max_new_tokens > 1:
-        if not method.evicts:  # FKV: the last step over prompt + generation, its pads still held
-            passes.append((1, method.capacity(prompt_len, max_new_tokens), padded))
-        else:
-            passes.append((1, min(method.kv_max, prompt_len + 1), False))
-    return max(
-        dense_workspace_bytes(batch, q_heads, kv_heads, shape.head_dim, n, slots, nbytes, padded=masked, impl=impl)
-        for impl in impls
-        for n, slots, masked in passes
-    )
-
-
 def _per_token(shape: ModelShape, tp: int, nbytes: int) -> int:
     """Live bytes per token in one decoder layer: residual + normed hidden, q/k/v/out projections, 3 MLP
     intermediates (local heads and columns under tensor parallelism)."""
     q_heads, kv_heads = shape.local_heads(tp)
     local_inter = math.ceil(shape.intermediate / tp)
     return (3 * shape.hidden + (q_heads + 2 * kv_heads) * shape.head_dim + 3 * local_inter) * nbytes
-
-
-def _prefill_passes(
-    shape: ModelShape,
-    method: Method,
-    batch: int,
-    phases: list[Phase],
-    cap: int,
-    q_heads: int,
-    kv_heads: int,
-    nbytes: int,
-    per_token: int,
-    probe_values: int,
-    state: int,
-    padded: bool = True,
-) -> list[tuple[int, int, int]]:
-    """(activations, attention workspace, prefill-only bookkeeping) of each BM prefill block and probe pass
-    (``padded``: the blocks come with a token mask, as the static engine's do; a pool's slot prefills without)."""
-    logits = batch * shape.vocab * 4
-    passes = []
-    slots, probed = 0, False
-    for phase in phases:
-        if phase.kind == "probe":
-            probed = True
-            passes.append(
-                (
-                    batch * phase.size * per_token,
-                    probe_workspace_bytes(batch, q_heads, kv_heads, phase.size, slots, shape.head_dim, nbytes),
-                    probe_values + state,
-                )
-            )
-            continue
-        # Queries attend over the slots written so far (the cache's high-water mark): in order until the first
-        # eviction, then all ``cap``. The engine passes a token mask with prefill blocks.
-        ordered = slots < cap and phase.end <= cap
-        slots = min(cap, phase.end) if ordered else cap
-        ws = workspace_bytes(
-            batch, q_heads, kv_heads, phase.size, slots, shape.head_dim, ordered=ordered, padded=padded, elem=nbytes
-        )
-        passes.append((batch * phase.size * per_token + logits, ws, probe_values + (state if probed else 0)))
-    return passes
 
 
 def predict_pool(
@@ -266,8 +133,7 @@ def predict_pool(
     ``serve`` takes it). Constant for the whole run:
 
     - ``kv``: the pool's K/V, allocated once -- ``slots`` rows of C + 1 slots (C: BM and ED ``kv_max``, FKV the
-      longest prompt + generation; the extra scratch slot takes idle rows' writes) -- plus ED's prompt-sized
-      staging buffer of the one slot it prefills at a time;
+      longest prompt + generation; the extra scratch slot takes idle rows' writes);
     - ``slot_meta``: BM's per-slot position, attention sum, additive mask and free list for every row, plus the
       look-ahead probe's prefill-only buffers of the one slot being prefilled;
     - activations and workspace of a decode pass over all slots (every row attending over its whole capacity),
@@ -287,11 +153,11 @@ def predict_pool(
         decode_workspace_bytes(slots, q_heads, kv_heads, cap, shape.head_dim, nbytes) if max_new_tokens > 1 else 0,
         0,
     )
-    if not method.reads_scores:
+    tokens = method.pass_tokens(slots) if pass_tokens is None else pass_tokens
+    if tokens is None:  # the baselines: one group of one prompt length per prefill pass
         activations, workspace, _ = _dense_slot_prefill(shape, prompt_len, tp, nbytes)
         return MemoryEstimate(kv, workspace + decode[1], weights, activations + decode[0], 0)
     meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
-    tokens = method.pass_tokens(slots) if pass_tokens is None else pass_tokens
     passes = _pool_prefill_passes(shape, method, slots, tokens, q_heads, kv_heads, nbytes, per_token)
     evicting = (0, eviction_workspace_bytes(shape.layers, slots, kv_heads, method.kv_max, nbytes))
     activations, workspace = max([*passes, evicting], key=sum)
@@ -322,30 +188,16 @@ def _pool_prefill_passes(
 def _pool_kv_bytes(
     shape: ModelShape, method: Method, slots: int, prompt_len: int, cap: int, kv_heads: int, nbytes: int
 ) -> int:
-    """A pool's K/V: ``slots`` rows of ``cap`` + 1 slots (the scratch slot takes idle rows' writes), plus ED's
-    prompt-sized staging cache of the slot being prefilled."""
-    L, D = shape.layers, shape.head_dim
-    kv = 2 * slots * L * kv_heads * (cap + 1) * D * nbytes
-    if method.keeps_newest_only:  # ED prefills into a staging cache, keeps the newest
-        kv += 2 * L * kv_heads * prompt_len * D * nbytes  # the staging cache of the slot being prefilled
-    return kv
-
-
-def half_dtype_impls(nbytes: int, q_heads: int, kv_heads: int) -> tuple[str, ...]:
-    """The attention paths a baseline may take, whatever the card (``core.baseline.choose_attention``): SDPA; in a
-    half dtype FlashAttention-2 too and, for GQA, SDPA with K/V copied per query head (cards below compute
-    capability 8.0). The planner counts the largest: an upper bound on the card it runs on."""
-    if nbytes != 2:
-        return (SDPA,)
-    return (SDPA, FLASH, SDPA_REPEAT) if q_heads != kv_heads else (SDPA, FLASH)
+    """A pool's K/V: ``slots`` rows of ``cap`` + 1 slots (the scratch slot takes idle rows' writes)."""
+    return 2 * slots * shape.layers * kv_heads * (cap + 1) * shape.head_dim * nbytes
 
 
 def _dense_slot_prefill(shape: ModelShape, prompt_len: int, tp: int, nbytes: int) -> tuple[int, int, int]:
     """(activations, attention workspace, bookkeeping) of an FKV/ED pool's slot prefill: unpadded, causal SDPA (the
     "batchmax" attention hands it over: no mask, no K/V copies; on a card below compute capability 8.0 a GQA
-    model's K/V copied per query head, ``core.baseline.dense_prefill_attention``)."""
+    model's K/V copied per query head, ``core.attention._dense_prefill``)."""
     q_heads, kv_heads = shape.local_heads(tp)
-    paths = [i for i in half_dtype_impls(nbytes, q_heads, kv_heads) if i != FLASH]  # its prefill never takes FA2
+    paths = [SDPA, SDPA_REPEAT] if nbytes == 2 and q_heads != kv_heads else [SDPA]  # the card's, at its worst
     D, L = shape.head_dim, prompt_len
     return (
         prompt_len * _per_token(shape, tp, nbytes) + shape.vocab * 4,
@@ -361,16 +213,28 @@ def pool_bookkeeping_bytes(
     attention sum, additive mask and free list; for a rule with a probe, every row's probe values and, for a rule
     probing every few blocks, every row's stored probe queries (from the first probe pass on, so only when a prompt
     of ``prompt_len`` tokens probes at all); 0 for FKV/ED."""
-    if not method.reads_scores:
-        return 0
     q_heads, kv_heads = shape.local_heads(tp)
     nbytes = DTYPE_BYTES[dtype]
-    per_row = shape.layers * kv_heads * (method.kv_max + 1)
-    held = slots * per_row * (8 + 4 + nbytes + 8 + (4 if method.lookahead else 0))
+    per_slot = method.slot_state_bytes(nbytes)
+    if not per_slot:
+        return 0
+    held = slots * shape.layers * kv_heads * (method.kv_max + 1) * per_slot
     probes = any(ph.kind == "probe" for ph in plan(method, prompt_len, 1))
     if probes and method.probe_every > 1:
         held += slots * shape.layers * probe_state_bytes(1, q_heads, method.lookahead, shape.head_dim, nbytes)
     return held
+
+
+def paper_ed_bytes(
+    shape: ModelShape, batch: int, prompt_len: int, max_new_tokens: int, *, tp: int = 1, dtype: str = "float32", p=64
+) -> int:
+    """The peak per rank of the paper's ED (kv_max 2) on a padded batch: its prefill caches every prompt's pairs, in
+    every layer, until the first decode step (HF generate on a static batch), where this engine's ED holds only its
+    slots (``predict_pool``). The paper's procedure defines its memory budget by it (b0: the smallest batch it does
+    not fit, ``tuner.planned_b0``)."""
+    est = predict_pool(shape, Method("ed", kv_max=2, p=p), batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype)
+    _, kv_heads = shape.local_heads(tp)
+    return est.total + 2 * batch * shape.layers * kv_heads * prompt_len * shape.head_dim * DTYPE_BYTES[dtype]
 
 
 def max_slots(
@@ -389,70 +253,6 @@ def max_slots(
     kw = dict(tp=tp, dtype=dtype, pass_tokens=pass_tokens)
     return _largest(
         lambda n: predict_pool(shape, method, n, prompt_len, max_new_tokens, **kw).total <= budget_bytes, limit
-    )
-
-
-def _bookkeeping(
-    shape: ModelShape,
-    method: Method,
-    batch: int,
-    phases: list[Phase],
-    cap: int,
-    q_heads: int,
-    kv_heads: int,
-    nbytes: int,
-) -> tuple[int, int, int]:
-    """BM's bookkeeping bytes: (held all run: position, attention sum, additive mask per slot; the probe's values per
-    slot, prefill only; the stored probe state of a rule with ``every > 1``, from its first probe pass on)."""
-    held = batch * shape.layers * kv_heads * cap * (8 + 4 + nbytes)  # pos (int64), score (float32), bias
-    if not method.lookahead:
-        return held, 0, 0
-    probe_values = batch * shape.layers * kv_heads * cap * 4
-    w = max((ph.size for ph in phases if ph.kind == "probe"), default=0)
-    state = (
-        batch * shape.layers * probe_state_bytes(1, q_heads, w, shape.head_dim, nbytes)
-        if w and method.probe_every > 1
-        else 0
-    )
-    return held, probe_values, state  # the probe values are allocated with the cache, probe pass or not
-
-
-def bookkeeping_bytes(
-    shape: ModelShape,
-    method: Method,
-    batch: int,
-    prompt_len: int,
-    max_new_tokens: int,
-    *,
-    tp: int = 1,
-    dtype: str = "float32",
-) -> int:
-    """The most per-slot bookkeeping BM holds at once (what ``BatchMaxCache.peak_meta_bytes`` measures); 0 for
-    FKV/ED, which run on the baselines' cache."""
-    if not method.reads_scores:
-        return 0
-    q_heads, kv_heads = shape.local_heads(tp)
-    cap = method.capacity(prompt_len, max_new_tokens)
-    return sum(
-        _bookkeeping(shape, method, batch, plan(method, prompt_len, 1), cap, q_heads, kv_heads, DTYPE_BYTES[dtype])
-    )
-
-
-def max_batch(
-    budget_bytes: int,
-    shape: ModelShape,
-    method: Method,
-    prompt_len: int,
-    max_new_tokens: int,
-    *,
-    tp: int = 1,
-    dtype: str = "float32",
-    limit: int = 1 << 16,
-) -> int:
-    """The largest batch whose predicted peak fits ``budget_bytes`` (0 if not even one sample fits)."""
-
-    return _largest(
-        lambda b: predict(shape, method, b, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total <= budget_bytes, limit
     )
 
 
@@ -496,3 +296,8 @@ def parse_bytes(text: str | int) -> int:
     if unit not in units or value < 0:
         raise ValueError(f"cannot read a byte size from {text!r} (examples: 24GiB, 512MiB, 1000000)")
     return int(value * units[unit])
+
+
+#: A padded batch of ``batch`` prompts padded to ``prompt_len`` tokens runs in a pool of ``batch`` slots.
+predict = predict_pool
+max_batch = max_slots

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from ..core.method import Method, min_kv_max
-from .planner import ModelShape, max_batch
+from .planner import ModelShape, _largest, max_batch, paper_ed_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +120,9 @@ def largest_batch(
 def planned_b0(
     budget: int, shape: ModelShape, prompt_len: int, new: int, *, dtype: str, tp: int = 1, p: int = 64
 ) -> int:
-    """The planner's b0: the smallest batch at which ED (kv_max 2) does not fit ``budget``."""
-    return max_batch(budget, shape, Method("ed", kv_max=2, p=p), prompt_len, new, tp=tp, dtype=dtype) + 1
+    """The planner's b0: the smallest batch at which the paper's ED (kv_max 2, its prompts cached through prefill:
+    ``planner.paper_ed_bytes``) does not fit ``budget``."""
+    return _largest(lambda b: paper_ed_bytes(shape, b, prompt_len, new, tp=tp, dtype=dtype, p=p) <= budget, 1 << 16) + 1
 
 
 def find_b0(start: int, fits: Callable[[int], bool], limit: int = 1 << 16) -> int:

@@ -1,9 +1,13 @@
-"""A bounded KV cache that plugs into transformers' Cache API: one ``BoundedLayer`` per decoder layer.
+"""The HF drop-in: ``model.generate(..., past_key_values=BatchMaxCache(method))`` on a model whose attention
+implementation is "batchmax". An adapter beside the engine (``core.serve``), plugged in through transformers'
+Cache API: one ``BoundedLayer`` per decoder layer, driven by HF's generate, which states no pass: each layer infers
+its eviction from the block it is handed (``Method.num_to_evict``) and hands itself to the attention call that
+follows (a thread-local: this module is the only place one exists).
 
 Each layer preallocates, per (sample, local KV head), ``capacity`` slots of keys and values plus, per slot, the
 absolute (padded-sequence) position of the token it holds (-1: empty, pad or evicted) and the attention weight it
 has received. Eviction frees slots in place; new pairs are written into freed slots by index. Keys already carry
-RoPE, so nothing is compacted or re-rotated (ED compacts its single kept pair, once per eviction).
+RoPE, so nothing is compacted or re-rotated.
 
 Head counts come from the tensors the model hands to ``update`` (under tensor parallelism they are the rank's
 local heads). The cache works only with the "batchmax" attention function (``core.attention``), which
@@ -11,11 +15,7 @@ reads the layer's slot state and adds each query's attention probabilities to th
 ``pos`` each layer keeps ``bias``, the additive mask of its slots (0 valid, -inf empty/evicted/pad), updated
 wherever ``pos`` changes, so that a decode step's attention is one fused product with no mask to build.
 
-Rules with a look-ahead probe (``core.rules``) run probe passes of their own (``schedule.Phase`` kind
-``probe``): ``update`` writes nothing and hands the probe's keys/values to the attention call aside; the
-attention writes the probe's attention per slot into ``probe``. A rule that probes only every ``every``-th block
-also leaves the probe's queries (``core.probe.ProbeState``): a prefill eviction after an unprobed block re-scores
-the slots held then with them. Both are prefill-only and freed when the prefill ends (``end_prefill``).
+HF's generate runs no look-ahead probe pass: a rule with one ranks without its probe here (the engine runs it).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import threading
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import probe as lookahead
 from .method import Method
-from .schedule import Phase
+from .pool import free_slots
 
 logger = logging.getLogger(__name__)
 
@@ -48,65 +47,21 @@ def take_updated_layer(key: torch.Tensor) -> BoundedLayer:
     return layer
 
 
-def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
-    """Indices [B, H, n] of the ``n`` slots with the smallest ``(priority, position, slot)``, in that order.
-
-    Exact priority ties evict the older pair first, and empty slots (position -1) in slot order, so the result
-    does not depend on the slot layout. One sort of an int64 key: the float32 priority's bits made
-    order-preserving in the high half, the position (empty slots: their index, below every position) in the low.
-    """
-    C = pos.shape[-1]
-    bits = priority.float().contiguous().view(torch.int32)  # [B, H, C]
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats: reversed order fixed
-    low = torch.where(pos >= 0, pos + C, torch.arange(C, device=pos.device))  # [B, H, C], in [0, 2**32)
-    return (bits * 2**32 + low).topk(n, dim=-1, largest=False, sorted=True).indices  # [B, H, n]
-
-
-def free_slots(
-    priority: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, bias: torch.Tensor, n: int
-) -> torch.Tensor:
-    """Free the ``n`` slots of lowest ``priority`` (``slots_to_evict``) in the slot state ``pos``/``score``/``bias``
-    [B, H, C] (views are written through) and return their indices [B, H, n]."""
-    freed = slots_to_evict(priority, pos, n)  # [B, H, n]
-    pos.scatter_(2, freed, -1)
-    score.scatter_(2, freed, 0.0)
-    bias.scatter_(2, freed, float("-inf"))
-    return freed
-
-
-class SlotLayer(CacheLayerMixin):
-    """A decoder layer of a preallocated cache (``BatchMaxCache`` or the baselines' ``DenseCache``): slots written
-    by index, never slid, cropped or compiled."""
+class BoundedLayer(CacheLayerMixin):
+    """One decoder layer's slots, written by index, never slid, cropped or compiled: keys/values [B, H, C, D], pos
+    [B, H, C] (int64), score [B, H, C] (float32), bias [B, H, C] (model dtype, 0 or -inf as pos is valid or not)."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, cache: Cache, layer_idx: int):
+    def __init__(self, cache: BatchMaxCache, layer_idx: int):
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
-
-    def get_max_length(self) -> int:
-        """The most pairs held per (sample, KV head): the method's ``kv_max``, -1 for the full cache."""
-        kv_max = self.cache.method.held_kv_max
-        return -1 if kv_max is None else kv_max
-
-
-class BoundedLayer(SlotLayer):
-    """One decoder layer's slots: keys/values [B, H, C, D], pos [B, H, C] (int64), score [B, H, C] (float32),
-    bias [B, H, C] (model dtype, 0 or -inf as pos is valid or not); probe [B, H, C] (float32) only for rules with
-    a look-ahead probe, during prefill."""
-
-    def __init__(self, cache: BatchMaxCache, layer_idx: int):
-        super().__init__(cache, layer_idx)
         self.pos: torch.Tensor | None = None
         self.score: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None  # additive mask of the slots: 0 where pos >= 0, -inf elsewhere
-        self.probe: torch.Tensor | None = None  # look-ahead attention per slot of the last probed pass
-        self.probe_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # this pass's probe keys/values, transient
-        self.probe_fresh = False  # ``probe`` comes from the pass just run (else re-scored from ``probe_state``)
-        self.probe_state: lookahead.ProbeState | None = None  # the last probed pass's queries (rule every > 1)
         self.filled = 0  # occupied slots per (sample, head), pads included: the same host int for all of them
         self.seen = 0  # tokens processed so far = padded position of the next token
         self.high = 0  # slots [0, high) have been written at least once; the rest are empty
@@ -118,8 +73,7 @@ class BoundedLayer(SlotLayer):
     # -- transformers' CacheLayerMixin ------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        m = self.cache.method
-        capacity = m.kv_max if m.bounded else self.cache.reserve
+        capacity = self.cache.method.capacity(max(key_states.shape[2], self.cache.reserve), 1)  # BM: kv_max
         self._allocate(key_states.shape[0], key_states.shape[1], key_states.shape[-1], value_states.shape[-1], capacity)
         self.is_initialized = True
 
@@ -129,16 +83,19 @@ class BoundedLayer(SlotLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
 
+    def get_max_length(self) -> int:
+        """The most pairs held per (sample, KV head): the method's ``kv_max``, -1 for the full cache."""
+        kv_max = self.cache.method.held_kv_max
+        return -1 if kv_max is None else kv_max
+
     def reset(self) -> None:
-        self.keys = self.values = self.pos = self.score = self.bias = self.probe = None
-        self.probe_kv = self.probe_state = None
-        self.probe_fresh = False
+        self.keys = self.values = self.pos = self.score = self.bias = None
         self.is_initialized = False
         self.filled = self.seen = self.free_ptr = self.high = 0
         self.free, self.decoding, self.new_slots = None, False, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for name in ("keys", "values", "pos", "score", "bias", "probe", "free"):
+        for name in ("keys", "values", "pos", "score", "bias", "free"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
@@ -157,8 +114,6 @@ class BoundedLayer(SlotLayer):
         self.pos = torch.full((batch, heads, capacity), -1, dtype=torch.long, device=self.device)
         self.score = torch.zeros(batch, heads, capacity, dtype=torch.float32, device=self.device)
         self.bias = torch.full((batch, heads, capacity), float("-inf"), **kw)
-        if self.cache.method.lookahead and not self.decoding:
-            self.probe = torch.zeros(batch, heads, capacity, dtype=torch.float32, device=self.device)
         self.cache.note_capacity()
 
     def _resize(self, capacity: int) -> None:
@@ -177,44 +132,19 @@ class BoundedLayer(SlotLayer):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     # -- eviction -----------------------------------------------------------------------------------------------
-    def evict(self, n: int, curr_id: int, prefill: bool = False) -> None:
-        """Drop ``n`` occupied pairs per (sample, head) by the method's rule; pads and empty slots go first.
-        ``prefill``: a prefill eviction (the look-ahead probe's attention joins the rule's score)."""
-        with torch.profiler.record_function("batchmax::evict"):
-            self._evict(n, curr_id, prefill)
-
-    def _evict(self, n: int, curr_id: int, prefill: bool = False) -> None:
+    def evict(self, n: int, curr_id: int) -> None:
+        """Drop ``n`` occupied pairs per (sample, head) by the method's rule; pads and empty slots go first."""
         method = self.cache.method
         empty = self.capacity - self.filled
-        probe = self.probe if prefill else None
-        if prefill and self.probe_state is not None and not self.probe_fresh:  # the last block ran unprobed
-            self.probe = lookahead.rescore(self.probe_state, self.keys, self.pos)  # [B, H, C]
-            probe = self.probe
-        self.probe_fresh = False
-        priority = method.priority(self.score, self.pos, curr_id, probe)  # [B, H, C]
-        if method.keeps_newest_only:
-            self._keep_newest(slots_to_evict(-priority, self.pos, 1))  # [B, H, 1]: the newest pair's slot
-            return
+        priority = method.priority(self.score, self.pos, curr_id)  # [B, H, C]
         freed = free_slots(priority, self.pos, self.score, self.bias, empty + n)  # [B, H, empty + n]
         self.filled -= n
         self.free, self.free_ptr = freed, 0
         self.high = self.capacity  # freed slots may lie anywhere below the capacity
 
-    def _keep_newest(self, newest: torch.Tensor) -> None:
-        """ED's eviction: the newest pair (slot ``newest`` [B, H, 1]) moves to slot 0, the rest of the buffer is
-        free again, and the prompt-sized buffer shrinks to ``kv_max``."""
-        for buf in (self.keys, self.values, self.pos, self.score, self.bias):
-            self.cache.method.keep_newest(buf, buf, newest)
-        self.pos[:, :, 1:] = -1
-        self.score[:, :, 1:] = 0
-        self.bias[:, :, 1:] = float("-inf")
-        self.filled, self.free, self.free_ptr, self.high = 1, None, 0, 1
-        if self.capacity > self.cache.method.kv_max:
-            self._resize(self.cache.method.kv_max)
-
     # -- the update called by the attention module ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Make room (evicting per the phase), write the block's pairs into free slots, return the full buffers.
+        """Make room (evicting as the block requires), write the block's pairs into free slots, return the full buffers.
 
         key_states/value_states: [B, H, n, D] (RoPE applied). Returns keys/values [B, H, C, D]; which slots
         are valid, and at which positions, is in ``self.pos`` (read by the attention function).
@@ -226,27 +156,21 @@ class BoundedLayer(SlotLayer):
                 "BatchMaxCache was updated twice without the 'batchmax' attention in between: load the model with "
                 "attn_implementation='batchmax' (batchmax_tp.core.attention.use_batchmax_attention(model))"
             )
-        phase = self.cache.phase
-        if phase is not None and phase.kind == "probe":
-            # A look-ahead probe pass: its keys/values go to the attention aside and are never stored.
-            self.probe_kv = (key_states, value_states)  # [B, H, w, D] each
-            return self.keys, self.values
         n = key_states.shape[2]
-        evict = self._evict_count(n) if phase is None else phase.evict
+        evict = self._evict_count(n)
         if evict:
-            self.evict(evict, curr_id=self.seen - 1, prefill=phase is not None and phase.kind == "prefill")
+            self.evict(evict, curr_id=self.seen - 1)
         if self.free is None:
             self.new_slots = self._append(key_states, value_states)
         else:
             self.new_slots = self._write_free(key_states, value_states)
         self.filled += n
         self.seen += n
-        if phase is None:  # HF's generate passes no pass description: hand the layer to its attention call
-            _handoff.layer = self
+        _handoff.layer = self  # HF's generate passes no pass description: hand the layer to its attention call
         return self.keys, self.values
 
     def _evict_count(self, n: int) -> int:
-        """Driven by HF generate (no phase stated): the eviction before a block of ``n``, inferred from the block."""
+        """The eviction before a block of ``n`` (HF generate states none), inferred from the block."""
         first_decode = n == 1 and self.seen > 0 and not self.decoding
         self.decoding = self.decoding or first_decode
         return self.cache.method.num_to_evict(self.filled, n, self.cache.method.kv_max, first_decode)
@@ -256,9 +180,9 @@ class BoundedLayer(SlotLayer):
         n = key_states.shape[2]
         needed = self.filled + n
         if needed > self.capacity:
-            if self.cache.method.bounded:
+            if self.cache.method.capacity(needed, 1) < needed:  # a bounded cache (BM)
                 raise ValueError(f"a block of {n} tokens does not fit in kv_max={self.cache.method.kv_max}")
-            # Grow geometrically when HF generate drives the cache (the engine reserves the exact size).
+            # Grow geometrically (``reserve``: the exact size, when known)
             self._resize(max(needed, self.cache.reserve, 2 * self.capacity))
         slots = slice(self.filled, needed)
         self.high = max(self.high, needed)
@@ -306,11 +230,6 @@ class BoundedLayer(SlotLayer):
             self.pos.scatter_(2, slots, self.pos.gather(2, slots).masked_fill(pads, -1))  # [B, H, n]
             self.bias.scatter_(2, slots, self.bias.gather(2, slots).masked_fill(pads, float("-inf")))
 
-    def end_prefill(self) -> None:
-        """Free what only prefill evictions read: the look-ahead probe's values and stored queries."""
-        self.probe = self.probe_state = None
-        self.decoding = True
-
     def kept_positions(self) -> list[list[list[int]]]:
         """Sorted real positions held, per sample and local KV head (host copy; for tests and inspection)."""
         pos = self.pos.cpu()
@@ -318,22 +237,18 @@ class BoundedLayer(SlotLayer):
 
 
 class BatchMaxCache(Cache):
-    """KV cache bounded by ``method.kv_max`` pairs per (sample, KV head) during prefill and decoding.
-
-    Use it through ``batchmax_tp.core.engine.generate`` (Algorithm 1's block schedule) or as a drop-in
+    """KV cache bounded by ``method.kv_max`` pairs per (sample, KV head) during prefill and decoding, for
     ``model.generate(..., past_key_values=BatchMaxCache(method))`` on a model whose attention implementation is
-    "batchmax"; HF's generate prefills the whole prompt in one block, so a prompt longer than ``kv_max`` needs
-    ``prefill_chunk_size=p`` (identical to Algorithm 1 when ``kv_max`` is a multiple of ``p``).
-
-    ``reserve`` preallocates that many slots for FKV/ED so their prefill does not reallocate.
+    "batchmax" (``core.attention.use_batchmax_attention``). HF's generate prefills the whole prompt in one block, so
+    a prompt longer than ``kv_max`` needs ``prefill_chunk_size=p`` (identical to Algorithm 1 when ``kv_max`` is a
+    multiple of ``p``). ``reserve`` preallocates that many slots for FKV/ED so their prefill does not reallocate.
     """
 
     def __init__(self, method: Method, num_layers: int | None = None, reserve: int = 0):
         self.method = method
         self.reserve = reserve
-        self.phase: Phase | None = None
         self.peak_kv_bytes = 0
-        self.peak_meta_bytes = 0  # largest bookkeeping held at once (``meta_bytes``: the probe's prefill-only part too)
+        self.peak_meta_bytes = 0  # largest bookkeeping held at once (``meta_bytes``)
         self.peak_workspace_bytes = 0  # largest peak of one attention call (attention.workspace_bytes)
         if num_layers is None:
             super().__init__(layers=None, layer_class_to_replicate=self._new_layer)
@@ -343,22 +258,9 @@ class BatchMaxCache(Cache):
     def _new_layer(self) -> BoundedLayer:
         return BoundedLayer(self, len(self.layers))
 
-    def begin(self, phase: Phase | None) -> None:
-        """State the phase of the next forward pass (the engine does; HF generate leaves it None)."""
-        self.phase = phase
-
     def note_capacity(self) -> None:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
-        self.note_meta()
-
-    def note_meta(self) -> None:
         self.peak_meta_bytes = max(self.peak_meta_bytes, self.meta_bytes())
-
-    def end_prefill(self) -> None:
-        """The prefill is over (the engine says so): free the probe's prefill-only buffers in every layer."""
-        self.note_meta()
-        for layer in self.layers:
-            layer.end_prefill()
 
     def note_workspace(self, nbytes: int) -> None:
         self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
@@ -368,14 +270,13 @@ class BatchMaxCache(Cache):
         return sum(layer.kv_bytes() for layer in self.layers)
 
     def meta_bytes(self) -> int:
-        """Bytes of the per-slot bookkeeping held now (positions, attention sums, the additive mask and, during a
-        probe rule's prefill, look-ahead sums), and the stored probe queries of a rule that probes every few blocks."""
+        """Bytes of the per-slot bookkeeping held now (positions, attention sums, the additive mask)."""
         return sum(
             t.numel() * t.element_size()
             for layer in self.layers
-            for t in (layer.pos, layer.score, layer.bias, layer.probe)
+            for t in (layer.pos, layer.score, layer.bias)
             if t is not None
-        ) + sum(layer.probe_state.nbytes() for layer in self.layers if layer.probe_state is not None)
+        )
 
     def kept_positions(self) -> list[list[list[list[int]]]]:
         """Per layer, sample and local KV head: the sorted positions of the pairs held."""
