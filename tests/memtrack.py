@@ -107,8 +107,8 @@ def _find(roots, label):
 
 
 class AttentionPasses:
-    """Measures the baselines' attention pass by pass: every call of HF's attention functions (SDPA,
-    FlashAttention-2) and of the "batchmax" one runs inside a profiler region, and so does the model's mask
+    """Measures the baselines' attention pass by pass: every call of HF's SDPA attention function and
+    of the "batchmax" one runs inside a profiler region, and so does the model's mask
     construction (once per forward pass; llama-family models).
 
         passes = AttentionPasses(monkeypatch)
@@ -141,7 +141,7 @@ class AttentionPasses:
 
             return wrapped
 
-        for name in ("sdpa", "flash_attention_2"):
+        for name in ("sdpa",):
             monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, name, region(ALL_ATTENTION_FUNCTIONS[name], self.CALL))
         monkeypatch.setattr(attention, "batchmax_attention", region(attention.batchmax_attention, self.CALL))
         monkeypatch.setattr(modeling_llama, "create_causal_mask", region(masking_utils.create_causal_mask, self.MASK))

@@ -1,6 +1,6 @@
 """Bytes of the temporaries each attention path allocates per call: pure arithmetic on shapes, no torch.
 
-The attention kernels (``attention.batchmax_attention`` and the baselines' SDPA or FlashAttention-2) own these
+The attention kernels (``attention.batchmax_attention`` and the baselines' SDPA) own these
 numbers and the planner (``batchmax_tp.plan.planner``) predicts with them, so they live here, importable without
 torch or transformers. ``workspace_bytes`` and ``dense_workspace_bytes`` are checked against measured allocations
 in ``tests/test_memory.py``.
@@ -18,13 +18,12 @@ from pathlib import Path
 SCORE_CHUNK_BYTES = 64 * 2**20
 #: Query chunk of an in-order (not yet evicted) block: smaller chunks skip more of the causal upper triangle.
 CAUSAL_CHUNK = 128
-#: The baselines' attention implementations (transformers' names, and ours registered beside them).
+#: The baselines' prompt attention: HF's SDPA, or SDPA with K/V copied per query head.
 SDPA = "sdpa"
-#: HF's SDPA with K/V copied per query head first (``core.baseline.sdpa_repeat_kv``): a GQA model on a card of
+#: HF's SDPA with K/V copied per query head first (``core.attention._dense_prefill``): a GQA model on a card of
 #: compute capability < 8.0, where SDPA's memory-efficient kernel rejects ``enable_gqa`` and the math kernel would
 #: materialise every [n, L] score block.
 SDPA_REPEAT = "batchmax_sdpa_repeat"
-FLASH = "flash_attention_2"
 
 
 def query_chunks(
@@ -191,26 +190,22 @@ def dense_workspace_bytes(
     *,
     padded: bool,
     impl: str = SDPA,
-    real: int | None = None,
     align: bool = True,
 ) -> int:
-    """Peak bytes one forward pass of the baselines (FKV/ED, ``core.baseline``) allocates for attention above the
-    queries, keys, values and the cache: every tensor HF's attention function (``sdpa_attention_forward`` or
-    ``flash_attention_forward``) and the kernel's wrapper hold at the worst moment of a layer's call, the returned
-    output included, plus the 4D mask HF builds for the pass, which every layer's call finds held. The fused
-    kernel's own scratch (the CPU flash kernel's per-thread blocks, FlashAttention's split-KV accumulators) is not
-    counted. Checked against measured allocations in ``tests/test_memory.py`` (the CUDA alignment copy excepted).
+    """Peak bytes one SDPA call of the baselines (FKV/ED, ``core.attention._dense_prefill``) allocates above the
+    queries, keys, values and the cache: every tensor HF's attention function (``sdpa_attention_forward``) and
+    the kernel's wrapper hold at the worst moment of a layer's call, the returned output included, plus a mask
+    built for the pass, which every layer's call finds held. The fused kernel's own scratch (the CPU flash
+    kernel's per-thread blocks) is not counted. Checked against measured allocations in ``tests/test_memory.py``
+    (the CUDA alignment copy excepted).
 
     ``queries`` x ``slots``: the pass's queries and the keys they attend over (a baseline's prefill is one block:
     both the prompt; a decode step: 1 x the slots held); ``padded``: the pass gets a mask (held slots include a
-    pad); ``elem``: bytes per element of the model dtype; ``real`` (FlashAttention-2): the unmasked keys, the pairs
-    HF's varlen path gathers (``None``: all ``batch * slots``, an upper bound); ``align``: count the
+    pad); ``elem``: bytes per element of the model dtype; ``align``: count the
     memory-efficient CUDA kernel's copy of a mask whose rows are not ``MASK_ALIGN``-aligned (False: the CPU).
-    ``impl``: ``"sdpa"`` (:func:`_sdpa_workspace_bytes`), ``"flash_attention_2"`` (:func:`_flash_workspace_bytes`),
-    each of which says what it counts, or ``SDPA_REPEAT`` (K/V copied per query head, then SDPA's count).
+    ``impl``: ``"sdpa"`` (:func:`_sdpa_workspace_bytes`, which says what it counts) or ``SDPA_REPEAT`` (K/V
+    copied per query head, then SDPA's count).
     """
-    if impl == FLASH:
-        return _flash_workspace_bytes(batch, q_heads, kv_heads, head_dim, queries, slots, elem, padded, real)
     if impl == SDPA_REPEAT:  # K and V copied per query head, then SDPA over as many KV heads as query heads
         copies = 2 * elem * batch * q_heads * slots * head_dim if q_heads != kv_heads else 0
         return copies + _sdpa_workspace_bytes(batch, q_heads, q_heads, head_dim, queries, slots, elem, padded, align)
@@ -248,33 +243,3 @@ def _sdpa_workspace_bytes(B: int, Hq: int, Hkv: int, D: int, n: int, L: int, e: 
     additive = e * B * n * L  # the boolean mask made additive in the model dtype
     aligned = e * B * n * (L + MASK_ALIGN - L % MASK_ALIGN) if align and L % MASK_ALIGN else 0
     return held + repeat + max(additive + aligned, (aligned or additive) + out + lse)
-
-
-def _flash_workspace_bytes(
-    B: int, Hq: int, Hkv: int, D: int, n: int, L: int, e: int, padded: bool, real: int | None
-) -> int:
-    """FlashAttention-2: without a mask no copy (output and log-sum-exp). With one (a 2D mask: a padded prefill, or
-    an FKV decode step while it holds prompt pads), HF's varlen path gathers the unmasked keys and values -- a
-    contiguous copy of the layer's K (then V) [B, L, Hkv, D] and its gathered [real, Hkv, D] -- and, in prefill,
-    the queries alike, with the int64 indices and int32 offsets; then the kernel's output and log-sum-exp, and the
-    output scattered back into a zeroed [B, n, Hq, D]. In a decode step that is a copy of the whole layer's K and V
-    every step."""
-    out, lse = e * B * n * Hq * D, 4 * B * Hq * n
-    if not padded:
-        return out + lse
-    if n not in (1, L):
-        raise ValueError(f"a baseline pass has one query or attends over its own block, not {n} over {L}")
-    nnz = B * L if real is None else real
-    idx = 8 * nnz + 4 * (B + 1)  # indices (int64) and offsets (int32) of the unmasked keys
-    copy, kept = e * B * L * Hkv * D, e * nnz * Hkv * D  # one of K/V: its contiguous copy, then gathered
-    steps = [idx + copy + kept, idx + kept + copy + kept]  # gathering K, then V
-    if n == 1:  # one query per row: offsets [0, B] (int32); the query is a view
-        base = idx + 2 * kept + 4 * (B + 1)
-        out_r = out
-    else:  # the queries are gathered like the keys
-        q_kept = e * nnz * Hq * D
-        steps.append(idx + 2 * kept + e * B * n * Hq * D + q_kept)
-        base = idx + 2 * kept + q_kept
-        out_r, lse = e * nnz * Hq * D, 4 * Hq * nnz
-    steps += [base + out_r + lse, base + out_r + out]  # the kernel's output; scattered into [B, n, Hq, D]
-    return max(steps)
