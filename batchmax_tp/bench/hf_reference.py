@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from ..core.method import ExtremeDecoding, Method
+from ..core.method import ExtremeDecoding, Method, is_full_cache
 
 
 def _sync(device: torch.device) -> None:
@@ -51,7 +51,7 @@ def hf_reference_generate(
     """
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    if not method.evicts:  # the full cache: HF generate as it is
+    if is_full_cache(method):  # the full cache: HF generate as it is
         return _full_cache(model, input_ids, attention_mask, max_new_tokens)
     if not isinstance(method, ExtremeDecoding):
         raise ValueError(f"no plain HF reference for method {method.name!r}")

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from ..core.engine import generate
-from ..core.method import BatchMax, Method, method_type
+from ..core.method import BatchMax, Method, is_full_cache
 from ..core.rules import get_rule
 from ..core.serve import Request, serve
 from ..embedded import EMBEDDED_MODEL
@@ -136,7 +136,7 @@ def make_method(key: str, kv_max: int, p: int) -> Method:
     name, _, rule = key.split("-", 1)[1].partition("-")
     if rule:
         return Method(name, kv_max=kv_max, p=p, rule=rule)
-    return Method(name, kv_max=ED_KV_MAX if method_type(name).evicts else None)
+    return Method(name, kv_max=None if is_full_cache(name) else ED_KV_MAX)
 
 
 def continuous(key: str) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from ..core.engine import generate
-from ..core.method import BatchMax, ExtremeDecoding, FullCache, Method
+from ..core.method import BatchMax, ExtremeDecoding, FullCache, Method, takes_rule
 from ..core.rules import get_rule
 from ..core.serve import Request, serve
 from ..core.step import COMPILE_MODES
@@ -279,7 +279,7 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
             kw["pass_tokens"] = a.pass_tokens
         fit = (max_slots if pool else max_batch)(budget, shape, m, s, T, **kw)
         b = min(fit, batch_cap(a))
-        head = {"method": m.name, "rule": m.rule if m.takes_rule else None, "kv_max": m.kv_max}
+        head = {"method": m.name, "rule": m.rule if takes_rule(m) else None, "kv_max": m.kv_max}
         if b == 0:
             yield m, {**head, "batch": 0, "status": "OOM", "oom_cause": "planned"}
             continue

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from ..core.method import METHODS, BatchMax
+from ..core.method import BatchMax, is_full_cache, takes_rule
 from .memory import MemoryConfig
 from .parts import DataConfig, GenerationConfig, ModelConfig, OutputConfig, ParallelConfig
 from .settings import ConfigError, Part, Setting
@@ -152,11 +152,11 @@ class RunConfig:
         else:
             listed = [(e["method"], e.get("rule"), e.get("kv_max")) for e in sweep.runs]
         names = ", ".join(dict.fromkeys(name for name, _, _ in listed))
-        if "rule" in changed and not any(METHODS[m].takes_rule and rule is None for m, rule, _ in listed):
+        if "rule" in changed and not any(takes_rule(m) and rule is None for m, rule, _ in listed):
             raise ConfigError(
                 "rule", f"rule {sweep.rule!r} applies to method bm only, and no listed run takes it (runs: {names})"
             )
-        if "kv_max" in changed and not any(METHODS[m].evicts and kv is None for m, _, kv in listed):
+        if "kv_max" in changed and not any(not is_full_cache(m) and kv is None for m, _, kv in listed):
             raise ConfigError(
                 "kv_max", f"applies to ed and bm (fkv keeps every pair), and no listed run takes it (runs: {names})"
             )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..core.method import METHODS, Method, method_type
+from ..core.method import METHODS, Method, is_full_cache, method_type, takes_rule
 from ..core.rules import get_rule
 from ..core.step import COMPILE_MODES
 from ..plan.budget import RunSpec, story_methods
@@ -130,14 +130,14 @@ class SweepConfig(Part):
     def kv_max_for(self, name: str) -> int | None:
         """The cache size method ``name`` runs with: ``kv_max`` if set (methods that evict), else its default."""
         cls = METHODS.get(name)
-        if cls is None or not cls.evicts:
+        if cls is None or is_full_cache(cls.name):
             return None
         return self.kv_max if self.kv_max is not None else cls.default_kv_max
 
     def rule_for(self, name: str) -> str:
         """The eviction rule method ``name`` runs with: ``rule`` where it takes one (BM), else the paper's."""
         cls = METHODS.get(name)
-        return self.rule if cls is not None and cls.takes_rule else "paper"
+        return self.rule if cls is not None and takes_rule(cls.name) else "paper"
 
     def method_specs(self) -> list[Method]:
         """One ``core.method.Method`` per entry of ``methods``; errors name the key that caused them."""
@@ -206,7 +206,7 @@ class SweepConfig(Part):
             raise ConfigError(f"{where}.method", str(err)) from None
         if rule is None:
             rule = self.rule_for(method)
-        elif rule != "paper" and not cls.takes_rule:
+        elif rule != "paper" and not takes_rule(cls.name):
             raise ConfigError(f"{where}.rule", f"rule {rule!r} applies to method bm only, not {method!r}")
         try:  # method, rule and p are valid: what is left is the cache size
             return RunSpec(

@@ -248,3 +248,14 @@ def method_type(name: str) -> type[Method]:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}: choose one of {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def is_full_cache(method: str | Method) -> bool:
+    """Whether ``method`` (an instance or a name) never evicts: the full cache, the accuracy reference, whose
+    ``kv_max`` holds nothing back."""
+    return not (method if isinstance(method, Method) else method_type(method)).evicts
+
+
+def takes_rule(method: str | Method) -> bool:
+    """Whether ``method`` (an instance or a name) has eviction rules to choose from (BM)."""
+    return (method if isinstance(method, Method) else method_type(method)).takes_rule

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.method import Method, method_type
+from ..core.method import Method, is_full_cache
 from ..plan.budget import RunSpec, fmt_bytes, planned_dtype, predict_spec, run_dir_name
 from ..plan.tuner import Trial, divisor_batches, kv_grid, tune
 from .context import RunContext
@@ -64,7 +64,7 @@ class _TunerTrials:
         spec = RunSpec(method, batch)  # the method the tuner sized the batch with (BM with the configured rule)
         summary = self.ctx.comm.broadcast(evaluate_run(self.ctx, self.samples, spec, self.cfg))
         self.summaries[spec.name] = summary
-        baseline = not method.evicts  # FKV: the metric every BM trial is held to
+        baseline = is_full_cache(method)  # FKV: the metric every BM trial is held to
         if summary.get("status") != "done":
             if baseline:
                 raise ValueError(
@@ -153,7 +153,7 @@ def write_tune_results(cfg: RunConfig, info: dict[str, Any]) -> str:
     for t in info["trials"]:
         metric = "OOM" if t["tokens_per_s"] is None else ("n/a" if t["metric"] is None else f"{t['metric']:.3f}")
         speed = "OOM" if t["tokens_per_s"] is None else f"{t['tokens_per_s']:.1f}"
-        kv = "N/A" if t["kv_max"] is None or not method_type(t["method"]).evicts else t["kv_max"]
+        kv = "N/A" if t["kv_max"] is None or is_full_cache(t["method"]) else t["kv_max"]
         lines.append(
             f"| {t['run']} | {t['method'].upper()} | {t['batch']} | {kv} | {metric} | {speed} | "
             f"{fmt_bytes(t['predicted_peak_bytes'])} |"

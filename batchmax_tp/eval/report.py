@@ -25,7 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from ..core.method import METHODS, BatchMax, ExtremeDecoding, FullCache, Method
+from ..core.method import METHODS, BatchMax, ExtremeDecoding, FullCache, Method, is_full_cache
 from .files import atomic_write_text
 from .metrics import METRIC_LABELS
 
@@ -510,7 +510,7 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
 def _evicts(method: str) -> bool:
     """Whether the method called ``method`` evicts (FKV: a line across the metric plot, no kv_max)."""
     kind = METHODS.get(method)
-    return kind is None or kind.evicts
+    return kind is None or not is_full_cache(kind.name)
 
 
 def _plot_full_cache(ax, runs: list[dict[str, Any]], legend: str, colour: str) -> None:

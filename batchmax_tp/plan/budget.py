@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..core.method import BatchMax, ExtremeDecoding, Method, method_type
+from ..core.method import BatchMax, ExtremeDecoding, Method, is_full_cache
 from .planner import (
     MemoryEstimate,
     ModelShape,
@@ -54,7 +54,7 @@ __all__ = [
 def run_dir_name(method: str, batch_size: int, kv_max: int | None, rule: str = "paper") -> str:
     """Folder of one run: ``fkv-b4``, ``ed-b4-kv2``, ``bm-b32-kv1024``; a rule other than the paper's is named
     after the method: ``bm-snapkv-b32-kv1024``, ``bm-snapkv-window64-b32-kv1024``."""
-    if not method_type(method).evicts:  # the full cache's kv_max holds nothing back
+    if is_full_cache(method):  # the full cache's kv_max holds nothing back
         kv_max = None
     if rule != "paper":
         method = f"{method}-{rule_slug(rule)}"
@@ -212,7 +212,7 @@ def _fkv_adjusted(specs: list[RunSpec]) -> str | None:
     """The note (also logged) when FKV runs below b0 - 1 because b0 - 1 is predicted over the budget; else None."""
     b0, adjusted = specs[0].batch_size, None
     for spec in specs:
-        if not spec.method.evicts and spec.batch_size < b0 - 1:
+        if is_full_cache(spec.method) and spec.batch_size < b0 - 1:
             adjusted = (
                 f"FKV at b0 - 1 = {b0 - 1} is predicted over the budget; it runs at b = {spec.batch_size}, "
                 f"the largest batch that fits (only its metric is used)"

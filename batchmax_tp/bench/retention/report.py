@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...core.method import method_type
+from ...core.method import is_full_cache
 from ...eval.files import atomic_write_text
 from .score import TARGETS
 from .suite import TARGET_LENGTH
@@ -95,7 +95,7 @@ def plot(table: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bm = [t for t in table if method_type(t["method"]).evicts]
+    bm = [t for t in table if not is_full_cache(t["method"])]
     rules = list(dict.fromkeys(t["rule"] for t in bm))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for rule in rules:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...core.engine import generate
-from ...core.method import Method, method_type
+from ...core.method import Method, is_full_cache
 from ...core.rules import rule_names
 from ...eval.generation import cut_at_eos, encode_prompts
 from .suite import RetentionSample
@@ -27,7 +27,7 @@ class Row:
     @property
     def evicts(self) -> bool:
         """False for the full cache: the reference every other row is scored against."""
-        return method_type(self.method).evicts
+        return not is_full_cache(self.method)
 
     @property
     def label(self) -> str:

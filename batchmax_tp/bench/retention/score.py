@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ...core.method import method_type
+from ...core.method import is_full_cache
 from ...eval.metrics import is_correct, rouge2
 from .run import Row
 from .suite import TARGET_LENGTH, Needle, RetentionSample
@@ -138,10 +138,10 @@ def _entry(row: Row, run: dict[str, Any], t: _Tally) -> dict[str, Any]:
 
 def _compare(table: list[dict[str, Any]]) -> None:
     """Each entry's hits over FKV's, tokens/s over the paper rule's at its kv_max, and whether it meets the targets."""
-    fkv = next(t for t in table if not method_type(t["method"]).evicts)
+    fkv = next(t for t in table if is_full_cache(t["method"]))
     paper = {t["kv_max"]: t for t in table if t["rule"] == "paper"}
     for t in table:
-        evicts = method_type(t["method"]).evicts
+        evicts = not is_full_cache(t["method"])
         t["hits_vs_fkv"] = t["needle_hits"] / fkv["needle_hits"] if fkv["needle_hits"] else None
         t["hits_2k_vs_fkv"] = t["hits_2k"] / fkv["hits_2k"] if fkv["hits_2k"] else None
         ref = paper.get(t["kv_max"])
