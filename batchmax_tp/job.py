@@ -495,7 +495,6 @@ def _main_job_plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Pl
         budget_bytes=cfg.memory.budget_bytes(),
         tp=ctx.layout.tp,
         dtype=cfg.model.dtype,
-        scheduler=cfg.scheduler,
     )
     specs = [r.spec for r in runs]
     extra = {r.spec: {"same_memory_budget_bytes": budget, "largest_fitting_batch": r.largest_fitting} for r in runs}

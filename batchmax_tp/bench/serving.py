@@ -152,10 +152,7 @@ def budget_bytes(a: argparse.Namespace, shape: ModelShape, longest: int) -> int:
 
 def fits(budget: int, shape: ModelShape, methods: dict[str, Method], longest: int, a: argparse.Namespace) -> dict:
     """Each row's largest size: slots (continuous, ``max_slots``) or batch (static, ``max_batch``)."""
-    return {
-        k: (max_slots if continuous(k) else max_batch)(budget, shape, m, longest, a.new, dtype=a.dtype)
-        for k, m in methods.items()
-    }
+    return {k: max_slots(budget, shape, m, longest, a.new, dtype=a.dtype) for k, m in methods.items()}
 
 
 def num_requests(a: argparse.Namespace, budget: int, shape: ModelShape, longest: int) -> int:
@@ -245,7 +242,7 @@ def run_row(model, shape, key: str, m: Method, size: int, prompts, longest: int,
     """One row at ``size`` slots (continuous) or batch (static): its timings, latencies and the planner's total."""
     run = run_continuous if continuous(key) else run_static
     row = run(model, prompts, m, size, a.new, a.equal, eos, pad)
-    est = (predict_pool if continuous(key) else predict)(shape, m, size, longest, a.new, dtype=a.dtype)
+    est = predict_pool(shape, m, size, longest, a.new, dtype=a.dtype)
     row.update(
         tokens_per_s=row["generated"] / row["wall_s"],
         predicted_total=est.total,

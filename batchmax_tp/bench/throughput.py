@@ -20,7 +20,7 @@ from ..core.step import COMPILE_MODES
 from ..embedded import EMBEDDED_MODEL
 from ..eval.oom import free_memory
 from ..plan.budget import fmt_bytes
-from ..plan.planner import DTYPE_BYTES, ModelShape, max_batch, max_slots, parse_bytes, predict, predict_pool
+from ..plan.planner import DTYPE_BYTES, ModelShape, max_slots, parse_bytes, predict, predict_pool
 from .hf_reference import hf_reference_generate
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
         kw = dict(dtype=a.dtype)  # the planner's settings; a pool's BM passes take --pass-tokens
         if pool and isinstance(m, BatchMax):
             kw["pass_tokens"] = a.pass_tokens
-        fit = (max_slots if pool else max_batch)(budget, shape, m, s, T, **kw)
+        fit = max_slots(budget, shape, m, s, T, **kw)
         b = min(fit, batch_cap(a))
         head = {"method": m.name, "rule": m.rule if takes_rule(m) else None, "kv_max": m.kv_max}
         if b == 0:
@@ -297,7 +297,7 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
             "status": "ok",
             "scheduler": a.scheduler,
             "pass_tokens": kw.get("pass_tokens"),
-            "predicted": (predict_pool if pool else predict)(shape, m, b, s, T, **kw).as_dict(),
+            "predicted": predict_pool(shape, m, b, s, T, **kw).as_dict(),
             **timed_row,
         }
         row["wall_s"] = time.perf_counter() - t

@@ -104,10 +104,10 @@ def generate(
     logits = None
     if return_logits:  # [T] x [B, V]; a row that ended early has zeros after its end
         vocab = served.outputs[0].logits[0].shape[-1]
-        logits = [torch.zeros(B, vocab, device=input_ids.device) for _ in range(max_new_tokens)]
+        full = torch.zeros(max_new_tokens, B, vocab, device=input_ids.device)  # [T, B, V]
         for b, out in enumerate(served.outputs):
-            for t, row in enumerate(out.logits):
-                logits[t][b] = row
+            full[: len(out.logits), b] = torch.stack(out.logits)  # [T_b, V]
+        logits = list(full.unbind(0))
     logger.debug("%s: prefill %.3fs, decode %.3fs, B=%d", method.label(), served.prefill_s, served.decode_s, B)
     return GenerationOutput(
         tokens=tokens.to(input_ids.device),

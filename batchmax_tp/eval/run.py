@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from ..plan.budget import RunSpec, over_budget_message, planned_dtype, predict_spec
-from ..plan.planner import MemoryEstimate, predict_pool
+from ..plan.budget import RunSpec, over_budget_message, predict_spec
+from ..plan.planner import MemoryEstimate
 from . import results
 from .batches import run_batches, serve_replica
 from .context import OpenRun, RunContext
@@ -206,9 +206,6 @@ def _predict(ctx: RunContext, run: OpenRun) -> MemoryEstimate | None:
         prompt_len = max(int(encode(ctx.tokenizer, [s.prompt for s in b])[0].shape[-1]) for b in run.batches)
     spec, cfg = run.spec, run.cfg
     new_tokens, batch = cfg.generation.max_new_tokens, max(spec.batch_size, 1)
-    if run.continuous:
-        dtype = planned_dtype(cfg.model.dtype)
-        return predict_pool(shape, spec.method, batch, prompt_len, new_tokens, tp=ctx.tp, dtype=dtype)
     return predict_spec(shape, spec.method, batch, prompt_len, new_tokens, cfg.model.dtype, ctx.tp)
 
 

@@ -24,7 +24,6 @@ from ..core.method import BatchMax, ExtremeDecoding, Method, is_full_cache
 from .planner import (
     MemoryEstimate,
     ModelShape,
-    max_batch,
     max_slots,
     predict,
     predict_pool,
@@ -303,7 +302,6 @@ def same_memory_plan(
     max_prompts: int = STORY_MAX_PROMPTS,
     tp: int = 1,
     dtype: str = "float32",
-    scheduler: str = "static",
 ) -> tuple[int, list[SameMemoryRun]]:
     """(budget, runs): every method at its largest batch whose predicted peak per rank fits one memory budget.
 
@@ -313,22 +311,19 @@ def same_memory_plan(
     runs one full batch; ED's slots never do) but not past
     ``max_prompts``; each method's batch is min(its largest fitting batch, the prompts), so the largest batch of
     the plan is the number of prompts to fill the samples up to. A method that does not fit even one sample gets
-    batch 0 (reported as OOM, not run). ``scheduler`` continuous: a method's batch is its slot count
-    (``planner.max_slots``: the pool for requests of up to ``prompt_len`` tokens, at most the prompts); the budget is
-    still FKV's static peak and the prompts are still the static plan's, so both schedulers answer the same ones.
+    batch 0 (reported as OOM, not run). A batch is a slot count either way (``planner.max_slots``: the pool for
+    requests of up to ``prompt_len`` tokens; a padded batch of b prompts runs in b slots), so both schedulers answer
+    the same prompts in the same sizes.
     """
     dtype = planned_dtype(dtype)
     if budget_bytes is None:
         budget_bytes = predict(shape, Method("fkv"), fkv_batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
-    static_fits = [max_batch(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
-    fits = static_fits
-    if scheduler == "continuous":
-        fits = [max_slots(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
-    peak_of = predict_pool if scheduler == "continuous" else predict
+    # One pool either way: a padded batch of b prompts runs in b slots (planner.predict is predict_pool).
+    fits = [max_slots(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
     # The prompts fill the largest batch of a method whose slots hold their prompts: ED's never do, and fit hundreds,
     # which would make every method answer up to ``max_prompts`` prompts.
-    holding = [f for m, f in zip(methods, static_fits) if not isinstance(m, ExtremeDecoding)]
-    largest = max(holding or static_fits, default=0)
+    holding = [f for m, f in zip(methods, fits) if not isinstance(m, ExtremeDecoding)]
+    largest = max(holding or fits, default=0)
     prompts = max(num_samples, min(largest, max_prompts))
     if largest > prompts:
         logger.info(
@@ -341,6 +336,6 @@ def same_memory_plan(
     runs = []
     for method, fit in zip(methods, fits):
         batch = min(fit, prompts)
-        peak = peak_of(shape, method, max(batch, 1), prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
+        peak = predict_pool(shape, method, max(batch, 1), prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
         runs.append(SameMemoryRun(RunSpec(method, batch), fit, peak))
     return budget_bytes, runs

@@ -147,7 +147,7 @@ def predict_pool(
     per_token = _per_token(shape, tp, nbytes)
     weights = shape.weights_per_rank(tp) * nbytes
     cap = method.decode_capacity(prompt_len, max_new_tokens)
-    kv = _pool_kv_bytes(shape, method, slots, prompt_len, cap, kv_heads, nbytes)
+    kv = _pool_kv_bytes(shape, slots, cap, kv_heads, nbytes)
     decode = (
         slots * per_token + slots * shape.vocab * 4,
         decode_workspace_bytes(slots, q_heads, kv_heads, cap, shape.head_dim, nbytes) if max_new_tokens > 1 else 0,
@@ -185,9 +185,7 @@ def _pool_prefill_passes(
     return passes
 
 
-def _pool_kv_bytes(
-    shape: ModelShape, method: Method, slots: int, prompt_len: int, cap: int, kv_heads: int, nbytes: int
-) -> int:
+def _pool_kv_bytes(shape: ModelShape, slots: int, cap: int, kv_heads: int, nbytes: int) -> int:
     """A pool's K/V: ``slots`` rows of ``cap`` + 1 slots (the scratch slot takes idle rows' writes)."""
     return 2 * slots * shape.layers * kv_heads * (cap + 1) * shape.head_dim * nbytes
 
