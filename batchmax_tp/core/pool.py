@@ -555,9 +555,6 @@ class DensePool(_Pool):
         hi = C if self.static else max(lengths[w.row] for w in work)
         return self._decode_pass(work, write, seen, hi, evicting, device, lengths)
 
-    def meta_bytes(self) -> int:
-        return 0
-
     def kept_positions(self, row: int) -> list[list[list[int]]]:
         """Per layer and local KV head: the positions row ``row`` holds (slots [0, length) hold the last ``length``
         positions, in order)."""
