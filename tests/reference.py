@@ -46,6 +46,11 @@ reference has no defaults of its own):
 * "question" (window, every, kernel, pool, sinks, recent): the probe as in "probe"; prefill evictions use ``probe``
   alone, decode evictions ``ave``, either pooled as in "pooled", and then +inf for the entries "sinks" protects.
 
+Heads sharing one budget (``groups``, BM; the rule parameter ``share``): a group of heads holds
+``len(group) * kv_max`` entries together, counted per head as ``|kv|`` = the group's entries / its heads; an eviction
+removes ``len(group) * p`` of them, those with the smallest ``(priority, position, head)``, each entry's priority
+computed within its own head as above.
+
 Positions (``kept`` and ``curr_id``) are indices in the padded sequence: prompt 0..s-1, the token fed at
 decode step t is s+t-1.  RoPE uses the sample's real position ids (cumsum(mask)-1), like HF ``generate``.
 """
@@ -95,7 +100,7 @@ def _decoder_modules(model):
 class _SampleState:
     """The kept entries of one sample: kv[layer][kv_head] -> list[Entry] (ordered by position)."""
 
-    def __init__(self, model, npad: int):
+    def __init__(self, model, npad: int, groups=None):
         cfg = model.config
         self.model = model
         self.n_layers = cfg.num_hidden_layers
@@ -106,6 +111,7 @@ class _SampleState:
         self.scaling = self.head_dim**-0.5
         self.npad = npad
         self.kv = [[[] for _ in range(self.n_kv)] for _ in range(self.n_layers)]
+        self.groups = groups or [[h] for h in range(self.n_kv)]  # KV heads sharing one budget (Rule.share)
         self.probe_qk = [None] * self.n_layers  # per layer: (q [Hq, m, D], k [Hkv, m, D]) of the last probe
         self.probed = False  # the last processed block carried the probe
 
@@ -189,9 +195,10 @@ class _SampleState:
 
     # ------------------------------------------------------------------ evictions
     def size(self) -> int:
-        sizes = {len(h) for layer in self.kv for h in layer}
+        """Entries per head: with heads sharing a budget (``groups``), a group's entries over its heads."""
+        sizes = {sum(len(layer[h]) for h in group) / len(group) for layer in self.kv for group in self.groups}
         assert len(sizes) == 1, sizes
-        return sizes.pop()
+        return int(sizes.pop())
 
     def evict_bm(
         self,
@@ -203,56 +210,67 @@ class _SampleState:
         params: dict | None = None,
         prefill: bool = False,
     ):
+        """Each (layer, group of heads sharing a budget) evicts len(group) * p entries, the lowest
+        ``(priority, position, head)`` over the group's heads (each entry's priority computed within its own head)."""
         params = params or {}
         for layer in range(self.n_layers):
+            ranked = {}  # head -> [(priority, position, head, entry)]
             for h in range(self.n_kv):
                 if prefill and not self.probed and self.probe_qk[layer] is not None:  # re-score: stored probe
                     self.probe_attention(layer, h)
-                entries = self.kv[layer][h]
-                assert len(entries) >= p
-
-                def average(e):
-                    assert e.pos <= curr_id
-                    return -math.inf if e.is_pad else e.sum / (curr_id + 1 - e.pos)
-
-                def base(e):
-                    if rule in ("probe", "snapkv") and prefill and not e.is_pad:
-                        return average(e) + params["weight"] * e.probe
-                    if rule == "question" and prefill and not e.is_pad:
-                        return e.probe
-                    return average(e)
-
-                def protected(e):
-                    return e.pos - self.npad < params["sinks"] or e.pos > curr_id - params["recent"]
-
-                def ave(e):  # the rule's priority
-                    if e.is_pad or rule in ("paper", "probe"):
-                        return base(e)
-                    if rule == "question" and protected(e):
-                        return math.inf
-                    if rule in ("pooled", "snapkv", "question"):
-                        r = params["kernel"] // 2
-                        near = [base(o) for o in entries if not o.is_pad and abs(o.pos - e.pos) <= r]
-                        return max(near) if params["pool"] == "max" else sum(near) / len(near)
-                    assert rule == "sinks", rule
-                    if protected(e):
-                        return math.inf
-                    return average(e)
-
-                order = sorted(entries, key=lambda e: (ave(e), e.pos))
-                evicted, kept = order[:p], order[p:]
-                real_ev = [e for e in evicted if not e.is_pad]
-                if real_ev and kept and math.isfinite(ave(kept[0])):  # how close the decision was
-                    a, b = ave(real_ev[-1]), ave(kept[0])
+                ranked[h] = self.priorities(self.kv[layer][h], h, curr_id, rule, params, prefill)
+            for group in self.groups:
+                n = p * len(group)
+                order = sorted(item for h in group for item in ranked[h])
+                assert len(order) >= n
+                evicted, kept = order[:n], order[n:]
+                real_ev = [item for item in evicted if not item[3].is_pad]
+                if real_ev and kept and math.isfinite(kept[0][0]):  # how close the decision was
+                    a, b = real_ev[-1][0], kept[0][0]
                     assert math.isfinite(a), "a protected entry was evicted"
                     if a == b:  # an exact tie at the boundary: decided by position (older evicted)
                         result.tie_decisions += 1
                     else:  # a near tie would be decided by rounding noise
                         result.min_margin = min(result.min_margin, (b - a) / max(abs(b), 1e-30))
-                gone = {id(e) for e in evicted}
-                self.kv[layer][h] = [e for e in entries if id(e) not in gone]  # compacted
-                result.evictions += 1
-                result.events.append((sample, layer, h, curr_id, sorted(e.pos for e in real_ev)))
+                gone = {id(item[3]) for item in evicted}
+                for h in group:
+                    self.kv[layer][h] = [e for e in self.kv[layer][h] if id(e) not in gone]  # compacted
+                    result.evictions += 1
+                    ev = sorted(item[1] for item in real_ev if item[2] == h)
+                    result.events.append((sample, layer, h, curr_id, ev))
+
+    def priorities(self, entries, h, curr_id, rule, params, prefill):
+        """[(priority, position, head, entry)] of one (layer, head)'s entries under ``rule``."""
+
+        def average(e):
+            assert e.pos <= curr_id
+            return -math.inf if e.is_pad else e.sum / (curr_id + 1 - e.pos)
+
+        def base(e):
+            if rule in ("probe", "snapkv") and prefill and not e.is_pad:
+                return average(e) + params["weight"] * e.probe
+            if rule == "question" and prefill and not e.is_pad:
+                return e.probe
+            return average(e)
+
+        def protected(e):
+            return e.pos - self.npad < params["sinks"] or e.pos > curr_id - params["recent"]
+
+        def ave(e):  # the rule's priority
+            if e.is_pad or rule in ("paper", "probe"):
+                return base(e)
+            if rule == "question" and protected(e):
+                return math.inf
+            if rule in ("pooled", "snapkv", "question"):
+                r = params["kernel"] // 2
+                near = [base(o) for o in entries if not o.is_pad and abs(o.pos - e.pos) <= r]
+                return max(near) if params["pool"] == "max" else sum(near) / len(near)
+            assert rule == "sinks", rule
+            if protected(e):
+                return math.inf
+            return average(e)
+
+        return [(ave(e), e.pos, h, e) for e in entries]
 
     def keep_newest(self, result: RefResult, sample: int, curr_id: int):
         for layer in range(self.n_layers):
@@ -301,8 +319,14 @@ def reference_generate(
     rule="paper",
     rule_params=None,
     force_tokens=None,
+    groups=None,
 ):
     """Greedy generation with the paper's cache policy (or one of the rules above, BM only), naively.
+
+    ``groups`` (BM): the KV heads that share one budget (the rule's ``share``), e.g. ``[[0, 1]]``: the group holds
+    ``len(group) * kv_max`` entries, any of its heads may hold them, and each eviction removes ``len(group) * p``
+    of them, the lowest ``(priority, position, head)`` over the group (each entry ranked within its own head);
+    default every head alone (the paper).
 
     ``force_tokens`` ``[B, >= max_new_tokens - 1]``: teacher forcing -- decode step t feeds ``force_tokens[:, t-1]``
     instead of the previous argmax (``tokens`` still records the argmaxes).
@@ -343,7 +367,7 @@ def reference_generate(
         npad = mask.index(1)
         assert all(m == 0 for m in mask[:npad]) and all(m == 1 for m in mask[npad:]), "left padding expected"
         ids = input_ids[j].tolist()
-        st = _SampleState(model, npad)
+        st = _SampleState(model, npad, groups)
         logits = []
 
         def block(t0, t1):

@@ -200,6 +200,7 @@ SERVED_CASES = [
     (Method("ed", kv_max=2), 4, 96, 6),
     (Method("bm", kv_max=32, p=8), 4, 96, 6),
     (Method("bm", kv_max=80, p=8, rule="question"), 3, 200, 6),
+    (Method("bm", kv_max=80, p=8, rule="question:share=0"), 3, 200, 6),
 ]
 
 
@@ -278,6 +279,7 @@ RULES = [
     "snapkv:window=6,kernel=3,every=2",
     "question:window=6,every=3,kernel=3,sinks=1,recent=4",
     "question:window=8,every=1,kernel=5,sinks=2,recent=3",
+    "question:window=6,every=3,kernel=3,sinks=1,recent=4,share=0",  # the layer's heads share one budget
 ]
 
 

@@ -82,17 +82,19 @@ def test_registry_names_and_defaults():
         ("pooled:kernel=4", "kernel must be odd"),
         ("pooled:kernel=0", "kernel must be an integer >= 1"),
         ("pooled:pool=min", "pool must be one of max, avg"),
-        ("pooled:size=3", "keys: kernel, pool"),
+        ("pooled:size=3", "keys: share, kernel, pool"),
         ("probe:window=0", "window must be an integer >= 1"),
         ("probe:weight=-1", "weight must be a finite number >= 0"),
         ("sinks:recent=x", "recent must be int"),
-        ("paper:kernel=3", "keys: none"),
+        ("paper:kernel=3", "keys: share$"),
         ("question:recent=-1", "recent must be an integer >= 0"),
         ("question:sinks=1.5", "sinks must be int"),
         ("question:kernel=4", "kernel must be odd"),
         ("question:window=0", "window must be an integer >= 1"),
         ("question:pool=sum", "pool must be one of max, avg"),
-        ("question:weight=2", "keys: window, every, kernel, pool, sinks, recent"),
+        ("question:weight=2", "keys: share, window, every, kernel, pool, sinks, recent"),
+        ("paper:share=-1", "share must be an integer >= 0"),
+        ("question:share=129", "share must be <= 128"),
         ("snapkv:every=0", "every must be an integer >= 1"),
     ],
 )
@@ -393,7 +395,18 @@ def test_list_rules_prints_names_and_exits_0(capsys):
     with pytest.raises(SystemExit) as done:
         parse_args(["--list-rules"])
     assert done.value.code == 0
-    assert capsys.readouterr().out.split("\n") == rule_names() + [""]
+    lines = capsys.readouterr().out.split("\n")
+    assert [line.split()[0] for line in lines[:-1]] == rule_names() and lines[-1] == ""
+    assert all(line.split()[1] == "share=1" for line in lines[:-1])  # the budget parameter every rule takes
+    assert lines[rule_names().index("question")].split()[1:] == [
+        "share=1",
+        "window=32",
+        "every=4",
+        "kernel=15",
+        "pool=max",
+        "sinks=4",
+        "recent=60",
+    ]
 
 
 def test_reports_name_the_rule():

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..core.rules import rule_names
+from ..core.rules import get_rule, rule_names
 from .run import LISTING_KEYS, PARTS, SETTINGS, RunConfig, _normalise_mapping, load_yaml
 from .settings import LIST, ConfigError, Setting
 
@@ -46,10 +46,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _ListRules(argparse.Action):
-    """``--list-rules``: print the rule names (one per line) and exit 0, like ``--help``."""
+    """``--list-rules``: print each rule's name and its parameters with their defaults (one rule per line, the
+    name first) and exit 0, like ``--help``."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser._print_message("\n".join(rule_names()) + "\n", sys.stdout)
+        lines = [f"{name:<9} {get_rule(name).parameters()}" for name in rule_names()]
+        parser._print_message("\n".join(lines) + "\n", sys.stdout)
         parser.exit(0)
 
 

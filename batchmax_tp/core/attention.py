@@ -97,19 +97,29 @@ def _decode_attention(
     mask (``bias``: -inf on empty/evicted slots) is all the masking needed; slots [hi, C) were never written and
     stay out of every product. ``active`` [B, 1, 1] (a pool's pass): 1 for the rows decoding, 0 for idle rows,
     whose attention is not added to their slots' sums. An explicit ``bias`` [B, 1, hi] (the baselines' pool: each
-    row's held length) replaces the layer's, and no sums are kept. Returns [B, 1, Hq, D]."""
+    row's held length) replaces the layer's, and no sums are kept. In a budget shared by G heads (key/value
+    [B, Hs, T + 1, D], Hs = Hkv / G storage heads) each query head's group also hides the other heads' slots.
+    Returns [B, 1, Hq, D]."""
     B, Hq, _, D = query.shape
     Hkv = key.shape[1]
     g = Hq // Hkv
+    G = layer.cache.share
     if not torch.compiler.is_compiling():  # a compiled pass's pool notes it (``_Pool.note_decode``): no guard on it
-        layer.cache.note_workspace(workspace.decode_workspace_bytes(B, Hq, Hkv, hi, D, query.element_size()))
+        ws = workspace.decode_workspace_bytes(B, Hq, Hkv, hi, D, query.element_size(), G)
+        layer.cache.note_workspace(ws)
     q = query.reshape(B * Hkv, g, D)  # [B*Hkv, g, D]: query heads grouped by their KV head (a view)
     keys_t = key[:, :, :hi].transpose(2, 3).reshape(B * Hkv, D, hi)  # [B*Hkv, D, hi] (a view)
-    if bias is None:
-        bias = layer.bias[:, :, :hi].reshape(B * Hkv, 1, hi)  # [B*Hkv, 1, hi]: 0 valid, -inf hidden (a view)
-    else:
+    if bias is not None:
         bias = bias[:, None, None, :].expand(B, Hkv, 1, hi).reshape(B * Hkv, 1, hi)  # [B*Hkv, 1, hi] (a view)
+    elif G == 1:
+        bias = layer.bias[:, :, :hi].reshape(B * Hkv, 1, hi)  # [B*Hkv, 1, hi]: 0 valid, -inf hidden (a view)
+    else:  # [B, Hs, G, hi]: each head's own slots -> [B*Hs, g, hi], the G heads' query groups in order
+        other = layer.other_heads(lambda t: t)[..., :hi]  # [B, Hs, G, hi]
+        bias = layer.bias[:, :, None, :hi].masked_fill(other, float("-inf"))
+        del other
+        bias = bias[:, :, :, None, :].expand(B, Hkv, G, g // G, hi).reshape(B * Hkv, g, hi)
     logits = torch.baddbmm(bias, q, keys_t, alpha=scaling)  # [B*Hkv, g, hi], scaled and masked
+    del bias
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [B*Hkv, g, hi]
     del logits
     if layer.score is not None:  # a layer that keeps score sums (the baselines' pools keep none)
@@ -184,14 +194,15 @@ def _rows_attention(
     and decode steps): write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
     layer = step.layer(module)
     layer.cache.allocate(key, value)
+    hi = step.hi * layer.cache.share  # a shared budget's G heads hold G slots per column
     if step.kind == "probe":  # nothing is evicted or written: the probe only reads
-        return _rows_probe(layer, step, query, (key, value), scaling)
+        return _rows_probe(layer, step, query, (key, value), scaling, hi)
     layer.write(step, key, value)  # the pass's evictions ran before it (the pool's ``evict``)
     if step.kind == "decode":
-        return _decode_attention(layer, query, layer.keys, layer.values, scaling, step.hi, step.active, step.bias)
+        return _decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias)
     if isinstance(layer, DensePoolLayer):  # a baseline's prompt: one block from position 0, over its own pairs
         return _dense_prefill(module, layer, query, key, value, scaling)
-    return _rows_block(layer, step, query, scaling)
+    return _rows_block(layer, step, query, scaling, hi)
 
 
 def _dense_prefill(module, layer: DensePoolLayer, query, key, value, scaling: float) -> torch.Tensor:
@@ -226,22 +237,23 @@ class _OneGroup:
         return getattr(self._module, name)
 
 
-def _rows_block(layer: PoolLayer, step: RowsPass, query: torch.Tensor, scaling: float) -> torch.Tensor:
+def _rows_block(layer: PoolLayer, step: RowsPass, query: torch.Tensor, scaling: float, hi: int) -> torch.Tensor:
     """Prefill chunks of R rows, each at its own positions (``step.qpos``), causal over each row's kept slots
-    [0, hi) in query chunks. Returns [R, n, Hq, D]."""
+    [0, hi) in query chunks (a shared budget: each head over its own). Returns [R, n, Hq, D]."""
     R, Hq, n, D = query.shape
-    Hkv, hi = layer.keys.shape[1], step.hi
+    Hkv, G = layer.keys.shape[1], layer.cache.share
     g = Hq // Hkv
     keys_t = step.take(layer.keys[:, :, :hi]).transpose(2, 3)  # [R, Hkv, D, hi]
     values = step.take(layer.values[:, :, :hi])  # [R, Hkv, hi, D]
     score = step.take(layer.score[:, :, :hi])  # [R, Hkv, hi]: a view (adjacent rows) or a copy written back
     hiding = _slot_hiding(step.take(layer.pos[:, :, :hi]), n)  # [R, Hkv, hi]
+    other = layer.other_heads(step.take)  # [R, Hkv, G, T + 1] or None
     qg = query.view(R, Hkv, g, n, D)  # [R, Hkv, g, n, D]: query heads grouped by their KV head (a view)
     gathered = 0 if step.span is not None else R * Hkv * hi * (2 * D * query.element_size() + 8 + 4)
     layer.cache.note_workspace(
         gathered
         + workspace.workspace_bytes(
-            R, Hq, Hkv, n, hi, D, ordered=False, padded=step.real is not None, elem=query.element_size()
+            R, Hq, Hkv, n, hi, D, ordered=False, padded=step.real is not None, elem=query.element_size(), share=G
         )
     )
     out = None  # [R, n, Hkv, g, D]: allocated once when the block takes more than one chunk
@@ -249,7 +261,7 @@ def _rows_block(layer: PoolLayer, step: RowsPass, query: torch.Tensor, scaling: 
         m = b - a
         if out is None and m < n:
             out = torch.empty(R, n, Hkv, g, D, dtype=values.dtype, device=values.device)
-        probs = _chunk_probs(qg[:, :, :, a:b], keys_t, scaling, hiding, step.qpos[:, a:b])  # [R, Hkv, g*m, hi]
+        probs = _chunk_probs(qg[:, :, :, a:b], keys_t, scaling, hiding, step.qpos[:, a:b], other)  # [R, Hkv, g*m, hi]
         _add_received(score, probs, None if step.real is None else step.real[:, a:b])
         o = torch.matmul(probs.to(values.dtype), values).view(R, Hkv, g, m, D)  # [R, Hkv, g, m, D]
         del probs
@@ -269,26 +281,33 @@ def _rows_probe(
     query: torch.Tensor,
     probe_kv: tuple[torch.Tensor, torch.Tensor],
     scaling: float,
+    hi: int,
 ) -> torch.Tensor:
     """A look-ahead probe pass of R rows: queries [R, Hq, w, D] over each row's slots [0, hi) and the probe's own
     keys (causal; masked columns are neither queries nor keys). Writes the rows' ``probe`` (and, for a rule probing
-    every few blocks, their stored queries); returns the probe outputs [R, w, Hq, D]."""
+    every few blocks, their stored queries); returns the probe outputs [R, w, Hq, D]. In a budget shared by G heads
+    the slots are the Hs = Hkv / G storage heads' (each query head over its own head's slots), the own keys the
+    model's Hkv heads'; the query rows (G, g, w) of a storage head are the (g, w) rows of its G heads in order."""
     pk, pv = probe_kv  # [R, Hkv, w, D] each
     R, Hq, w, D = query.shape
-    Hkv, hi = pk.shape[1], step.hi
-    layer.cache.note_workspace(workspace.probe_workspace_bytes(R, Hq, Hkv, w, hi, D, query.element_size()))
+    Hkv, Hs, G = pk.shape[1], layer.keys.shape[1], layer.cache.share
+    layer.cache.note_workspace(workspace.probe_workspace_bytes(R, Hq, Hs, w, hi, D, query.element_size(), G))
     q = (query * scaling).reshape(R, Hkv, Hq // Hkv * w, D)  # [R, Hkv, g*w, D]
     weights = probe.query_weights(step.real, R, w, q.device)  # [R, w]
     own = probe.own_logits(q, pk, weights)  # [R, Hkv, g*w, w]
     own_lse = own.logsumexp(-1, keepdim=True)  # [R, Hkv, g*w, 1]
-    slot_pos = step.take(layer.pos[:, :, :hi])  # [R, Hkv, hi]
-    to_slots, lse = probe.slot_probabilities(q, step.take(layer.keys[:, :, :hi]), slot_pos, own_lse)
-    layer.probe[:, :, :hi].index_copy_(0, step.rows, probe.per_slot(to_slots, weights))  # [R, Hkv, hi]
+    q, own_lse = q.view(R, Hs, Hq // Hs * w, D), own_lse.view(R, Hs, Hq // Hs * w, 1)  # storage heads' rows
+    slot_pos = step.take(layer.pos[:, :, :hi])  # [R, Hs, hi]
+    other = layer.other_heads(step.take)  # [R, Hs, G, T + 1] or None
+    other = None if other is None else other[..., :hi]
+    to_slots, lse = probe.slot_probabilities(q, step.take(layer.keys[:, :, :hi]), slot_pos, own_lse, other)
+    layer.probe[:, :, :hi].index_copy_(0, step.rows, probe.per_slot(to_slots, weights))  # [R, Hs, hi]
     if layer.cache.method.probe_every > 1:
         layer.store_probe(step.rows, q, own_lse, weights)
-    to_own = own.sub_(lse).exp_()  # [R, Hkv, g*w, w]
-    values = step.take(layer.values[:, :, :hi])  # [R, Hkv, hi, D]
-    out = torch.matmul(to_slots.to(pv.dtype), values) + torch.matmul(to_own.to(pv.dtype), pv)
+    to_own = own.sub_(lse.view(R, Hkv, Hq // Hkv * w, 1)).exp_()  # [R, Hkv, g*w, w]
+    values = step.take(layer.values[:, :, :hi])  # [R, Hs, hi, D]
+    out = torch.matmul(to_slots.to(pv.dtype), values)  # [R, Hs, G*g*w, D]
+    out = out.view(R, Hkv, Hq // Hkv * w, D) + torch.matmul(to_own.to(pv.dtype), pv)  # [R, Hkv, g*w, D]
     return out.view(R, Hkv, Hq // Hkv, w, D).permute(0, 3, 1, 2, 4).reshape(R, w, Hq, D)  # [R, w, Hq, D]
 
 
@@ -302,11 +321,17 @@ def _slot_hiding(slot_pos: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _chunk_probs(
-    q: torch.Tensor, keys_t: torch.Tensor, scaling: float, hiding: torch.Tensor, qpos: torch.Tensor | int
+    q: torch.Tensor,
+    keys_t: torch.Tensor,
+    scaling: float,
+    hiding: torch.Tensor,
+    qpos: torch.Tensor | int,
+    other: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A query chunk's attention probabilities: q [B, Hkv, g, m, D] (a view), keys_t [B, Hkv, D, lim], ``hiding``
     from ``_slot_hiding``, ``qpos`` the queries' positions: [B, m] per row (-1: a masked query, which sees no slot),
-    or the first one's position (every row's queries at the same positions). Returns [B, Hkv, g*m, lim]."""
+    or the first one's position (every row's queries at the same positions); ``other`` [B, Hkv, G, >= lim] (a budget
+    shared by G heads: the slots each head's g / G query heads must not see). Returns [B, Hkv, g*m, lim]."""
     B, Hkv, g, m, D = q.shape
     lim = keys_t.shape[-1]
     # The chunk's scaled queries, copied contiguous (never a view: scaled in place) [B, Hkv, g, m, D]
@@ -323,6 +348,10 @@ def _chunk_probs(
         del qpos
     # A pad query sees no slot at all; a finite fill keeps its row finite (its weights are dropped below).
     logits.masked_fill_(hidden, torch.finfo(torch.float32).min)
+    if other is not None:  # [B, Hkv, G, g/G, m, lim]: another head's slots
+        G = other.shape[2]
+        hid = other[:, :, :, None, None, :lim]  # [B, Hkv, G, 1, 1, lim]
+        logits.view(B, Hkv, G, g // G, m, lim).masked_fill_(hid, torch.finfo(torch.float32).min)
     probs = torch.softmax(logits, dim=-1).view(B, Hkv, g * m, lim)  # [B, Hkv, g*m, lim]
     del logits, hidden
     return probs

@@ -242,9 +242,17 @@ class BatchMaxCache(Cache):
     "batchmax" (``core.attention.use_batchmax_attention``). HF's generate prefills the whole prompt in one block, so
     a prompt longer than ``kv_max`` needs ``prefill_chunk_size=p`` (identical to Algorithm 1 when ``kv_max`` is a
     multiple of ``p``). ``reserve`` preallocates that many slots for FKV/ED so their prefill does not reallocate.
+    A rule whose heads share a budget (``share`` != 1) runs in the engine's pool only (``core.serve``).
     """
 
+    share = 1  # every head holds its own kv_max pairs (``core.pool``'s shared budgets are the engine's)
+
     def __init__(self, method: Method, num_layers: int | None = None, reserve: int = 0):
+        if method.scorer.share != 1:
+            raise ValueError(
+                f"rule {method.rule!r}: heads sharing a budget run in batchmax_tp's engine (serve, generate), "
+                "not in HF generate's BatchMaxCache"
+            )
         self.method = method
         self.reserve = reserve
         self.peak_kv_bytes = 0

@@ -117,10 +117,15 @@ class Method:
         positions in chunks of ``p`` (BM), or None: the whole prompt of one group of one length per pass (FKV, ED)."""
         return None
 
-    def slot_state_bytes(self, elem: int) -> int:
-        """Bookkeeping bytes per slot of a pool row (``elem``: bytes per element of the model dtype); none for a
-        method that never ranks by attention."""
+    def slot_state_bytes(self, elem: int, group: int = 1) -> int:
+        """Bookkeeping bytes per slot of a pool row (``elem``: bytes per element of the model dtype; ``group``: KV
+        heads sharing one budget, ``group``); none for a method that never ranks by attention."""
         return 0
+
+    def group(self, kv_heads: int) -> int:
+        """How many of a layer's ``kv_heads`` (on one rank) share one budget of slots (``Rule.share``; 1 unless the
+        method's rule shares)."""
+        return 1
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
         """How many pairs to evict before writing ``incoming`` new pairs into a cache holding ``filled``.
@@ -131,8 +136,10 @@ class Method:
         """
         return 0
 
-    def priority(self, score: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
-        """Priority [B, H, C] of each slot (lower evicted first)."""
+    def priority(
+        self, score: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None, head: Tensor | None = None
+    ) -> Tensor:
+        """Priority [B, H, C] of each slot (lower evicted first; ``head``: each slot's head in a shared budget)."""
         raise NotImplementedError(f"method {self.name!r} never evicts")
 
 
@@ -171,7 +178,7 @@ class ExtremeDecoding(Method):
         decode = incoming == 1
         return filled - 1 if decode and (first_decode or filled >= self.kv_max) and filled > 1 else 0
 
-    def priority(self, score: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
+    def priority(self, score, pos, curr_id, probe=None, head=None) -> Tensor:
         """Newest first: the score is the position itself (empty slots -1)."""
         return pos.float()
 
@@ -211,10 +218,15 @@ class BatchMax(Method):
             blocks.append((t0, t1))
         return blocks
 
-    def slot_state_bytes(self, elem: int) -> int:
+    def slot_state_bytes(self, elem: int, group: int = 1) -> int:
         """A position (int64), an attention sum (float32), an additive mask (model dtype) and a free-list entry
-        (int64) per slot; a rule with a look-ahead probe adds its probe value (float32)."""
-        return 8 + 4 + elem + 8 + (4 if self.lookahead else 0)
+        (int64) per slot; a rule with a look-ahead probe adds its probe value (float32); a budget shared by several
+        heads stores its free list as int32 and adds each slot's head (int8), 3 bytes less in all."""
+        free = 8 if group == 1 else 4 + 1
+        return 8 + 4 + elem + free + (4 if self.lookahead else 0)
+
+    def group(self, kv_heads: int) -> int:
+        return self.scorer.group(kv_heads)
 
     def pass_tokens(self, slots: int) -> int:
         """Every row's next chunk of ``p`` in one pass, and never less than Algorithm 1's first block: measured
@@ -234,9 +246,9 @@ class BatchMax(Method):
             )
         return min(self.p, filled)
 
-    def priority(self, score: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
+    def priority(self, score, pos, curr_id, probe=None, head=None) -> Tensor:
         """The rule's priority (``probe``: the look-ahead attention of the last prefill pass, or None)."""
-        return self.scorer.score(score, pos, curr_id, probe)
+        return self.scorer.score(score, pos, curr_id, probe, head)
 
 
 #: The registry: every method by its name, in the order runs and reports list them.

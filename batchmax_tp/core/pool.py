@@ -33,31 +33,39 @@ import torch
 
 from . import probe as lookahead
 from .method import BatchMax, ExtremeDecoding, FullCache, Method
+from .rules import MAX_SHARE
 from .schedule import Phase
 from .step import Eviction, RowsPass, SlotWork
 from .workspace import decode_workspace_bytes, eviction_layers
 
 
-def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
-    """Indices [B, H, n] of the ``n`` slots with the smallest ``(priority, position, slot)``, in that order.
+def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int, head: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices [B, H, n] of the ``n`` slots with the smallest ``(priority, position, head, slot)``, in that order.
 
-    Exact priority ties evict the older pair first, and empty slots (position -1) in slot order, so the result
-    does not depend on the slot layout. One sort of an int64 key: the float32 priority's bits made
-    order-preserving in the high half, the position (empty slots: their index, below every position) in the low.
+    Exact priority ties evict the older pair first (in a shared budget, ``head`` [B, H, C]: at one position the
+    lower head first), and empty slots (position -1) in slot order, so the result does not depend on the slot
+    layout. One sort of an int64 key: the float32 priority's bits made order-preserving in the high half, the
+    position (and head; empty slots: their index, below every position) in the low.
     """
     C = pos.shape[-1]
     bits = priority.float().contiguous().view(torch.int32)  # [B, H, C]
     bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats: reversed order fixed
-    low = torch.where(pos >= 0, pos + C, torch.arange(C, device=pos.device))  # [B, H, C], in [0, 2**32)
+    order = pos if head is None else pos * MAX_SHARE + head.long()  # [B, H, C]
+    low = torch.where(pos >= 0, order + C, torch.arange(C, device=pos.device))  # [B, H, C], in [0, 2**32)
     return (bits * 2**32 + low).topk(n, dim=-1, largest=False, sorted=True).indices  # [B, H, n]
 
 
 def free_slots(
-    priority: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, bias: torch.Tensor, n: int
+    priority: torch.Tensor,
+    pos: torch.Tensor,
+    score: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+    head: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Free the ``n`` slots of lowest ``priority`` (``slots_to_evict``) in the slot state ``pos``/``score``/``bias``
     [B, H, C] (views are written through) and return their indices [B, H, n]."""
-    freed = slots_to_evict(priority, pos, n)  # [B, H, n]
+    freed = slots_to_evict(priority, pos, n, head)  # [B, H, n]
     pos.scatter_(2, freed, -1)
     score.scatter_(2, freed, 0.0)
     bias.scatter_(2, freed, float("-inf"))
@@ -89,6 +97,7 @@ class _Pool:
     """What every pool shares: rows, peaks, the shared prefill's fork."""
 
     stacked_kv = False  # K/V stacked over the layers too (ED's eviction reads every layer's newest pair)
+    share = 1  # KV heads sharing one budget of slots (BM under a rule's ``share``; set by ``allocate``)
 
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, layer_class, static: bool):
         self.layers = [layer_class(self, i) for i in range(num_layers)]
@@ -108,9 +117,9 @@ class _Pool:
         (inductor copied each layer's whole K/V every pass otherwise, 138 against 100 ms a BM pass on the CPU)."""
         if self.allocated:
             return
-        H, dtype, device = key_states.shape[1], key_states.dtype, key_states.device
-        S, C1 = self.slots, self.capacity + 1
-        L = len(self.layers)
+        dtype, device = key_states.dtype, key_states.device
+        H, C1 = self.storage(key_states.shape[1])
+        S, L = self.slots, len(self.layers)
         kv = {
             "keys": (L, S, H, C1, key_states.shape[-1]),
             "values": (L, S, H, C1, value_states.shape[-1]),
@@ -124,6 +133,11 @@ class _Pool:
             own = {} if stacked else {n: torch.zeros(shape[1:], dtype=dtype, device=device) for n, shape in kv.items()}
             layer.bind_storage({**own, **{name: t[i] for name, t in self.stacks.items()}}, dtype, device)
         self.note()
+
+    def storage(self, kv_heads: int) -> tuple[int, int]:
+        """(heads, slots) of a row's storage per layer for the model's ``kv_heads`` local KV heads: one row of
+        ``capacity`` slots + the scratch slot per head."""
+        return kv_heads, self.capacity + 1
 
     def meta_stacks(self, L: int, H: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """The pool's per-slot bookkeeping, stacked over the layers (none for the dense pools)."""
@@ -155,10 +169,11 @@ class _Pool:
 
     def note_decode(self, query_group: int, hi: int) -> None:
         """Note a decode pass's workspace from the host (a compiled pass does not: ``attention._decode_attention``);
-        ``query_group``: query heads per KV head."""
-        keys = self.layers[0].keys  # [S, H, C + 1, D]
-        H, D = keys.shape[1], keys.shape[-1]
-        self.note_workspace(decode_workspace_bytes(self.slots, H * query_group, H, hi, D, keys.element_size()))
+        ``query_group``: query heads per KV head; ``hi``: the pass's columns (``RowsPass.hi``)."""
+        keys = self.layers[0].keys  # [S, Hs, T + 1, D]
+        H, D, G = keys.shape[1], keys.shape[-1], self.share
+        ws = decode_workspace_bytes(self.slots, H * G * query_group, H, hi * G, D, keys.element_size(), G)
+        self.note_workspace(ws)
 
     def _decode_pass(
         self,
@@ -235,11 +250,11 @@ class PoolLayer(_PoolLayer):
 
     def __init__(self, cache: BoundedPool, layer_idx: int):
         super().__init__(cache, layer_idx)
-        self.pos = self.score = self.bias = self.free = self.probe = None
+        self.pos = self.score = self.bias = self.free = self.probe = self.head = None
         self.probe_q = self.probe_lse = self.probe_w = None
 
     def row_tensors(self) -> tuple[torch.Tensor, ...]:
-        stored = (self.probe, self.probe_q, self.probe_lse, self.probe_w)
+        stored = (self.probe, self.head, self.probe_q, self.probe_lse, self.probe_w)
         return (
             self.keys,
             self.values,
@@ -257,21 +272,48 @@ class PoolLayer(_PoolLayer):
         self.free[row] = torch.arange(self.free.shape[-1], device=self.device)
 
     def meta_tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return self.pos, self.score, self.bias, self.free, self.probe, self.probe_q, self.probe_lse, self.probe_w
+        stored = (self.probe, self.head, self.probe_q, self.probe_lse, self.probe_w)
+        return self.pos, self.score, self.bias, self.free, *stored
+
+    def other_heads(self, take) -> torch.Tensor | None:
+        """In a shared budget (``share`` G > 1): which slots each query head's group must not see, bool [R, Hs, G,
+        T + 1] (True: the slot holds another head's pair) of the pass's rows (``take``: ``RowsPass.take``); else
+        None."""
+        G = self.cache.share
+        if G == 1:
+            return None
+        own = torch.arange(G, dtype=self.head.dtype, device=self.device)[:, None]  # [G, 1]
+        return take(self.head)[:, :, None, :] != own  # [R, Hs, G, T + 1]
 
     # -- a pass's writes: the new pairs (evictions: ``BoundedPool.evict``, before the pass) ----------------------
     def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Write each row's columns [R, H, n, D] at the slots its free list gives (masked columns: the scratch slot)."""
+        """Write each row's columns [R, H, n, D] at the slots its free list gives (masked columns: the scratch slot).
+        In a shared budget (G heads per storage head, T = G x C slots) column j's pairs take the free-list entries
+        [G j, G j + G), one per head in order, and each slot records its head."""
         R, H, n, _ = key_states.shape
-        C1 = self.keys.shape[2]
-        slots = step.take(self.free).gather(2, step.write[:, None, :].expand(R, H, n))  # [R, H, n]
-        heads = torch.arange(H, device=self.device)[None, :, None]  # [1, H, 1]
-        flat = ((step.rows[:, None, None] * H + heads) * C1 + slots).view(-1)  # [R*H*n] into the flattened rows
+        G, C, T1 = self.cache.share, self.cache.capacity, self.keys.shape[2]
+        Hs = H // G
+        if G > 1:  # [R, H, n, D] -> [R, Hs, n*G, D]: the pairs of (column, head) in free-list order
+            key_states, value_states = (
+                t.view(R, Hs, G, n, t.shape[-1]).transpose(2, 3).reshape(R, Hs, n * G, t.shape[-1])
+                for t in (key_states, value_states)
+            )
+        index = step.write
+        if G > 1:  # [R, n*G]: column j's G entries, masked columns all at the scratch slot T
+            own = torch.arange(G, device=self.device)
+            index = torch.where(index[..., None] == C, T1 - 1, index[..., None] * G + own).view(R, n * G)
+        slots = step.take(self.free).gather(2, index[:, None, :].expand(R, Hs, n * G))  # [R, Hs, n*G]
+        heads = torch.arange(Hs, device=self.device)[None, :, None]  # [1, Hs, 1]
+        flat = ((step.rows[:, None, None] * Hs + heads) * T1 + slots).view(-1)  # [R*Hs*n*G] into the flattened rows
         self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, key_states.reshape(-1, key_states.shape[-1]))
         self.values.view(-1, self.values.shape[-1]).index_copy_(
             0, flat, value_states.reshape(-1, value_states.shape[-1])
         )
-        qpos = step.qpos[:, None, :].expand(R, H, n)  # [R, H, n]
+        qpos = step.qpos if G == 1 else step.qpos.repeat_interleave(G, dim=1)  # [R, n*G]
+        qpos = qpos[:, None, :].expand(R, Hs, n * G)  # [R, Hs, n*G]
+        if G > 1:
+            own = torch.arange(G, dtype=self.head.dtype, device=self.device).repeat(n)  # [n*G]
+            self.head.view(-1).index_copy_(0, flat, own.expand(R, Hs, n * G).reshape(-1))
         self.pos.view(-1).index_copy_(0, flat, qpos.reshape(-1))
         self.score.view(-1).index_fill_(0, flat, 0.0)
         bias = torch.zeros(qpos.shape, dtype=self.bias.dtype, device=self.device).masked_fill_(qpos < 0, float("-inf"))
@@ -296,18 +338,32 @@ class BoundedPool(_Pool):
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, static: bool = False):
         super().__init__(method, num_layers, slots, capacity, PoolLayer, static)
 
+    @property
+    def free_dtype(self) -> torch.dtype:
+        return torch.long if self.share == 1 else torch.int32
+
+    def storage(self, kv_heads: int) -> tuple[int, int]:
+        """A rule sharing budgets among G heads (``Method.group``): per layer and row, each group of G local KV heads
+        stores T = G x ``kv_max`` slots (+ the scratch slot) that any of its heads may hold."""
+        self.share = self.method.group(kv_heads)
+        return kv_heads // self.share, self.share * self.capacity + 1
+
     def meta_stacks(self, L: int, H: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-        """pos (-1: empty), score, bias (-inf: empty), the free lists (identity, ending in the scratch slot C) and,
-        for a rule with a look-ahead probe, probe: each [L, S, H, C + 1]."""
-        shape = (L, self.slots, H, self.capacity + 1)
+        """pos (-1: empty), score, bias (-inf: empty), the free lists (identity, ending in the scratch slot T) and,
+        for a rule with a look-ahead probe, probe; in a shared budget each slot's head (int8): each [L, S, Hs,
+        T + 1] (Hs = H, T = C unless shared)."""
+        shape = (L, self.slots, H, self.share * self.capacity + 1)
         stacks = {
             "pos": torch.full(shape, -1, dtype=torch.long, device=device),
             "score": torch.zeros(shape, dtype=torch.float32, device=device),
             "bias": torch.full(shape, float("-inf"), dtype=dtype, device=device),
-            "free": torch.arange(shape[-1], device=device).repeat(*shape[:-1], 1),
+            # slot indices; a shared budget stores them as int32 (its head tags' byte and more comes back)
+            "free": torch.arange(shape[-1], dtype=self.free_dtype, device=device).repeat(*shape[:-1], 1),
         }
         if self.method.lookahead:
             stacks["probe"] = torch.zeros(shape, dtype=torch.float32, device=device)
+        if self.share > 1:
+            stacks["head"] = torch.zeros(shape, dtype=torch.int8, device=device)
         return stacks
 
     def meta_bytes(self) -> int:
@@ -318,35 +374,41 @@ class BoundedPool(_Pool):
         ``workspace.EVICT_CHUNK_BYTES`` allows (usually all: ``cache.free_slots`` on their slot state gathered from
         the stacks, [n*E, H, C]), and make the freed slots the head of each row's free list. A "rescore" eviction
         first ranks each layer's slots with that layer's stored probe queries."""
-        bias = self.stacks["bias"]  # [L, S, H, C + 1]
-        L, E, H, C = bias.shape[0], ev.rows.numel(), bias.shape[2], self.capacity
-        step = eviction_layers(L, E, H, C, bias.element_size())
+        bias = self.stacks["bias"]  # [L, S, Hs, T + 1]
+        L, E, H, T = bias.shape[0], ev.rows.numel(), bias.shape[2], bias.shape[3] - 1
+        step = eviction_layers(L, E, H, T, bias.element_size(), self.share)
         for first in range(0, L, step):
             self._evict_layers(ev, slice(first, min(first + step, L)))
 
     def _evict_layers(self, ev: Eviction, layers: slice) -> None:
-        e, C = ev.rows, self.capacity
-        state = {n: self.stacks[n][layers, ..., :C] for n in ("pos", "score", "bias")}  # [n, S, H, C] views
-        pos, score, bias = (t.index_select(1, e).flatten(0, 1) for t in state.values())  # [n*E, H, C]
+        e, T, G = ev.rows, self.share * self.capacity, self.share
+        names = ("pos", "score", "bias") + (("head",) if G > 1 else ())
+        state = {n: self.stacks[n][layers, ..., :T] for n in names}  # [n, S, Hs, T] views
+        pos, score, bias, *head = (t.index_select(1, e).flatten(0, 1) for t in state.values())  # [n*E, Hs, T]
+        head = head[0] if head else None
         n = state["pos"].shape[0]
-        probe = None  # [n*E, H, C]
+        probe = None  # [n*E, Hs, T]
         if ev.probe == "fresh":
-            probe = self.stacks["probe"][layers, ..., :C].index_select(1, e).flatten(0, 1)
+            probe = self.stacks["probe"][layers, ..., :T].index_select(1, e).flatten(0, 1)
         elif ev.probe == "rescore":  # each layer's last probe pass's queries, over the slots it holds now
             probe = torch.cat([self._rescored(lay, e, p) for lay, p in zip(self.layers[layers], pos.chunk(n))])
-        priority = self.method.priority(score, pos, ev.curr_id.repeat(n, 1, 1), probe)  # [n*E, H, C]
-        freed = free_slots(priority, pos, score, bias, ev.count)  # [n*E, H, count]
-        for dst, src in zip(state.values(), (pos, score, bias)):
-            dst.index_copy_(1, e, src.unflatten(0, (n, -1)))
-        self.stacks["free"][layers, ..., : ev.count].index_copy_(1, e, freed.unflatten(0, (n, -1)))
+        priority = self.method.priority(score, pos, ev.curr_id.repeat(n, 1, 1), probe, head)  # [n*E, Hs, T]
+        freed = free_slots(priority, pos, score, bias, ev.count * G, head)  # [n*E, Hs, G*count]
+        for name, src in zip(("pos", "score", "bias"), (pos, score, bias)):
+            state[name].index_copy_(1, e, src.unflatten(0, (n, -1)))
+        free = self.stacks["free"]
+        free[layers, ..., : ev.count * G].index_copy_(1, e, freed.unflatten(0, (n, -1)).to(free.dtype))
 
     def _rescored(self, layer: PoolLayer, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer``'s look-ahead attention [E, H, C] over the slots ``pos`` [E, H, C] of ``rows``, from the
+        """Layer ``layer``'s look-ahead attention [E, Hs, T] over the slots ``pos`` [E, Hs, T] of ``rows``, from the
         queries its last probe pass stored."""
         state = lookahead.ProbeState(
             *(t.index_select(0, rows) for t in (layer.probe_q, layer.probe_lse, layer.probe_w))
         )
-        return lookahead.rescore(state, layer.keys[:, :, : self.capacity].index_select(0, rows), pos)
+        T = pos.shape[-1]
+        other = layer.other_heads(lambda t: t.index_select(0, rows))  # [E, Hs, G, T + 1] or None
+        keys = layer.keys[:, :, :T].index_select(0, rows)
+        return lookahead.rescore(state, keys, pos, None if other is None else other[..., :T])
 
     def admit(self, rows: range, offsets: list[int]) -> None:
         """Requests enter the slots ``rows``: their slots are emptied; ``offsets``: each one's left pads (0 but for
@@ -438,11 +500,19 @@ class BoundedPool(_Pool):
 
     def kept_positions(self, row: int) -> list[list[list[int]]]:
         """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
-        C = self.capacity
-        return [
-            [sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[row, :, :C].cpu()]
-            for layer in self.layers
-        ]
+        T, G = self.share * self.capacity, self.share
+        out = []
+        for layer in self.layers:
+            pos = layer.pos[row, :, :T].cpu()  # [Hs, T]
+            head = layer.head[row, :, :T].cpu() if G > 1 else torch.zeros_like(pos)
+            out.append(
+                [
+                    sorted(p for p, h in zip(pos[hs].tolist(), head[hs].tolist()) if p >= 0 and h == k)
+                    for hs in range(pos.shape[0])
+                    for k in range(G)
+                ]
+            )
+        return out
 
 
 def to_device(data: list, device) -> torch.Tensor:

@@ -55,14 +55,23 @@ def own_logits(q: torch.Tensor, own_keys: torch.Tensor, weights: torch.Tensor) -
 
 
 def slot_probabilities(
-    q: torch.Tensor, slot_keys: torch.Tensor, slot_pos: torch.Tensor, own_lse: torch.Tensor
+    q: torch.Tensor,
+    slot_keys: torch.Tensor,
+    slot_pos: torch.Tensor,
+    own_lse: torch.Tensor,
+    other: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The probe's attention probabilities over the slots [B, Hkv, g*w, hi] (float32) and each query's log-sum-exp
     over slots and own keys together [B, Hkv, g*w, 1].
 
-    slot_keys: [B, Hkv, hi, D]; slot_pos: [B, Hkv, hi] (-1 hides a slot); own_lse: [B, Hkv, g*w, 1]."""
+    slot_keys: [B, Hkv, hi, D]; slot_pos: [B, Hkv, hi] (-1 hides a slot); own_lse: [B, Hkv, g*w, 1]; ``other``
+    [B, Hkv, G, hi] (a budget shared by G heads, rows (G, g/G, w)): the slots each head's queries must not see."""
     logits = torch.matmul(q, slot_keys.transpose(2, 3)).float()  # [B, Hkv, g*w, hi]
     logits.masked_fill_((slot_pos < 0)[:, :, None, :], NEG)
+    if other is not None:
+        B, Hkv, gw, hi = logits.shape
+        G = other.shape[2]
+        logits.view(B, Hkv, G, gw // G, hi).masked_fill_(other[:, :, :, None, :], NEG)
     lse = torch.logaddexp(logits.logsumexp(-1, keepdim=True), own_lse)  # [B, Hkv, g*w, 1]
     return logits.sub_(lse).exp_(), lse
 
@@ -74,7 +83,10 @@ def per_slot(to_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.matmul(weights.repeat(1, g)[:, None, None, :], to_slots).view(B, Hkv, hi)  # [B, Hkv, hi]
 
 
-def rescore(state: ProbeState, slot_keys: torch.Tensor, slot_pos: torch.Tensor) -> torch.Tensor:
-    """The stored probe's attention per slot [B, Hkv, hi] over the slots held now."""
-    probs, _ = slot_probabilities(state.q, slot_keys, slot_pos, state.own_lse)  # [B, Hkv, g*w, hi]
+def rescore(
+    state: ProbeState, slot_keys: torch.Tensor, slot_pos: torch.Tensor, other: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The stored probe's attention per slot [B, Hkv, hi] over the slots held now (``other``: as
+    ``slot_probabilities``)."""
+    probs, _ = slot_probabilities(state.q, slot_keys, slot_pos, state.own_lse, other)  # [B, Hkv, g*w, hi]
     return per_slot(probs, state.weights)

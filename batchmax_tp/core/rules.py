@@ -47,6 +47,12 @@ Rules (``rule_names()``):
   first ``sinks`` real tokens and the ``recent`` newest positions are never evicted (as in ``sinks``). The
   defaults (window 32, kernel 15, sinks 4, recent 60, and the probe on every 4th block: ``every`` 4) are the ones
   measured in the README's retention section.
+
+Every rule takes ``share`` (default 1, the paper's per-head budget): with ``share=G`` (0: all of a layer's KV heads
+on a rank) each group of G heads of a layer holds one budget of ``G x kv_max`` pairs per sample in storage sized to
+it (``core.pool``), and each eviction of Algorithm 1 frees the group's ``G x p`` pairs of lowest priority whichever
+head holds them (Ada-KV's allocation, decided at every prefill and decode eviction). Pooling and protection act
+within each head; ties order by position, then head. E.g. ``question:share=0``.
 """
 
 from __future__ import annotations
@@ -77,6 +83,10 @@ __all__ = [
 POOLS = ("max", "avg")
 #: Larger than any position (slot positions are int64): what an empty slot holds when the smallest is wanted.
 _NO_POSITION = 2**62
+#: Positions of the heads sharing one budget are told apart as ``position + head * _HEAD_STRIDE`` (far apart).
+_HEAD_STRIDE = 2**40
+#: The most KV heads one budget is shared by (``slots_to_evict`` orders ties by ``position * MAX_SHARE + head``).
+MAX_SHARE = 128
 
 
 # ---------------------------------------------------------------------------------------------- building blocks
@@ -91,8 +101,11 @@ def average_attention(attn: Tensor, pos: Tensor, curr_id: int) -> Tensor:
     return (attn / count).masked_fill(~valid, float("-inf"))
 
 
-def pool_by_position(x: Tensor, pos: Tensor, kernel: int, pool: str, curr_id: int | Tensor) -> Tensor:
-    """Pool ``x`` [B, H, C] over the valid slots whose positions are within ``kernel // 2`` of each slot's.
+def pool_by_position(
+    x: Tensor, pos: Tensor, kernel: int, pool: str, curr_id: int | Tensor, head: Tensor | None = None
+) -> Tensor:
+    """Pool ``x`` [B, H, C] over the valid slots whose positions are within ``kernel // 2`` of each slot's (and, in a
+    budget shared by several heads, whose head ``head`` [B, H, C] is the slot's own).
 
     Slots are unordered and evicted positions are absent, so neighbours are found in position space: each row's
     slots are sorted by position (a row holds each position once), and a slot's neighbours within ``r = kernel //
@@ -104,7 +117,8 @@ def pool_by_position(x: Tensor, pos: Tensor, kernel: int, pool: str, curr_id: in
     if r == 0:
         return x.masked_fill(~valid, float("-inf"))
     far = 1 << 62  # invalid slots sort last and are never anyone's neighbour
-    key = pos.masked_fill(~valid, far)  # [B, H, C]
+    key = pos if head is None else pos + head.long() * _HEAD_STRIDE  # [B, H, C]: another head's slots are far
+    key = key.masked_fill(~valid, far)  # [B, H, C]
     order = key.argsort(dim=-1)  # [B, H, C]
     spos, sx = key.gather(-1, order), x.gather(-1, order)  # [B, H, C] each, by position
     empty = float("-inf") if pool == "max" else 0.0
@@ -142,7 +156,7 @@ def protect(priority: Tensor, pos: Tensor, curr_id: int, sinks: int, recent: int
 
 
 #: Lowest value of each integer parameter; a parameter means the same in every rule that has it.
-_LOWEST = {"window": 1, "kernel": 1, "sinks": 0, "recent": 0, "every": 1}
+_LOWEST = {"window": 1, "kernel": 1, "sinks": 0, "recent": 0, "every": 1, "share": 0}
 
 
 def _check(rule: str, name: str, value: object) -> None:
@@ -152,6 +166,8 @@ def _check(rule: str, name: str, value: object) -> None:
             raise ValueError(f"rule {rule!r}: {name} must be an integer >= {_LOWEST[name]}, got {value!r}")
         if name == "kernel" and value % 2 == 0:
             raise ValueError(f"rule {rule!r}: kernel must be odd (centred on the slot), got {value}")
+        if name == "share" and value > MAX_SHARE:
+            raise ValueError(f"rule {rule!r}: share must be <= {MAX_SHARE} (0: all of a layer's heads), got {value}")
     elif name == "pool" and value not in POOLS:
         raise ValueError(f"rule {rule!r}: pool must be one of {', '.join(POOLS)}, got {value!r}")
     elif name == "weight" and (
@@ -163,16 +179,36 @@ def _check(rule: str, name: str, value: object) -> None:
 # ------------------------------------------------------------------------------------------------------- rules
 @dataclass(frozen=True)
 class Rule:
-    """Base of all rules: ``score(attn, pos, curr_id, probe) -> priority [B, H, C]`` (lower evicted first)."""
+    """Base of all rules: ``score(attn, pos, curr_id, probe, head) -> priority [B, H, C]`` (lower evicted first).
+
+    ``share`` (every rule): how many of a layer's KV heads share one budget of ``share x kv_max`` pairs per slot
+    (1: the paper's ``kv_max`` per head; 0: all of the layer's heads on a rank). Each eviction then frees
+    ``share x p`` pairs of the group, the lowest priorities whichever head holds them, so a head whose attention is
+    spread keeps more pairs than one whose attention is focused (Ada-KV's allocation, decided at every eviction of
+    Algorithm 1, prefill and decoding); the priorities are compared as the rule computes them (every head's
+    attention sums to one per query). ``head`` [B, H, C]: each slot's head within its group (None: unshared)."""
 
     name: ClassVar[str] = ""
+    share: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
             _check(self.name, f.name, getattr(self, f.name))
 
-    def score(self, attn: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None) -> Tensor:
+    def score(
+        self, attn: Tensor, pos: Tensor, curr_id: int, probe: Tensor | None = None, head: Tensor | None = None
+    ) -> Tensor:
         raise NotImplementedError
+
+    def group(self, kv_heads: int) -> int:
+        """How many of ``kv_heads`` (a layer's KV heads on one rank) share each budget; ValueError when ``share``
+        does not divide them."""
+        g = kv_heads if self.share == 0 else self.share
+        if kv_heads % g:
+            raise ValueError(
+                f"rule {self.name!r}: share={self.share} does not divide the {kv_heads} KV heads of a layer on a rank"
+            )
+        return g
 
     def lookahead(self) -> int:
         """Look-ahead probe tokens run after each prefill block but the last: the rule's ``window`` (0: none)."""
@@ -187,6 +223,10 @@ class Rule:
         """Most pairs per (sample, head) the rule never evicts, its ``sinks + recent`` (``Method`` checks it against
         kv_max - p)."""
         return getattr(self, "sinks", 0) + getattr(self, "recent", 0)
+
+    def parameters(self) -> str:
+        """Every parameter with its value, ``key=value`` separated by spaces (what ``--list-rules`` prints)."""
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
     def describe(self) -> str:
         """``name`` or ``name(k=v, ...)`` with the parameters that differ from the defaults."""
@@ -205,7 +245,7 @@ class PaperRule(Rule):
 
     name: ClassVar[str] = "paper"
 
-    def score(self, attn, pos, curr_id, probe=None):
+    def score(self, attn, pos, curr_id, probe=None, head=None):
         return average_attention(attn, pos, curr_id)
 
 
@@ -217,8 +257,8 @@ class PooledRule(Rule):
     kernel: int = 7
     pool: str = "max"
 
-    def score(self, attn, pos, curr_id, probe=None):
-        return pool_by_position(average_attention(attn, pos, curr_id), pos, self.kernel, self.pool, curr_id)
+    def score(self, attn, pos, curr_id, probe=None, head=None):
+        return pool_by_position(average_attention(attn, pos, curr_id), pos, self.kernel, self.pool, curr_id, head)
 
 
 @dataclass(frozen=True)
@@ -230,7 +270,7 @@ class SinksRule(Rule):
     sinks: int = 4
     recent: int = 32
 
-    def score(self, attn, pos, curr_id, probe=None):
+    def score(self, attn, pos, curr_id, probe=None, head=None):
         return protect(average_attention(attn, pos, curr_id), pos, curr_id, self.sinks, self.recent)
 
 
@@ -245,7 +285,7 @@ class ProbeRule(Rule):
     every: int = 1
     weight: float = 1.0
 
-    def score(self, attn, pos, curr_id, probe=None):
+    def score(self, attn, pos, curr_id, probe=None, head=None):
         ave = average_attention(attn, pos, curr_id)
         return ave if probe is None else ave + self.weight * probe
 
@@ -261,11 +301,11 @@ class SnapKVRule(Rule):
     kernel: int = 7
     pool: str = "max"
 
-    def score(self, attn, pos, curr_id, probe=None):
+    def score(self, attn, pos, curr_id, probe=None, head=None):
         ave = average_attention(attn, pos, curr_id)
         if probe is not None:
             ave = ave + self.weight * probe
-        return pool_by_position(ave, pos, self.kernel, self.pool, curr_id)
+        return pool_by_position(ave, pos, self.kernel, self.pool, curr_id, head)
 
 
 @dataclass(frozen=True)
@@ -282,9 +322,10 @@ class QuestionRule(Rule):
     sinks: int = 4
     recent: int = 60
 
-    def score(self, attn, pos, curr_id, probe=None):
+    def score(self, attn, pos, curr_id, probe=None, head=None):
         x = average_attention(attn, pos, curr_id) if probe is None else probe.masked_fill(pos < 0, float("-inf"))
-        return protect(pool_by_position(x, pos, self.kernel, self.pool, curr_id), pos, curr_id, self.sinks, self.recent)
+        pooled = pool_by_position(x, pos, self.kernel, self.pool, curr_id, head)
+        return protect(pooled, pos, curr_id, self.sinks, self.recent)
 
 
 RULES: dict[str, type] = {

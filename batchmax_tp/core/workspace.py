@@ -55,18 +55,27 @@ def workspace_bytes(
     ordered: bool,
     padded: bool,
     elem: int = 4,
+    share: int = 1,
 ) -> int:
     """Peak bytes one block call of ``attention.batchmax_attention`` (a prefill block, or a decode step with a mask)
     allocates above what it was given: every tensor it (and the kernels it calls) holds at the worst moment, the
     returned output included.
 
     ``queries`` x ``slots``: the block and the cache's high-water mark; ``padded``: a token mask came with the
-    block (the engine's prefill passes one, decode steps none); ``elem``: bytes per element of the model dtype.
+    block (the engine's prefill passes one, decode steps none); ``elem``: bytes per element of the model dtype;
+    ``share``: KV heads sharing one budget (``kv_heads`` are then the storage heads): their head mask is added.
     Checked against measured allocations in ``tests/test_memory.py``.
     """
-    return _workspace_bytes(
+    held = _workspace_bytes(
         batch, q_heads, kv_heads, queries, slots, head_dim, ordered, padded, elem, SCORE_CHUNK_BYTES
     )
+    return held + head_mask_bytes(batch, kv_heads, slots, share)
+
+
+def head_mask_bytes(batch: int, kv_heads: int, slots: int, share: int) -> int:
+    """What a pass over a budget shared by ``share`` heads holds to hide each head's slots from the others' queries
+    (``pool.PoolLayer.other_heads``: the rows' head tags gathered and compared, bool [B, Hs, G, T + 1]); 0 unshared."""
+    return 0 if share == 1 else batch * kv_heads * (share + 1) * (slots + 1)
 
 
 @functools.lru_cache(maxsize=4096)  # called by every attention call: the shapes repeat, the arithmetic need not
@@ -120,27 +129,42 @@ EVICT_CHUNK_BYTES = 256 * 2**20
 _EVICT_ELEMENT_BYTES = 8 + 4 + 4 + 4 + 24 + 16
 
 
-def eviction_layers(layers: int, rows: int, heads: int, slots: int, elem: int) -> int:
+#: What ranking a slot of a shared budget adds: its head gathered (int8), as int64 and in the pooling and tie keys.
+_SHARED_ELEMENT_BYTES = 1 + 8 + 8 + 8 + 8
+
+
+def eviction_layers(layers: int, rows: int, heads: int, slots: int, elem: int, share: int = 1) -> int:
     """How many layers one eviction call of ``rows`` rows takes at once (at least one)."""
-    per_layer = rows * heads * slots * (_EVICT_ELEMENT_BYTES + elem)
+    per_layer = rows * heads * slots * _evict_element_bytes(elem, share)
     return max(1, min(layers, EVICT_CHUNK_BYTES // max(per_layer, 1)))
 
 
-def eviction_workspace_bytes(layers: int, rows: int, heads: int, slots: int, elem: int) -> int:
-    """Upper bound of what one eviction call of BM's pool holds: its layers' gathered slot state and priorities."""
-    return eviction_layers(layers, rows, heads, slots, elem) * rows * heads * slots * (_EVICT_ELEMENT_BYTES + elem)
+def _evict_element_bytes(elem: int, share: int) -> int:
+    return _EVICT_ELEMENT_BYTES + elem + (0 if share == 1 else _SHARED_ELEMENT_BYTES)
+
+
+def eviction_workspace_bytes(layers: int, rows: int, heads: int, slots: int, elem: int, share: int = 1) -> int:
+    """Upper bound of what one eviction call of BM's pool holds: its layers' gathered slot state and priorities
+    (``heads`` x ``slots``: the storage heads' of a budget shared by ``share`` heads)."""
+    n = eviction_layers(layers, rows, heads, slots, elem, share)
+    return n * rows * heads * slots * _evict_element_bytes(elem, share)
 
 
 @functools.lru_cache(maxsize=4096)
-def decode_workspace_bytes(batch: int, q_heads: int, kv_heads: int, slots: int, head_dim: int, elem: int = 4) -> int:
+def decode_workspace_bytes(
+    batch: int, q_heads: int, kv_heads: int, slots: int, head_dim: int, elem: int = 4, share: int = 1
+) -> int:
     """Peak bytes of an engine decode step in ``attention.batchmax_attention`` (one query, no mask): the scaled,
     masked logits (model dtype) and the float32 probabilities (a float32 copy of the logits first in half
     precision); then the probabilities with their sum over the query group; then with their cast back and the output.
+    A budget shared by ``share`` heads (``kv_heads``: the storage heads) first builds each query head's additive
+    mask: the head mask, the masked copy [B, Hs, G, hi] and its per-query-head layout (model dtype), at most.
     """
     B, Hq, Hkv, hi, D, e = batch, q_heads, kv_heads, slots, head_dim, elem
     half = 0 if e == 4 else 4 * B * Hq * hi
     probs = 4 * B * Hq * hi
-    return max(
+    masks = 0 if share == 1 else head_mask_bytes(B, Hkv, hi, share) + e * B * Hkv * share * hi + e * B * Hq * hi
+    return masks + max(
         e * B * Hq * hi + half + probs,
         probs + 4 * B * Hkv * hi,
         probs + (0 if e == 4 else e * B * Hq * hi) + e * B * Hq * D,
@@ -155,14 +179,15 @@ def probe_state_bytes(batch: int, q_heads: int, window: int, head_dim: int, elem
 
 @functools.lru_cache(maxsize=4096)
 def probe_workspace_bytes(
-    batch: int, q_heads: int, kv_heads: int, window: int, slots: int, head_dim: int, elem: int = 4
+    batch: int, q_heads: int, kv_heads: int, window: int, slots: int, head_dim: int, elem: int = 4, share: int = 1
 ) -> int:
     """An upper bound on the peak bytes of a look-ahead probe pass (``attention._probe_attention``): the scaled
     queries, the logits over the own keys and over the slots (model dtype and float32, with log-sum-exp's
     temporary), the slot mask and per-slot sums, the outputs and their layout copy."""
     B, Hq, Hkv, w, hi, D, e = batch, q_heads, kv_heads, window, slots, head_dim, elem
     return (
-        e * B * Hq * w * D
+        head_mask_bytes(B, Hkv, hi, share)
+        + e * B * Hq * w * D
         + (e + 4) * B * Hq * w * w
         + 4 * B * Hq * w
         + (e + 8) * B * Hq * w * hi

@@ -147,10 +147,12 @@ def predict_pool(
     per_token = _per_token(shape, tp, nbytes)
     weights = shape.weights_per_rank(tp) * nbytes
     cap = method.decode_capacity(prompt_len, max_new_tokens)
-    kv = _pool_kv_bytes(shape, slots, cap, kv_heads, nbytes)
+    G = method.group(kv_heads)  # heads sharing one budget: Hs storage heads of T = G x cap slots
+    Hs, T = kv_heads // G, G * cap
+    kv = _pool_kv_bytes(shape, slots, T, Hs, nbytes)
     decode = (
         slots * per_token + slots * shape.vocab * 4,
-        decode_workspace_bytes(slots, q_heads, kv_heads, cap, shape.head_dim, nbytes) if max_new_tokens > 1 else 0,
+        decode_workspace_bytes(slots, q_heads, Hs, T, shape.head_dim, nbytes, G) if max_new_tokens > 1 else 0,
         0,
     )
     tokens = method.pass_tokens(slots) if pass_tokens is None else pass_tokens
@@ -159,7 +161,7 @@ def predict_pool(
         return MemoryEstimate(kv, workspace + decode[1], weights, activations + decode[0], 0)
     meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
     passes = _pool_prefill_passes(shape, method, slots, tokens, q_heads, kv_heads, nbytes, per_token)
-    evicting = (0, eviction_workspace_bytes(shape.layers, slots, kv_heads, method.kv_max, nbytes))
+    evicting = (0, eviction_workspace_bytes(shape.layers, slots, Hs, T, nbytes, G))
     activations, workspace = max([*passes, evicting], key=sum)
     return MemoryEstimate(kv, workspace + decode[1], weights, activations + decode[0], meta)
 
@@ -168,25 +170,27 @@ def _pool_prefill_passes(
     shape: ModelShape, method: Method, slots: int, tokens: int, q_heads: int, kv_heads: int, nbytes: int, per_token: int
 ) -> list[tuple[int, int]]:
     """(activations, attention workspace) of BM's batched prefill passes at their largest: R rows of n columns
-    (``R * n <= tokens``, the pass size, n <= p; a probe pass n = the rule's window) over all ``kv_max`` slots, the
-    rows' slot state gathered (rows that are not adjacent)."""
-    C, D, V = method.kv_max, shape.head_dim, shape.vocab
+    (``R * n <= tokens``, the pass size, n <= p; a probe pass n = the rule's window) over all ``kv_max`` slots (a
+    shared budget: its storage heads' G x ``kv_max``), the rows' slot state gathered (rows that are not adjacent)."""
+    G = method.group(kv_heads)
+    C, D, V, H = G * method.kv_max, shape.head_dim, shape.vocab, kv_heads // G
     passes = []
     for n in range(1, method.p + 1):
         R = min(slots, max(1, tokens // n))
-        gathered = R * kv_heads * C * (2 * D * nbytes + 8 + 4)  # keys, values, positions, sums of the rows
-        ws = workspace_bytes(R, q_heads, kv_heads, n, C, D, ordered=False, padded=True, elem=nbytes)
+        gathered = R * H * C * (2 * D * nbytes + 8 + 4)  # keys, values, positions, sums of the rows
+        ws = workspace_bytes(R, q_heads, H, n, C, D, ordered=False, padded=True, elem=nbytes, share=G)
         passes.append((R * n * per_token + R * V * 4, gathered + ws))
     w = method.lookahead
     if w:
         R = min(slots, max(1, tokens // w))
-        gathered = R * kv_heads * C * (2 * D * nbytes + 8)
-        passes.append((R * w * per_token, gathered + probe_workspace_bytes(R, q_heads, kv_heads, w, C, D, nbytes)))
+        gathered = R * H * C * (2 * D * nbytes + 8)
+        passes.append((R * w * per_token, gathered + probe_workspace_bytes(R, q_heads, H, w, C, D, nbytes, G)))
     return passes
 
 
 def _pool_kv_bytes(shape: ModelShape, slots: int, cap: int, kv_heads: int, nbytes: int) -> int:
-    """A pool's K/V: ``slots`` rows of ``cap`` + 1 slots (the scratch slot takes idle rows' writes)."""
+    """A pool's K/V: ``slots`` rows of ``cap`` + 1 slots per (storage) head (the scratch slot takes idle rows'
+    writes)."""
     return 2 * slots * shape.layers * kv_heads * (cap + 1) * shape.head_dim * nbytes
 
 
@@ -213,10 +217,11 @@ def pool_bookkeeping_bytes(
     of ``prompt_len`` tokens probes at all); 0 for FKV/ED."""
     q_heads, kv_heads = shape.local_heads(tp)
     nbytes = DTYPE_BYTES[dtype]
-    per_slot = method.slot_state_bytes(nbytes)
+    G = method.group(kv_heads)
+    per_slot = method.slot_state_bytes(nbytes, G)
     if not per_slot:
         return 0
-    held = slots * shape.layers * kv_heads * (method.kv_max + 1) * per_slot
+    held = slots * shape.layers * (kv_heads // G) * (G * method.kv_max + 1) * per_slot
     probes = any(ph.kind == "probe" for ph in plan(method, prompt_len, 1))
     if probes and method.probe_every > 1:
         held += slots * shape.layers * probe_state_bytes(1, q_heads, method.lookahead, shape.head_dim, nbytes)

@@ -1,0 +1,163 @@
+"""Budgets shared by a layer's heads (``Rule.share``, Ada-KV's allocation under Algorithm 1): allocation and eviction
+equal the naive reference (``tests/reference.py``'s ``groups``: kept positions per head, logits within 1e-4) on tiny
+models of each family, left-padded and continuous and under tp=2; storage is sized to the group's total, which the
+planner predicts byte for byte and which never holds more pairs than the paper's per-head ``kv_max``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PEAKED, assert_kept_equal, assert_logits_close, assert_tokens_equal, left_padded_batch
+from reference import reference_generate
+from test_rules import rule_string
+from test_tp import FAMILIES, make_model, prompt_batch, run_tp
+from tiny import tiny_llama, tiny_random_model
+
+from batchmax_tp.core.engine import generate
+from batchmax_tp.core.method import Method
+from batchmax_tp.core.serve import Request, serve
+from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict, predict_pool
+
+ATOL = 1e-4
+QUESTION = dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2)
+
+
+def four_kv_heads():
+    """A tiny Llama with 8 query / 4 KV heads (``share=2``: two groups of two heads)."""
+    return tiny_random_model(
+        "llama", seed=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8, **PEAKED
+    )
+
+
+MODELS = {
+    "llama": lambda: tiny_llama(0, **PEAKED),  # 4 query / 2 KV heads
+    "qwen2": lambda: tiny_random_model(seed=0, **FAMILIES["qwen2"]),
+    "mistral": lambda: tiny_random_model(seed=0, **FAMILIES["mistral"]),
+    "llama-4kv": four_kv_heads,
+}
+# (model, rule, its parameters, share, the reference's head groups, the prompts' seed: no near tie)
+CASES = [
+    ("llama", "paper", {}, 0, [[0, 1]], 3),
+    ("llama", "question", QUESTION, 0, [[0, 1]], 1),
+    ("llama", "pooled", dict(kernel=5, pool="avg"), 2, [[0, 1]], 1),
+    ("qwen2", "snapkv", dict(window=8, every=1, weight=2.0, kernel=3, pool="max"), 0, [[0, 1]], 1),
+    ("mistral", "question", QUESTION, 0, [[0, 1]], 1),
+    ("llama-4kv", "question", QUESTION, 2, [[0, 1], [2, 3]], 1),
+    ("llama-4kv", "paper", {}, 0, [[0, 1, 2, 3]], 1),
+]
+
+
+def shared(rule: str, params: dict, share: int) -> str:
+    return rule_string(rule, {**params, "share": share})
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-share{c[3]}")
+def test_shared_budget_matches_the_reference_left_padded(case):
+    family, rule, params, share, groups, seed = case
+    model = MODELS[family]()
+    ids, mask = left_padded_batch([37, 52, 60], seed=seed)
+    kv_max, p, n = 16, 4, 14
+    ref = reference_generate(model, ids, mask, "bm", kv_max, p, n, rule=rule, rule_params=params, groups=groups)
+    assert ref.min_margin > 1e-4, f"near tie in the reference ranking ({ref.min_margin:.2g}); pick another seed"
+    method = Method("bm", kv_max=kv_max, p=p, rule=shared(rule, params, share))
+    out = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
+    assert_logits_close(out.logits, ref.logits, ATOL, what="logits")
+    assert_tokens_equal(out.tokens, ref.tokens)
+    assert_kept_equal(out.kept_positions(), ref.kept)
+    for steps in (1, 2 * p + 2):  # right after the prompt, and after a decode eviction
+        out_k = generate(model, ids, mask, method, steps, ignore_eos=True)
+        assert_kept_equal(out_k.kept_positions(), ref.kept_history[steps - 1], what=f"kept after {steps} tokens")
+    # Not vacuous: some head held more than kv_max pairs (the budget moved between heads), each group held at most
+    # its heads' kv_max each, and the kept sets differ from the paper's per-head budgets.
+    sizes = [[len(h) for h in sample] for state in ref.kept_history for layer in state for sample in layer]
+    assert max(max(s) for s in sizes) > kv_max
+    assert all(sum(s[h] for h in g) <= kv_max * len(g) for s in sizes for g in groups)
+    alone = reference_generate(model, ids, mask, "bm", kv_max, p, n, rule=rule, rule_params=params)
+    assert alone.kept != ref.kept
+
+
+def test_shared_budget_matches_the_reference_continuous():
+    """Requests of several lengths through 2 slots: each equals the reference run on its own unpadded prompt."""
+    model = MODELS["llama"]()
+    g = torch.Generator().manual_seed(3)
+    lengths, new = [9, 40, 61, 23], [6, 12, 3, 14]
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+    method = Method("bm", kv_max=16, p=4, rule=shared("question", QUESTION, 0))
+    out = serve(model, [Request(pr, n) for pr, n in zip(prompts, new)], method, 2, ignore_eos=True,
+                return_logits=True, keep_positions=True)  # fmt: skip
+    for pr, n, o in zip(prompts, new, out.outputs):
+        ids = torch.tensor([pr])
+        ref = reference_generate(
+            model, ids, torch.ones_like(ids), "bm", 16, 4, n, rule="question", rule_params=QUESTION, groups=[[0, 1]]
+        )
+        assert ref.min_margin > 1e-4, ref.min_margin
+        assert o.tokens == ref.tokens[0].tolist()
+        assert_logits_close([x[None] for x in o.logits], ref.logits, ATOL)
+        assert o.kept_positions == [layer[0] for layer in ref.kept]
+
+
+def test_tp2_allocates_among_each_ranks_own_heads(tmp_path):
+    """AutoTP splits the 9/3 Llama's KV heads 2 + 1: with ``share=0`` rank 0's two heads share one budget and rank
+    1's head keeps its own, with no communication; the result is the reference's with those groups, which differs
+    from one process sharing all three heads' budget (what the split costs)."""
+    rule = "question:window=8,every=3,kernel=3,pool=max,sinks=1,recent=2,share=0"
+    method = Method("bm", kv_max=16, p=4, rule=rule)
+    ranks = run_tp(tmp_path, 2, 2, [method])
+    ids, mask = prompt_batch(False)
+    ref = reference_generate(
+        make_model(False), ids, mask, "bm", 16, 4, 12, rule="question", rule_params=QUESTION, groups=[[0, 1], [2]]
+    )
+    assert ref.min_margin > 1e-4, ref.min_margin
+    assert [r["bm"]["local_kv_heads"] for r in ranks] == [2, 1]
+    offset = 0
+    for r in ranks:
+        got = r["bm"]
+        assert_logits_close(list(got["logits"]), ref.logits, ATOL)
+        h = got["local_kv_heads"]
+        assert got["kept"] == [[heads[offset : offset + h] for heads in layer] for layer in ref.kept]
+        offset += h
+    whole = reference_generate(
+        make_model(False), ids, mask, "bm", 16, 4, 12, rule="question", rule_params=QUESTION, groups=[[0, 1, 2]]
+    )
+    assert whole.kept != ref.kept
+
+
+# -- memory ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rule", ["paper:share=0", "question:window=6,every=3,kernel=3,sinks=1,recent=4,share=0"])
+def test_planner_predicts_shared_storage_exactly(rule):
+    """K/V and bookkeeping held equal the planner's byte for byte; the group holds Hs x (G x kv_max + 1) slots."""
+    model = tiny_llama(seed=0)
+    ids = torch.randint(3, 128, (3, 70), generator=torch.Generator().manual_seed(0))
+    method = Method("bm", kv_max=24, p=8, rule=rule)
+    out = generate(model, ids, None, method, 12, ignore_eos=True)
+    shape = ModelShape.from_config(model.config)
+    assert out.peak_kv_bytes == predict(shape, method, 3, 70, 12).kv
+    assert out.peak_meta_bytes == pool_bookkeeping_bytes(shape, method, 3, 70)
+    D, L = shape.head_dim, shape.layers
+    assert out.peak_kv_bytes == 2 * 3 * L * 1 * (2 * 24 + 1) * D * 4  # one storage head of 2 x 24 slots + scratch
+
+
+@pytest.mark.parametrize("heads,kv_heads,tp", [(9, 3, 1), (9, 3, 2), (32, 32, 1), (32, 32, 4), (32, 8, 2)])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_shared_budget_never_holds_more_than_the_papers(heads, kv_heads, tp, dtype):
+    """Same pairs per slot (G x kv_max per group), fewer scratch slots: K/V bytes never exceed the per-head pool's,
+    and K/V + bookkeeping (one int8 head tag per slot) neither, at kv_max 128-1024."""
+    shape = ModelShape(4, 64 * heads, 128, heads, kv_heads, 64, 1000, 10**6, False)
+    for kv_max in (128, 512, 1024):
+        paper = predict_pool(shape, Method("bm", kv_max=kv_max), 8, 2048, 64, tp=tp, dtype=dtype)
+        for share in (0, 1):
+            est = predict_pool(shape, Method("bm", kv_max=kv_max, rule=f"paper:share={share}"), 8, 2048, 64, tp=tp,
+                               dtype=dtype)  # fmt: skip
+            assert est.kv <= paper.kv and est.kv + est.slot_meta <= paper.kv + paper.slot_meta
+
+
+def test_bad_shares_are_one_line_errors():
+    with pytest.raises(ValueError, match="share=2 does not divide the 3 KV heads"):
+        Method("bm", kv_max=64, p=16, rule="paper:share=2").group(3)
+    with pytest.raises(ValueError, match="share=2 does not divide"):
+        predict_pool(ModelShape.from_config(make_model(False).config), Method("bm", 64, 16, rule="paper:share=2"),
+                     2, 100, 4)  # fmt: skip
+    from batchmax_tp.core.hf_cache import BatchMaxCache
+
+    with pytest.raises(ValueError, match="heads sharing a budget run in batchmax_tp's engine"):
+        BatchMaxCache(Method("bm", kv_max=128, p=16, rule="question:share=0"))
