@@ -304,7 +304,7 @@ def _rows_probe(
     layer.probe[:, :, :hi].index_copy_(0, step.rows, probe.per_slot(to_slots, weights))  # [R, Hs, hi]
     if layer.cache.method.probe_every > 1:
         layer.store_probe(step.rows, q, own_lse, weights)
-    to_own = own.sub_(lse.view(R, Hkv, Hq // Hkv * w, 1)).exp_()  # [R, Hkv, g*w, w]
+    to_own = probe.probabilities(own, lse.view(R, Hkv, Hq // Hkv * w, 1), own == probe.NEG)  # [R, Hkv, g*w, w]
     values = step.take(layer.values[:, :, :hi])  # [R, Hs, hi, D]
     out = torch.matmul(to_slots.to(pv.dtype), values)  # [R, Hs, G*g*w, D]
     out = out.view(R, Hkv, Hq // Hkv * w, D) + torch.matmul(to_own.to(pv.dtype), pv)  # [R, Hkv, g*w, D]

@@ -18,6 +18,15 @@ from dataclasses import dataclass
 import torch
 
 NEG = torch.finfo(torch.float32).min
+#: Log-probabilities are clamped here before ``exp``: CPU ``exp`` takes a slow path on very negative inputs (a masked
+#: logit, 3-8x slower) and on outputs below float32's normal range; e**-80 ~ 1.8e-35, which is then either a real
+#: probability off by less than that or a masked one, set to 0.
+_LOG_FLOOR = -80.0
+
+
+def probabilities(logits: torch.Tensor, lse: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``exp(logits - lse)`` in place, 0 where ``hidden`` (broadcast to ``logits``) is True."""
+    return logits.sub_(lse).clamp_(min=_LOG_FLOOR).exp_().masked_fill_(hidden, 0.0)
 
 
 @dataclass
@@ -67,13 +76,16 @@ def slot_probabilities(
     slot_keys: [B, Hkv, hi, D]; slot_pos: [B, Hkv, hi] (-1 hides a slot); own_lse: [B, Hkv, g*w, 1]; ``other``
     [B, Hkv, G, hi] (a budget shared by G heads, rows (G, g/G, w)): the slots each head's queries must not see."""
     logits = torch.matmul(q, slot_keys.transpose(2, 3)).float()  # [B, Hkv, g*w, hi]
-    logits.masked_fill_((slot_pos < 0)[:, :, None, :], NEG)
+    B, Hkv, gw, hi = logits.shape
+    G = 1 if other is None else other.shape[2]
+    hidden = (slot_pos < 0)[:, :, None, None, :]  # [B, Hkv, 1, 1, hi]
     if other is not None:
-        B, Hkv, gw, hi = logits.shape
-        G = other.shape[2]
-        logits.view(B, Hkv, G, gw // G, hi).masked_fill_(other[:, :, :, None, :], NEG)
+        hidden = hidden | other[:, :, :, None, :]  # [B, Hkv, G, 1, hi]
+    grouped = logits.view(B, Hkv, G, gw // G, hi)  # [B, Hkv, G, g/G*w, hi] (a view)
+    grouped.masked_fill_(hidden, NEG)
     lse = torch.logaddexp(logits.logsumexp(-1, keepdim=True), own_lse)  # [B, Hkv, g*w, 1]
-    return logits.sub_(lse).exp_(), lse
+    probabilities(grouped, lse.view(B, Hkv, G, gw // G, 1), hidden)
+    return logits, lse
 
 
 def per_slot(to_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
