@@ -1,0 +1,235 @@
+"""The offline RULER-style suite (``configs/lm_eval/ruler``, issue 32): its generator is deterministic and its halves
+disjoint, its prompts hold their answers and fill their lengths, its score is RULER's ``string_match_all``, its
+tasks load in lm-eval and run through lm-eval's command line with ``--model batchmax`` (FKV) as with ``--model hf``,
+and ``launch/bench_ruler.py`` runs and tabulates them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "configs" / "lm_eval" / "ruler"
+sys.path.insert(0, str(ROOT / "launch"))
+
+import bench_ruler  # noqa: E402
+
+
+def _script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build = _script(SUITE / "build.py")
+scoring = _script(SUITE / "ruler_utils.py")
+NAMES = [build.task_name(t, n, h) for h in build.HALVES for n in build.LENGTHS for t in build.TASKS]
+
+
+def suite_docs() -> dict[tuple[str, str, str], list[dict]]:
+    """The committed documents: (task, length, half) -> documents."""
+    return {
+        (t, n, h): [json.loads(x) for x in (SUITE / "data" / f"{t}_{n}_{h}.jsonl").read_text().splitlines()]
+        for h in build.HALVES
+        for n in build.LENGTHS
+        for t in build.TASKS
+    }
+
+
+@pytest.fixture(scope="module")
+def count():
+    return build.embedded_counter()
+
+
+# -- the generator --------------------------------------------------------------------------------------------------
+def test_the_generator_is_deterministic_and_wrote_the_committed_suite(tmp_path, count):
+    """Two builds (one document per task, length and half) write the same bytes, their documents are the
+    committed files' first ones (each document has its own stream), and the task yamls equal the committed ones
+    but for the data folder; another seed draws other documents."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    build.build(a, count, per_half=1)
+    build.build(b, count, per_half=1)
+    names = sorted(p.name for p in (a / "data").iterdir())
+    assert len(names) == 28 and names == sorted(p.name for p in (SUITE / "data").iterdir())
+    for name in names:
+        got = (a / "data" / name).read_bytes()
+        assert got == (b / "data" / name).read_bytes(), name
+        assert got == (SUITE / "data" / name).read_bytes().splitlines(keepends=True)[0], name
+    yamls = sorted(p.name for p in SUITE.glob("*.yaml"))
+    assert len(yamls) == 28 + 6 and yamls == sorted(p.name for p in a.glob("*.yaml"))
+    for name in yamls:
+        mine = (a / name).read_text().replace(str(a / "data"), "configs/lm_eval/ruler/data")
+        assert mine == (SUITE / name).read_text(), name
+    assert (a / build.UTILS).read_bytes() == (SUITE / build.UTILS).read_bytes()
+    fx = build.load_fixture()
+    words = build.split_vocabulary(build.vocabulary(fx), 0)["tune"]
+    one = build.document("niah_single", "2k", "tune", 0, 0, fx, words, count)
+    assert one == json.loads((a / "data" / "niah_single_2k_tune.jsonl").read_text())
+    other = build.document("niah_single", "2k", "tune", 0, 1, fx, words, count)
+    assert other["outputs"] != one["outputs"] and other["input"] != one["input"]
+
+
+def test_halves_share_no_key_value_or_word():
+    docs = suite_docs()
+    seen = {h: set() for h in build.HALVES}
+    for (task, _, half), ds in docs.items():
+        for d in ds:
+            assert d["task"] == task and d["half"] == half
+            words = set(d["needles"])
+            if task == "cwe":  # every listed word
+                words |= set(re.findall(r"\d+\. ([a-z]+)", d["input"]))
+            if task == "fwe":  # every coded word
+                words |= set(d["input"].split("\n\n")[1].split()) - {"..."}
+            seen[half] |= words
+    assert len(seen["tune"]) > 500 and len(seen["heldout"]) > 500
+    assert not seen["tune"] & seen["heldout"]
+
+
+def test_every_prompt_holds_its_answers():
+    """Needles stated once in the text; the variable chain in order; cwe's 10 words the only frequent ones; fwe's 3
+    words strictly the most frequent coded words."""
+    for (task, length, _), ds in suite_docs().items():
+        assert len(ds) == build.DEFAULT_PER_HALF
+        for d in ds:
+            text, out = d["input"], d["outputs"]
+            assert set(out) <= set(d["needles"])
+            if task.startswith("niah"):
+                stated = re.findall(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.", text)
+                assert sorted(v for _, v in stated) == sorted(v for v in d["needles"] if v.isdigit())
+                asked = text.rsplit("Question:", 1)[1]
+                assert sorted(v for k, v in stated if k in asked) == sorted(out)
+                assert len(out) == {"niah_multivalue": 4, "niah_multiquery": 4}.get(task, 1)
+            elif task == "vt":
+                chain = re.findall(r"VAR ([A-Z]{5}) = (?:VAR )?([A-Z]{5}|\d{5})\.", text)
+                assert [x for x, _ in chain] == out and [y for _, y in chain] == [d["needles"][-1], *out[:-1]]
+            elif task == "cwe":
+                counts = Counter(re.findall(r"\d+\. ([a-z]+)", text)).most_common()
+                top = 6 if length == "2k" else 30
+                assert sorted(w for w, _ in counts[:10]) == sorted(out) and counts[9][1] == top > counts[10][1]
+            else:
+                counts = Counter(text.split("\n\n")[1].split()).most_common(5)
+                assert [w for w, _ in counts[1:4]] == out and counts[0][0] == "..."
+                assert counts[1][1] > counts[2][1] > counts[3][1] > counts[4][1]
+
+
+def test_prompts_fill_their_lengths_under_the_embedded_tokenizer(count):
+    """Each prompt plus its max_gen_toks fits the length (2048 or 4096 tokens), prompts within 2 % of it."""
+    for (task, length, _), ds in suite_docs().items():
+        for d in ds:
+            budget = build.LENGTHS[length] - build.TASKS[task]
+            assert d["max_gen_toks"] == build.TASKS[task] and d["length"] == build.LENGTHS[length]
+            assert count(d["input"]) == d["tokens"]
+            assert 0.98 * budget <= d["tokens"] <= budget, (task, length, d["id"], d["tokens"])
+
+
+# -- scoring and lm-eval --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "outputs, text, want",
+    [
+        (["1234567", "7654321"], " 1234567, 7654321.", 1.0),
+        (["1234567", "7654321"], ": 7654321 and 1234568", 0.5),
+        (["1234567", "7654321"], " none of them", 0.0),
+        (["KDDBG", "ARPTI", "AUEKV", "HUFZR"], " kddbg, arpti (and so on)", 0.5),
+        (["spell"], "1. Spell 2. violin", 1.0),
+    ],
+)
+def test_score_is_the_share_of_expected_strings_found(outputs, text, want):
+    assert scoring.process_results({"outputs": outputs}, [text]) == {"string_match_all": want}
+
+
+def test_every_task_and_group_loads_in_lm_eval(monkeypatch):
+    """Both halves' groups load their 14 tasks each (two length groups of 7); each task reads its documents, shows
+    the prompt as is, generates greedily within max_gen_toks and scores through ruler_utils."""
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(ROOT)  # data_files are relative to the repository root
+    manager = TaskManager(include_path=str(SUITE), include_defaults=False)
+    loaded = manager.load(["batchmax_ruler_tune", "batchmax_ruler_heldout"])
+    assert sorted(loaded["tasks"]) == sorted(NAMES)
+    assert loaded["group_map"]["batchmax_ruler_tune"] == ["batchmax_ruler_tune_2k", "batchmax_ruler_tune_4k"]
+    assert sorted(loaded["group_map"]["batchmax_ruler_heldout_4k"]) == sorted(n for n in NAMES if "_4k_heldout" in n)
+    for name, task in loaded["tasks"].items():
+        docs = list(task.test_docs())
+        assert len(docs) == build.DEFAULT_PER_HALF
+        kwargs = task.config.generation_kwargs
+        assert kwargs["max_gen_toks"] == docs[0]["max_gen_toks"] and kwargs["do_sample"] is False
+        assert kwargs["until"] == (["\n\n"] if name.startswith("batchmax_ruler_niah") else [])
+        assert task.doc_to_text(docs[0]) == docs[0]["input"]
+        assert task.process_results(docs[0], [", ".join(docs[0]["outputs"])]) == {"string_match_all": 1.0}
+        assert task.process_results(docs[0], [""]) == {"string_match_all": 0.0}
+
+
+# -- lm-eval's command line and the bench ---------------------------------------------------------------------------
+def _samples(folder: Path, task: str) -> list[dict]:
+    return [json.loads(x) for x in next(folder.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()]
+
+
+def test_cli_batchmax_fkv_equals_hf_and_the_bench_tabulates(tiny_dir, tmp_path):
+    """One document of two tasks (one stopping at a blank line, one not) through ``batchmax-lm-eval`` with
+    ``--model batchmax`` (FKV) and ``--model hf``: the same texts and scores. ``bench_ruler`` (FKV and BM on the
+    loaded model) gives FKV's text again, and writes its tables from lm-eval's results."""
+    from test_harness import _cli
+
+    tasks = ["batchmax_ruler_niah_multivalue_2k_tune", "batchmax_ruler_vt_2k_heldout"]
+    common = ["--tasks", ",".join(tasks), "--include_path", "configs/lm_eval/ruler", "--limit", "1", "--log_samples"]
+    runs = {}
+    for name, args in (
+        ("hf", ["--model", "hf", "--model_args", f"pretrained={tiny_dir},dtype=float32", "--device", "cpu"]),
+        ("batchmax", ["--model", "batchmax", "--model_args", f"pretrained={tiny_dir},method=fkv"]),
+    ):
+        done = _cli(*args, *common, "--output_path", str(tmp_path / name))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = {t: _samples(tmp_path / name, t) for t in tasks}
+    for t in tasks:
+        hf, ours = runs["hf"][t], runs["batchmax"][t]
+        assert len(hf) == 1 and hf[0]["resps"][0][0], t  # one document, a non-empty text
+        assert [s["resps"] for s in ours] == [s["resps"] for s in hf], t
+        assert [s["string_match_all"] for s in ours] == [s["string_match_all"] for s in hf], t
+
+    out = tmp_path / "bench"
+    argv = ["--pretrained", tiny_dir, "--tasks", "niah_multivalue", "--lengths", "2k", "--limit", "1"]
+    argv += ["--configs", "fkv", "bm:128:paper", "--p", "32", "--batch-size", "2", "--log-samples", "--out", str(out)]
+    assert bench_ruler.main(argv) == 0
+    table = json.loads((out / "table.json").read_text())
+    assert [c["label"] for c in table["configs"]] == ["fkv", "bm 128 paper"]
+    for config in table["configs"]:
+        res = json.loads((out / config["results"]).read_text())
+        assert config["scores"] == {"niah_multivalue 2k": res["results"][tasks[0]]["string_match_all,none"]}
+        assert config["tokens_per_s"] > 0 and config["peak_kv_bytes"] > 0
+    fkv = json.loads((out / table["configs"][0]["results"]).read_text())["samples"][tasks[0]]
+    assert [s["resps"] for s in fkv] == [s["resps"] for s in runs["hf"][tasks[0]]]
+    bm = table["configs"][1]
+    assert bm["peak_kv_bytes"] < table["configs"][0]["peak_kv_bytes"]  # kv_max 128 of a ~2k prompt
+    assert "| niah_multivalue 2k |" in (out / "table.md").read_text()
+
+
+def test_bench_shares_of_fkv_and_configurations():
+    rows = [
+        {"label": "fkv", "scores": {"a 2k": 1.0, "b 2k": 0.5, "a 4k": 0.5, "b 4k": 0.0}},
+        {"label": "bm", "scores": {"a 2k": 0.5, "b 2k": 0.25, "a 4k": 0.25, "b 4k": 0.0}},
+    ]
+    fkv, bm = bench_ruler.summarize(rows, ["a", "b"], ["2k", "4k"])
+    assert fkv["mean_by_length"] == {"2k": 0.75, "4k": 0.25} and fkv["mean"] == 0.5
+    assert bm["mean"] == 0.25 and bm["share_of_fkv"] == 0.5 and bm["share_by_length"] == {"2k": 0.5, "4k": 0.5}
+    zero = [{**rows[0], "scores": dict.fromkeys(rows[0]["scores"], 0.0)}, rows[1]]
+    assert bench_ruler.summarize(zero, ["a", "b"], ["2k", "4k"])[1]["share_of_fkv"] is None
+    parse = bench_ruler.parse_config
+    assert parse("bm:256:snapkv:window=64,kernel=5").args == {
+        "method": "bm",
+        "kv_max": 256,
+        "rule": "snapkv:window=64,kernel=5",
+    }
+    assert parse("bm:512").args["rule"] == "paper" and parse("ed:65").args == {"method": "ed", "kv_max": 65}
+    args = bench_ruler.parser().parse_args(["--configs", "bm:512", "--kv-max", "256", "--rules", "paper;question:x=1"])
+    labels = [c.label for c in bench_ruler.configs_from_args(args)]
+    assert labels == ["fkv", "bm 512 paper", "bm 256 paper", "bm 256 question:x=1"]
