@@ -11,6 +11,9 @@ in one pass over the pool, each at its own position and eviction step.
   eviction ever reads it. A row of the paper's padded batch (``scheduler``'s static policy) runs the batch's shared
   schedule at padded positions: its pads are counted as held (``RowState.filled``) but never written, so they go
   first at an eviction, as the padded batch's pad slots do, and its kept positions are the padded batch's.
+  A rule with ``share=G`` (``core.rules``) groups a layer's local KV heads by G: each group's storage head holds
+  T = G x ``kv_max`` slots, any of its heads' pairs (``head`` [S, Hs, T + 1]: each slot's head in its group), each
+  written column takes G free-list entries (one per head, in order) and each eviction frees G x the count.
 - ``DensePool`` (FKV, ED): per layer keys/values [S, H, C + 1, D] holding slots ``[0, length)`` of each row; C =
   ``kv_max`` for ED, the longest prompt + generation for FKV (each slot reserves a whole request, so admission
   never needs more). A prefill pass attends over its own pairs (SDPA, causal) and writes what the row keeps: FKV

@@ -59,7 +59,8 @@ class RowsPass:
     its padded position), ``positions`` [R, n] its RoPE position (the model's ``position_ids``), ``real`` [R, n]
     ``qpos >= 0`` as a mask (None when every column is real). ``write`` [R, n]: each column's index into the row's free
     list (BM; the dense pools: the slot itself; the scratch slot C for masked columns and idle rows); a probe pass
-    writes nothing (None). ``hi``: slots [0, hi) enter the products. ``active`` [R, 1, 1] (BM's decode passes over
+    writes nothing (None). ``hi``: slots [0, hi) enter the products (a budget shared by G heads: its slots
+    [0, G x hi)). ``active`` [R, 1, 1] (BM's decode passes over
     every row): 1 for the rows decoding, whose attention joins their slots' sums. ``bias`` [R, hi] (the dense
     pools' decode passes): each row's held slots. ``evictions``: BM's rows that free slots first, or ED's rows that
     keep only their newest pair. ``decoding`` (decode passes): the rows that decode, in work order, for the caller
