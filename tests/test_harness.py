@@ -440,7 +440,10 @@ def test_shared_prefill_equals_separate_prefills(method, monkeypatch):
 
 
 def test_deepspeed_launchers_local_rank_argument_is_taken_out(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # setenv first, so that teardown removes the LOCAL_RANK _launcher_args sets: a later test's lm-eval subprocess
+    # would inherit it, and accelerate (``--model hf``) would then expect a torch.distributed launch
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK")
     assert harness._launcher_args(["--local_rank=1", "--model", "batchmax"]) == ["--model", "batchmax"]
     assert os.environ["LOCAL_RANK"] == "1"
     assert harness._launcher_args(["--tasks", "t", "--local_rank", "3"]) == ["--tasks", "t"]
