@@ -261,6 +261,7 @@ def _log_paper_plan(specs: list[RunSpec], info: dict) -> None:
 
 # ---------------------------------------------------------------------- the plain run: same memory, larger batch
 #: The rule the plain run shows beside the paper's: the best of ``launch/bench_retention.py`` (README: Retention).
+#: Budgets shared by heads (``question:share=0``) were worse on the tuning half at kv_max 512 (docs/retention.md).
 STORY_BEST_RULE = "question"
 #: Most prompts the plain run fills its samples up to (CPU time): the largest fitting batch among its methods sets
 #: the prompt count, up to this; a larger fit is reported (``largest_fitting``) and logged.
