@@ -291,12 +291,13 @@ def _rows_probe(
     pk, pv = probe_kv  # [R, Hkv, w, D] each
     R, Hq, w, D = query.shape
     Hkv, Hs, G = pk.shape[1], layer.keys.shape[1], layer.cache.share
+    g = Hq // Hkv
     layer.cache.note_workspace(workspace.probe_workspace_bytes(R, Hq, Hs, w, hi, D, query.element_size(), G))
-    q = (query * scaling).reshape(R, Hkv, Hq // Hkv * w, D)  # [R, Hkv, g*w, D]
+    q = (query * scaling).reshape(R, Hkv, g * w, D)  # [R, Hkv, g*w, D]
     weights = probe.query_weights(step.real, R, w, q.device)  # [R, w]
-    own = probe.own_logits(q, pk, weights)  # [R, Hkv, g*w, w]
+    own, own_hidden = probe.own_logits(q, pk, weights)  # [R, Hkv, g*w, w], [R, 1, 1, w, w]
     own_lse = own.logsumexp(-1, keepdim=True)  # [R, Hkv, g*w, 1]
-    q, own_lse = q.view(R, Hs, Hq // Hs * w, D), own_lse.view(R, Hs, Hq // Hs * w, 1)  # storage heads' rows
+    q, own_lse = q.view(R, Hs, G * g * w, D), own_lse.view(R, Hs, G * g * w, 1)  # storage heads' rows
     slot_pos = step.take(layer.pos[:, :, :hi])  # [R, Hs, hi]
     other = layer.other_heads(step.take)  # [R, Hs, G, T + 1] or None
     other = None if other is None else other[..., :hi]
@@ -304,11 +305,12 @@ def _rows_probe(
     layer.probe[:, :, :hi].index_copy_(0, step.rows, probe.per_slot(to_slots, weights))  # [R, Hs, hi]
     if layer.cache.method.probe_every > 1:
         layer.store_probe(step.rows, q, own_lse, weights)
-    to_own = probe.probabilities(own, lse.view(R, Hkv, Hq // Hkv * w, 1), own == probe.NEG)  # [R, Hkv, g*w, w]
+    to_own = probe.probabilities(own.view(R, Hkv, g, w, w), lse.view(R, Hkv, g, w, 1), own_hidden)
+    to_own = to_own.view(R, Hkv, g * w, w)  # [R, Hkv, g*w, w]
     values = step.take(layer.values[:, :, :hi])  # [R, Hs, hi, D]
     out = torch.matmul(to_slots.to(pv.dtype), values)  # [R, Hs, G*g*w, D]
-    out = out.view(R, Hkv, Hq // Hkv * w, D) + torch.matmul(to_own.to(pv.dtype), pv)  # [R, Hkv, g*w, D]
-    return out.view(R, Hkv, Hq // Hkv, w, D).permute(0, 3, 1, 2, 4).reshape(R, w, Hq, D)  # [R, w, Hq, D]
+    out = out.view(R, Hkv, g * w, D) + torch.matmul(to_own.to(pv.dtype), pv)  # [R, Hkv, g*w, D]
+    return out.view(R, Hkv, g, w, D).permute(0, 3, 1, 2, 4).reshape(R, w, Hq, D)  # [R, w, Hq, D]
 
 
 def _slot_hiding(slot_pos: torch.Tensor, n: int) -> torch.Tensor:

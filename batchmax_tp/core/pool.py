@@ -296,15 +296,15 @@ class PoolLayer(_PoolLayer):
         R, H, n, _ = key_states.shape
         G, C, T1 = self.cache.share, self.cache.capacity, self.keys.shape[2]
         Hs = H // G
-        if G > 1:  # [R, H, n, D] -> [R, Hs, n*G, D]: the pairs of (column, head) in free-list order
+        index, qpos = step.write, step.qpos  # [R, n] each
+        if G > 1:  # the pairs of (column, head) in free-list order: [R, H, n, D] -> [R, Hs, n*G, D], [R, n*G]
             key_states, value_states = (
                 t.view(R, Hs, G, n, t.shape[-1]).transpose(2, 3).reshape(R, Hs, n * G, t.shape[-1])
                 for t in (key_states, value_states)
             )
-        index = step.write
-        if G > 1:  # [R, n*G]: column j's G entries, masked columns all at the scratch slot T
-            own = torch.arange(G, device=self.device)
+            own = torch.arange(G, device=self.device)  # column j's G entries; masked columns at the scratch slot T
             index = torch.where(index[..., None] == C, T1 - 1, index[..., None] * G + own).view(R, n * G)
+            qpos = qpos.repeat_interleave(G, dim=1)
         slots = step.take(self.free).gather(2, index[:, None, :].expand(R, Hs, n * G))  # [R, Hs, n*G]
         heads = torch.arange(Hs, device=self.device)[None, :, None]  # [1, Hs, 1]
         flat = ((step.rows[:, None, None] * Hs + heads) * T1 + slots).view(-1)  # [R*Hs*n*G] into the flattened rows
@@ -312,11 +312,10 @@ class PoolLayer(_PoolLayer):
         self.values.view(-1, self.values.shape[-1]).index_copy_(
             0, flat, value_states.reshape(-1, value_states.shape[-1])
         )
-        qpos = step.qpos if G == 1 else step.qpos.repeat_interleave(G, dim=1)  # [R, n*G]
         qpos = qpos[:, None, :].expand(R, Hs, n * G)  # [R, Hs, n*G]
         if G > 1:
-            own = torch.arange(G, dtype=self.head.dtype, device=self.device).repeat(n)  # [n*G]
-            self.head.view(-1).index_copy_(0, flat, own.expand(R, Hs, n * G).reshape(-1))
+            heads = own.to(self.head.dtype).repeat(n)  # [n*G]: each entry's head
+            self.head.view(-1).index_copy_(0, flat, heads.expand(R, Hs, n * G).reshape(-1))
         self.pos.view(-1).index_copy_(0, flat, qpos.reshape(-1))
         self.score.view(-1).index_fill_(0, flat, 0.0)
         bias = torch.zeros(qpos.shape, dtype=self.bias.dtype, device=self.device).masked_fill_(qpos < 0, float("-inf"))

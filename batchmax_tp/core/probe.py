@@ -51,8 +51,9 @@ def query_weights(probe_mask: torch.Tensor | None, batch: int, w: int, device: t
     return real / real.sum(-1, keepdim=True).clamp(min=1)
 
 
-def own_logits(q: torch.Tensor, own_keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """float32 logits [B, Hkv, g*w, w] of the probe queries over the probe's own keys: causal, pad keys hidden.
+def own_logits(q: torch.Tensor, own_keys: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logits [B, Hkv, g*w, w] of the probe queries over the probe's own keys (causal, pad keys hidden) and
+    what hides them, [B, 1, 1, w, w] against the logits viewed [B, Hkv, g, w, w].
 
     q: [B, Hkv, g*w, D] scaled queries; own_keys: [B, Hkv, w, D]; weights: [B, w] (0 marks a pad probe token)."""
     B, Hkv, gw, _ = q.shape
@@ -60,7 +61,7 @@ def own_logits(q: torch.Tensor, own_keys: torch.Tensor, weights: torch.Tensor) -
     own = torch.matmul(q, own_keys.transpose(2, 3)).float().view(B, Hkv, gw // w, w, w)  # [B, Hkv, g, w, w]
     hidden = torch.ones(w, w, dtype=torch.bool, device=q.device).triu(1)  # [w, w] later probe tokens
     hidden = hidden | (weights <= 0)[:, None, None, None, :]  # [B, 1, 1, w, w] pad probe keys too
-    return own.masked_fill_(hidden, NEG).view(B, Hkv, gw, w)
+    return own.masked_fill_(hidden, NEG).view(B, Hkv, gw, w), hidden
 
 
 def slot_probabilities(
