@@ -145,6 +145,7 @@ def _resolve(cfg: RunConfig, world: int, local_rank: int) -> tuple[RunConfig, st
         parallel.check_tp_size(tp, world, int(heads), explicit=cfg.parallel.tp_size is not None)
     except ValueError as err:
         raise JobError(f"tp_size: {err} ({cfg.model.name})") from None
+    _check_methods(cfg, int(heads), tp)
     # dp_size is part of OUT/config.yaml: results are resumed only with the same replicas
     cfg = cfg.replace(tp_size=tp, dp_size=world // tp)
     device = parallel.local_device(cfg.model.device, local_rank) if world > 1 else cfg.model.device
@@ -155,6 +156,19 @@ def _resolve(cfg: RunConfig, world: int, local_rank: int) -> tuple[RunConfig, st
     _check_model_limits(cfg, model_config)
     _check_budget_holds_one_sample(cfg, model_config)
     return cfg, device
+
+
+def _check_methods(cfg: RunConfig, kv_heads: int, tp: int) -> None:
+    """JobError for a method the model's heads refuse: a rule's ``share`` must divide the KV heads of every rank
+    (AutoTP gives rank r ``kv_heads // tp`` heads, one more for the first ``kv_heads % tp``)."""
+    per_rank = sorted({kv_heads // tp + (r < kv_heads % tp) for r in range(tp)})
+    for method in _warm_up_methods(cfg):
+        for heads in per_rank:
+            try:
+                method.group(heads)
+            except ValueError as err:
+                where = f"{cfg.model.name}, {kv_heads} KV heads" + (f" over tp_size {tp}" if tp > 1 else "")
+                raise JobError(f"rule: {err} ({where})") from None
 
 
 def _check_model_limits(cfg: RunConfig, model_config) -> None:
@@ -268,8 +282,8 @@ def _prepare(cfg: RunConfig, world: int, local_rank: int) -> Job | list[dict]:
 
 
 def _prepare_job(cfg: RunConfig, world: int, local_rank: int) -> Job | list[dict]:
+    samples, task_data = _load_data(cfg.data, cfg.generation.seed)  # first: a bad data file costs no model read
     cfg, device = _resolve(cfg, world, local_rank)
-    samples, task_data = _load_data(cfg.data, cfg.generation.seed)
     try:
         resuming = results.check_same_config(cfg.output.dir, cfg.to_dict())
     except ValueError as err:
@@ -290,12 +304,19 @@ def run(cfg: RunConfig, argv: Sequence[str] | None = None) -> int:
         level=cfg.output.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     rank, world, local_rank = parallel.world_from_env()
-    try:  # several ranks: a watchdog from the first moment, so no rank ever waits for a lost one (eval.replicas)
-        early = replicas.watch_from_start(rank, world)
+    # several ranks: the set-up under one bound, each step named (eval.replicas.SetupBound), and a watchdog from the
+    # first moment, so no rank ever waits for a lost one or in a step that never ends
+    bound = replicas.SetupBound(rank, cfg.parallel.setup_timeout, active=world > 1)
+    try:
+        with bound.step("connecting to the job's store (the launcher's MASTER_ADDR:MASTER_PORT)"):
+            early = replicas.watch_from_start(rank, world)
     except (RuntimeError, ValueError) as err:
         return fail(str(err))
+    if early is not None:
+        bound.tell = early[1].fail
     try:
-        job = _prepare(cfg, world, local_rank)
+        with bound.step("reading the model's configuration and the data"):
+            job = _prepare(cfg, world, local_rank)
     except JobError as err:
         _tell(early, str(err))
         return fail(str(err))
@@ -306,7 +327,8 @@ def run(cfg: RunConfig, argv: Sequence[str] | None = None) -> int:
     if rank != 0:
         _quiet_libraries()
     try:
-        with _setup_stdout(rank == 0):  # DeepSpeed prints while it initialises: keep stdout for the report
+        with _setup_stdout(rank == 0), bound.step(parallel.rendezvous_step(job.device)):
+            # DeepSpeed prints while it initialises: keep stdout for the report
             layout = parallel.init_distributed(
                 job.cfg.parallel.tp_size, job.device, timeout_s=job.cfg.parallel.setup_timeout
             )
@@ -314,11 +336,11 @@ def run(cfg: RunConfig, argv: Sequence[str] | None = None) -> int:
         _tell(early, error_line(err))
         raise
     if layout.world == 1:  # plain python (or an MPI world of one: then a group of one exists)
-        rc = _run(job, layout, Collectives())
+        rc = _run(job, layout, Collectives(), bound)
         if dist.is_initialized():
             dist.destroy_process_group()
         return rc
-    return _run_ranks(job, layout, early)
+    return _run_ranks(job, layout, early, bound)
 
 
 def _tell(early: tuple[dist.Store, replicas.Watchdog] | None, why: str) -> None:
@@ -327,12 +349,19 @@ def _tell(early: tuple[dist.Store, replicas.Watchdog] | None, why: str) -> None:
         early[1].fail(why)
 
 
-def _run_ranks(job: Job, layout: parallel.Layout, early: tuple[dist.Store, replicas.Watchdog] | None) -> int:
+def _run_ranks(
+    job: Job,
+    layout: parallel.Layout,
+    early: tuple[dist.Store, replicas.Watchdog] | None,
+    bound: replicas.SetupBound,
+) -> int:
     """A multi-process job: every rank is done (or failed the same check) before any leaves -- rank 0's process
     may host the store; a rank that fails tells every other and leaves at once."""
-    comm = _meet(layout, early)
+    with bound.step("connecting to the job's store"):
+        comm = _meet(layout, early)
+    bound.tell = comm.watchdog.fail
     try:
-        rc = _run(job, layout, comm)
+        rc = _run(job, layout, comm, bound)
         comm.barrier()
     except BaseException as err:  # noqa: BLE001 - any failure: tell every rank, then leave at once
         # a collective broken by a lost peer (a closed connection): name it, its beat stopped
@@ -376,26 +405,30 @@ def _report(out: str, summaries: list[dict], notes: list[str]) -> int:
     return 0
 
 
-def _load(job: Job, layout: parallel.Layout, comm: Collectives) -> RunContext:
+def _load(job: Job, layout: parallel.Layout, comm: Collectives, bound: replicas.SetupBound) -> RunContext:
     """The model (split with AutoTP) and its tokenizer, with the job's layout and collectives; the planning inputs
-    are filled in once the samples are known."""
+    are filled in once the samples are known. The end of the set-up (``bound``)."""
     cfg = job.cfg
     torch.manual_seed(cfg.generation.seed)
     with _setup_stdout(layout.is_main):
         # Under tensor parallelism the checkpoint is read on the host and AutoTP moves only this rank's shard to
         # the accelerator; a single process loads straight onto its device.
         device = "cpu" if layout.tp > 1 else job.device
-        model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, device=device)
-        model = parallel.apply_tensor_parallel(model, layout, getattr(torch, cfg.model.dtype), device=job.device)
+        with bound.step(f"loading the model {cfg.model.name} onto {device}"):
+            model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, device=device)
+        with bound.step(f"splitting the model over {layout.tp} ranks (DeepSpeed AutoTP)"):
+            model = parallel.apply_tensor_parallel(model, layout, getattr(torch, cfg.model.dtype), device=job.device)
     if layout.world > 1:
-        dist.barrier()  # every rank has loaded (default group: the long set-up timeout) before generation starts
+        with bound.step("waiting for every rank to load the model (a barrier of the default group)"):
+            dist.barrier()  # every rank has loaded (default group: the long set-up timeout) before generation starts
         logger.info("world %d = dp_size %d x tp_size %d", layout.world, layout.dp, layout.tp)
+    bound.done()
     return RunContext(model, tokenizer, layout=layout, comm=comm)
 
 
-def _run(job: Job, layout: parallel.Layout, comm: Collectives) -> int:
+def _run(job: Job, layout: parallel.Layout, comm: Collectives, bound: replicas.SetupBound) -> int:
     cfg = job.cfg
-    ctx = _load(job, layout, comm)
+    ctx = _load(job, layout, comm, bound)
     samples = job.samples
     if job.task_data is not None:
         try:

@@ -13,10 +13,13 @@ is a world of one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -138,6 +141,13 @@ def rendezvous_env() -> bool:
     return True
 
 
+def rendezvous_step(device: str) -> str:
+    """What :func:`init_distributed` waits in, for a line that names it (``eval.replicas.SetupBound``)."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    where = f"{os.environ.get('MASTER_ADDR', 'MPI discovery')}:{os.environ.get('MASTER_PORT', '29500')}"
+    return f"the process group's rendezvous and DeepSpeed's set-up ({backend}, {where})"
+
+
 def init_distributed(tp: int, device: str = "cpu", timeout_s: int = SETUP_TIMEOUT_S) -> Layout:
     """Initialise torch.distributed (through DeepSpeed) from whichever launcher started us; returns the layout.
 
@@ -160,6 +170,16 @@ def init_distributed(tp: int, device: str = "cpu", timeout_s: int = SETUP_TIMEOU
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(local_device(device, local_rank)))
     if not dist.is_initialized():
+        skip_unused_ops()
+        for lock, age in extension_locks():
+            logger.warning(
+                "rank %d: %s (%.0f s old) is the lock of a torch extension build that is running or was killed; "
+                "this job builds none, but a job that builds that extension waits until the file is gone: delete it "
+                "when no build is running",
+                rank,
+                lock,
+                age,
+            )
         deepspeed.init_distributed(
             dist_backend="nccl" if device.startswith("cuda") else "gloo",
             auto_mpi_discovery=True,
@@ -176,17 +196,36 @@ def init_distributed(tp: int, device: str = "cpu", timeout_s: int = SETUP_TIMEOU
     return layout
 
 
-def route_inference_all_reduce_to_torch() -> None:
-    """On CPU, make DeepSpeed's ``inference_all_reduce`` use ``torch.distributed.all_reduce``.
+#: DeepSpeed ops a job would JIT-build while it initialises and never uses: its CPU shared-memory all-reduce, which
+#: ``deepspeed.init_distributed`` builds (~1 min on a fresh machine, under a lock file that a killed build leaves
+#: behind for every later job to wait on) and whose kernel segfaults on our CPU machines. Without it AutoTP's
+#: ``inference_all_reduce`` is ``torch.distributed.all_reduce`` (gloo on CPU, NCCL on CUDA).
+UNUSED_OPS = ("deepspeed_shm_comm",)
 
-    DeepSpeed prefers its shared-memory CPU kernel when the CPU supports it; that kernel segfaults on our CPU
-    machines. Its backend falls back to ``torch.distributed.all_reduce`` when the detected vector level is 0, so
-    we set that level; nothing else changes. Applied on CPU only.
-    """
-    import deepspeed.comm.comm as ds_comm
 
-    if ds_comm.cdb is not None:
-        ds_comm.cdb.shm_vector_kernel_level = 0
+def skip_unused_ops() -> None:
+    """Mark :data:`UNUSED_OPS` incompatible, so DeepSpeed neither builds nor loads them (its ``build_shm_op`` returns
+    None for an op it finds incompatible); no job builds a DeepSpeed op."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__.update(dict.fromkeys(UNUSED_OPS, False))
+
+
+def extension_locks(root: str | os.PathLike[str] | None = None) -> list[tuple[Path, float]]:
+    """The lock files of torch extension builds (``<root>/<extension>/lock``; root: ``TORCH_EXTENSIONS_DIR`` or
+    torch's default folder) with their ages in seconds. A killed build leaves its lock behind, and every later
+    build of that extension waits on it forever (``torch.utils.file_baton.FileBaton.wait``)."""
+    if root is None:
+        root = os.environ.get("TORCH_EXTENSIONS_DIR")
+        if root is None:
+            from torch.utils.cpp_extension import get_default_build_root
+
+            root = get_default_build_root()
+    now, found = time.time(), []
+    for lock in sorted(Path(root).glob("*/lock")):
+        with contextlib.suppress(OSError):  # removed meanwhile: a build that just finished
+            found.append((lock, now - lock.stat().st_mtime))
+    return found
 
 
 class ModelParallelUnit:
@@ -292,8 +331,7 @@ def apply_tensor_parallel(
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     check_tp_size(layout.tp, layout.world, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    if device is None or not device.startswith("cuda"):
-        route_inference_all_reduce_to_torch()
+    skip_unused_ops()  # DeepSpeed initialises its communication here if the process group came from elsewhere
     mpu = ModelParallelUnit(layout)
     # DeepSpeed reads the group from ``mpu`` in its engine and from ``tp_group`` when slicing layers: pass both.
     engine = deepspeed.init_inference(

@@ -18,11 +18,18 @@ client connection of its own:
 
 Keys live under ``batchmax/<nonce>/``, the nonce broadcast by rank 0 at start, so a restarted job never reads
 an earlier one's keys.
+
+- :class:`SetupBound`: the set-up of a multi-process job (the store, the configuration and data, the process
+  group's rendezvous and DeepSpeed's set-up, the model's load, AutoTP, the meeting after it) under one bound,
+  ``setup_timeout``. A rank still in set-up when the bound passes prints one line naming the step it waits in (and,
+  when it waits on a file lock such as a torch extension build's, the lock's path and age), tells every peer (they
+  end too) and exits 1: a live rank that waits forever (its beats go on, so the watchdog cannot tell) still ends.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -40,7 +47,16 @@ from .. import parallel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BEAT_S", "DEAD_AFTER_S", "START_GRACE_S", "Channel", "Watchdog", "connect", "watch_from_start"]
+__all__ = [
+    "BEAT_S",
+    "DEAD_AFTER_S",
+    "START_GRACE_S",
+    "Channel",
+    "SetupBound",
+    "Watchdog",
+    "connect",
+    "watch_from_start",
+]
 
 BEAT_S = 2.0  #: seconds between two beats of a rank
 DEAD_AFTER_S = 30.0  #: a rank whose beat has not moved for this long is dead (env ``BATCHMAX_DEAD_AFTER_S``)
@@ -281,3 +297,76 @@ class Channel:
         result = decide(parts)
         self.store.set(self._key("r"), pickle.dumps(result))
         return result
+
+
+# ---------------------------------------------------------------------- set-up under one bound
+def waited_lock(thread_id: int) -> tuple[str, float] | None:
+    """The lock file (path, age in seconds) that thread ``thread_id`` waits on in ``FileBaton.wait``, if it does."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        baton = frame.f_locals.get("self") if frame.f_code.co_name == "wait" else None
+        path = getattr(baton, "lock_file_path", None)
+        if isinstance(path, str):
+            try:
+                return path, time.time() - os.stat(path).st_mtime
+            except OSError:
+                return None  # released meanwhile
+        frame = frame.f_back
+    return None
+
+
+class SetupBound:
+    """A multi-process job's set-up under one bound (module docstring): ``with bound.step("what"):`` names what this
+    rank does now; :meth:`done` once generation may start. Inactive (nothing watched) for a world of one.
+
+    ``tell(line)``: how the peers learn of the end (the watchdog's :meth:`Watchdog.fail`), set once it exists;
+    ``on_expire(line)``: what ends this rank (default: the line on stderr, then ``os._exit(1)``)."""
+
+    def __init__(
+        self,
+        rank: int,
+        bound_s: float,
+        *,
+        active: bool = True,
+        check_s: float = 1.0,
+        on_expire: Callable[[str], None] = _exit,
+    ):
+        self.rank, self.bound_s, self.check_s, self.on_expire = rank, bound_s, check_s, on_expire
+        self.tell: Callable[[str], None] | None = None
+        self.current, self._since = "starting", time.monotonic()
+        self._deadline = self._since + bound_s
+        self._main = threading.get_ident()
+        self._stop = threading.Event()
+        if active:
+            threading.Thread(target=self._watch, name="batchmax-setup-bound", daemon=True).start()
+
+    @contextlib.contextmanager
+    def step(self, what: str):
+        self.current, self._since = what, time.monotonic()
+        yield
+
+    def done(self) -> None:
+        self._stop.set()
+
+    def why(self) -> str:
+        """What this rank waits in, as the line it ends with (after ``rank R: ``)."""
+        line = (
+            f"set-up did not finish within {self.bound_s:g} s (setup_timeout): waiting in {self.current} for "
+            f"{time.monotonic() - self._since:.0f} s"
+        )
+        lock = waited_lock(self._main)
+        if lock is not None:
+            line += (
+                f", on the lock file {lock[0]} ({lock[1]:.0f} s old: a build that was killed leaves it, and nothing "
+                "removes it; delete it when no build is running)"
+            )
+        return line
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.check_s):
+            if time.monotonic() > self._deadline and not self._stop.is_set():
+                why = self.why()
+                if self.tell is not None:
+                    self.tell(why)
+                self.on_expire(f"rank {self.rank}: {why}")
+                return
