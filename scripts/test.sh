@@ -6,6 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 export HF_HUB_OFFLINE=1
+export BATCHMAX_REQUIRE_DEPS=1  # a test skipped for a missing dependency (deepspeed, lm-eval, ...) fails the run
 report="$(mktemp -t batchmax_junit.XXXXXX.xml)"
 trap 'rm -f "$report"' EXIT
 

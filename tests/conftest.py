@@ -14,6 +14,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # so tests can `import reference`, `import tiny`
 from tiny import PEAKED, tiny_llama, tiny_random_model  # noqa: E402, F401 (PEAKED, tiny_llama: for the tests)
 
+pytest_plugins = ["require_deps"]  # under scripts/test.sh a test skipped for a missing dependency fails the run
+
 # Tiny tensors: one intra-op thread is as fast, deterministic, and immune to oversubscription on a busy
 # 2-core box (where 2 spinning OpenMP threads made the embedded-model test ~20x slower).
 torch.set_num_threads(int(os.environ.get("BATCHMAX_TEST_THREADS", "1")))

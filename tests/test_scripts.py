@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,78 @@ def test_the_gpu_environment_check_fails_when_a_needed_wheel_is_missing(tmp_path
     )
     assert whole.returncode == 1 and f"{name}=={version}" in whole.stderr and "FAILED" in whole.stderr
     assert not (tmp_path / "env").exists()  # nothing built
+
+
+def _ci_steps() -> list[str]:
+    """The scripts ``.ci/run`` calls (``bash scripts/NAME.sh``), in order."""
+    import re
+
+    return re.findall(r"bash (scripts/[\w.-]+\.sh)", (ROOT / ".ci" / "run").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("failing", [None, *range(3)], ids=["none", "step0", "step1", "step2"])
+def test_ci_fails_when_any_step_fails(tmp_path, failing):
+    """``.ci/run`` over stand-in scripts (each logs its name and exits 0, or 3 for the failing one): any step's
+    failure is the run's (a failing set-up once skipped the tests and passed on the last step's exit status), and
+    no step runs after a failed one."""
+    steps = _ci_steps()
+    assert steps == ["scripts/setup.sh", "scripts/test.sh", "scripts/gpu_env_check.sh"]
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
+    (tmp_path / "scripts").mkdir()
+    for i, step in enumerate(steps):
+        (tmp_path / step).write_text(f'echo {step} >> "$CI_LOG"\nexit {3 if i == failing else 0}\n')
+    log = tmp_path / "calls.log"
+    run = subprocess.run(
+        ["bash", str(tmp_path / ".ci" / "run")],
+        env={**os.environ, "CI_LOG": str(log)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    ran = log.read_text().split()
+    if failing is None:
+        assert run.returncode == 0 and ran == steps, (run.returncode, ran, run.stderr)
+    else:
+        assert run.returncode == 3 and ran == steps[: failing + 1], (run.returncode, ran, run.stderr)
+
+
+SKIPS = """
+import pytest
+pytestmark = pytest.mark.skipif(True, reason="{reason}")
+
+def test_one():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "reason, required, fails",
+    [
+        ("needs deepspeed (tensor parallelism across processes)", "1", True),
+        ("torchrun is not installed", "1", True),
+        ("needs a CUDA device", "1", False),  # CUDA tests skip on this machine kind: that is not a missing package
+        ("needs deepspeed (tensor parallelism across processes)", "", False),  # the GPU machine's package set
+    ],
+)
+def test_a_module_skipped_for_a_needed_dependency_fails_the_test_command(tmp_path, reason, required, fails):
+    """``tests/require_deps.py`` (scripts/test.sh sets BATCHMAX_REQUIRE_DEPS=1): a module whose tests all skip
+    for a dependency the suite needs fails pytest, and names it; other skips, and runs without the variable, pass."""
+    (tmp_path / "test_skipped.py").write_text(SKIPS.format(reason=reason))
+    (tmp_path / "test_ran.py").write_text("def test_ran():\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "BATCHMAX_REQUIRE_DEPS": required}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "require_deps", "-p", "no:cacheprovider", str(tmp_path)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "1 passed, 1 skipped" in run.stdout, run.stdout
+    if fails:
+        assert run.returncode == 1 and f"test_skipped.py::test_one: Skipped: {reason}" in run.stdout, run.stdout
+    else:
+        assert run.returncode == 0, run.stdout
