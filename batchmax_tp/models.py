@@ -17,6 +17,8 @@ plain tokenization) and the SmolLM2 ChatML chat template.
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import json
 import logging
@@ -224,6 +226,8 @@ def read_config(model_id: str):
     try:
         if model_id.startswith(ARCH_PREFIX):
             config = architecture_config(model_id)
+        elif model_id == EMBEDDED_MODEL and not (cache_root() / _EMBEDDED_NAME / _COMPLETE_MARKER).is_file():
+            config = copy.deepcopy(_gguf_config(_embedded_gguf()))  # not converted yet (that waits for the load)
         else:
             config = AutoConfig.from_pretrained(model_path(model_id))
     except (OSError, ValueError, RuntimeError) as err:
@@ -232,6 +236,12 @@ def read_config(model_id: str):
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     check_supported(config, model_id)
     return config
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_config(gguf: Path):
+    """The configuration in a GGUF file's header (~3 s: its metadata is read whole, the tensors are not)."""
+    return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def check_supported(config, model_id: str) -> None:
