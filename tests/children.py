@@ -12,6 +12,7 @@ import signal
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tiny.py beside this file
 from tiny import tiny_random_model  # noqa: E402
@@ -42,6 +43,7 @@ def killed_rank_mid_generation() -> None:
     method = Method("bm", kv_max=16, p=4)
     out = generate(model, ids, None, method, 4, ignore_eos=True)
     say(f"rank {layout.rank}: generated {int(out.num_generated.sum())} tokens")
+    dist.barrier()  # both ranks have said so before rank 1 dies (else the launcher may end rank 0 first)
     if layout.rank == 1:
         say("rank 1: killed")
         die()
@@ -58,6 +60,7 @@ def killed_rank_mid_serving() -> None:
 
     def finished(i: int, out) -> None:
         say(f"rank {layout.rank}: request {i} finished")
+        dist.barrier()  # both ranks have said so before rank 1 dies
         if layout.rank == 1:
             say("rank 1: killed")
             die()
