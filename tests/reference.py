@@ -3,7 +3,8 @@
 Written from the paper (section 3: Algorithm 1, the average-attention eviction rule, Algorithm 3) and
 docs/API.md only -- it deliberately shares no code with ``batchmax_tp``.
 
-The forward pass of a HF ``LlamaForCausalLM``-style model (Llama, Qwen2, Mistral: same module layout) is
+The forward pass of a HF ``LlamaForCausalLM``-style model (Llama, Qwen2, Mistral: same module layout; Phi-3's fused
+``qkv_proj`` split into its queries, keys and values) is
 re-run by hand from the model's own submodules, one sample at a time, token block by token block, with an
 explicit eager attention over a Python list of kept KV entries per (layer, KV head).  Nothing is batched or
 vectorised beyond single dot products, so that every rule is visible in a few lines:
@@ -23,6 +24,13 @@ vectorised beyond single dot products, so that every rule is visible in a few li
   exactly the same pairs, and the state reported after the last token is the set of pairs that token attended
   (an eviction with no later step to serve is not applied -- BM is reported the same way).
 * "fkv": the prompt is one block, nothing is ever evicted.
+* "snap" (window, kernel; SnapKV's compression once after the prompt): the prompt is one block; each query among
+  its last w = min(window, s) real tokens adds the probability it gives each entry to that entry's ``win`` (summed
+  over the KV head's query heads). Then each (layer, KV head) with more than kv_max real entries keeps the last w
+  entries and the kv_max - w others with the largest ``pooled`` = (sum of ``win`` over the non-window entries
+  whose position is within kernel // 2 of its own) / kernel (SnapKV's average pooling, padding counted), ties to
+  the older entry; pads are dropped. Every kept entry's ``sum`` becomes its ``win``. Decoding as "bm": if
+  |kv| == kv_max evict p by ``(ave, position)`` before the step.
 
 Eviction rules beside the paper's (``rule``, BM only; every parameter must be given in ``rule_params``, so the
 reference has no defaults of its own):
@@ -74,6 +82,7 @@ class Entry:
     value: torch.Tensor | None = None  # [head_dim]
     sum: float = 0.0  # summed attention weight received (python float = float64)
     probe: float = 0.0  # look-ahead probe attention of the last probed pass (probe rules)
+    win: float = 0.0  # attention from the prompt's observation window ("snap")
 
 
 @dataclass
@@ -116,9 +125,10 @@ class _SampleState:
         self.probed = False  # the last processed block carried the probe
 
     # ------------------------------------------------------------------ forward of one block
-    def process(self, block, probe=()):
+    def process(self, block, probe=(), window=0):
         """block: list of (padded position, token id); probe: the look-ahead probe tokens (same form) that ride
-        along (never kept). Returns the float32 logits of the block's last token (None if it holds only pads)."""
+        along (never kept); window: the block's last ``window`` real queries add their attention to the entries'
+        ``win``. Returns the float32 logits of the block's last token (None if it holds only pads)."""
         embed, layers, rotary, norm, lm_head = _decoder_modules(self.model)
         real = [(pos, tok) for pos, tok in block if pos >= self.npad]
         pads = [pos for pos, _ in block if pos < self.npad]
@@ -140,9 +150,15 @@ class _SampleState:
             attn = dec.self_attn
             residual = hidden
             x = dec.input_layernorm(hidden)
-            q = attn.q_proj(x).view(1, n + m, self.n_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(1, n + m, self.n_kv, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(1, n + m, self.n_kv, self.head_dim).transpose(1, 2)
+            if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, queries then keys then values
+                qd, kd = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+                qkv = attn.qkv_proj(x)
+                q, k, v = qkv[..., :qd], qkv[..., qd : qd + kd], qkv[..., qd + kd :]
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = q.reshape(1, n + m, self.n_heads, self.head_dim).transpose(1, 2)
+            k = k.reshape(1, n + m, self.n_kv, self.head_dim).transpose(1, 2)
+            v = v.reshape(1, n + m, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             if probe:
                 self.probe_qk[layer] = (q[0, :, n:].clone(), k[0, :, n:].clone())
@@ -163,6 +179,8 @@ class _SampleState:
                         out[i, qh] = probs.to(values.dtype) @ values
                         for e, pr in zip(visible, probs.tolist()):
                             e.sum += pr
+                            if i >= n - window:
+                                e.win += pr
                 if probe:  # probe queries: all real kept entries, then the probe tokens up to themselves
                     kept, rows = self.probe_attention(layer, h)
                     for qh, i, probs in rows:
@@ -272,6 +290,25 @@ class _SampleState:
 
         return [(ave(e), e.pos, h, e) for e in entries]
 
+    def snap(self, kv_max: int, window: int, kernel: int):
+        """SnapKV's choice after the prompt (module docstring): the window and the best-pooled others stay."""
+        for layer in range(self.n_layers):
+            for h in range(self.n_kv):
+                real = [e for e in self.kv[layer][h] if not e.is_pad]
+                if len(real) > kv_max:
+                    w = min(window, len(real))
+                    prefix, recent = real[: len(real) - w], real[len(real) - w :]
+                    r = kernel // 2
+
+                    def pooled(e):
+                        return sum(o.win for o in prefix if abs(o.pos - e.pos) <= r) / kernel
+
+                    best = sorted(prefix, key=lambda e: (-pooled(e), e.pos))[: kv_max - w]
+                    real = sorted(best, key=lambda e: e.pos) + recent
+                for e in real:
+                    e.sum = e.win
+                self.kv[layer][h] = real
+
     def keep_newest(self, result: RefResult, sample: int, curr_id: int):
         for layer in range(self.n_layers):
             for h in range(self.n_kv):
@@ -298,12 +335,14 @@ class Policy:
     blocks: bool  # Algorithm 1: prefill min(s, kv_max) then blocks of p; evict p pairs before a step when full
     keeps_newest: bool  # Algorithm 3: keep only the newest pair after the prompt and whenever the cache is full
     bounded: bool  # the cache holds fewer than kv_max pairs before every decode step
+    compresses: bool = False  # SnapKV: one block, then kv_max entries kept; decoding evicts p when full (as "bm")
 
 
 POLICIES = {
     "bm": Policy(blocks=True, keeps_newest=False, bounded=True),
     "ed": Policy(blocks=False, keeps_newest=True, bounded=True),
     "fkv": Policy(blocks=False, keeps_newest=False, bounded=False),
+    "snap": Policy(blocks=False, keeps_newest=False, bounded=True, compresses=True),
 }
 
 
@@ -320,6 +359,7 @@ def reference_generate(
     rule_params=None,
     force_tokens=None,
     groups=None,
+    snap=None,
 ):
     """Greedy generation with the paper's cache policy (or one of the rules above, BM only), naively.
 
@@ -327,6 +367,8 @@ def reference_generate(
     ``len(group) * kv_max`` entries, any of its heads may hold them, and each eviction removes ``len(group) * p``
     of them, the lowest ``(priority, position, head)`` over the group (each entry ranked within its own head);
     default every head alone (the paper).
+
+    ``snap`` (method "snap"): ``{"window": w, "kernel": k}``.
 
     ``force_tokens`` ``[B, >= max_new_tokens - 1]``: teacher forcing -- decode step t feeds ``force_tokens[:, t-1]``
     instead of the previous argmax (``tokens`` still records the argmaxes).
@@ -338,8 +380,9 @@ def reference_generate(
     if method_name not in POLICIES:
         raise ValueError(f"unknown method {method_name!r}")
     policy = POLICIES[method_name]
-    if policy.blocks:
+    if policy.blocks or policy.compresses:
         assert p is not None and p >= 1 and kv_max is not None and kv_max > p
+    assert (snap is not None) == policy.compresses and (not snap or set(snap) == {"window", "kernel"})
     need = {
         "paper": set(),
         "pooled": {"kernel", "pool"},
@@ -384,6 +427,9 @@ def reference_generate(
                 st.evict_bm(p, curr_id=t1 - 1, result=result, sample=j, rule=rule, params=rule_params, prefill=True)
                 t0, t1 = t1, min(s, t1 + p)
                 last = block(t0, t1)
+        elif policy.compresses:
+            last = st.process([(pos, ids[pos]) for pos in range(s)], window=snap["window"])
+            st.snap(kv_max, snap["window"], snap["kernel"])
         else:
             last = block(0, s)
         assert last is not None  # the last prompt token is always real
@@ -394,7 +440,7 @@ def reference_generate(
         # ---------------- decoding
         for t in range(1, max_new_tokens):
             pos = s + t - 1
-            if policy.blocks and st.size() == kv_max:
+            if (policy.blocks or policy.compresses) and st.size() == kv_max:
                 st.evict_bm(p, curr_id=pos - 1, result=result, sample=j, rule=rule, params=rule_params)
             if policy.keeps_newest and (t == 1 or st.size() == kv_max):
                 # Algorithm 3 removes all but the most recent pair right after the prompt and after a step

@@ -270,6 +270,10 @@ def test_bad_scheduler_settings_exit_2_before_loading(argv, key):
 
 
 # -- tensor parallel --------------------------------------------------------------------------------------------------
+#: What the tensor-parallel tests serve: BM, ED and snap (SnapKV after the prompt: rank-local per KV head, as BM).
+TP_METHODS = {"bm": METHODS["bm"], "ed": METHODS["ed"], "snap": Method("snap", KV, P, window=16, kernel=5)}
+
+
 def _tp_requests():
     return [Request(p, n) for p, n in zip(prompts(3)[:6], [9, 4, 12, 6, 10, 3])]
 
@@ -290,11 +294,11 @@ def _tp_worker(rank, world, port, outdir, family, eos, compile="none"):
     compiled = torch.compile(replay.eager_decode, fullgraph=True, backend="aot_eager")  # a graph break: an error
     replay.compiled_decode = lambda: compiled
     results = {}
-    for key in ("bm", "ed"):
+    for key, method in TP_METHODS.items():
         out = serve(
             model,
             _tp_requests(),
-            METHODS[key],
+            method,
             2,
             eos_token_id=eos,
             ignore_eos=eos is None,
@@ -322,13 +326,11 @@ def test_tp_serves_the_tokens_of_one_process(tmp_path, tp_size, eos, compile):
     args = (tp_size, free_port(), str(tmp_path), "phi3", eos, compile)
     mp.spawn(_tp_worker, args=args, nprocs=tp_size, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]
-    for key in ("bm", "ed"):
+    for key in TP_METHODS:
         assert [got[key]["graphs"] for got in ranks] == [1 if compile == "default" else 0] * tp_size
     model = model_of("phi3")  # 6 KV heads: split 3+3 or 2+2+2
-    for key in ("bm", "ed"):
-        single = serve(
-            model, _tp_requests(), METHODS[key], 2, eos_token_id=eos, ignore_eos=eos is None, return_logits=True
-        )
+    for key, method in TP_METHODS.items():
+        single = serve(model, _tp_requests(), method, 2, eos_token_id=eos, ignore_eos=eos is None, return_logits=True)
         for got in ranks:
             assert got[key]["tokens"] == [o.tokens for o in single.outputs]
             assert got[key]["admissions"] == single.admissions

@@ -201,6 +201,7 @@ SERVED_CASES = [
     (Method("bm", kv_max=32, p=8), 4, 96, 6),
     (Method("bm", kv_max=80, p=8, rule="question"), 3, 200, 6),
     (Method("bm", kv_max=80, p=8, rule="question:share=0"), 3, 200, 6),
+    (Method("snap", kv_max=32, p=8, window=8, kernel=5), 4, 96, 6),
 ]
 
 
@@ -216,6 +217,41 @@ def test_planner_pool_total_covers_a_whole_served_run(model, method, slots, prom
         _served_peak(model, method, slots, prompt, new, [prompt] * (slots + 1) + [prompt // 3] * 3)
     est = predict_pool(ModelShape.from_config(model.config), method, slots, prompt, new)
     assert t.peak <= est.total - est.weights, (t.peak, est)
+
+
+def test_snap_compress_calls_hold_at_most_what_they_report_and_the_planner_predicts(model, monkeypatch):
+    """snap's compress pass (SDPA, then the window's choice): every call's measured peak is within the workspace it
+    reports (an upper bound: ``workspace.snap_workspace_bytes`` counts its phases as if alive together, at most
+    1.6x here; SDPA's own scratch, which the count leaves out, fits within that), which the planner's pool workspace
+    covers; the other calls (decode steps) are exact as ever."""
+    from batchmax_tp.core import pool as pools
+
+    method, prompt = Method("snap", kv_max=32, p=8, window=8, kernel=5), 96
+    reported, notes, fn, note = [], [], attention.batchmax_attention, pools._Pool.note_workspace
+
+    def recording_note(self, nbytes):
+        notes.append(nbytes)
+        note(self, nbytes)
+
+    def labelled(*args, **kwargs):
+        start = len(notes)
+        with torch.profiler.record_function(LABEL):
+            out = fn(*args, **kwargs)
+        reported.append((kwargs["batchmax"].kind, max(notes[start:], default=0)))
+        return out
+
+    monkeypatch.setattr(pools._Pool, "note_workspace", recording_note)
+    monkeypatch.setattr(attention, "batchmax_attention", labelled)
+    with AllocationTracker() as t:
+        serve(model, [Request(_ids(1, prompt)[0].tolist(), 6)], method, 1, ignore_eos=True)
+    measured = t.spans(LABEL)
+    assert len(measured) == len(reported) and [k for k, _ in reported[:2]] == ["compress"] * 2
+    est = predict_pool(ModelShape.from_config(model.config), method, 1, prompt, 6)
+    for got, (kind, said) in list(zip(measured, reported))[1:]:  # the first call also allocates the pool
+        if kind == "compress":
+            assert got <= said <= 1.6 * got and said <= est.workspace, (got, said, est.workspace)
+        else:
+            assert got == said, kind
 
 
 # -- CUDA -----------------------------------------------------------------------------------------------------------

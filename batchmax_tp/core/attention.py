@@ -37,7 +37,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import probe, workspace
+from . import probe, snap, workspace
 from .hf_cache import BoundedLayer, take_updated_layer
 from .pool import DensePoolLayer, PoolLayer
 from .step import RowsPass
@@ -197,6 +197,8 @@ def _rows_attention(
     hi = step.hi * layer.cache.share  # a shared budget's G heads hold G slots per column
     if step.kind == "probe":  # nothing is evicted or written: the probe only reads
         return _rows_probe(layer, step, query, (key, value), scaling, hi)
+    if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice
+        return _compress(module, layer, step, query, key, value, scaling)
     layer.write(step, key, value)  # the pass's evictions ran before it (the pool's ``evict``)
     if step.kind == "decode":
         return _decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias)
@@ -222,6 +224,23 @@ def _dense_prefill(module, layer: DensePoolLayer, query, key, value, scaling: fl
         key, value = repeat_kv(key, Hq // Hkv), repeat_kv(value, Hq // Hkv)  # [R, Hq, s, D] each
         module = _OneGroup(module)
     return sdpa_attention_forward(module, query, key, value, None, scaling=scaling)[0]
+
+
+def _compress(module, layer: PoolLayer, step: RowsPass, query, key, value, scaling: float) -> torch.Tensor:
+    """A compress pass (``snap``): the prompts [R, Hq, s, D] on the model's SDPA over their own pairs, then each
+    (row, KV head) keeps the pairs its observation window chooses (``core.snap``), their sums the window's
+    attention. Returns [R, s, Hq, D]."""
+    method = layer.cache.method
+    R, Hq, s, D = query.shape
+    Hkv = key.shape[1]
+    out = _dense_prefill(module, layer, query, key, value, scaling)  # [R, s, Hq, D]
+    layer.cache.note_workspace(
+        workspace.snap_workspace_bytes(R, Hq, Hkv, D, s, method.window, min(s, method.kv_max), query.element_size())
+    )
+    scores = snap.window_scores(query, key, scaling, method.window)  # [R, Hkv, s] float32
+    kept = snap.choose(scores, method.kv_max, method.window, method.kernel)  # [R, Hkv, K]
+    layer.keep(step, key, value, kept, scores.gather(2, kept))
+    return out
 
 
 class _OneGroup:

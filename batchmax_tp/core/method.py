@@ -10,11 +10,12 @@ head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import TYPE_CHECKING, ClassVar
 
 from .rules import Rule, get_rule
+from .workspace import snap_workspace_bytes
 
 if TYPE_CHECKING:  # tensors arrive as arguments: this module imports no torch (config validation stays instant)
     from torch import Tensor
@@ -24,6 +25,10 @@ def min_kv_max(p: int, rule: str = "paper") -> int:
     """The smallest kv_max BM runs with under ``p`` and ``rule``: above ``p``, and ``p`` more than the pairs the
     rule never evicts (its sinks + recent window)."""
     return p + max(1, get_rule(rule).protected())
+
+
+#: The fields every method has (``Method``'s own); a subclass's further fields are its own parameters.
+_COMMON = ("name", "kv_max", "p", "rule")
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,18 @@ class Method:
         rule = "" if self.rule == "paper" else f", rule={self.rule}"
         return f"{self.name}(kv_max={self.kv_max}, p={self.p}{rule})"
 
+    @classmethod
+    def own_parameters(cls) -> dict[str, int]:
+        """The method's own parameters (``snap``'s window and kernel) with their defaults: what ``name:key=value``
+        sets (:func:`make_method`)."""
+        return {f.name: f.default for f in fields(cls) if f.name not in _COMMON}
+
+    def slug(self) -> str:
+        """The method in a run's folder name: its name, then its own parameters that differ from the defaults
+        (``snap-window16``)."""
+        changed = [f"{k}{getattr(self, k)}" for k, v in self.own_parameters().items() if getattr(self, k) != v]
+        return "-".join([self.name, *changed])
+
     # -- schedule ----------------------------------------------------------------------------------------------
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         """Slots each (sample, KV head) needs at its largest."""
@@ -126,6 +143,11 @@ class Method:
         """How many of a layer's ``kv_heads`` (on one rank) share one budget of slots (``Rule.share``; 1 unless the
         method's rule shares)."""
         return 1
+
+    def prefill_workspace_bytes(self, q_heads: int, kv_heads: int, head_dim: int, prompt: int, elem: int) -> int:
+        """Workspace one layer's call of a prefill pass of one ``prompt``-token row holds beyond the dense prefill's
+        (``workspace.dense_workspace_bytes``), for the methods that prefill a group per pass (0: none)."""
+        return 0
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
         """How many pairs to evict before writing ``incoming`` new pairs into a cache holding ``filled``.
@@ -251,15 +273,92 @@ class BatchMax(Method):
         return self.scorer.score(score, pos, curr_id, probe, head)
 
 
+@dataclass(frozen=True)
+class Snap(Method):
+    """``snap``: SnapKV's compression once after an unchunked prefill (``core.snap``). The prompt runs in one pass on
+    the model's SDPA, as FKV's; each (row, KV head) then keeps ``kv_max`` of its pairs: the last ``window``
+    positions and the ``kv_max - window`` others the window's queries attended to most (pooled over ``kernel``
+    positions), and decodes in a bounded slot with the paper's decode-time eviction (``p`` pairs of smallest
+    average attention when a step finds the slot full). A slot holds ``kv_max`` pairs, as BM's; its prompt is held
+    in full only inside its own prefill pass."""
+
+    name: str = "snap"
+    window: int = 32
+    kernel: int = 7
+    default_kv_max: ClassVar[int] = 512
+
+    def __post_init__(self) -> None:
+        for what in ("window", "kernel"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what} must be a positive integer for method 'snap', got {value!r}")
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd for method 'snap' (centred on the pair), got {self.kernel}")
+        super().__post_init__()
+
+    def validate_kv_max(self) -> None:
+        if self.kv_max <= max(self.window, self.p):
+            raise ValueError(
+                f"kv_max must be > window and > p for method 'snap', got kv_max={self.kv_max} window={self.window} "
+                f"p={self.p}"
+            )
+
+    def label(self) -> str:
+        return f"snap(kv_max={self.kv_max}, p={self.p}, window={self.window}, kernel={self.kernel})"
+
+    def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        return self.kv_max
+
+    def slot_state_bytes(self, elem: int, group: int = 1) -> int:
+        """BM's slot state without a probe: a position (int64), an attention sum (float32), an additive mask (model
+        dtype) and a free-list entry (int64) per slot."""
+        return 8 + 4 + elem + 8
+
+    def prefill_workspace_bytes(self, q_heads: int, kv_heads: int, head_dim: int, prompt: int, elem: int) -> int:
+        """The compress pass's (``workspace.snap_workspace_bytes``)."""
+        kept = min(prompt, self.kv_max)
+        return snap_workspace_bytes(1, q_heads, kv_heads, head_dim, prompt, self.window, kept, elem)
+
+    def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
+        if incoming > 1:  # the prompt, one block: kept pairs are chosen inside its pass (it "evicts" the rest)
+            return max(0, filled + incoming - capacity)
+        return min(self.p, filled) if filled + incoming > capacity else 0  # decoding: Algorithm 1's step
+
+    def priority(self, score, pos, curr_id, probe=None, head=None) -> Tensor:
+        """Decode-time eviction: the paper's average attention."""
+        return self.scorer.score(score, pos, curr_id)
+
+
 #: The registry: every method by its name, in the order runs and reports list them.
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullCache, ExtremeDecoding, BatchMax)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullCache, ExtremeDecoding, BatchMax, Snap)}
 
 
 def method_type(name: str) -> type[Method]:
-    """The class of the method called ``name``; ValueError naming the methods for an unknown one."""
+    """The class of the method called ``name`` (or spelled ``name:key=value,...``, :func:`make_method`); ValueError
+    naming the methods for an unknown one."""
+    name = name.partition(":")[0]
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}: choose one of {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def make_method(spec: str, **common) -> Method:
+    """A method from ``name`` or ``name:key=value,...`` (its own parameters, e.g. ``snap:window=16,kernel=5``)
+    and the ``common`` fields (kv_max, p, rule); ValueError in one line for an unknown key or a value that is not
+    an integer."""
+    name, _, text = spec.partition(":")
+    cls = method_type(name)
+    own, values = cls.own_parameters(), {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or key not in own:
+            known = ", ".join(own) or "none"
+            raise ValueError(f"method {name!r}: cannot read {item!r}; its parameters are key=value with keys: {known}")
+        try:
+            values[key] = int(value)
+        except ValueError:
+            raise ValueError(f"method {name!r}: {key} must be an integer, got {value!r}") from None
+    return cls(**common, **values)
 
 
 def is_full_cache(method: str | Method) -> bool:

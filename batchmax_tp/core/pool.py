@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from . import probe as lookahead
-from .method import BatchMax, ExtremeDecoding, FullCache, Method
+from .method import BatchMax, ExtremeDecoding, FullCache, Method, Snap
 from .rules import MAX_SHARE
 from .schedule import Phase
 from .step import Eviction, RowsPass, SlotWork
@@ -321,6 +321,18 @@ class PoolLayer(_PoolLayer):
         bias = torch.zeros(qpos.shape, dtype=self.bias.dtype, device=self.device).masked_fill_(qpos < 0, float("-inf"))
         self.bias.view(-1).index_copy_(0, flat, bias.view(-1))
 
+    def keep(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor, kept: torch.Tensor, sums):
+        """A compress pass's choice (``snap``): of each row's prompt pairs [R, H, s, D] the columns ``kept``
+        [R, H, K] (ascending) go to slots [0, K), with their positions and attention sums ``sums`` [R, H, K]; the
+        rows' other slots stay empty, as ``BoundedPool.admit`` left them."""
+        R, H, K = kept.shape
+        at = kept[..., None].expand(R, H, K, key_states.shape[-1])  # [R, H, K, D]
+        self.keys[:, :, :K].index_copy_(0, step.rows, key_states.gather(2, at))
+        self.values[:, :, :K].index_copy_(0, step.rows, value_states.gather(2, at))
+        self.pos[:, :, :K].index_copy_(0, step.rows, step.qpos[:, None, :].expand(R, H, -1).gather(2, kept))
+        self.score[:, :, :K].index_copy_(0, step.rows, sums)
+        self.bias[:, :, :K].index_fill_(0, step.rows, 0.0)
+
     def store_probe(self, rows: torch.Tensor, q: torch.Tensor, own_lse: torch.Tensor, weights: torch.Tensor) -> None:
         """Keep the rows' probe queries [R, Hkv, g*w, D], log-sum-exp [R, Hkv, g*w, 1] and weights [R, w] for
         re-scoring (``probe.ProbeState``); every row's are allocated by the first probe pass."""
@@ -517,6 +529,46 @@ class BoundedPool(_Pool):
         return out
 
 
+class SnapPool(BoundedPool):
+    """``snap``'s pool: BM's bounded rows (``kv_max`` slots per head, the paper's decode-time eviction), filled by a
+    compress pass per group of one prompt length (``core.snap``): the prompt runs on the model's SDPA, as FKV's, and
+    each row keeps what the window's attention chooses."""
+
+    def prefill_pass(
+        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
+    ) -> tuple[RowsPass, torch.Tensor]:
+        """One group's prompts (one length s: a single block) and their ids [R, s]; each row then holds
+        min(s, ``kv_max``) pairs in slots [0, K) (a padded batch's rows: at their padded positions, no pad held)."""
+        rows, end, offset = [w.row for w in work], work[0].phase.end, self.rows[work[0].row].offset
+        s = end - offset
+        kept = min(s, self.capacity)
+        columns = to_device([list(range(offset, end)), list(range(s))], device)  # [2, s]
+        R = len(rows)
+        for row in rows:
+            st = self.rows[row]
+            st.seen, st.filled, st.ptr, st.high = end, kept, kept, kept
+        step = RowsPass(
+            kind="compress",
+            pool=self,
+            rows=to_device(rows, device),
+            span=_span(rows),
+            qpos=columns[0].expand(R, s),
+            positions=columns[1].expand(R, s),
+            real=None,
+            write=None,
+            hi=s,
+        )
+        return step, torch.stack(prompts)
+
+    def graduate(self, rows: range, decodes: list[bool]) -> None:
+        """A group's prompts are held; a shared group's first row, the one its prefill ran on, becomes every row."""
+        if len(rows) > 1 and self.rows[rows.start + 1].seen == 0:
+            self.fork(rows)
+            for row in rows[1:]:
+                self.rows[row] = RowState(**vars(self.rows[rows.start]))
+        self.note()
+
+
 def to_device(data: list, device) -> torch.Tensor:
     """Host lists (of ints) as one tensor on ``device``. On CUDA through pinned memory, asynchronously: a copy from
     pageable memory would wait for the device to finish its queued work, so the host could not run ahead."""
@@ -666,5 +718,5 @@ class NewestPool(DensePool):
 
 def make_pool(method: Method, num_layers: int, slots: int, capacity: int, static: bool) -> _Pool:
     """The method's pool: ``capacity`` slots per row (``Method.decode_capacity`` of the longest request)."""
-    kinds = {BatchMax: BoundedPool, FullCache: FullPool, ExtremeDecoding: NewestPool}
+    kinds = {BatchMax: BoundedPool, FullCache: FullPool, ExtremeDecoding: NewestPool, Snap: SnapPool}
     return kinds[type(method)](method, num_layers, slots, capacity, static)

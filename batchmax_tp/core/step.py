@@ -7,8 +7,10 @@ pool layer as ``batchmax.pool.layers[module.layer_idx]``: no thread-local state,
 layer between passes. (HF's ``model.generate`` drop-in, ``core.hf_cache``, passes no description: its cache hands
 its layer over instead.)
 
-A pass is a prefill chunk, a look-ahead probe or a decode step. ``SlotWork`` lists, per pool row it touches, the
-row and that row's own schedule phase (``core.schedule.Phase``: its tokens' range, its eviction count, its step).
+A pass is a prefill chunk, a look-ahead probe, a compress pass (``snap``: a group's whole prompts on the model's
+SDPA, each row then keeping what its window's attention chooses, ``core.snap``) or a decode step. ``SlotWork``
+lists, per pool row it touches, the row and that row's own schedule phase (``core.schedule.Phase``: its tokens'
+range, its eviction count, its step).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class RowsPass:
     keep only their newest pair. ``decoding`` (decode passes): the rows that decode, in work order, for the caller
     (it arrives in the description's one host-to-device copy)."""
 
-    kind: Literal["prefill", "probe", "decode"]
+    kind: Literal["prefill", "probe", "compress", "decode"]
     pool: object  # core.pool's BoundedPool or DensePool
     rows: torch.Tensor  # [R] pool rows, in batch order
     span: slice | None  # the same rows as a slice when they are adjacent (views instead of gathers)

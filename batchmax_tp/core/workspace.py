@@ -268,3 +268,21 @@ def _sdpa_workspace_bytes(B: int, Hq: int, Hkv: int, D: int, n: int, L: int, e: 
     additive = e * B * n * L  # the boolean mask made additive in the model dtype
     aligned = e * B * n * (L + MASK_ALIGN - L % MASK_ALIGN) if align and L % MASK_ALIGN else 0
     return held + repeat + max(additive + aligned, (aligned or additive) + out + lse)
+
+
+def snap_workspace_bytes(
+    batch: int, q_heads: int, kv_heads: int, head_dim: int, prompt: int, window: int, kept: int, elem: int
+) -> int:
+    """Peak bytes a compress pass (``snap``, ``core.snap``) allocates above the pass's queries, keys and values and
+    the pool, per layer's call, at most: SDPA's output and log-sum-exp (``dense_workspace_bytes``, unpadded), alive
+    while the window's queries are copied and scored (their logits in the model dtype, a float32 copy of them in a
+    half dtype, the float32 softmax, the per-pair sums), then the choice (a few [rows, heads, prompt] int64 and
+    float32 tensors: the pooled scores, the stable sort's values and indices) and the kept pairs gathered (K and V,
+    their positions and sums). An upper bound: these phases are counted as if alive together."""
+    B, Hq, Hkv, D, s, w, K, e = batch, q_heads, kv_heads, head_dim, prompt, min(window, prompt), kept, elem
+    sdpa = _sdpa_workspace_bytes(B, Hq, Hkv, D, s, s, e, padded=False, align=False)
+    logits = B * Hq * w * s * (e + (4 if e != 4 else 0) + 4)  # the product, its float32 copy, the softmax
+    scoring = e * B * Hq * w * D + logits + 4 * B * Hkv * s
+    choosing = B * Hkv * s * (4 + 4 + 4 + 8)  # the prefix copied, pooled, sorted (values, indices)
+    keeping = B * Hkv * K * (2 * e * D + 8 + 8 + 4)  # K and V, positions (and their index), sums
+    return sdpa + scoring + choosing + keeping

@@ -156,9 +156,11 @@ def predict_pool(
         0,
     )
     tokens = method.pass_tokens(slots) if pass_tokens is None else pass_tokens
-    if tokens is None:  # the baselines: one group of one prompt length per prefill pass
+    if tokens is None:  # one group of one prompt length per prefill pass (FKV, ED; snap keeps its choice after)
         activations, workspace, _ = _dense_slot_prefill(shape, prompt_len, tp, nbytes)
-        return MemoryEstimate(kv, workspace + decode[1], weights, activations + decode[0], 0)
+        compress = method.prefill_workspace_bytes(q_heads, kv_heads, shape.head_dim, prompt_len, nbytes)
+        meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
+        return MemoryEstimate(kv, max(workspace, compress) + decode[1], weights, activations + decode[0], meta)
     meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
     passes = _pool_prefill_passes(shape, method, slots, tokens, q_heads, kv_heads, nbytes, per_token)
     evicting = (0, eviction_workspace_bytes(shape.layers, slots, Hs, T, nbytes, G))

@@ -1,0 +1,53 @@
+"""SnapKV's choice, made once after an unchunked prefill (the method ``snap``, ``core.method.Snap``).
+
+A prompt of s tokens runs through each layer in one pass (the model's SDPA, as FKV's), and with its keys in hand the
+layer keeps ``kv_max`` of its pairs per (row, KV head): the observation window (the prompt's last ``w`` positions,
+where the question sits) and the ``kv_max - w`` others the window's queries attended to most (SnapKV, Li et al.
+2024; kvpress's ``SnapKVPress``):
+
+- score[j] = the attention probability the window's queries give prompt pair j, summed over the window's queries and
+  the KV head's query heads (causal: a window query sees the pairs up to its own position);
+- the scores of the pairs before the window are pooled over positions as SnapKV does (``avg_pool1d`` with kernel
+  ``kernel``, stride 1, padding ``kernel // 2``, the padding counted: a pair near either end averages with zeros);
+- kept: the window, and the ``kv_max - w`` pairs before it of highest pooled score (ties: the older pair first).
+
+A prompt of at most ``kv_max`` tokens keeps every pair. The kept pairs then decode in a bounded slot with the
+paper's decode-time eviction (``p`` pairs of smallest average attention when a step finds the slot full). Their
+attention sums start at the window's score (unpooled): the attention they received from the window's queries, the
+only prompt queries whose attention is computed -- the choice ``tests/reference.py`` reads the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def window_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
+    """query [R, Hq, s, D], key [R, Hkv, s, D] (one prompt length s, RoPE applied): the attention every pair gets
+    from the last ``min(window, s)`` queries, summed over them and over each KV head's query heads, float32
+    [R, Hkv, s]. Reads only the window's queries: [R, Hkv, g*w, s] logits at a time."""
+    R, Hq, s, D = query.shape
+    Hkv = key.shape[1]
+    g, w = Hq // Hkv, min(window, s)
+    q = query[:, :, s - w :].reshape(R, Hkv, g * w, D)  # [R, Hkv, g*w, D]: the window's queries grouped by KV head
+    logits = torch.matmul(q, key.transpose(2, 3)).float().mul_(scaling)  # [R, Hkv, g*w, s]
+    # window query i sits at position s - w + i: pairs after it are hidden (the same for every query head)
+    after = torch.arange(s, device=key.device) > torch.arange(s - w, s, device=key.device)[:, None]  # [w, s]
+    logits.view(R, Hkv, g, w, s).masked_fill_(after, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=2)  # [R, Hkv, s]
+
+
+def choose(scores: torch.Tensor, kv_max: int, window: int, kernel: int) -> torch.Tensor:
+    """The positions each (row, KV head) keeps, ascending, [R, Hkv, min(s, kv_max)], from ``window_scores``
+    [R, Hkv, s]: the window and the ``kv_max - w`` pairs before it of highest pooled score."""
+    R, Hkv, s = scores.shape
+    if s <= kv_max:
+        return torch.arange(s, device=scores.device).expand(R, Hkv, s)
+    w = min(window, s)
+    prefix = scores[..., : s - w].reshape(R * Hkv, 1, s - w)  # [R*Hkv, 1, s - w]
+    pooled = F.avg_pool1d(prefix, kernel, stride=1, padding=kernel // 2).view(R, Hkv, s - w)  # [R, Hkv, s - w]
+    # the highest pooled scores, ties to the older pair: a stable sort keeps positions ascending among equals
+    top = torch.sort(pooled, dim=-1, descending=True, stable=True).indices[..., : kv_max - w]  # [R, Hkv, kv_max-w]
+    recent = torch.arange(s - w, s, device=scores.device).expand(R, Hkv, w)  # [R, Hkv, w]
+    return torch.cat([top.sort(dim=-1).values, recent], dim=-1)  # [R, Hkv, kv_max], ascending
