@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None, *, procedure: str | None = None) -> 
     except ConfigError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
-    except SystemExit as done:  # --help, --list-rules
+    except SystemExit as done:  # --help, --list-rules, --list-methods
         return int(done.code or 0)
     from .job import run  # deferred: torch and transformers load only for a valid configuration
 

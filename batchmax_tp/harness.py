@@ -60,7 +60,7 @@ from .plan.planner import DTYPE_BYTES, ModelShape, max_slots, parse_bytes
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_MAX = {"bm": 512, "ed": 65}  # the project's headline BM budget; the paper's ED
+DEFAULT_KV_MAX = {"bm": 512, "ed": 65, "snap": 512}  # the headline BM budget (snap: the same); the paper's ED
 DEFAULT_MAX_BATCH = 64  # the cap of batch_size=auto without max_batch_size (lm-eval's hf model uses 64 too)
 CUDA_BUDGET_FRACTION = 0.9  # batch_size=auto on a GPU without memory_budget: this share of its memory
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_k", "top_p")

@@ -384,9 +384,9 @@ def _same_memory_runs(speed: float = 1.0):
 def test_same_memory_report_shows_each_rules_ratios_over_fkv_and_ed(tmp_path):
     text = report.format_report(_same_memory_runs())
     lines = text.splitlines()
-    head = lines.index("| BM rule | b | kv_max | contains | tokens/s | tokens/s / FKV | tokens/s / ED |")
+    head = lines.index("| method | b | kv_max | contains | tokens/s | tokens/s / FKV | tokens/s / ED |")
     assert lines[head - 2].startswith(
-        "Each BM rule's tokens/s divided by those of FKV (b=4) and of the fastest ED run (b=4, kv_max=2)"
+        "Each BM rule's tokens/s, and snap's, divided by those of FKV (b=4) and of the fastest ED run (b=4, kv_max=2)"
     )
     assert lines[head + 2 : head + 4] == [
         "| BM (paper) | 13 | 512 | 0.385 | 17.0 | 1.42x | 1.36x |",

@@ -109,6 +109,16 @@ def test_bad_yaml_values_are_one_line_exit_2(tmp_path, no_model_load, text, key)
         (["--method", "bm", "--scheduler", "static", "--prefill-budget", "16"], "prefill_budget"),
         (["--kv-values", "256"], "kv_values"),
         (["--target", "0.5"], "target"),
+        # snap's own parameters (--method snap:key=value,...)
+        (["--method", "snap:window=600"], "methods"),  # window >= kv_max (512)
+        (["--method", "snap", "--kv-max", "32"], "kv_max"),  # kv_max <= window (32)
+        (["--method", "snap:window=0"], "methods"),
+        (["--method", "snap:window=1.5"], "methods"),
+        (["--method", "snap:kernel=x"], "methods"),
+        (["--method", "snap:kernel=4"], "methods"),
+        (["--method", "snap:windw=16"], "methods"),
+        (["--method", "snap", "--rule", "question"], "rule"),
+        (["--config", "RUNS_SNAP_RULE"], "runs[0].rule"),
         # argparse's own errors name the key
         (["--batch-size", "four"], "batch_size"),
         (["--temperature", "warm"], "temperature"),
@@ -118,6 +128,8 @@ def test_bad_yaml_values_are_one_line_exit_2(tmp_path, no_model_load, text, key)
     ],
 )
 def test_bad_flags_are_one_line_exit_2(tmp_path, no_model_load, argv, key):
+    if "RUNS_SNAP_RULE" in argv:
+        argv = ["--config", _yaml(tmp_path, "runs: [{method: snap, batch_size: 2, rule: question}]\n")]
     _assert_refused(argv, key, tmp_path / "out")
 
 
@@ -375,7 +387,7 @@ def test_run_py_hub_model_not_cached_with_the_hub_unreachable(tmp_path):
 _FLAGS = sorted(
     flag
     for flag in build_parser()._option_string_actions
-    if flag.startswith("--") and flag not in ("--help", "--list-rules", "--config")
+    if flag.startswith("--") and flag not in ("--help", "--list-rules", "--list-methods", "--config")
 )
 _WILD_NUMBERS = st.one_of(
     st.integers(-3, 5000),

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..core.method import METHODS
 from ..core.rules import get_rule, rule_names
 from .run import LISTING_KEYS, PARTS, SETTINGS, RunConfig, _normalise_mapping, load_yaml
 from .settings import LIST, ConfigError, Setting
@@ -55,6 +56,20 @@ class _ListRules(argparse.Action):
         parser.exit(0)
 
 
+class _ListMethods(argparse.Action):
+    """``--list-methods``: print each method's name and its own parameters with their defaults (set as
+    ``--method NAME:key=value,...``; one method per line, the name first) and exit 0."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        lines = []
+        for name, cls in METHODS.items():
+            own = " ".join(f"{k}={v}" for k, v in cls.own_parameters().items())
+            rule = " (--rule NAME: its eviction rule)" if cls.takes_rule else ""
+            lines.append(f"{name:<5} {own or '-'}{rule}")
+        parser._print_message("\n".join(lines) + "\n", sys.stdout)
+        parser.exit(0)
+
+
 def _flag(key: str, s: Setting) -> str:
     return s.flag if s.flag is not None else "--" + key.replace("_", "-")
 
@@ -96,6 +111,9 @@ def build_parser(prog: str = "run.py") -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="FILE", help="YAML file with any of the keys below (underscores)")
     parser.add_argument("--list-rules", nargs=0, action=_ListRules, help="print the eviction rule names and exit")
+    parser.add_argument(
+        "--list-methods", nargs=0, action=_ListMethods, help="print the methods and their own parameters, and exit"
+    )
     for _, part in PARTS:
         group = parser.add_argument_group(part.title)
         for _, s, key in part.settings():

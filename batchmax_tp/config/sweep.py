@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..core.method import METHODS, Method, is_full_cache, method_type, takes_rule
+from ..core.method import METHODS, Method, is_full_cache, make_method, method_type, takes_rule
 from ..core.rules import get_rule
 from ..core.step import COMPILE_MODES
 from ..plan.budget import RunSpec, story_methods
@@ -43,7 +43,7 @@ class SweepConfig(Part):
 
     title: ClassVar[str] = "methods and runs"
     methods: list[str] = setting(
-        list(METHODS),
+        ["fkv", "ed", "bm"],
         LIST,
         "method to run; repeat (or comma-separate) for several (default: fkv, ed, bm)",
         flag="--method",
@@ -60,7 +60,7 @@ class SweepConfig(Part):
     kv_max: int | None = setting(
         None,
         OPTIONAL_INT,
-        "bm/ed KV pairs per (sample, KV head) (default null: bm 512, ed 2)",
+        "bm/ed/snap KV pairs per (sample, KV head) (default null: bm and snap 512, ed 2)",
         metavar="N|null",
         low=1,
         high=MAX_TOKENS,
@@ -129,14 +129,14 @@ class SweepConfig(Part):
     # -- what each method runs with
     def kv_max_for(self, name: str) -> int | None:
         """The cache size method ``name`` runs with: ``kv_max`` if set (methods that evict), else its default."""
-        cls = METHODS.get(name)
+        cls = METHODS.get(name.partition(":")[0])
         if cls is None or is_full_cache(cls.name):
             return None
         return self.kv_max if self.kv_max is not None else cls.default_kv_max
 
     def rule_for(self, name: str) -> str:
         """The eviction rule method ``name`` runs with: ``rule`` where it takes one (BM), else the paper's."""
-        cls = METHODS.get(name)
+        cls = METHODS.get(name.partition(":")[0])
         return self.rule if cls is not None and takes_rule(cls.name) else "paper"
 
     def method_specs(self) -> list[Method]:
@@ -144,9 +144,10 @@ class SweepConfig(Part):
         specs = []
         for name in self.methods:
             try:
-                specs.append(Method(name, kv_max=self.kv_max_for(name), p=self.p, rule=self.rule_for(name)))
+                specs.append(make_method(name, kv_max=self.kv_max_for(name), p=self.p, rule=self.rule_for(name)))
             except ValueError as err:
-                raise ConfigError(self._blame(name), f"{err}{self._default_hint(name)}") from None
+                key = self._blame(name)
+                raise ConfigError(key, f"{err}{self._default_hint(name) if key != 'methods' else ''}") from None
         return specs
 
     def _default_hint(self, name: str) -> str:
@@ -157,19 +158,19 @@ class SweepConfig(Part):
 
     def _blame(self, name: str) -> str:
         """Which key made ``Method(name, ...)`` fail, found by retrying with defaults (Method owns the rules)."""
-        cls = METHODS.get(name)
+        cls = METHODS.get(name.partition(":")[0])
         default = None if cls is None else cls.default_kv_max
         try:
-            Method(name, kv_max=default, p=64)
+            make_method(name, kv_max=default, p=64)
         except ValueError:
             return "methods"
         try:
-            Method(name, kv_max=default, p=self.p)
+            make_method(name, kv_max=default, p=self.p)
         except ValueError:  # p is too large for the default kv_max: kv_max is the fix only if set
             if self.kv_max is None:
                 return "p"
             try:
-                Method(name, kv_max=self.kv_max, p=64)
+                make_method(name, kv_max=self.kv_max, p=64)
             except ValueError:
                 return "kv_max"
             return "p"
@@ -177,7 +178,8 @@ class SweepConfig(Part):
 
     def story_methods(self) -> list[Method]:
         """The main job's methods: FKV, ED, the paper's BM and BM with the best rule (``plan.budget``)."""
-        return story_methods({"ed": self.kv_max_for("ed"), "bm": self.kv_max_for("bm")}, self.p, self.rule)
+        kv_max = {name: self.kv_max_for(name) for name in ("ed", "bm", "snap")}
+        return story_methods(kv_max, self.p, self.rule)
 
     # -- the listed runs
     def run_specs(self) -> list[RunSpec]:
@@ -210,7 +212,7 @@ class SweepConfig(Part):
             raise ConfigError(f"{where}.rule", f"rule {rule!r} applies to method bm only, not {method!r}")
         try:  # method, rule and p are valid: what is left is the cache size
             return RunSpec(
-                Method(method, kv_max=self.kv_max_for(method) if kv_max is None else kv_max, p=self.p, rule=rule),
+                make_method(method, kv_max=self.kv_max_for(method) if kv_max is None else kv_max, p=self.p, rule=rule),
                 entry["batch_size"],
             )
         except ValueError as err:

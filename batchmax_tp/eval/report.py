@@ -25,7 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from ..core.method import METHODS, BatchMax, ExtremeDecoding, FullCache, Method, is_full_cache
+from ..core.method import METHODS, BatchMax, ExtremeDecoding, FullCache, Method, Snap, is_full_cache
 from .files import atomic_write_text
 from .metrics import METRIC_LABELS
 
@@ -102,12 +102,19 @@ _MIB_OF = {
     "weights_mib": "weights_bytes",
 }
 
-_NAMES = {"ed": "ED", "fkv": "FKV", "bm": "BM"}
-_LEGEND = {"ed": "ED (decoding-only eviction)", "fkv": "FKV (full KV cache)", "bm": "BM (Batch-Max)"}
-_COLOURS = {"ed": "tab:orange", "fkv": "tab:blue", "bm": "tab:green"}
+_NAMES = {"ed": "ED", "fkv": "FKV", "bm": "BM", "snap": "snap"}
+_LEGEND = {
+    "ed": "ED (decoding-only eviction)",
+    "fkv": "FKV (full KV cache)",
+    "bm": "BM (Batch-Max)",
+    "snap": "snap (SnapKV after the prompt)",
+}
+_COLOURS = {"ed": "tab:orange", "fkv": "tab:blue", "bm": "tab:green", "snap": "tab:red"}
+#: Methods in report order.
+_ORDER = {"ed": 0, "fkv": 1, "bm": 2, "snap": 3}
 #: Colours of further series of one method (another kv_max or rule), in order of appearance.
-_MORE_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:red", "tab:gray")
-_MARKERS = {"ed": "s", "fkv": "o", "bm": "^"}
+_MORE_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+_MARKERS = {"ed": "s", "fkv": "o", "bm": "^", "snap": "v"}
 #: Markers of BM under rules other than the paper's, in order (metric plot), beside :data:`_MORE_COLOURS`.
 _RULE_MARKERS = ("D", "v", "P", "X", "*", "h", "<")
 _AXIS_LABELS = {
@@ -291,18 +298,20 @@ def _ratio(x: float | None, ref: dict[str, Any] | None) -> str:
 
 def _same_memory_ratios(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
     """The plain run's claim in one table (only for the same-memory run, whose summaries carry its budget): each
-    BM rule's tokens/s over FKV's and over the fastest ED run's, all in the same memory; the paper's rule first."""
+    BM rule's tokens/s, and snap's (SnapKV after the prompt: the peer users run instead), over FKV's and over the
+    fastest ED run's, all in the same memory; the paper's rule first."""
     if not any(s.get("same_memory_budget_bytes") for s in summaries):
         return []
     ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
     bm = sorted((s for s in summaries if _is(s, BatchMax)), key=lambda s: s.get("rule", "paper") != "paper")
+    bm += [s for s in summaries if _is(s, Snap)]
     fkv = next((s for s in ok if _is(s, FullCache)), None)
     ed = max((s for s in ok if _is(s, ExtremeDecoding)), key=lambda s: s["tokens_per_s"], default=None)
     if not bm:
         return []
     lines = ["## Same memory: BM's tokens/s over FKV's and ED's", ""]
     lines.append(
-        "Each BM rule's tokens/s divided by those of FKV ("
+        "Each BM rule's tokens/s, and snap's, divided by those of FKV ("
         + (f"b={fkv['batch_size']}" if fkv else "none ran")
         + ") and of the fastest ED run ("
         + (f"b={ed['batch_size']}, kv_max={ed['kv_max']}" if ed else "none ran")
@@ -310,17 +319,18 @@ def _same_memory_ratios(summaries: Sequence[dict[str, Any]], label: str) -> list
     )
     lines += [
         "",
-        f"| BM rule | b | kv_max | {label} | tokens/s | tokens/s / FKV | tokens/s / ED |",
+        f"| method | b | kv_max | {label} | tokens/s | tokens/s / FKV | tokens/s / ED |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for s in bm:
-        rule, kv = s.get("rule", "paper"), s.get("kv_max")
+        kv = s.get("kv_max")
+        name = f"BM ({s.get('rule', 'paper')})" if _is(s, BatchMax) else _NAMES.get(s["method"], s["method"])
         if _is_oom(s):
-            lines.append(f"| BM ({rule}) | {s['batch_size']} | {kv} | OOM | OOM | OOM | OOM |")
+            lines.append(f"| {name} | {s['batch_size']} | {kv} | OOM | OOM | OOM | OOM |")
             continue
         speed = s.get("tokens_per_s")
         lines.append(
-            f"| BM ({rule}) | {s['batch_size']} | {kv} | {_score(s.get('score'))} | {_speed(speed)} | "
+            f"| {name} | {s['batch_size']} | {kv} | {_score(s.get('score'))} | {_speed(speed)} | "
             f"{_ratio(speed, fkv)} | {_ratio(speed, ed)} |"
         )
     return lines
@@ -389,8 +399,7 @@ def _subtitle(summaries: Sequence[dict[str, Any]]) -> str:
 
 
 def _methods(summaries: Sequence[dict[str, Any]]) -> list[str]:
-    order = {"ed": 0, "fkv": 1, "bm": 2}
-    return sorted({s["method"] for s in summaries}, key=lambda m: order.get(m, 9))
+    return sorted({s["method"] for s in summaries}, key=lambda m: _ORDER.get(m, 9))
 
 
 def _series(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
@@ -460,7 +469,7 @@ def _point_series(runs: Sequence[dict[str, Any]]) -> list[tuple[str, str, tuple[
     rule, so that BM under each eviction rule has its own marker, colour and label (``BM (question)``)."""
     keys = sorted(
         {(s["method"], s.get("rule", "paper")) for s in runs},
-        key=lambda k: ({"ed": 0, "fkv": 1, "bm": 2}.get(k[0], 9), k[1] != "paper", k[1]),
+        key=lambda k: (_ORDER.get(k[0], 9), k[1] != "paper", k[1]),
     )
     out, extra = [], 0
     for method, rule in keys:

@@ -53,7 +53,7 @@ __all__ = [
 def run_dir_name(method: str, batch_size: int, kv_max: int | None, rule: str = "paper") -> str:
     """Folder of one run: ``fkv-b4``, ``ed-b4-kv2``, ``bm-b32-kv1024``; a rule other than the paper's is named
     after the method: ``bm-snapkv-b32-kv1024``, ``bm-snapkv-window64-b32-kv1024``."""
-    if is_full_cache(method):  # the full cache's kv_max holds nothing back
+    if is_full_cache(method.partition("-")[0]):  # the full cache's kv_max holds nothing back
         kv_max = None
     if rule != "paper":
         method = f"{method}-{rule_slug(rule)}"
@@ -84,7 +84,7 @@ class RunSpec:
     @property
     def name(self) -> str:
         """The run's folder: ``fkv-b4``, ``bm-b32-kv1024``, ``bm-snapkv-b32-kv1024`` (a rule other than the paper's)."""
-        return run_dir_name(self.method.name, self.batch_size, self.kv_max, self.rule)
+        return run_dir_name(self.method.slug(), self.batch_size, self.kv_max, self.rule)
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -271,14 +271,16 @@ STORY_FKV_BATCH = 4
 
 
 def story_methods(kv_max: dict[str, int | None], p: int, rule: str = "paper") -> list[Method]:
-    """FKV, ED, the paper's BM and BM with ``rule`` (:data:`STORY_BEST_RULE` when ``rule`` is the paper's), with
-    ``kv_max`` per method name and ``p``."""
+    """FKV, ED, the paper's BM, BM with ``rule`` (:data:`STORY_BEST_RULE` when ``rule`` is the paper's) and snap
+    (SnapKV's compression once after an unchunked prefill: the peer users run instead), with ``kv_max`` per method
+    name and ``p``."""
     best = rule if rule != "paper" else STORY_BEST_RULE
     return [
         Method("fkv", p=p),
         Method("ed", kv_max=kv_max["ed"], p=p),
         Method("bm", kv_max=kv_max["bm"], p=p),
         Method("bm", kv_max=kv_max["bm"], p=p, rule=best),
+        Method("snap", kv_max=kv_max["snap"], p=p),
     ]
 
 
