@@ -7,7 +7,7 @@ split with AutoTP; then the runs:
 
 - listed runs (``runs``, or each of ``methods`` at ``batch_size``);
 - the main job, the same-memory comparison (unless the configuration lists its runs: ``RunConfig.main_job``):
-  FKV, ED, the paper's BM and BM with the best rule, each at its largest batch within FKV's memory at batch 4,
+  FKV, ED, the paper's BM, BM with the best rule and snap, each at its largest batch within FKV's memory at batch 4,
   bounded only by the number of prompts (the samples repeated up to the largest fitting batch, at most
   ``plan.budget.STORY_MAX_PROMPTS``; ``plan.budget.same_memory_plan``);
 - ``procedure: paper``: the paper's b0 procedure (``plan.budget.paper_specs``; b0 from the planner: where the paper's ED

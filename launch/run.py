@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run batched generation with Batch-Max and its baselines; write run folders and a report.
 
-    python launch/run.py                                  # FKV, ED, BM and BM with the best rule at the same memory
+    python launch/run.py                                  # FKV, ED, BM, BM (best rule), snap at the same memory
     python launch/run.py --config configs/default.yaml    # a listed sweep; --help lists every flag
     torchrun --nproc_per_node 4 launch/run.py --tp-size 2 [flags]     # 2 replicas x 2 tensor-parallel ranks
     deepspeed --num_gpus 4 launch/run.py --config configs/X.yaml      # heads split over the 4 GPUs

@@ -92,7 +92,7 @@ def _main_job_help() -> str:
     flags = ", ".join(_flag(key, SETTINGS[key]) for key in LISTING_KEYS if SETTINGS[key].flag != "")
     keys = ", ".join(["method", *LISTING_KEYS])
     return (
-        "The main job (FKV, ED, BM and BM with the best rule, each at its largest batch within FKV's memory at "
+        "The main job (FKV, ED, BM, BM with the best rule and snap, each at its largest batch within FKV's memory at "
         f"batch 4) runs unless the configuration lists its runs: {flags} (YAML: {keys}) leave it, as does "
         "--no-same-memory; --same-memory forces it. Every other flag keeps it."
     )

@@ -126,8 +126,8 @@ class RunConfig:
         elif self.main_job:
             refuse(
                 ("methods", "batch_size"),
-                "the main job (same_memory) runs FKV, ED, BM and BM with the best rule, each at its largest batch "
-                "within the same memory: {key} is unused; drop it, or list the runs with --no-same-memory",
+                "the main job (same_memory) runs FKV, ED, BM, BM with the best rule and snap, each at its largest "
+                "batch within the same memory: {key} is unused; drop it, or list the runs with --no-same-memory",
             )
         elif sweep.runs is not None:
             refuse(("methods", "batch_size"), "runs lists each run's method and batch_size: {key} is unused; drop it")
@@ -162,14 +162,14 @@ class RunConfig:
             )
 
     def _validate_main_job(self) -> None:
-        """The main job runs FKV, ED, the paper's BM and BM with the best rule (whatever ``methods`` says): each
+        """The main job runs FKV, ED, the paper's BM, BM with the best rule and snap (whatever ``methods`` says): each
         must run with ``kv_max`` and ``p``."""
         try:
             self.sweep.story_methods()
         except ValueError as err:
             key = "kv_max" if self.sweep.kv_max is not None else "p"
             raise ConfigError(
-                key, f"the same-memory run (FKV, ED, BM, BM with the best rule) cannot use it: {err}"
+                key, f"the same-memory run (FKV, ED, BM, BM with the best rule, snap) cannot use it: {err}"
             ) from None
 
     @property

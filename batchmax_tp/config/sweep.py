@@ -79,8 +79,8 @@ class SweepConfig(Part):
     same_memory: bool | None = setting(
         None,
         OPTIONAL_FLAG,
-        "run the main job: FKV, ED, BM and BM with the best rule each at its largest batch within FKV's memory at "
-        "batch 4 (default: unless the configuration lists its runs)",
+        "run the main job: FKV, ED, BM, BM with the best rule and snap each at its largest batch within FKV's memory "
+        "at batch 4 (default: unless the configuration lists its runs)",
         off="run the methods (or runs) as given, at --batch-size",
     )
     scheduler: str | None = setting(
@@ -177,7 +177,7 @@ class SweepConfig(Part):
         return "kv_max"
 
     def story_methods(self) -> list[Method]:
-        """The main job's methods: FKV, ED, the paper's BM and BM with the best rule (``plan.budget``)."""
+        """The main job's methods: FKV, ED, the paper's BM, BM with the best rule and snap (``plan.budget``)."""
         kv_max = {name: self.kv_max_for(name) for name in ("ed", "bm", "snap")}
         return story_methods(kv_max, self.p, self.rule)
 

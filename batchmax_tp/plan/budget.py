@@ -7,7 +7,7 @@
   b0, the smallest batch that does not fit (an OOM row), ED 2 and 65 and FKV at b0 - 1, BM (sized with the rule it
   runs) at each kv_max's largest fitting batch that divides the number of samples; b0 from the planner, or from
   real trials when a ``fits`` callback is given (``batchmax_tp.eval.procedures.ed_trials`` on CUDA);
-- :func:`same_memory_plan`: the plain run's comparison (FKV, ED, BM, BM with the best rule), each method at its
+- :func:`same_memory_plan`: the plain run's comparison (FKV, ED, BM, BM with the best rule, snap), each method at its
   largest batch within one budget (default: what FKV needs at batch 4), bounded only by the number of prompts.
 
 Nothing here imports torch or transformers: planning is arithmetic on ``planner.ModelShape``.
