@@ -41,12 +41,17 @@ def _ids(batch: int, prompt: int) -> torch.Tensor:
 @pytest.fixture
 def per_call(monkeypatch):
     """Wrap every attention call in a profiler region and record the workspace it reports: -> reported list."""
-    reported, notes = [], []
-    note, fn = hf_cache.BatchMaxCache.note_workspace, attention.batchmax_attention
+    from batchmax_tp.core import pool as pools
 
-    def recording_note(self, nbytes):
-        notes.append(nbytes)
-        note(self, nbytes)
+    reported, notes = [], []
+    fn = attention.batchmax_attention
+
+    def recording(note):
+        def recording_note(self, nbytes):
+            notes.append(nbytes)
+            note(self, nbytes)
+
+        return recording_note
 
     def labelled(*args, **kwargs):
         start = len(notes)
@@ -55,7 +60,8 @@ def per_call(monkeypatch):
         reported.append(max(notes[start:], default=0))
         return out
 
-    monkeypatch.setattr(hf_cache.BatchMaxCache, "note_workspace", recording_note)
+    for cls in (hf_cache.BatchMaxCache, pools._Pool):  # the HF drop-in's cache, the engine's pools
+        monkeypatch.setattr(cls, "note_workspace", recording(cls.note_workspace))
     monkeypatch.setattr(attention, "batchmax_attention", labelled)  # register() picks up the wrapper
     return reported
 
@@ -219,39 +225,24 @@ def test_planner_pool_total_covers_a_whole_served_run(model, method, slots, prom
     assert t.peak <= est.total - est.weights, (t.peak, est)
 
 
-def test_snap_compress_calls_hold_at_most_what_they_report_and_the_planner_predicts(model, monkeypatch):
+def test_snap_compress_calls_hold_at_most_what_they_report_and_the_planner_predicts(model, per_call):
     """snap's compress pass (SDPA, then the window's choice): every call's measured peak is within the workspace it
     reports (an upper bound: ``workspace.snap_workspace_bytes`` counts its phases as if alive together, at most
     1.6x here; SDPA's own scratch, which the count leaves out, fits within that), which the planner's pool workspace
     covers; the other calls (decode steps) are exact as ever."""
-    from batchmax_tp.core import pool as pools
-
-    method, prompt = Method("snap", kv_max=32, p=8, window=8, kernel=5), 96
-    reported, notes, fn, note = [], [], attention.batchmax_attention, pools._Pool.note_workspace
-
-    def recording_note(self, nbytes):
-        notes.append(nbytes)
-        note(self, nbytes)
-
-    def labelled(*args, **kwargs):
-        start = len(notes)
-        with torch.profiler.record_function(LABEL):
-            out = fn(*args, **kwargs)
-        reported.append((kwargs["batchmax"].kind, max(notes[start:], default=0)))
-        return out
-
-    monkeypatch.setattr(pools._Pool, "note_workspace", recording_note)
-    monkeypatch.setattr(attention, "batchmax_attention", labelled)
+    method, prompt, layers = Method("snap", kv_max=32, p=8, window=8, kernel=5), 96, model.config.num_hidden_layers
     with AllocationTracker() as t:
         serve(model, [Request(_ids(1, prompt)[0].tolist(), 6)], method, 1, ignore_eos=True)
     measured = t.spans(LABEL)
-    assert len(measured) == len(reported) and [k for k, _ in reported[:2]] == ["compress"] * 2
+    assert len(measured) == len(per_call) == layers * 6  # the compress pass, then 5 decode steps
     est = predict_pool(ModelShape.from_config(model.config), method, 1, prompt, 6)
-    for got, (kind, said) in list(zip(measured, reported))[1:]:  # the first call also allocates the pool
-        if kind == "compress":
+    for i, (got, said) in enumerate(zip(measured, per_call)):
+        if i == 0:  # the first call also allocates the pool
+            continue
+        if i < layers:  # the compress pass's calls
             assert got <= said <= 1.6 * got and said <= est.workspace, (got, said, est.workspace)
         else:
-            assert got == said, kind
+            assert got == said, i
 
 
 # -- CUDA -----------------------------------------------------------------------------------------------------------

@@ -252,18 +252,11 @@ def test_dp2_tp2_each_replica_matches_single_process(tmp_path):
 
 def run_child(name: str, timeout: float = 150) -> subprocess.CompletedProcess:
     """``tests/children.py NAME`` on 2 ranks under torchrun; ``timeout`` guards the test, never asserted."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-    ]
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)  # kept: the GPU package set's wheels
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
     return subprocess.run(
-        [*command, os.path.join(ROOT, "tests", "children.py"), name],
+        [*command, str(free_port()), os.path.join(ROOT, "tests", "children.py"), name],
         env=env,
         capture_output=True,
         text=True,

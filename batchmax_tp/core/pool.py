@@ -539,26 +539,12 @@ class SnapPool(BoundedPool):
     ) -> tuple[RowsPass, torch.Tensor]:
         """One group's prompts (one length s: a single block) and their ids [R, s]; each row then holds
         min(s, ``kv_max``) pairs in slots [0, K) (a padded batch's rows: at their padded positions, no pad held)."""
-        rows, end, offset = [w.row for w in work], work[0].phase.end, self.rows[work[0].row].offset
-        s = end - offset
-        kept = min(s, self.capacity)
-        columns = to_device([list(range(offset, end)), list(range(s))], device)  # [2, s]
-        R = len(rows)
-        for row in rows:
-            st = self.rows[row]
-            st.seen, st.filled, st.ptr, st.high = end, kept, kept, kept
-        step = RowsPass(
-            kind="compress",
-            pool=self,
-            rows=to_device(rows, device),
-            span=_span(rows),
-            qpos=columns[0].expand(R, s),
-            positions=columns[1].expand(R, s),
-            real=None,
-            write=None,
-            hi=s,
-        )
-        return step, torch.stack(prompts)
+        step, ids = _group_pass(self, work, prompts, device, "compress")
+        kept = min(step.hi, self.capacity)
+        for w in work:
+            st = self.rows[w.row]
+            st.filled, st.ptr, st.high = kept, kept, kept
+        return step, ids
 
     def graduate(self, rows: range, decodes: list[bool]) -> None:
         """A group's prompts are held; a shared group's first row, the one its prefill ran on, becomes every row."""
@@ -567,6 +553,30 @@ class SnapPool(BoundedPool):
             for row in rows[1:]:
                 self.rows[row] = RowState(**vars(self.rows[rows.start]))
         self.note()
+
+
+def _group_pass(pool: _Pool, work, prompts, device, kind: str, slots=None) -> tuple[RowsPass, torch.Tensor]:
+    """The pass of one group's prompts (one length s, a single block; a padded batch's rows at its positions, no pad)
+    and their ids [R, s], the rows' ``seen`` advanced; ``slots(s)``: where each of the s pairs is written (None: the
+    pass writes none itself, a compress pass keeps its own choice)."""
+    rows, end, offset = [w.row for w in work], work[0].phase.end, pool.rows[work[0].row].offset
+    s = end - offset
+    columns = to_device([list(range(offset, end)), list(range(s)), *([slots(s)] if slots else [])], device)  # [2|3, s]
+    R = len(rows)
+    for row in rows:
+        pool.rows[row].seen = end
+    step = RowsPass(
+        kind=kind,
+        pool=pool,
+        rows=to_device(rows, device),
+        span=_span(rows),
+        qpos=columns[0].expand(R, s),
+        positions=columns[1].expand(R, s),
+        real=None,
+        write=columns[2].expand(R, s) if slots else None,
+        hi=s,
+    )
+    return step, torch.stack(prompts)
 
 
 def to_device(data: list, device) -> torch.Tensor:
@@ -634,24 +644,7 @@ class DensePool(_Pool):
         """One group's prompts (one length s: a single block) and their ids [k, s]; each row keeps what
         ``kept_slots`` says. A padded batch's rows hold no pad: their positions are the padded batch's, their tokens
         their own."""
-        rows, end, offset = [w.row for w in work], work[0].phase.end, self.rows[work[0].row].offset
-        s = end - offset
-        columns = to_device([list(range(offset, end)), list(range(s)), self.kept_slots(s)], device)  # [3, s]
-        R = len(rows)
-        for row in rows:
-            self.rows[row].seen = end
-        step = RowsPass(
-            kind="prefill",
-            pool=self,
-            rows=to_device(rows, device),
-            span=_span(rows),
-            qpos=columns[0].expand(R, s),
-            positions=columns[1].expand(R, s),
-            real=None,
-            write=columns[2].expand(R, s),
-            hi=s,
-        )
-        return step, torch.stack(prompts)
+        return _group_pass(self, work, prompts, device, "prefill", self.kept_slots)
 
     def graduate(self, rows: range, decodes: list[bool]) -> None:
         """The group's prompt is held; a shared group's first row, the one its prefill ran on, becomes every row."""
