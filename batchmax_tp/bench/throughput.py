@@ -87,7 +87,7 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
         help="static: one left-padded batch (core.engine); continuous: the slot pool (core.serve), as many requests "
         "as slots, each row at the planner's max_slots",
     )
-    ap.add_argument("--methods", default="fkv,ed,bm", help="which of fkv, ed, bm to run (comma-separated)")
+    ap.add_argument("--methods", default="fkv,ed,bm", help="which of fkv, ed, bm, snap to run (comma-separated)")
     ap.add_argument(
         "--compile",
         choices=COMPILE_MODES,
@@ -113,9 +113,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     try:
         a.rules = parse_rules(a.rules)
         lengths_arg(a.lengths)  # kept as given (the results' "args"): lengths_arg(a.lengths) reads it
-        unknown = sorted(set(a.methods.split(",")) - {"fkv", "ed", "bm"})
+        unknown = sorted(set(a.methods.split(",")) - {"fkv", "ed", "bm", "snap"})
         if unknown:
-            raise ValueError(f"--methods: unknown {', '.join(unknown)} (give some of fkv, ed, bm)")
+            raise ValueError(f"--methods: unknown {', '.join(unknown)} (give some of fkv, ed, bm, snap)")
         if a.compile not in ("none", "auto") and a.scheduler != "continuous":
             raise ValueError("--compile compiles the continuous scheduler's decode passes: add --scheduler continuous")
     except ValueError as err:
@@ -178,9 +178,12 @@ def batch_cap(a: argparse.Namespace) -> int:
 
 
 def methods(a: argparse.Namespace) -> list[Method]:
-    """FKV, ED at kv_max 2 and 65, then BM with every rule at every --kv-max."""
+    """FKV, ED at kv_max 2 and 65, then BM with every rule at every --kv-max, then (when --methods names it) snap at
+    every --kv-max."""
     out = [Method("fkv"), Method("ed", kv_max=2), Method("ed", kv_max=65)]
-    return out + [Method("bm", kv_max=int(k), p=a.p, rule=r) for k in a.kv_max.split(",") for r in a.rules]
+    out += [Method("bm", kv_max=int(k), p=a.p, rule=r) for k in a.kv_max.split(",") for r in a.rules]
+    snap = "snap" in a.methods.split(",")
+    return out + [Method("snap", kv_max=int(k), p=a.p) for k in a.kv_max.split(",") if snap]
 
 
 def warm_method(rule: str) -> Method:
@@ -190,12 +193,13 @@ def warm_method(rule: str) -> Method:
 
 
 def warm_up(model, rules: list[str], device: str, hf: bool) -> None:
-    """One untimed run of every path: FKV, ED and a small BM per rule (plain HF too for FKV and ED with ``hf``)."""
-    for m in [Method("fkv"), Method("ed", kv_max=2)] + [warm_method(r) for r in rules]:
-        bm = isinstance(m, BatchMax)
-        warm = prompts(model.config.vocab_size, 1, 2 * m.kv_max if bm else 16, device)
+    """One untimed run of every path: FKV, ED, a small snap and a small BM per rule, the evicting ones on prompts
+    twice their kv_max (plain HF too for FKV and ED with ``hf``)."""
+    small = [Method("snap", kv_max=64, p=32, window=16)] + [warm_method(r) for r in rules]
+    for m, length in [(Method("fkv"), 16), (Method("ed", kv_max=2), 16)] + [(m, 2 * m.kv_max) for m in small]:
+        warm = prompts(model.config.vocab_size, 1, length, device)
         generate(model, warm, None, m, 4)
-        if not bm and hf:
+        if hf and isinstance(m, (FullCache, ExtremeDecoding)):
             hf_reference_generate(model, warm, None, m, 4)
 
 
@@ -260,7 +264,7 @@ def timed(
     }
     if device.startswith("cuda"):
         row["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-    if hf and not isinstance(method, BatchMax):  # plain HF has no Batch-Max
+    if hf and isinstance(method, (FullCache, ExtremeDecoding)):  # plain HF has neither Batch-Max nor snap
         row["hf"] = _hf_row(model, ids, method, new, device, out.tokens)
         row["ours_over_hf"] = row["tokens_per_s"] / row["hf"]["tokens_per_s"]
     return row
