@@ -58,14 +58,14 @@ BENCH=(--model "${GPU_CHECK_MODEL:-arch:llama-2-7b}" --dtype float16 --device cu
 "$PY" launch/bench_throughput.py "${BENCH[@]}" --out "$OUT/bench_throughput.json" 2>&1 | tee "$OUT/bench_throughput.log"
 bench_rc=${PIPESTATUS[0]}
 
-# 3. The same rows on the default engine (continuous: the slot pool, as many requests as slots).
-"$PY" launch/bench_throughput.py "${BENCH[@]}" --scheduler continuous --no-hf --lengths '' \
+# 3. The same rows on the default engine (continuous: the slot pool, as many requests as slots), and snap's.
+"$PY" launch/bench_throughput.py "${BENCH[@]}" --scheduler continuous --no-hf --lengths '' --methods fkv,ed,bm,snap \
   --out "$OUT/bench_continuous.json" 2>&1 | tee "$OUT/bench_continuous.log"
 cont_rc=${PIPESTATUS[0]}
 
 # 4. The default engine's decode passes captured once as a CUDA graph and replayed: against part 3's rows.
 "$PY" launch/bench_throughput.py "${BENCH[@]}" --scheduler continuous --compile cudagraphs --no-hf \
-  --lengths '' --out "$OUT/bench_compiled.json" 2>&1 | tee "$OUT/bench_compiled.log"
+  --lengths '' --methods fkv,ed,bm,snap --out "$OUT/bench_compiled.json" 2>&1 | tee "$OUT/bench_compiled.log"
 comp_rc=${PIPESTATUS[0]}
 
 "$PY" - "$OUT" "$tests_rc" "$bench_rc" "$cont_rc" "$comp_rc" <<'PYEOF'
