@@ -1,8 +1,10 @@
-"""Eviction methods: Batch-Max (BM), extreme decoding-only (ED) and the full cache (FKV).
+"""Eviction methods: Batch-Max (BM), extreme decoding-only (ED), the full cache (FKV) and snap (SnapKV's compression
+once after an unchunked prefill, the peer users run instead).
 
-A method is a small validated dataclass, one class per method (``FullCache``, ``ExtremeDecoding``, ``BatchMax``)
-registered by name in ``METHODS``; nothing outside this module compares method names. Scoring is pure tensor math
-on one cache layer's slot state: ``priority() -> sort (cache.slots_to_evict) -> the first n slots are evicted``.
+A method is a small validated dataclass, one class per method (``FullCache``, ``ExtremeDecoding``, ``BatchMax``,
+``Snap``) registered by name in ``METHODS``; nothing outside this module compares method names. Scoring is pure
+tensor math on one cache layer's slot state: ``priority() -> sort (cache.slots_to_evict) -> the first n slots are
+evicted``.
 Lower scores are evicted first; empty and pad slots score ``-inf``; exact score ties evict the older pair (smaller
 position) first, so the kept set is deterministic and identical on every tensor-parallel rank that holds the same
 head.
