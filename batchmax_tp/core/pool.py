@@ -434,8 +434,9 @@ class BoundedPool(_Pool):
             self.rows[row] = RowState(offset=offset)
 
     def graduate(self, rows: range, decodes: list[bool]) -> None:
-        """A shared group's prefill (on its first row) is over: that row becomes every row of the group."""
-        if len(rows) > 1:
+        """A group's prefill is over; a shared group's ran on its first row alone (the others have seen nothing),
+        which then becomes every row of the group (snap's groups of one length ran every row: nothing to copy)."""
+        if len(rows) > 1 and self.rows[rows.start + 1].seen == 0:
             self.fork(rows)
             for row in rows[1:]:
                 self.rows[row] = RowState(**vars(self.rows[rows.start]))
@@ -545,14 +546,6 @@ class SnapPool(BoundedPool):
             st = self.rows[w.row]
             st.filled, st.ptr, st.high = kept, kept, kept
         return step, ids
-
-    def graduate(self, rows: range, decodes: list[bool]) -> None:
-        """A group's prompts are held; a shared group's first row, the one its prefill ran on, becomes every row."""
-        if len(rows) > 1 and self.rows[rows.start + 1].seen == 0:
-            self.fork(rows)
-            for row in rows[1:]:
-                self.rows[row] = RowState(**vars(self.rows[rows.start]))
-        self.note()
 
 
 def _group_pass(pool: _Pool, work, prompts, device, kind: str, slots=None) -> tuple[RowsPass, torch.Tensor]:
