@@ -26,7 +26,8 @@ P, KV = 16, 96
 LENGTHS = [5, 16, 63, 95, 96, 97, 100, 160, 191, 192, 250, 288]
 NEW = [7, 1, 12, 20, 3, 15, 9, 11, 2, 18, 6, 14]
 METHODS = {
-    "fkv": Method("fkv"),
+    "fkv": Method("fkv", block=0),  # a fixed-capacity slot per request
+    "fkv-paged": Method("fkv", block=16),  # admitted by real length, in blocks of 16 positions
     "ed": Method("ed", kv_max=65),
     "bm": Method("bm", KV, P),
     "bm-question": Method("bm", KV, P, rule="question"),
@@ -95,7 +96,11 @@ def test_every_request_equals_generate_alone(family, key, references):
                 keep_positions=True,
             )
             check_against_alone(out, refs)
-            assert len({slot for _, slot, _ in out.admissions}) == min(slots, len(requests))
+            used = len({slot for _, slot, _ in out.admissions})
+            if METHODS[key].pass_tokens(slots) is None and getattr(METHODS[key], "paged", False):
+                assert used >= min(slots, len(requests))  # the memory of ``slots`` rows holds as many or more
+            else:
+                assert used == min(slots, len(requests))
 
 
 @pytest.mark.parametrize("key", list(METHODS))
@@ -270,8 +275,14 @@ def test_bad_scheduler_settings_exit_2_before_loading(argv, key):
 
 
 # -- tensor parallel --------------------------------------------------------------------------------------------------
-#: What the tensor-parallel tests serve: BM, ED and snap (SnapKV after the prompt: rank-local per KV head, as BM).
-TP_METHODS = {"bm": METHODS["bm"], "ed": METHODS["ed"], "snap": Method("snap", KV, P, window=16, kernel=5)}
+#: What the tensor-parallel tests serve: BM, ED, snap (SnapKV after the prompt: rank-local per KV head, as BM) and
+#: FKV by real length (each rank's blocks hold its own heads; every rank admits by the same counts).
+TP_METHODS = {
+    "bm": METHODS["bm"],
+    "ed": METHODS["ed"],
+    "snap": Method("snap", KV, P, window=16, kernel=5),
+    "fkv-paged": METHODS["fkv-paged"],
+}
 
 
 def _tp_requests():
@@ -449,8 +460,9 @@ def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
     monkeypatch.setattr(serve_mod._Run, "decode", watched)
     requests = [Request(p, n) for p, n in zip(prompts(), [30, 2, 25, 40, 3, 20])]
     serve(model_of("llama"), requests, METHODS[key], 3, eos_token_id=None, ignore_eos=True)
-    assert passes[0] >= 40 and copies[0] == expected[0]
-    assert (expected[0] > passes[0]) == (key != "fkv")  # decode passes evicted (every method but FKV)
+    paged = getattr(METHODS[key], "paged", False)  # more requests at once: fewer passes
+    assert passes[0] >= (30 if paged else 40) and copies[0] == expected[0]
+    assert (expected[0] > passes[0]) == METHODS[key].evicts  # decode passes evicted (every method but FKV)
     assert reads.count("tolist") == passes[0]
     assert [r for r in reads if r != "tolist"] == []
 
@@ -502,10 +514,14 @@ def test_the_idle_pass_a_capture_runs_changes_nothing_a_later_pass_reads(monkeyp
             k: v[..., :C, :].clone() if k in ("keys", "values") else v[..., :C].clone()
             for k, v in step.pool.stacks.items()
         }
+        N = getattr(step.pool, "num_blocks", None)  # FKV paged: blocks [0, N) (N: the scratch block)
+        layers = [t[:N] if N is not None else t[..., :C, :] for layer in step.pool.layers for t in layer.row_tensors()]
+        held = [t.clone() for t in layers]
         real(model, replay.idle_pass(step), torch.zeros_like(ids), mask)
         for k, v in step.pool.stacks.items():
             now = v[..., :C, :] if k in ("keys", "values") else v[..., :C]
             assert torch.equal(now, before[k]), k
+        assert all(torch.equal(t, h) for t, h in zip(layers, held)), "a layer's K/V changed"
         checked[0] += 1
         return real(model, step, ids, mask)
 
@@ -515,7 +531,7 @@ def test_the_idle_pass_a_capture_runs_changes_nothing_a_later_pass_reads(monkeyp
     want = serve(model, requests, METHODS[key], 2, **kw)
     monkeypatch.setattr(replay, "compiled_decode", lambda: with_idle_first)
     got = serve(model, requests, METHODS[key], 2, compile="default", **kw)
-    assert checked[0] >= 100
+    assert checked[0] >= (80 if getattr(METHODS[key], "paged", False) else 100)
     check_against_alone(got, [(o.tokens, o.logits, o.kept_positions) for o in want.outputs])
 
 

@@ -200,11 +200,46 @@ def _rows_attention(
     if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice
         return _compress(module, layer, step, query, key, value, scaling)
     layer.write(step, key, value)  # the pass's evictions ran before it (the pool's ``evict``)
+    if step.kind == "decode" and step.owner is not None:
+        return _paged_decode(layer, query, step, scaling)
     if step.kind == "decode":
         return _decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias)
     if isinstance(layer, DensePoolLayer):  # a baseline's prompt: one block from position 0, over its own pairs
         return _dense_prefill(module, layer, query, key, value, scaling)
     return _rows_block(layer, step, query, scaling, hi)
+
+
+def _paged_decode(layer, query: torch.Tensor, step: RowsPass, scaling: float) -> torch.Tensor:
+    """FKV's paged decode step: query [S, Hq, 1, D] over the first ``step.hi`` blocks of keys/values
+    [N + 1, Hkv, Bs, D], block by block (each block's products with its row's queries, ``step.owner``, under its
+    additive mask ``step.bias`` [n*Hkv, 1, Bs]), then each row's softmax across its blocks: one maximum and one sum
+    per row (``scatter_reduce``/``index_add`` over the owners), so every row's output is its softmax over its held
+    positions. Each block is read once. A block no decoding row holds is masked whole and given to a decoding row,
+    to which it adds exp(-inf) = 0; a row holding no block (idle) gets 0. Returns [S, 1, Hq, D]."""
+    S, Hq, _, D = query.shape
+    n, Hkv, Bs = step.hi, layer.keys.shape[1], layer.keys.shape[2]
+    g = Hq // Hkv
+    if not torch.compiler.is_compiling():  # a compiled pass's pool notes it (``PagedPool.note_decode``)
+        ws = workspace.paged_decode_workspace_bytes(S, Hq, Hkv, n, Bs, D, query.element_size())
+        layer.cache.note_workspace(ws)
+    owner = step.owner  # [n]
+    q = query.view(S, Hkv, g, D).index_select(0, owner).view(n * Hkv, g, D)  # [n*Hkv, g, D]: each block's row's
+    keys_t = layer.keys[:n].view(n * Hkv, Bs, D).transpose(1, 2)  # [n*Hkv, D, Bs] (a view)
+    logits = torch.baddbmm(step.bias, q, keys_t, alpha=scaling)  # [n*Hkv, g, Bs], scaled and masked
+    del q
+    logits = logits.float().view(n, Hkv, g, Bs)  # [n, Hkv, g, Bs] (a copy in half precision only)
+    top = logits.new_full((S, Hkv, g), float("-inf"))
+    top.scatter_reduce_(0, owner.view(n, 1, 1).expand(n, Hkv, g), logits.amax(dim=-1), "amax")  # [S, Hkv, g]
+    expo = logits.sub_(top.index_select(0, owner)[..., None]).exp_()  # [n, Hkv, g, Bs] in place
+    del logits, top
+    total = expo.new_zeros(S, Hkv, g).index_add_(0, owner, expo.sum(dim=-1))  # [S, Hkv, g]
+    values = layer.values[:n].view(n * Hkv, Bs, D)  # [n*Hkv, Bs, D] (a view)
+    part = torch.bmm(expo.view(n * Hkv, g, Bs).to(values.dtype), values).view(n, Hkv, g, D)  # [n, Hkv, g, D]
+    del expo
+    out = total.new_zeros(S, Hkv, g, D).index_add_(0, owner, part.float())  # [S, Hkv, g, D] float32
+    del part
+    out.div_(total.clamp_min_(torch.finfo(torch.float32).tiny)[..., None])  # idle rows: 0 / tiny
+    return out.to(query.dtype).view(S, 1, Hq, D)  # [S, 1, Hq, D]: (Hkv, g) are the query heads in order
 
 
 def _dense_prefill(module, layer: DensePoolLayer, query, key, value, scaling: float) -> torch.Tensor:

@@ -167,18 +167,43 @@ class Method:
         raise NotImplementedError(f"method {self.name!r} never evicts")
 
 
+#: FKV's block size by default: a request holds ceil((prompt + new - 1) / BLOCK) blocks of K/V (``pool.PagedPool``).
+#: 64 on the CPU: at 16 the decode attention's many tiny products cost 2x those of 64 (2026-11-27, this machine).
+BLOCK = 64
+
+
 @dataclass(frozen=True)
 class FullCache(Method):
-    """``fkv``: the full cache; never evicts (``kv_max`` is ignored)."""
+    """``fkv``: the full cache; never evicts (``kv_max`` is ignored). ``block`` > 0: K/V in blocks of that many
+    positions, a request admitted when the free blocks cover its prompt and generation and holding only those
+    (``pool.PagedPool``, vLLM's PagedAttention layout); ``block=0``: a fixed-capacity slot per request, sized for the
+    longest (``pool.FullPool``, the paper's padded batch and the engine before 2026-11-27)."""
 
     name: str = "fkv"
+    block: int = BLOCK
     evicts: ClassVar[bool] = False
 
+    def __post_init__(self) -> None:
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 0:
+            raise ValueError(
+                f"block must be a positive integer (positions per K/V block; 0: fixed-capacity slots) for method "
+                f"'fkv', got {self.block!r}"
+            )
+        super().__post_init__()
+
+    @property
+    def paged(self) -> bool:
+        return self.block > 0
+
     def label(self) -> str:
-        return self.name
+        return self.name if self.paged else f"{self.name}(slots)"
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return prompt_len + max(max_new_tokens - 1, 0)
+
+    def blocks(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Blocks a request holds from admission to its end (paged)."""
+        return -(-self.capacity(prompt_len, max_new_tokens) // self.block)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ handed to the attention) and advances them; nothing per pass is set on a pool or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,7 +40,7 @@ from .method import BatchMax, ExtremeDecoding, FullCache, Method, Snap
 from .rules import MAX_SHARE
 from .schedule import Phase
 from .step import Eviction, RowsPass, SlotWork
-from .workspace import decode_workspace_bytes, eviction_layers
+from .workspace import decode_workspace_bytes, eviction_layers, paged_decode_workspace_bytes
 
 
 def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int, head: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,10 +123,10 @@ class _Pool:
             return
         dtype, device = key_states.dtype, key_states.device
         H, C1 = self.storage(key_states.shape[1])
-        S, L = self.slots, len(self.layers)
+        L = len(self.layers)
         kv = {
-            "keys": (L, S, H, C1, key_states.shape[-1]),
-            "values": (L, S, H, C1, value_states.shape[-1]),
+            "keys": (L, *self.kv_dims(H, C1), key_states.shape[-1]),
+            "values": (L, *self.kv_dims(H, C1), value_states.shape[-1]),
         }
         stacked = self.stacked_kv
         self.stacks = {
@@ -142,9 +143,20 @@ class _Pool:
         ``capacity`` slots + the scratch slot per head."""
         return kv_heads, self.capacity + 1
 
+    def kv_dims(self, heads: int, slots: int) -> tuple[int, ...]:
+        """One layer's K/V dimensions before the head dimension: a row per slot of the pool, each of ``slots``
+        slots per head."""
+        return (self.slots, heads, slots)
+
     def meta_stacks(self, L: int, H: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """The pool's per-slot bookkeeping, stacked over the layers (none for the dense pools)."""
         return {}
+
+    def reserve(self, row: int, tokens: int) -> None:
+        """Row ``row``'s request, just admitted, holds ``tokens`` positions at most (FKV paged: its blocks)."""
+
+    def finish(self, row: int) -> None:
+        """Row ``row``'s request has ended (its slot is free until the next ``admit``)."""
 
     @property
     def allocated(self) -> bool:
@@ -187,21 +199,32 @@ class _Pool:
         evicting: list,
         device,
         lengths: list[int] | None = None,
+        blocks: tuple[list[int], list[int]] | None = None,
     ) -> RowsPass:
         """A decode pass over every row from per-row host lists (one host-to-device copy): ``write`` (BM: the index
         into the row's free list; the dense pools: the slot), ``seen`` (the position fed; -1 for idle rows) and, for
         the dense pools, ``lengths`` (the slots each row holds after the pass: the additive mask of its row); the
-        decoding rows of ``work`` and each row's RoPE position ride in the same copy."""
+        decoding rows of ``work`` and each row's RoPE position ride in the same copy, and FKV paged's ``blocks``:
+        (owner, filled positions) of each of the first ``hi`` blocks."""
         S, k = self.slots, len(work)
         decoding = [w.row for w in work] + [-1] * (S - k)
         rope = [max(0, p - st.offset) for p, st in zip(seen, self.rows)]
-        packed = to_device([write, seen, decoding, rope, *([lengths] if lengths is not None else [])], device)
+        lists = [write, seen, decoding, rope, *([lengths] if lengths is not None else [])]
+        flat = to_device([x for values in [*lists, *(blocks or ())] for x in values], device)  # one copy
+        packed = flat[: len(lists) * S].view(len(lists), S)
         qpos = packed[1].view(S, 1)  # [S, 1]; -1 for idle rows
         bias = active = None
-        if lengths is not None:  # [S, hi]: 0 for each row's held slots, -inf after
+        owner = None
+        if blocks is not None:  # FKV paged: each block's row, and [hi x H, 1, Bs] its held positions
+            owner, fill = flat[len(lists) * S :].view(2, hi)
+            H, Bs = self.layers[0].keys.shape[1], self.layers[0].keys.shape[2]
+            empty = (torch.arange(Bs, device=device) >= fill[:, None]).view(hi, 1, 1, Bs)
+            bias = torch.zeros(hi, H, 1, Bs, dtype=self.layers[0].dtype, device=device)
+            bias = bias.masked_fill_(empty, float("-inf")).view(hi * H, 1, Bs)
+        elif lengths is not None:  # [S, hi]: 0 for each row's held slots, -inf after
             bias = torch.zeros(S, hi, dtype=self.layers[0].dtype, device=device)
             bias.masked_fill_(torch.arange(hi, device=device) >= packed[4][:, None], float("-inf"))
-        else:  # [S, 1, 1]: the rows whose attention joins their slots' sums
+        else:  # [S, 1, 1] (BM): the rows whose attention joins their slots' sums
             active = (qpos >= 0).to(torch.float32).view(S, 1, 1)
         return RowsPass(
             kind="decode",
@@ -217,6 +240,7 @@ class _Pool:
             active=active,
             bias=bias,
             decoding=packed[2, :k],
+            owner=owner,
         )
 
     def fork(self, rows: range) -> None:
@@ -702,7 +726,114 @@ class NewestPool(DensePool):
             stack[:, :, :, 0].index_copy_(1, ev.rows, stack[:, :, :, ev.count].index_select(1, ev.rows))
 
 
-def make_pool(method: Method, num_layers: int, slots: int, capacity: int, static: bool) -> _Pool:
-    """The method's pool: ``capacity`` slots per row (``Method.decode_capacity`` of the longest request)."""
+class PagedLayer(DensePoolLayer):
+    """One decoder layer of FKV's paged pool: keys/values [N + 1, H, Bs, D], N blocks of Bs positions (block N: the
+    scratch block, idle rows' writes)."""
+
+    def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Each row's columns [R, H, n, D] at the positions ``step.write`` [R, n] (block x Bs + offset)."""
+        R, H, n, _ = key_states.shape
+        Bs = self.keys.shape[2]
+        flat = step.write.reshape(R * n)  # [R*n]
+        block, offset = flat // Bs, flat % Bs
+        for dst, src in ((self.keys, key_states), (self.values, value_states)):
+            dst[block, :, offset] = src.transpose(1, 2).reshape(R * n, H, src.shape[-1])  # [R*n, H, D]
+
+
+class PagedPool(DensePool):
+    """FKV sized by real length (vLLM's PagedAttention layout, ``FullCache.block`` > 0): the K/V of N blocks of Bs
+    positions, shared by the rows. A request is admitted when the free blocks cover its prompt and generation
+    (``Scheduler``'s count, exact: it never grows past them, nothing is preempted); its blocks (lowest free first)
+    form its row's table, and go back at its end (``finish``). Slot j of a row (its j-th held position, as in
+    ``DensePool``) lives at position j % Bs of block ``table[j // Bs]``. A decode pass attends block by block
+    (``attention._paged_decode``): each block with its row (``RowsPass.owner``) and its filled positions
+    (``RowsPass.bias`` [N' x H, 1, Bs]), N' the blocks up to the highest one held (all N + 1 in a static pool: one
+    shape for the run)."""
+
+    def __init__(self, method: FullCache, num_layers: int, slots: int, blocks: int, static: bool = False):
+        self.block, self.num_blocks = method.block, blocks
+        # capacity: the scratch block's first position, where ``idle_pass`` and idle rows write
+        _Pool.__init__(self, method, num_layers, slots, blocks * method.block, PagedLayer, static)
+        self.free = list(range(blocks))  # a heap: the lowest free block first
+        self.tables: list[list[int]] = [[] for _ in range(slots)]
+        self.owner = [slots] * (blocks + 1)  # per block: its decoding row (``slots``: none)
+        self.fill = [0] * (blocks + 1)  # per block: positions held
+
+    def kv_dims(self, heads: int, slots: int) -> tuple[int, ...]:
+        return (self.num_blocks + 1, heads, self.block)
+
+    def reserve(self, row: int, tokens: int) -> None:
+        """Row ``row``'s request will hold ``tokens`` positions at most: its blocks, taken now."""
+        need = -(-tokens // self.block)
+        if need > len(self.free):
+            raise RuntimeError(f"row {row}: {need} blocks needed, {len(self.free)} free (the scheduler admits by them)")
+        self.tables[row] = [heapq.heappop(self.free) for _ in range(need)]
+
+    def finish(self, row: int) -> None:
+        for b in self.tables[row]:
+            heapq.heappush(self.free, b)
+            self.owner[b], self.fill[b] = self.slots, 0
+        self.tables[row] = []
+
+    def _where(self, row: int, slots: range) -> list[int]:
+        table, Bs = self.tables[row], self.block
+        return [table[j // Bs] * Bs + j % Bs for j in slots]
+
+    def prefill_pass(
+        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
+    ) -> tuple[RowsPass, torch.Tensor]:
+        """One group's prompts (one length s, one block) and their ids [k, s]; row r writes its slots [0, s)."""
+        step, ids = _group_pass(self, work, prompts, device, "prefill")
+        s = ids.shape[1]
+        return replace(step, write=to_device([self._where(w.row, range(s)) for w in work], device)), ids
+
+    def graduate(self, rows: range, decodes: list[bool]) -> None:
+        super().graduate(rows, decodes)
+        for row in rows:
+            self._held(row)
+
+    def _held(self, row: int) -> None:
+        """Note row ``row``'s blocks as held by it, each with its filled positions."""
+        length, Bs = self.rows[row].length, self.block
+        for j, b in enumerate(self.tables[row]):
+            self.owner[b], self.fill[b] = row, max(0, min(Bs, length - j * Bs))
+
+    def fork(self, rows: range) -> None:
+        """Copy row ``rows.start``'s blocks (a shared prefill's result) into the other rows' blocks."""
+        first = self.tables[rows.start]
+        for row in rows[1:]:
+            src, dst = (torch.tensor(t, device=self.layers[0].keys.device) for t in (first, self.tables[row]))
+            for layer in self.layers:
+                for t in (layer.keys, layer.values):
+                    t[dst] = t[src]
+
+    def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
+        """A decode pass over every row: each decoding row writes its next slot; the blocks of the decoding rows
+        (each with its filled positions) enter the attention, up to the highest one held."""
+        S, C = self.slots, self.capacity
+        write, seen = [C] * S, [-1] * S
+        for w in work:
+            st = self.rows[w.row]
+            write[w.row], seen[w.row] = self._where(w.row, range(st.length, st.length + 1))[0], st.seen
+            st.length, st.seen = st.length + 1, st.seen + 1
+            self.fill[self.tables[w.row][(st.length - 1) // self.block]] += 1
+        hi = self.num_blocks + 1 if self.static else 1 + max(max(self.tables[w.row]) for w in work)
+        first = work[0].row  # a block no decoding row holds goes to it, masked whole (it adds exp(-inf) = 0)
+        owner = [first if r == S else r for r in self.owner[:hi]]
+        return self._decode_pass(work, write, seen, hi, [], device, blocks=(owner, self.fill[:hi]))
+
+    def note_decode(self, query_group: int, hi: int) -> None:
+        keys = self.layers[0].keys  # [N + 1, H, Bs, D]
+        H, D = keys.shape[1], keys.shape[-1]
+        self.note_workspace(
+            paged_decode_workspace_bytes(self.slots, H * query_group, H, hi, self.block, D, keys.element_size())
+        )
+
+
+def make_pool(method: Method, num_layers: int, slots: int, capacity: int, static: bool, blocks: int = 0) -> _Pool:
+    """The method's pool: ``capacity`` slots per row (``Method.decode_capacity`` of the longest request); FKV paged:
+    ``blocks`` blocks shared by ``slots`` rows."""
+    if isinstance(method, FullCache) and method.paged:
+        return PagedPool(method, num_layers, slots, blocks, static)
     kinds = {BatchMax: BoundedPool, FullCache: FullPool, ExtremeDecoding: NewestPool, Snap: SnapPool}
     return kinds[type(method)](method, num_layers, slots, capacity, static)

@@ -85,6 +85,7 @@ def idle_pass(step: RowsPass) -> RowsPass:
         hi=step.hi,
         active=None if step.active is None else torch.zeros_like(step.active),  # no sums
         bias=None if step.bias is None else torch.zeros_like(step.bias),  # finite: no NaN in idle rows
+        owner=None if step.owner is None else torch.zeros_like(step.owner),  # every block row 0's, unmasked
     )
 
 
@@ -124,6 +125,8 @@ class CapturedDecode:
             captured.active.copy_(step.active)
         if step.bias is not None:
             captured.bias.copy_(step.bias)
+        if step.owner is not None:
+            captured.owner.copy_(step.owner)
         self.graph.replay()
         return self.output
 

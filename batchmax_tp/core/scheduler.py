@@ -18,6 +18,9 @@ BM a pass takes the next chunk (or look-ahead probe) of many rows, each at its o
 rows x columns. The baselines prefill a group per pass: requests admitted together into adjacent slots with prompts
 of one length (up to the longest prompt's tokens in all); with ``keys``, adjacent requests of one key form a group
 instead (``serve(share_prompts=True)`` keys identical prompts, whose prefill then runs once for the whole group).
+FKV's paged pool (``pool.PagedPool``) adds a second condition to admission: the request at the head of the queue
+enters a free slot only when the pool's free blocks cover its prompt and generation (``need``), which it holds until
+it ends; no request is passed over, none is preempted.
 Every input is a host integer or the set of slots that finished, which every tensor-parallel rank knows alike: all
 ranks schedule the same passes.
 """
@@ -82,6 +85,8 @@ class Scheduler:
     pass_tokens: int | None = None  # BM: most prompt tokens per prefill pass (None: ``Method.pass_tokens(slots)``)
     static: bool = False  # the paper's padded batches instead of continuous refills
     pad_to: int = 0  # static: the padded length, when longer than a batch's longest prompt
+    blocks: int = 0  # FKV paged: the pool's K/V blocks (0: every slot fits any request)
+    need: list[int] | None = None  # FKV paged: the blocks each request holds from admission to its end
     pads: list[int] = field(init=False)  # per request: the left pads it runs with (static BM), else 0
     queue: deque = field(init=False)
     running: list[SlotRun | None] = field(init=False)
@@ -98,6 +103,9 @@ class Scheduler:
             self.pass_tokens = self.method.pass_tokens(self.slots)
         elif self.method.pass_tokens(self.slots) is None or self.pass_tokens < 1:
             raise ValueError(f"pass_tokens: a positive number of tokens for a BM pool, got {self.pass_tokens}")
+        if self.need is not None and (len(self.need) != len(self.lengths) or max(self.need, default=0) > self.blocks):
+            raise ValueError(f"need: one entry per request, each at most the pool's {self.blocks} blocks")
+        self.free_blocks = self.blocks
         self.queue = deque(range(len(self.lengths)))
         self.pads = [0] * len(self.lengths)
         self.running = [None] * self.slots
@@ -108,6 +116,10 @@ class Scheduler:
         entered = []  # (slot, request) in slot order
         for slot in range(self.slots):
             if self.running[slot] is None and self.queue:
+                if self.need is not None:  # paged: queue order, admitted once the free blocks cover it
+                    if self.need[self.queue[0]] > self.free_blocks:
+                        break
+                    self.free_blocks -= self.need[self.queue[0]]
                 entered.append((slot, self.queue.popleft()))
         groups: list[list[tuple[int, int]]] = []
         key = self.lengths if self.keys is None else self.keys
@@ -189,4 +201,6 @@ class Scheduler:
             if run.done or work.row in finished:
                 freed.append((work.row, run.request))
                 self.running[work.row] = None
+                if self.need is not None:
+                    self.free_blocks += self.need[run.request]
         return freed

@@ -18,6 +18,7 @@ divergence stops the job with an error instead of a hang.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import zlib
@@ -35,7 +36,7 @@ from transformers.generation.logits_process import (
 
 from . import replay
 from .attention import use_batchmax_attention
-from .method import Method
+from .method import FullCache, Method
 from .pool import make_pool, to_device
 from .replay import forward_pass
 from .scheduler import Scheduler, Step
@@ -140,9 +141,16 @@ def sampling_warpers(temperature: float, top_k: int, top_p: float) -> LogitsProc
 def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int], max_new: list[int], static: bool):
     """The method's pool (``static``: one decode-pass shape for the whole run, ``core.replay``), its rows as large
     as the longest request needs (BM and ED ``kv_max``, FKV its prompt + generation; no request: a replica whose
-    share is done, the pool is never written)."""
+    share is done, the pool is never written). FKV paged: the memory of ``slots`` such rows in blocks, and as many
+    rows as the requests can hold at once (their smallest first), and each request's blocks."""
     cap = max((method.decode_capacity(s, t) for s, t in zip(lengths, max_new)), default=1)
-    return make_pool(method, model.config.num_hidden_layers, slots, cap, static)
+    layers = model.config.num_hidden_layers
+    if not (isinstance(method, FullCache) and method.paged):
+        return make_pool(method, layers, slots, cap, static), None
+    blocks = slots * -(-cap // method.block)
+    need = [method.blocks(s, t) for s, t in zip(lengths, max_new)]
+    rows = len(list(itertools.takewhile(lambda held: held <= blocks, itertools.accumulate(sorted(need)))))
+    return make_pool(method, layers, max(slots, rows), cap, static, blocks), need
 
 
 def _digest(log: list[tuple[int, int, int]], passes: int) -> int:
@@ -212,6 +220,8 @@ class _Run:
 
     def admit(self, pool, rows: range, group: tuple[int, ...], passes: int, shared: bool, pads: list[int]) -> None:
         pool.admit(rows, [pads[i] for i in group])
+        for row, i in zip(rows, group):
+            pool.reserve(row, self.method.capacity(self.lengths[i], self.max_new[i]))
         for i in group:
             self.ends[i] = self.lengths[i] + pads[i]
         if shared:
@@ -431,13 +441,27 @@ def serve(
     eos = _eos_ids(ignore_eos, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     warpers = sampling_warpers(temperature, top_k, top_p) if do_sample else None
-    run = _Run(model, requests, method, slots, warpers, eos, pad, stop, return_logits, tp_group)
-    mode = replay.resolve(compile, run.device, tensor_parallel=run.tp_group is not None)
+    device = next(model.parameters()).device
+    tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
+    mode = replay.resolve(compile, device, tensor_parallel=tp)
+    lengths, max_new = [len(r.input_ids) for r in requests], [r.max_new_tokens for r in requests]
+    pool, need = _pool(model, method, slots, lengths, max_new, static=mode != "none")
+    rows = pool.slots  # FKV paged: more rows than ``slots`` where the requests are shorter than the longest
+    run = _Run(model, requests, method, rows, warpers, eos, pad, stop, return_logits, tp_group)
     run.decode_forward, run.compiles = replay.decode_runner(mode), mode != "none"
     keys = _prompt_keys(requests) if share_prompts else None
-    pool = _pool(model, method, slots, run.lengths, run.max_new, static=mode != "none")
     sched = Scheduler(
-        method, run.lengths, run.max_new, slots, prefill_budget, keys, pass_tokens, policy == "static", pad_to
+        method,
+        run.lengths,
+        run.max_new,
+        rows,
+        prefill_budget,
+        keys,
+        pass_tokens,
+        policy == "static",
+        pad_to,
+        blocks=getattr(pool, "num_blocks", 0),
+        need=need,
     )
     try:
         with use_batchmax_attention(model):
@@ -447,6 +471,7 @@ def serve(
                 finished = run.run_pass(pool, step)
                 for row, i in sched.complete(step, finished):
                     out = run.retire(pool, row, i, keep_positions)
+                    pool.finish(row)
                     if on_finish is not None:
                         on_finish(i, out)
                 run.agree(sched, every=AGREE_EVERY)

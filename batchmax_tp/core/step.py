@@ -61,11 +61,13 @@ class RowsPass:
     its padded position), ``positions`` [R, n] its RoPE position (the model's ``position_ids``), ``real`` [R, n]
     ``qpos >= 0`` as a mask (None when every column is real). ``write`` [R, n]: each column's index into the row's free
     list (BM; the dense pools: the slot itself; the scratch slot C for masked columns and idle rows); a probe pass
-    writes nothing (None). ``hi``: slots [0, hi) enter the products (a budget shared by G heads: its slots
-    [0, G x hi)). ``active`` [R, 1, 1] (BM's decode passes over
-    every row): 1 for the rows decoding, whose attention joins their slots' sums. ``bias`` [R, hi] (the dense
-    pools' decode passes): each row's held slots. ``evictions``: BM's rows that free slots first, or ED's rows that
-    keep only their newest pair. ``decoding`` (decode passes): the rows that decode, in work order, for the caller
+    writes nothing (None); FKV's paged pool: the position block x Bs + offset (the scratch block N for idle rows).
+    ``hi``: slots [0, hi) enter the products (a budget shared by G heads: its slots [0, G x hi); FKV paged: blocks
+    [0, hi)). ``active`` [R, 1, 1] (BM's decode passes over every row): 1 for the rows decoding, whose attention
+    joins their slots' sums. ``bias`` [R, hi] (the dense pools' decode passes): each row's held slots; FKV paged:
+    ``owner`` [hi] the row of each block and ``bias`` [hi x Hkv, 1, Bs] each block's held positions.
+    ``evictions``: BM's rows that free slots first, or ED's rows that keep only their newest pair. ``decoding``
+    (decode passes): the rows that decode, in work order, for the caller
     (it arrives in the description's one host-to-device copy)."""
 
     kind: Literal["prefill", "probe", "compress", "decode"]
@@ -81,6 +83,7 @@ class RowsPass:
     active: torch.Tensor | None = None  # [R, 1, 1] float
     bias: torch.Tensor | None = None  # [R, hi] additive mask of the dense pools' rows (0: held, -inf: not)
     decoding: torch.Tensor | None = None  # [k] a decode pass's decoding rows (whose logits the caller reads)
+    owner: torch.Tensor | None = None  # [hi] FKV's paged decode passes: each block's row
 
     def layer(self, module):
         return self.pool.layers[module.layer_idx]

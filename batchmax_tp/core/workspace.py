@@ -171,6 +171,28 @@ def decode_workspace_bytes(
     )
 
 
+def paged_decode_workspace_bytes(
+    rows: int, q_heads: int, kv_heads: int, blocks: int, block: int, head_dim: int, elem: int = 4
+) -> int:
+    """Peak bytes of a paged decode step (``attention._paged_decode``, FKV by real length) of ``rows`` rows over
+    ``blocks`` blocks of ``block`` positions, at its largest of: each block's queries and logits (model dtype);
+    the float32 logits (a copy in half precision), becoming their exponentials in place, with the rows' maxima
+    [S, Hq] and then each block's (the gathered maxima, or the sums); the exponentials with the rows' sums, their
+    cast to the model dtype in half precision and each block's output [N, Hq, D]; that output (as float32 too in
+    half precision) with the rows' sums and float32 output [S, Hq, D]; the output's cast back in half precision."""
+    S, N, Hq, D, e = rows, blocks, q_heads, head_dim, elem
+    half = e != 4
+    logits = 4 * N * Hq * block  # float32
+    return max(
+        N * Hq * (D + block) * e,
+        logits + (N * Hq * block * e if half else 0),
+        logits + 4 * (S + N) * Hq,
+        logits + 4 * S * Hq + (N * Hq * block * e if half else 0) + N * Hq * D * e,
+        4 * S * Hq + N * Hq * D * e + 4 * S * Hq * D + (4 * N * Hq * D if half else 0),
+        4 * S * Hq + 4 * S * Hq * D + (S * Hq * D * e if half else 0),
+    )
+
+
 def probe_state_bytes(batch: int, q_heads: int, window: int, head_dim: int, elem: int) -> int:
     """Bytes of one layer's ``probe.ProbeState``: scaled queries (model dtype), their float32 log-sum-exp over the
     probe's own keys and the float32 query weights."""

@@ -6,7 +6,8 @@ shows as ``OOM`` in the table (as in the paper) and as a cross on the throughput
 
 Files (in ``OUT``): ``report.md``, ``results.csv``, ``throughput.png`` (tokens/s against batch size, one line
 per method, rule and kv_max) and ``metric_vs_kv.png`` (the task metric against kv_max; FKV, which has no kv_max,
-as a dashed line). Plots are drawn with matplotlib's Agg canvas (no display, no pyplot state).
+as a dashed line); a same-memory run adds ``claim.png`` (tokens/s against answers, one point per method). Plots
+are drawn with matplotlib's Agg canvas (no display, no pyplot state).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ __all__ = [
 ]
 
 REPORT_FILES = ("report.md", "results.csv", "throughput.png", "metric_vs_kv.png")
+#: The same-memory run's picture (tokens/s against answers, one point per method), beside ``REPORT_FILES``.
+CLAIM_FILE = "claim.png"
 
 #: CSV columns left empty for a run that ran out of memory (its batches before the OOM are not a result).
 _MEASURED = (
@@ -190,6 +193,7 @@ def format_report(summaries: Sequence[dict[str, Any]], *, title: str | None = No
         )
     lines += ["", *_comparison(summaries, label)]
     lines += ["", *_same_memory_ratios(summaries, label)]
+    lines += ["", *_every_method(summaries, label)]
     lines += ["", *_memory(summaries)]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -334,6 +338,75 @@ def _same_memory_ratios(summaries: Sequence[dict[str, Any]], label: str) -> list
             f"{_ratio(speed, fkv)} | {_ratio(speed, ed)} |"
         )
     return lines
+
+
+def _every_method(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
+    """The same-memory run's every method at its own fastest, one table (answers beside tokens/s, the prompt's and
+    the decode's seconds apart), and the ceiling the arithmetic allows: FKV's prefill seconds with the fastest
+    bounded method's decode seconds (the prompt at full-cache cost, the decode at a bounded slot's)."""
+    if not any(s.get("same_memory_budget_bytes") for s in summaries):
+        return []
+    ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
+    fkv = next((s for s in ok if _is(s, FullCache)), None)
+    lines = [
+        "## Every method at its own fastest, one budget",
+        "",
+        "Prefill ms per real prompt token and decode seconds are the run's own (summed over its passes).",
+        "",
+        f"| method | b | kv_max | {label} | correct | tokens/s | tokens/s / FKV | prefill ms / prompt token "
+        "| decode s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in sorted(summaries, key=lambda s: (_ORDER.get(s["method"], 9), s.get("rule", "paper") != "paper")):
+        kv = "N/A" if s.get("kv_max") is None else str(s["kv_max"])
+        name = _method_label(s)
+        if _is_oom(s):
+            lines.append(f"| {name} | {s['batch_size']} | {kv} | OOM | - | OOM | OOM | OOM | OOM |")
+            continue
+        correct = f"{s['num_correct']}/{s['num_checked']}" if s.get("num_checked") else "-"
+        per_token = f"{1e3 * s['prefill_s'] / s['prompt_tokens']:.2f}" if s.get("prompt_tokens") else "n/a"
+        lines.append(
+            f"| {name} | {s['batch_size']} | {kv} | {_score(s.get('score'))} | {correct} | "
+            f"{_speed(s.get('tokens_per_s'))} | {_ratio(s.get('tokens_per_s'), fkv)} | {per_token} | "
+            f"{s.get('decode_s', 0.0):.1f} |"
+        )
+    bounded = [s for s in ok if not _is(s, FullCache) and not _is(s, ExtremeDecoding)]
+    if fkv and bounded:
+        best = min(bounded, key=lambda s: s["decode_s"])
+        ceiling = fkv["generated_tokens"] / (fkv["prefill_s"] + best["decode_s"])
+        lines += [
+            "",
+            f"Ceiling: FKV's prefill ({fkv['prefill_s']:.1f} s) with {_method_label(best)}'s decode "
+            f"({best['decode_s']:.1f} s) would make {ceiling:.1f} tokens/s ({ceiling / fkv['tokens_per_s']:.2f}x FKV).",
+        ]
+    return lines
+
+
+def plot_claim(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Figure:
+    """The claim in one picture (the same-memory run): tokens/s against answers kept (the metric), one point per
+    method at its own fastest, in one memory budget."""
+    fig, ax = _figure()
+    ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s") and s.get("score") is not None]
+    for s in ok:
+        colour, marker = _COLOURS.get(s["method"], "tab:gray"), _MARKERS.get(s["method"], "o")
+        if s.get("rule", "paper") != "paper":
+            colour, marker = "tab:purple", "D"
+        ax.scatter([s["tokens_per_s"]], [s["score"]], color=colour, marker=marker, s=60, zorder=3)
+        name = _method_label(s) + ("" if s.get("kv_max") is None else f" {s['kv_max']}")
+        ax.annotate(name, (s["tokens_per_s"], s["score"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    budget = next((s["same_memory_budget_bytes"] for s in summaries if s.get("same_memory_budget_bytes")), None)
+    ax.set_xlabel("throughput (generated tokens / s)")
+    ax.set_ylabel(_AXIS_LABELS.get(_lead(summaries).get("metric"), _metric_label(summaries)))
+    ax.set_title(
+        f"Tokens/s against answers, one budget ({_mib(budget)} MiB)\n{_subtitle(summaries)}",
+        fontsize=10,
+    )
+    ax.set_xlim(left=0.0, right=max([1e-3, *(s["tokens_per_s"] for s in ok)]) * 1.3)
+    ax.set_ylim(bottom=0.0, top=max([1e-3, *(s["score"] for s in ok)]) * 1.15)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return fig
 
 
 def mask_timings(report: str) -> str:
@@ -583,7 +656,11 @@ def write_report(
         text = text.rstrip("\n") + "\n\n" + "\n".join(f"Note: {n}" for n in notes) + "\n"
     atomic_write_text(paths["report.md"], text)
     atomic_write_text(paths["results.csv"], format_csv(summaries))
-    for name, plot in (("throughput.png", plot_throughput), ("metric_vs_kv.png", plot_metric_vs_kv)):
+    plots = [("throughput.png", plot_throughput), ("metric_vs_kv.png", plot_metric_vs_kv)]
+    if any(s.get("same_memory_budget_bytes") for s in summaries):  # the claim in one picture
+        paths[CLAIM_FILE] = out / CLAIM_FILE
+        plots.append((CLAIM_FILE, plot_claim))
+    for name, plot in plots:
         tmp = out / f".{name}.tmp"
         plot(summaries, tmp)
         os.replace(tmp, paths[name])

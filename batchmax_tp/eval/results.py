@@ -244,6 +244,7 @@ def summarise(
         "num_samples": len(samples),
         "num_batches": len(batches),
         "generated_tokens": generated,
+        "prompt_tokens": sum(int(r.get("prompt_tokens") or 0) for r in samples),
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "total_s": total_s,
