@@ -284,14 +284,14 @@ def test_single_method_summaries_report_memory(tmp_path, stack):
 # ---------------------------------------------------------------------- the paper's procedure
 def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_model, capsys):
     s = _prompt_len(tokenizer)
-    ed2, fkv = Method("ed", kv_max=2), Method("fkv")
+    ed2, fkv = Method("ed", kv_max=2), Method("fkv", block=0)  # the paper's FKV: a fixed-capacity slot per sample
     shape = ModelShape.from_config(tiny_model.config)
     paper_ed = [paper_ed_bytes(shape, b, s, 3, p=32) for b in (2, 3)]  # the paper's ED defines b0
     limit = max(paper_ed[0], _predict(tiny_model, ed2, 2, s), _predict(tiny_model, fkv, 2, s)) + 1
     assert paper_ed[1] > limit  # so b0 = 3
     plan = paper_plan(limit, shape, s, 3, dtype="float32", p=32, num_samples=4, kv_values=[128, 192])
     names = [budget.RunSpec(m, b).name for m, b in plan]
-    assert names[:4] == ["ed-b3-kv2", "ed-b2-kv2", "ed-b2-kv65", "fkv-b2"]
+    assert names[:4] == ["ed-b3-kv2", "ed-b2-kv2", "ed-b2-kv65", "fkv-block0-b2"]
     bm = [(m.kv_max, b) for m, b in plan[4:]]
     assert [k for k, _ in bm] == [128, 192] and all(b in (2, 4) for _, b in bm)  # divisors of 4, >= b0 - 1
 
@@ -332,7 +332,7 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
     cfg = parse_args(["--procedure", "paper", "--memory-budget", "1", "--max-new-tokens", "512", "--kv-values", "512"])
     s = 1024
     cfg = cfg.replace(memory_budget=paper_ed_bytes(shape, 6, s, 512))  # the paper's ED fits 6 exactly; FKV does not
-    assert predict(shape, Method("fkv"), 6, s, 512).total > cfg.memory.budget_bytes()
+    assert predict(shape, Method("fkv", block=0), 6, s, 512).total > cfg.memory.budget_bytes()
     specs, info = budget.paper_specs(
         shape,
         s,
@@ -344,9 +344,9 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
         kv_values=[512],
         num_samples=960,
     )
-    fit = max_batch(cfg.memory.budget_bytes(), shape, Method("fkv"), s, 512)
-    assert 0 < fit < 6 and predict(shape, Method("fkv"), fit, s, 512).total <= cfg.memory.budget_bytes()
-    assert [x.name for x in specs[:4]] == ["ed-b7-kv2", "ed-b6-kv2", "ed-b6-kv65", f"fkv-b{fit}"]
+    fit = max_batch(cfg.memory.budget_bytes(), shape, Method("fkv", block=0), s, 512)
+    assert 0 < fit < 6 and predict(shape, Method("fkv", block=0), fit, s, 512).total <= cfg.memory.budget_bytes()
+    assert [x.name for x in specs[:4]] == ["ed-b7-kv2", "ed-b6-kv2", "ed-b6-kv65", f"fkv-block0-b{fit}"]
     assert f"b = {fit}" in info["adjusted"] and [r["fits"] for r in info["runs"]] == [True] * 5  # ED: this engine's
 
 

@@ -118,6 +118,10 @@ def test_bad_yaml_values_are_one_line_exit_2(tmp_path, no_model_load, text, key)
         (["--method", "snap:kernel=4"], "methods"),
         (["--method", "snap:windw=16"], "methods"),
         (["--method", "snap", "--rule", "question"], "rule"),
+        # FKV's block size (--method fkv:block=N; 0: fixed-capacity slots)
+        (["--method", "fkv:block=-1"], "methods"),
+        (["--method", "fkv:block=x"], "methods"),
+        (["--method", "fkv:block=1.5"], "methods"),
         (["--config", "RUNS_SNAP_RULE"], "runs[0].rule"),
         # argparse's own errors name the key
         (["--batch-size", "four"], "batch_size"),
