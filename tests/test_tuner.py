@@ -185,3 +185,36 @@ def test_paper_specs_use_a_measured_b0_and_say_so():
         ("ed", guess - 3),
         ("fkv", guess - 3),
     ]
+
+
+def test_tune_picks_the_method_as_well_and_says_why():
+    """``methods=("fkv", "bm", "snap")``: each method is tuned as BM is (its own kv_max grid, batches sized with it);
+    the pick is the fastest run of any of them that meets the goal, FKV included; ``why`` names it, its tokens/s
+    and metric against the goal, and the others' best. A snap that keeps more per kv_max (the toy: twice BM's
+    metric at a kv_max) wins at a smaller kv_max, a larger batch; with snap's metric below the goal at every
+    kv_max, BM wins; with neither, FKV."""
+    budget = predict(SHAPE, Method("fkv"), 4, S, T).total
+
+    def evaluate(scale):
+        def run(method, b):
+            t = toy(method, b)
+            if method.name == "snap":
+                t.metric = min(0.30, t.metric * scale)
+            return t
+
+        return run
+
+    res = tune(evaluate(2.0), budget, SHAPE, S, T, target=0.9, methods=("fkv", "bm", "snap"))
+    bm_only = tune(evaluate(2.0), budget, SHAPE, S, T, target=0.9)
+    assert res.best.method == "snap" and res.best.metric >= 0.9 * 0.30
+    assert res.best.tokens_per_s > bm_only.best.tokens_per_s > res.fkv.tokens_per_s
+    assert res.why.startswith(f"snap kv_max={res.best.kv_max} b={res.best.batch}: ") and "bm kv_max=" in res.why
+    assert {t.method for t in res.trials} == {"fkv", "bm", "snap"}
+    worse = tune(evaluate(0.1), budget, SHAPE, S, T, target=0.9, methods=("fkv", "bm", "snap"))
+    assert (worse.best.method, worse.best.kv_max, worse.best.batch) == ("bm", bm_only.best.kv_max, bm_only.best.batch)
+    none = tune(
+        evaluate(0.1), budget, SHAPE, S, T, target=1.0, kv_values=[128, 256, 512], methods=("fkv", "bm", "snap")
+    )
+    assert (none.best.method, none.best.batch) == ("fkv", res.fkv.batch)
+    assert none.why.startswith("fkv b=")
+    assert tune(toy, budget, SHAPE, S, T, target=1.0, kv_values=[128, 256]).why.startswith("no configuration")

@@ -147,6 +147,11 @@ def test_ignored_flags_name_the_reason(tmp_path, no_model_load):
         parse_args(argv)  # what they would be with: fine
     parse_args(["--do-sample", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9"])
     parse_args(["--procedure", "tune", "--memory-budget", "2GiB", "--target", "0.9", "--kv-values", "256"])
+    # the methods the tuner chooses among; ED is never a pick (its slots keep one pair)
+    tune = ["--procedure", "tune", "--memory-budget", "2GiB"]
+    assert parse_args([*tune, "--method", "fkv,bm,snap:window=16"]).sweep.methods == ["fkv", "bm", "snap:window=16"]
+    assert "ed is not one to pick" in _assert_refused([*tune, "--method", "ed,bm"], "methods", tmp_path / "out")
+    assert "--method" in _assert_refused([*tune, "--batch-size", "4"], "batch_size", tmp_path / "out")
 
 
 @pytest.mark.parametrize(

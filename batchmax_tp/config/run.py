@@ -119,10 +119,14 @@ class RunConfig:
 
         if procedure is not None:
             refuse(
-                ("methods", "batch_size", "kv_max"),
+                ("batch_size", "kv_max") if procedure == "tune" else ("methods", "batch_size", "kv_max"),
                 f"procedure {procedure} chooses its runs (FKV, ED and BM at kv_values) and their batches: {{key}} is "
-                "unused; drop it (BM's kv_max values: kv_values)",
+                "unused; drop it (BM's kv_max values: kv_values"
+                + ("; the methods tune chooses among: --method" if procedure == "tune" else "")
+                + ")",
             )
+            if procedure == "tune" and "ed" in [m.partition(":")[0] for m in sweep.methods] and "methods" in changed:
+                raise ConfigError("methods", "procedure tune chooses among fkv, bm and snap: ed is not one to pick")
         elif self.main_job:
             refuse(
                 ("methods", "batch_size"),

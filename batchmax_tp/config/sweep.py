@@ -45,7 +45,9 @@ class SweepConfig(Part):
     methods: list[str] = setting(
         ["fkv", "ed", "bm"],
         LIST,
-        "method to run; repeat (or comma-separate) for several (default: fkv, ed, bm)",
+        "method to run; repeat (or comma-separate) for several (default: fkv, ed, bm); with --procedure tune: the "
+        "methods it chooses among (e.g. fkv,bm,snap; default bm); own parameters as NAME:key=value (fkv:block=0 "
+        "fixed-capacity slots, snap:window=16)",
         flag="--method",
         metavar="{" + ",".join(METHODS) + "}",
         lists=True,

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.method import Method, is_full_cache
-from ..plan.budget import RunSpec, fmt_bytes, planned_dtype, predict_spec, run_dir_name
+from ..core.method import Method, is_full_cache, method_type
+from ..plan.budget import RunSpec, fmt_bytes, planned_dtype, predict_spec
 from ..plan.tuner import Trial, divisor_batches, kv_grid, tune
 from .context import RunContext
 from .files import atomic_write_text, utc_now
@@ -35,12 +35,13 @@ __all__ = ["run_tuner", "tuned_config", "write_tune_results"]
 
 
 def tuned_config(cfg: RunConfig, best: Trial) -> RunConfig:
-    """The configuration of the chosen BM run: one method at one batch size, into ``OUT/tuned``, on the scheduler the
-    trials ran (static batches: a procedure's)."""
+    """The configuration of the chosen run: one method (its spec as the tuner was given it) at one batch size, into
+    ``OUT/tuned``, on the scheduler the trials ran (static batches: a procedure's)."""
+    spec = next((m for m in tune_methods(cfg) if method_type(m).name == best.method), best.method)
     return cfg.replace(
         scheduler=cfg.scheduler,
-        methods=["bm"],
-        kv_max=best.kv_max,
+        methods=[spec],
+        kv_max=None if is_full_cache(spec) else best.kv_max,
         batch_size=best.batch,
         runs=None,
         procedure=None,
@@ -59,11 +60,13 @@ class _TunerTrials:
     samples: Sequence[Sample]
     cfg: RunConfig  #: the job's, with out = OUT/tune
     summaries: dict[str, dict] = field(default_factory=dict)
+    names: dict[tuple, str] = field(default_factory=dict)  #: (method, kv_max, batch) -> the run's folder name
 
     def __call__(self, method: Method, batch: int) -> Trial:
         spec = RunSpec(method, batch)  # the method the tuner sized the batch with (BM with the configured rule)
         summary = self.ctx.comm.broadcast(evaluate_run(self.ctx, self.samples, spec, self.cfg))
         self.summaries[spec.name] = summary
+        self.names[method.name, spec.kv_max, batch] = spec.name
         baseline = is_full_cache(method)  # FKV: the metric every BM trial is held to
         if summary.get("status") != "done":
             if baseline:
@@ -75,6 +78,12 @@ class _TunerTrials:
         if baseline and summary.get("score") is None:
             raise ValueError("metric: FKV's run has no metric (no sample with a reference was scored)")
         return Trial(method.name, spec.kv_max, batch, summary.get("tokens_per_s"), summary.get("score"))
+
+
+def tune_methods(cfg: RunConfig) -> list[str]:
+    """The methods the tuner chooses among: ``--method`` when given (e.g. ``fkv,bm,snap``), else BM alone."""
+    given = cfg.sweep.methods != type(cfg.sweep)().methods
+    return list(cfg.sweep.methods) if given else ["bm"]
 
 
 def run_tuner(ctx: RunContext, samples: Sequence[Sample], cfg: RunConfig) -> dict[str, Any]:
@@ -105,6 +114,7 @@ def run_tuner(ctx: RunContext, samples: Sequence[Sample], cfg: RunConfig) -> dic
         kv_values=grid,
         batches=batches,
         rule=rule,
+        methods=tune_methods(cfg),
     )
     info = {
         "procedure": "tune",
@@ -115,12 +125,13 @@ def run_tuner(ctx: RunContext, samples: Sequence[Sample], cfg: RunConfig) -> dic
         "tp_size": ctx.tp,
         "target": target,
         "rule": rule,
+        "methods": tune_methods(cfg),
         "kv_values": grid,
         "batches": batches,
         **result.as_dict(),
     }
     for trial in info["trials"]:
-        name = run_dir_name(trial["method"], trial["batch"], trial["kv_max"], cfg.sweep.rule_for(trial["method"]))
+        name = trials.names[trial["method"], trial["kv_max"], trial["batch"]]
         trial["run"] = name
         trial["predicted_peak_bytes"] = trials.summaries[name].get("predicted_peak_bytes")
     info["summaries"] = list(trials.summaries.values())
@@ -167,20 +178,24 @@ def write_tune_results(cfg: RunConfig, info: dict[str, Any]) -> str:
     text = [head, "", *lines, ""]
     if best is None:
         info["tuned_config"] = None
-        text.append("No BM configuration that fits the budget reaches the target metric; no tuned.yaml written.")
+        text.append(
+            f"No configuration of {', '.join(info['methods'])} that fits the budget reaches the target metric; no "
+            "tuned.yaml written."
+        )
     else:
         tuned = tuned_config(cfg, Trial(**best))
         path = out / "tuned.yaml"
         header = (
-            f"# Chosen by the batchmax_tp auto-tuner (launch/tune.py) {utc_now()}: BM b={best['batch']} "
-            f"kv_max={best['kv_max']}, {best['tokens_per_s']:.2f} tokens/s, metric {best['metric']:.4f} "
-            f">= {info['target_metric']:.4f}.\n# Run with: python launch/run.py --config {path}\n"
+            f"# Chosen by the batchmax_tp auto-tuner (launch/tune.py) {utc_now()}: {best['method'].upper()} "
+            f"b={best['batch']} kv_max={best['kv_max']}, {best['tokens_per_s']:.2f} tokens/s, metric "
+            f"{best['metric']:.4f} >= {info['target_metric']:.4f}.\n# Run with: python launch/run.py --config {path}\n"
         )
         atomic_write_text(path, header + tuned.to_yaml())
         info["tuned_config"] = str(path)
         text += [
-            f"Chosen: BM b={best['batch']} kv_max={best['kv_max']} ({best['tokens_per_s']:.1f} tokens/s, "
-            f"metric {best['metric']:.3f}); {path}:",
+            f"Chosen: {best['method'].upper()} b={best['batch']} kv_max={best['kv_max']} "
+            f"({best['tokens_per_s']:.1f} tokens/s, metric {best['metric']:.3f}); {path}:",
+            f"Why: {info['why']}.",
             "",
             tuned.to_yaml().rstrip(),
         ]

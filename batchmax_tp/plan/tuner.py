@@ -19,10 +19,10 @@ overflow the budget under another.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from ..core.method import Method, min_kv_max
+from ..core.method import Method, is_full_cache, make_method, min_kv_max, takes_rule
 from .planner import ModelShape, _largest, max_batch, paper_ed_bytes
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class TuneResult:
     fkv: Trial
     target_metric: float
     trials: list[Trial] = field(default_factory=list)
+    why: str = ""  #: one line: why ``best`` won (or why nothing did)
 
     def as_dict(self) -> dict:
         return {
@@ -85,6 +86,7 @@ class TuneResult:
             "fkv": asdict(self.fkv),
             "target_metric": self.target_metric,
             "trials": [asdict(t) for t in self.trials],
+            "why": self.why,
         }
 
 
@@ -198,9 +200,12 @@ def tune(
     batches: list[int] | None = None,
     neighbours: int = 2,
     rule: str = "paper",
+    methods: Sequence[str] = ("bm",),
 ) -> TuneResult:
-    """Highest-throughput BM (b, kv_max) whose metric is at least ``target`` x FKV's, under ``budget``. BM runs
-    with ``rule``, and each of its batches is sized with it; ``evaluate`` gets that method."""
+    """Highest-throughput run whose metric is at least ``target`` x FKV's, under ``budget``, among ``methods``
+    (specs, ``core.method.make_method``: ``bm`` with ``rule``, ``snap[:window=..]``, ``fkv`` itself; default BM
+    alone). Each method that takes a kv_max is tuned as BM is (its batches sized with it; ``evaluate`` gets it);
+    FKV runs once, as the reference, at its largest batch. ``TuneResult.why`` says in one line why the pick won."""
     run = _Trials(evaluate)
     fkv_b = largest_batch(budget, shape, Method("fkv", p=p), prompt_len, new, dtype=dtype, tp=tp, batches=batches)
     if fkv_b == 0:
@@ -210,19 +215,54 @@ def tune(
     if not fkv.metric:
         logger.warning("FKV's metric is %s: every BM configuration meets the target; the fastest one wins", fkv.metric)
 
-    grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p, rule)) if k >= min_kv_max(p, rule)]
-    fitting = _fitting_bm(budget, shape, prompt_len, new, grid, p=p, rule=rule, dtype=dtype, tp=tp, batches=batches)
-    if not fitting:
-        return TuneResult(None, fkv, goal, run.trials)
+    picks: list[Trial] = []  # each method's fastest run that meets the goal
+    for spec in methods:
+        if is_full_cache(spec):
+            picks.append(fkv)
+            continue
+        extra = {"rule": rule} if takes_rule(spec) else {}
+        make = lambda k, spec=spec, extra=extra: make_method(spec, kv_max=k, p=p, **extra)  # noqa: E731
+        grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p, rule)) if _runs_with(make, k)]
+        fitting = _fitting(budget, shape, prompt_len, new, [make(k) for k in grid], dtype=dtype, tp=tp, batches=batches)
+        if not fitting:
+            continue
 
-    def probe(i: int) -> Trial:
-        k, b = fitting[i]
-        return run(Method("bm", kv_max=k, p=p, rule=rule), b)
+        def probe(i: int, fitting=fitting) -> Trial:
+            return run(*fitting[i])
 
-    lo = _first_meeting(probe, len(fitting), goal)
-    candidates = [probe(i) for i in range(lo, min(lo + 1 + neighbours, len(fitting)))]
-    best = max((t for t in candidates if _meets(t, goal)), key=lambda t: t.tokens_per_s, default=None)
-    return TuneResult(best, fkv, goal, run.trials)
+        lo = _first_meeting(probe, len(fitting), goal)
+        candidates = [probe(i) for i in range(lo, min(lo + 1 + neighbours, len(fitting)))]
+        best = max((t for t in candidates if _meets(t, goal)), key=lambda t: t.tokens_per_s, default=None)
+        if best is not None:
+            picks.append(best)
+    best = max(picks, key=lambda t: t.tokens_per_s, default=None)
+    return TuneResult(best, fkv, goal, run.trials, _why(best, picks, goal, target))
+
+
+def _runs_with(make: Callable[[int], Method], kv_max: int) -> bool:
+    try:
+        make(kv_max)
+    except ValueError:
+        return False
+    return True
+
+
+def _why(best: Trial | None, picks: list[Trial], goal: float, target: float) -> str:
+    """One line: the pick, its tokens/s and metric against the goal, and each other method's best that met it."""
+    if best is None:
+        return f"no configuration that fits the budget reaches {target} x FKV's metric ({goal:.3f})"
+    kv = "" if best.kv_max is None or best.method == "fkv" else f" kv_max={best.kv_max}"
+    others = ", ".join(
+        f"{t.method}{'' if t.kv_max is None or t.method == 'fkv' else f' kv_max={t.kv_max}'} b={t.batch} "
+        f"{t.tokens_per_s:.1f}"
+        for t in picks
+        if t is not best
+    )
+    return (
+        f"{best.method}{kv} b={best.batch}: {best.tokens_per_s:.1f} tokens/s at metric {best.metric:.3f} >= "
+        f"{goal:.3f} ({target} x FKV's), the fastest of the methods that reach it"
+        + (f" (the others' best: {others} tokens/s)" if others else "")
+    )
 
 
 class _Trials:
@@ -244,26 +284,24 @@ class _Trials:
         return list(self.done.values())
 
 
-def _fitting_bm(
+def _fitting(
     budget: int,
     shape: ModelShape,
     prompt_len: int,
     new: int,
-    grid: list[int],
+    methods: list[Method],
     *,
-    p: int,
-    rule: str,
     dtype: str,
     tp: int,
     batches: list[int] | None,
-) -> list[tuple[int, int]]:
-    """(kv_max, largest fitting batch) of BM with ``rule`` for each kv_max of ``grid`` that fits a batch, in order."""
+) -> list[tuple[Method, int]]:
+    """(method, largest fitting batch) of each of ``methods`` (one per kv_max, each sized with its own rule) that fits
+    a batch, in order."""
     fitting = []
-    for k in grid:
-        bm = Method("bm", kv_max=k, p=p, rule=rule)
-        b = largest_batch(budget, shape, bm, prompt_len, new, dtype=dtype, tp=tp, batches=batches)
+    for method in methods:
+        b = largest_batch(budget, shape, method, prompt_len, new, dtype=dtype, tp=tp, batches=batches)
         if b:
-            fitting.append((k, b))
+            fitting.append((method, b))
     return fitting
 
 
