@@ -125,12 +125,14 @@ def main(argv=None) -> int:
         "slots": a.slots,
         "block": a.block,
         "new": a.new,
-        "equal": workload(model, "equal", [a.length] * a.equal, a),
-        "mixed": workload(model, "mixed", [int(x) for x in a.mixed.split(",") if x], a),
     }
+    mixed = [int(x) for x in a.mixed.split(",") if x]
+    for name, lengths in (("equal", [a.length] * a.equal), ("mixed", mixed)):
+        if lengths:  # --equal 0 or --mixed '': that workload is left out
+            result[name] = workload(model, name, lengths, a)
     print("\n| workload | pool | tokens/s | prefill s | decode s | decode ms/pass | passes | at once | K/V MiB |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name in ("equal", "mixed"):
+    for name in [n for n in ("equal", "mixed") if n in result]:
         for key, s in result[name]["summary"].items():
             print(
                 f"| {name} | {key} | {s['tokens_per_s']:.2f} | {s['prefill_s']:.1f} | {s['decode_s']:.1f} | "
