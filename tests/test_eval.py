@@ -381,6 +381,36 @@ def _same_memory_runs(speed: float = 1.0):
     ]
 
 
+def test_same_memory_report_shows_every_method_its_seconds_and_the_ceiling_and_draws_the_claim(tmp_path):
+    """The same-memory run: one table of every method (answers beside tokens/s, prefill ms per prompt token, decode
+    seconds, the ratio to FKV), the ceiling (FKV's prefill with the fastest bounded decode: BM's 5 s, not ED's
+    2 s), and ``claim.png``; a run that is not the same-memory one has neither."""
+    runs = _same_memory_runs()
+    seconds = {"fkv": (30.0, 20.0), "ed": (28.0, 2.0), "bm": (32.0, 5.0)}
+    for r in runs:
+        r["prefill_s"], r["decode_s"] = seconds[r["method"]]
+        r.update(prompt_tokens=12000, generated_tokens=600, num_checked=13, num_correct=round(13 * r["score"]))
+    text = report.format_report(runs)
+    section = text[text.index("## Every method at its own fastest, one budget") :]
+    lines = section.splitlines()
+    assert "| FKV | 4 | N/A | 1.000 | 13/13 | 12.0 | 1.00x | 2.50 | 20.0 |" in lines
+    assert "| BM (question) | 11 | 512 | 0.846 | 11/13 | 12.6 | 1.05x | 2.67 | 5.0 |" in lines
+    assert [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "---" not in line][1:] == [
+        "ED",
+        "ED",
+        "FKV",
+        "BM",
+        "BM (question)",
+    ]
+    assert "Ceiling: FKV's prefill (30.0 s) with BM's decode (5.0 s) would make 17.1 tokens/s (1.43x FKV)." in lines
+    paths = report.write_report(tmp_path, runs)
+    assert paths["claim.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plain = [{k: v for k, v in r.items() if k != "same_memory_budget_bytes"} for r in runs]
+    assert "Every method at its own fastest" not in report.format_report(plain)
+    (tmp_path / "plain").mkdir()
+    assert "claim.png" not in report.write_report(tmp_path / "plain", plain)
+
+
 def test_same_memory_report_shows_each_rules_ratios_over_fkv_and_ed(tmp_path):
     text = report.format_report(_same_memory_runs())
     lines = text.splitlines()
