@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.core.method import BLOCK, Method  # noqa: E402
 from batchmax_tp.core.serve import Request, serve  # noqa: E402
+from batchmax_tp.eval.files import atomic_write_text  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 
 #: The mixed-length needle set's prompt lengths (docs/performance.md, 2026-11-25: 25 prompts of 801-2,774 tokens).
@@ -141,9 +142,7 @@ def main(argv=None) -> int:
             )
         print(f"same tokens ({name}): {result[name]['same_tokens']}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".tmp", "w") as fh:
-        json.dump(result, fh, indent=1)
-    os.replace(a.out + ".tmp", a.out)
+    atomic_write_text(a.out, json.dumps(result, indent=1))
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.bench import regimes  # noqa: E402
+from batchmax_tp.eval.files import atomic_write_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 _LABELS = {("fkv", "paper"): "FKV", ("ed", "paper"): "ED", ("bm", "paper"): "BM", ("snap", "paper"): "snap"}
@@ -120,9 +121,7 @@ def main(argv=None) -> int:
             print(
                 f"{setting}: {c['length']:>5} tokens, {c['budget']:>5}, {c['new']:>3} new: {c['winner']} ({c['why']})"
             )
-    with open(out / "regimes.json.tmp", "w") as fh:
-        json.dump(result, fh, indent=1)
-    os.replace(out / "regimes.json.tmp", out / "regimes.json")
+    atomic_write_text(out / "regimes.json", json.dumps(result, indent=1))
     return 0
 
 
