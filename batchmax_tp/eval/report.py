@@ -193,8 +193,8 @@ def format_report(summaries: Sequence[dict[str, Any]], *, title: str | None = No
         )
     lines += ["", *_comparison(summaries, label)]
     lines += ["", *_same_memory_ratios(summaries, label)]
-    lines += ["", *_every_method(summaries, label)]
     lines += ["", *_memory(summaries)]
+    lines += ["", *_every_method(summaries, label)]
     return "\n".join(lines).rstrip() + "\n"
 
 
