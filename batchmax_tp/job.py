@@ -42,7 +42,7 @@ import transformers
 
 from . import models, parallel
 from .config import DataConfig, RunConfig
-from .core.method import Method, min_kv_max
+from .core.method import Method, min_kv_max, takes_rule
 from .eval import procedures, replicas, results, tasks
 from .eval.collectives import Collectives
 from .eval.context import RunContext
@@ -57,6 +57,7 @@ from .plan.budget import (
     STORY_MAX_PROMPTS,
     RunSpec,
     fmt_bytes,
+    paper_setting_specs,
     paper_specs,
     planned_dtype,
     same_memory_plan,
@@ -451,7 +452,8 @@ def _run(job: Job, layout: parallel.Layout, comm: Collectives, bound: replicas.S
     warm_up(ctx.model, ctx.tokenizer, plan.samples, job.methods, cfg.generation.seed)
     summaries = []
     for spec in plan.specs:
-        summary = evaluate_run(ctx, plan.samples, spec, cfg, extra=plan.extra.get(spec))
+        run_cfg = cfg if spec.policy is None else cfg.replace(scheduler=spec.policy, compile="auto")
+        summary = evaluate_run(ctx, plan.samples, spec, run_cfg, extra=plan.extra.get(spec))
         if summary is not None:  # rank 0
             summaries.append(summary)
     if layout.is_main:
@@ -533,6 +535,14 @@ def _main_job_plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Pl
     specs = [r.spec for r in runs]
     extra = {r.spec: {"same_memory_budget_bytes": budget, "largest_fitting_batch": r.largest_fitting} for r in runs}
     samples = fill_samples(samples, max(s.batch_size for s in specs))
+    bm = next((s for s in specs if takes_rule(s.method) and s.rule == "paper"), None)
+    if cfg.scheduler == "continuous" and bm is not None:  # the paper's setting beside it: static padded batches
+        paper = paper_setting_specs(
+            ctx.shape, ctx.prompt_len, cfg.generation.max_new_tokens, budget, bm, p=cfg.sweep.p,
+            tp=ctx.layout.tp, dtype=cfg.model.dtype,
+        )  # fmt: skip
+        specs += paper
+        extra |= {s: {"same_memory_budget_bytes": budget, "paper_setting": True} for s in paper}
     note = (
         f"Same memory: a budget of {fmt_bytes(budget)} per rank (the planner's peak of FKV at batch "
         f"{STORY_FKV_BATCH} unless memory_budget is set); every method runs at its largest batch within "

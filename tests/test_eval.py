@@ -793,3 +793,42 @@ def test_sigkill_loses_at_most_the_batch_in_flight(tmp_path, tokenizer):
     assert subprocess.run(cmd(whole), env=env, capture_output=True, timeout=300).returncode == 0
     assert results.comparable(killed) == results.comparable(whole)
     assert len(results.comparable(whole)["bm-b1-kv8/samples.jsonl"]) == 12
+
+
+def test_the_main_jobs_paper_setting_runs_static_beside_continuous_and_is_reported_apart(tmp_path):
+    """``plan.budget.paper_setting_specs``: ED (kv_max 2) and FKV in fixed slots at the paper's b0 - 1, BM paper at
+    its continuous batch, all static and named so; the report puts them in their own section (with BM's gain over ED
+    in each setting) and leaves them out of the same-memory tables and the claim."""
+    from batchmax_tp.core.method import Method
+    from batchmax_tp.plan.budget import RunSpec, paper_setting_specs
+    from batchmax_tp.plan.planner import ModelShape, paper_ed_bytes, predict_pool
+    from batchmax_tp.plan.tuner import planned_b0
+
+    shape = ModelShape(30, 576, 1536, 9, 3, 64, 49152, 134_515_008)
+    budget = predict_pool(shape, Method("fkv"), 4, 1024, 64).total
+    bm = RunSpec(Method("bm", kv_max=512), 13)
+    specs = paper_setting_specs(shape, 1024, 64, budget, bm, p=64)
+    b0 = planned_b0(budget, shape, 1024, 64, dtype="float32", p=64)
+    assert paper_ed_bytes(shape, b0 - 1, 1024, 64) <= budget < paper_ed_bytes(shape, b0, 1024, 64)
+    assert [(s.name, s.policy) for s in specs] == [
+        (f"static-ed-b{b0 - 1}-kv2", "static"),
+        (f"static-fkv-block0-b{specs[1].batch_size}", "static"),
+        ("static-bm-b13-kv512", "static"),
+    ]
+    assert 0 < specs[1].batch_size <= b0 - 1 and specs[1].method.block == 0
+    assert paper_setting_specs(shape, 1024, 64, paper_ed_bytes(shape, 1, 1024, 64) - 1, bm, p=64) == []
+
+    runs = _same_memory_runs()
+    runs += [
+        {**runs[1], "batch_size": 3, "tokens_per_s": 10.0, "paper_setting": True},  # ED static
+        {**runs[0], "batch_size": 3, "tokens_per_s": 9.0, "paper_setting": True},  # FKV static
+        {**runs[3], "batch_size": 13, "tokens_per_s": 15.0, "paper_setting": True},  # BM static
+    ]
+    text = report.format_report(runs)
+    section = text[text.index("## The paper's setting beside the continuous engine") :].splitlines()
+    assert "| ED | 3 | 10.0 | 4 | 12.5 |" in section and "| BM | 13 | 15.0 | 13 | 17.0 |" in section
+    assert "BM (paper) over ED: static (the paper's setting) +50%, continuous +36%." in section
+    assert "| ED, static | 3 |" in text  # the first table lists every run
+    same = text[text.index("## Same memory") : text.index("## Every method")]
+    assert "ED, static" not in same and "b=4, kv_max=2" in same  # the fastest continuous ED, not the static one
+    assert report.format_report(runs[:5]).count("paper's setting") == 0

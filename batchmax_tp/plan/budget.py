@@ -72,6 +72,7 @@ class RunSpec:
 
     method: Method
     batch_size: int
+    policy: str | None = None  #: the scheduler this run uses when not the job's (the main job's paper setting)
 
     @property
     def kv_max(self) -> int | None:
@@ -84,7 +85,8 @@ class RunSpec:
     @property
     def name(self) -> str:
         """The run's folder: ``fkv-b4``, ``bm-b32-kv1024``, ``bm-snapkv-b32-kv1024`` (a rule other than the paper's)."""
-        return run_dir_name(self.method.slug(), self.batch_size, self.kv_max, self.rule)
+        name = run_dir_name(self.method.slug(), self.batch_size, self.kv_max, self.rule)
+        return name if self.policy is None else f"{self.policy}-{name}"
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -282,6 +284,31 @@ def story_methods(kv_max: dict[str, int | None], p: int, rule: str = "paper") ->
         Method("bm", kv_max=kv_max["bm"], p=p, rule=best),
         Method("snap", kv_max=kv_max["snap"], p=p),
     ]
+
+
+def paper_setting_specs(
+    shape: ModelShape,
+    prompt_len: int,
+    max_new_tokens: int,
+    budget_bytes: int,
+    bm: RunSpec,
+    *,
+    p: int,
+    tp: int = 1,
+    dtype: str = "float32",
+) -> list[RunSpec]:
+    """The paper's setting in the same budget, as static padded batches: ED (kv_max 2) and FKV in fixed slots at
+    b0 - 1 (b0: the smallest batch at which the paper's ED, its prompts held through prefill, does not fit; FKV at its
+    own largest batch when b0 - 1 does not fit it) and the paper's BM at its continuous run's batch (``bm``). None
+    when b0 is 1 (the paper's ED does not fit even one sample)."""
+    dtype = planned_dtype(dtype)
+    b0 = planned_b0(budget_bytes, shape, prompt_len, max_new_tokens, dtype=dtype, tp=tp, p=p)
+    if b0 <= 1:
+        return []
+    fkv = Method("fkv", p=p, block=0)
+    b_fkv = min(b0 - 1, max_slots(budget_bytes, shape, fkv, prompt_len, max_new_tokens, tp=tp, dtype=dtype))
+    runs = [(Method("ed", kv_max=2, p=p), b0 - 1), (fkv, b_fkv), (bm.method, bm.batch_size)]
+    return [RunSpec(m, b, policy="static") for m, b in runs if b > 0]
 
 
 @dataclass(frozen=True)
