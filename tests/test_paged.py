@@ -87,8 +87,8 @@ def test_admission_never_holds_more_blocks_than_the_pool_and_kv_is_the_planners(
     held, most, pools = [0], [0], []
     reserve, finish = pool_mod.PagedPool.reserve, pool_mod.PagedPool.finish
 
-    def reserving(self, row, tokens):
-        reserve(self, row, tokens)
+    def reserving(self, row, prompt_len, max_new_tokens):
+        reserve(self, row, prompt_len, max_new_tokens)
         held[0] += len(self.tables[row])
         most[0] = max(most[0], held[0])
         assert held[0] + len(self.free) == self.num_blocks  # every block is held or free, once

@@ -200,7 +200,7 @@ def _rows_attention(
     if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice
         return _compress(module, layer, step, query, key, value, scaling)
     layer.write(step, key, value)  # the pass's evictions ran before it (the pool's ``evict``)
-    if step.kind == "decode" and step.owner is not None:
+    if step.kind == "decode" and step.owner is not None:  # FKV paged: block by block
         return _paged_decode(layer, query, step, scaling)
     if step.kind == "decode":
         return _decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias)

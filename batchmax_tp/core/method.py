@@ -98,6 +98,11 @@ class Method:
         return self.scorer.probe_every() if self.lookahead else 1
 
     @property
+    def paged(self) -> bool:
+        """Whether the method's K/V lives in blocks shared by the rows (FKV by real length, ``pool.PagedPool``)."""
+        return False
+
+    @property
     def held_kv_max(self) -> int | None:
         """``kv_max`` where it bounds the cache, None for the full cache."""
         return self.kv_max if self.evicts else None

@@ -101,6 +101,7 @@ class _Pool:
     """What every pool shares: rows, peaks, the shared prefill's fork."""
 
     stacked_kv = False  # K/V stacked over the layers too (ED's eviction reads every layer's newest pair)
+    num_blocks = 0  # K/V blocks shared by the rows (FKV paged; 0: each row holds its own slots)
     share = 1  # KV heads sharing one budget of slots (BM under a rule's ``share``; set by ``allocate``)
 
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, layer_class, static: bool):
@@ -152,8 +153,8 @@ class _Pool:
         """The pool's per-slot bookkeeping, stacked over the layers (none for the dense pools)."""
         return {}
 
-    def reserve(self, row: int, tokens: int) -> None:
-        """Row ``row``'s request, just admitted, holds ``tokens`` positions at most (FKV paged: its blocks)."""
+    def reserve(self, row: int, prompt_len: int, max_new_tokens: int) -> None:
+        """Row ``row``'s request, just admitted, holds what its prompt and generation need (FKV paged: its blocks)."""
 
     def finish(self, row: int) -> None:
         """Row ``row``'s request has ended (its slot is free until the next ``admit``)."""
@@ -762,9 +763,9 @@ class PagedPool(DensePool):
     def kv_dims(self, heads: int, slots: int) -> tuple[int, ...]:
         return (self.num_blocks + 1, heads, self.block)
 
-    def reserve(self, row: int, tokens: int) -> None:
-        """Row ``row``'s request will hold ``tokens`` positions at most: its blocks, taken now."""
-        need = -(-tokens // self.block)
+    def reserve(self, row: int, prompt_len: int, max_new_tokens: int) -> None:
+        """Row ``row``'s request's blocks (``FullCache.blocks``), taken now."""
+        need = self.method.blocks(prompt_len, max_new_tokens)
         if need > len(self.free):
             raise RuntimeError(f"row {row}: {need} blocks needed, {len(self.free)} free (the scheduler admits by them)")
         self.tables[row] = [heapq.heappop(self.free) for _ in range(need)]
@@ -775,9 +776,9 @@ class PagedPool(DensePool):
             self.owner[b], self.fill[b] = self.slots, 0
         self.tables[row] = []
 
-    def _where(self, row: int, slots: range) -> list[int]:
-        table, Bs = self.tables[row], self.block
-        return [table[j // Bs] * Bs + j % Bs for j in slots]
+    def _where(self, row: int, j: int) -> int:
+        """Where row ``row``'s slot j lives: block ``table[j // Bs]``, position j % Bs (as block x Bs + offset)."""
+        return self.tables[row][j // self.block] * self.block + j % self.block
 
     def prefill_pass(
         self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
@@ -785,7 +786,7 @@ class PagedPool(DensePool):
         """One group's prompts (one length s, one block) and their ids [k, s]; row r writes its slots [0, s)."""
         step, ids = _group_pass(self, work, prompts, device, "prefill")
         s = ids.shape[1]
-        return replace(step, write=to_device([self._where(w.row, range(s)) for w in work], device)), ids
+        return replace(step, write=to_device([[self._where(w.row, j) for j in range(s)] for w in work], device)), ids
 
     def graduate(self, rows: range, decodes: list[bool]) -> None:
         super().graduate(rows, decodes)
@@ -814,7 +815,7 @@ class PagedPool(DensePool):
         write, seen = [C] * S, [-1] * S
         for w in work:
             st = self.rows[w.row]
-            write[w.row], seen[w.row] = self._where(w.row, range(st.length, st.length + 1))[0], st.seen
+            write[w.row], seen[w.row] = self._where(w.row, st.length), st.seen
             st.length, st.seen = st.length + 1, st.seen + 1
             self.fill[self.tables[w.row][(st.length - 1) // self.block]] += 1
         hi = self.num_blocks + 1 if self.static else 1 + max(max(self.tables[w.row]) for w in work)
@@ -833,7 +834,7 @@ class PagedPool(DensePool):
 def make_pool(method: Method, num_layers: int, slots: int, capacity: int, static: bool, blocks: int = 0) -> _Pool:
     """The method's pool: ``capacity`` slots per row (``Method.decode_capacity`` of the longest request); FKV paged:
     ``blocks`` blocks shared by ``slots`` rows."""
-    if isinstance(method, FullCache) and method.paged:
+    if method.paged:
         return PagedPool(method, num_layers, slots, blocks, static)
     kinds = {BatchMax: BoundedPool, FullCache: FullPool, ExtremeDecoding: NewestPool, Snap: SnapPool}
     return kinds[type(method)](method, num_layers, slots, capacity, static)

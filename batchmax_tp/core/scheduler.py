@@ -88,6 +88,7 @@ class Scheduler:
     blocks: int = 0  # FKV paged: the pool's K/V blocks (0: every slot fits any request)
     need: list[int] | None = None  # FKV paged: the blocks each request holds from admission to its end
     pads: list[int] = field(init=False)  # per request: the left pads it runs with (static BM), else 0
+    free_blocks: int = field(init=False)  # FKV paged: blocks no running request holds
     queue: deque = field(init=False)
     running: list[SlotRun | None] = field(init=False)
     log: list[tuple[int, int, int]] = field(init=False, default_factory=list)  # (pass, slot, request) admissions

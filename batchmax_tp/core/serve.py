@@ -36,7 +36,7 @@ from transformers.generation.logits_process import (
 
 from . import replay
 from .attention import use_batchmax_attention
-from .method import FullCache, Method
+from .method import Method
 from .pool import make_pool, to_device
 from .replay import forward_pass
 from .scheduler import Scheduler, Step
@@ -145,12 +145,17 @@ def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int]
     rows as the requests can hold at once (their smallest first), and each request's blocks."""
     cap = max((method.decode_capacity(s, t) for s, t in zip(lengths, max_new)), default=1)
     layers = model.config.num_hidden_layers
-    if not (isinstance(method, FullCache) and method.paged):
+    if not method.paged:
         return make_pool(method, layers, slots, cap, static), None
-    blocks = slots * -(-cap // method.block)
     need = [method.blocks(s, t) for s, t in zip(lengths, max_new)]
+    blocks = slots * max(need, default=1)  # the longest request's blocks per slot
     rows = len(list(itertools.takewhile(lambda held: held <= blocks, itertools.accumulate(sorted(need)))))
     return make_pool(method, layers, max(slots, rows), cap, static, blocks), need
+
+
+def _tensor_parallel(group):
+    """The tensor-parallel group, when it has more than one rank (else None)."""
+    return group if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1 else None
 
 
 def _digest(log: list[tuple[int, int, int]], passes: int) -> int:
@@ -196,8 +201,7 @@ class _Run:
         self.ends = list(self.lengths)  # where each prompt ends: its length, plus its pads in a padded batch
         self.max_new = [r.max_new_tokens for r in requests]
         self.warpers, self.eos, self.stop, self.return_logits = sampling, eos, stop, return_logits
-        tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
-        self.tp_group = tp_group if tp else None  # the tensor-parallel group, when it has more than one rank
+        self.tp_group = _tensor_parallel(tp_group)
         self.token_bound = bool(eos) or stop is not None  # whether finishing depends on the tokens
         self.gens: list[torch.Generator | None] = [None] * slots
         self.outputs: list[RequestOutput | None] = [None] * len(requests)
@@ -221,7 +225,7 @@ class _Run:
     def admit(self, pool, rows: range, group: tuple[int, ...], passes: int, shared: bool, pads: list[int]) -> None:
         pool.admit(rows, [pads[i] for i in group])
         for row, i in zip(rows, group):
-            pool.reserve(row, self.method.capacity(self.lengths[i], self.max_new[i]))
+            pool.reserve(row, self.lengths[i], self.max_new[i])
         for i in group:
             self.ends[i] = self.lengths[i] + pads[i]
         if shared:
@@ -442,8 +446,7 @@ def serve(
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     warpers = sampling_warpers(temperature, top_k, top_p) if do_sample else None
     device = next(model.parameters()).device
-    tp = tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1
-    mode = replay.resolve(compile, device, tensor_parallel=tp)
+    mode = replay.resolve(compile, device, tensor_parallel=_tensor_parallel(tp_group) is not None)
     lengths, max_new = [len(r.input_ids) for r in requests], [r.max_new_tokens for r in requests]
     pool, need = _pool(model, method, slots, lengths, max_new, static=mode != "none")
     rows = pool.slots  # FKV paged: more rows than ``slots`` where the requests are shorter than the longest
@@ -460,7 +463,7 @@ def serve(
         pass_tokens,
         policy == "static",
         pad_to,
-        blocks=getattr(pool, "num_blocks", 0),
+        blocks=pool.num_blocks,
         need=need,
     )
     try:

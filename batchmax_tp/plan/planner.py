@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..core.method import FullCache, Method
+from ..core.method import Method
 from ..core.schedule import plan
 from ..core.workspace import (
     SDPA,
@@ -156,9 +156,9 @@ def predict_pool(
         decode_workspace_bytes(slots, q_heads, Hs, T, shape.head_dim, nbytes, G) if max_new_tokens > 1 else 0,
         0,
     )
-    if isinstance(method, FullCache) and method.paged:  # the memory of ``slots`` rows, in blocks (+ the scratch)
-        blocks = slots * -(-cap // method.block) + 1
-        kv = _pool_kv_bytes(shape, blocks, method.block - 1, kv_heads, nbytes)
+    if method.paged:  # the memory of ``slots`` rows, in blocks, and the scratch block
+        blocks = slots * method.blocks(prompt_len, max_new_tokens) + 1
+        kv = 2 * shape.layers * blocks * kv_heads * method.block * shape.head_dim * nbytes
         ws = paged_decode_workspace_bytes(slots, q_heads, kv_heads, blocks, method.block, shape.head_dim, nbytes)
         decode = (decode[0], ws if max_new_tokens > 1 else 0, 0)
     tokens = method.pass_tokens(slots) if pass_tokens is None else pass_tokens
