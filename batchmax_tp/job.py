@@ -42,7 +42,7 @@ import transformers
 
 from . import models, parallel
 from .config import DataConfig, RunConfig
-from .core.method import Method, min_kv_max, takes_rule
+from .core.method import BLOCK, Method, min_kv_max, takes_rule
 from .eval import procedures, replicas, results, tasks
 from .eval.collectives import Collectives
 from .eval.context import RunContext
@@ -264,7 +264,7 @@ def _warm_up_methods(cfg: RunConfig) -> list[Method]:
         kv = kv_values[0] if kv_values else max(128, sweep.p + 64, min_kv_max(sweep.p, sweep.rule))
         paper = cfg.memory.procedure == "paper"  # the paper's FKV: a fixed-capacity slot per sample
         return [
-            Method("fkv", p=sweep.p, **({"block": 0} if paper else {})),
+            Method("fkv", p=sweep.p, block=0 if paper else BLOCK),
             Method("ed", kv_max=2, p=sweep.p),
             Method("bm", kv_max=kv, p=sweep.p, rule=sweep.rule),
         ]
