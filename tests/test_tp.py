@@ -179,6 +179,19 @@ def test_tp_matches_single_process_through_evictions(tmp_path, tp_size):
     assert ModelShape.weights_per_rank(shape, tp_size) == max(r["bm"]["params"] for r in ranks)
 
 
+def test_fused_prefill_under_tp2_matches_the_unfused_single_process(tmp_path, monkeypatch):
+    """Each rank's fused prefill attention (its own heads) against one process running the unfused one
+    (``tests/unfused.py``): logits, tokens and each rank's kept sets, through prefill and decode evictions."""
+    import unfused
+
+    from batchmax_tp.core import attention
+
+    methods = [Method("bm", kv_max=16, p=4)]
+    ranks = run_tp(tmp_path, 2, 2, methods)
+    monkeypatch.setattr(attention, "_rows_block", unfused.rows_block)
+    assert_matches_single(ranks, single_process(methods), "bm", 2)
+
+
 @pytest.mark.parametrize("family, tp_size", [("phi3", 2), ("phi3", 3), ("qwen2", 2), ("mistral", 2)])
 def test_every_family_under_tp_matches_single_process(tmp_path, family, tp_size):
     """Phi-3's fused qkv_proj is split at the rank's own query width (tp.localise_head_counts); every family's

@@ -199,14 +199,15 @@ def _rows_attention(
         return _rows_probe(layer, step, query, (key, value), scaling, hi)
     if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice
         return _compress(module, layer, step, query, key, value, scaling)
-    layer.write(step, key, value)  # the pass's evictions ran before it (the pool's ``evict``)
+    # The pass's evictions ran before it (the pool's ``evict``); it writes its pairs, then attends.
+    if step.kind == "prefill" and not isinstance(layer, DensePoolLayer):  # BM's prefill: over the slots written
+        return _rows_block(layer, step, query, scaling, hi, layer.write(step, key, value))
+    layer.write(step, key, value)
     if step.kind == "decode" and step.owner is not None:  # FKV paged: block by block
         return _paged_decode(layer, query, step, scaling)
     if step.kind == "decode":
         return _decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias)
-    if isinstance(layer, DensePoolLayer):  # a baseline's prompt: one block from position 0, over its own pairs
-        return _dense_prefill(module, layer, query, key, value, scaling)
-    return _rows_block(layer, step, query, scaling, hi)
+    return _dense_prefill(module, layer, query, key, value, scaling)  # a baseline's prompt: over its own pairs
 
 
 def _paged_decode(layer, query: torch.Tensor, step: RowsPass, scaling: float) -> torch.Tensor:
@@ -291,38 +292,66 @@ class _OneGroup:
         return getattr(self._module, name)
 
 
-def _rows_block(layer: PoolLayer, step: RowsPass, query: torch.Tensor, scaling: float, hi: int) -> torch.Tensor:
-    """Prefill chunks of R rows, each at its own positions (``step.qpos``), causal over each row's kept slots
-    [0, hi) in query chunks (a shared budget: each head over its own). Returns [R, n, Hq, D]."""
+def _rows_block(
+    layer: PoolLayer, step: RowsPass, query: torch.Tensor, scaling: float, hi: int, own: torch.Tensor
+) -> torch.Tensor:
+    """Prefill chunks of R rows, each at its own positions (``step.qpos``), over each row's kept slots [0, hi) (a
+    shared budget: each head over its own), the pass's own pairs already written at ``own`` [R, Hs, n*G] (the slots
+    ``PoolLayer.write`` used; masked columns: the scratch slot). Returns [R, n, Hq, D].
+
+    Fused: the product of the scaled queries, the pool's additive mask (empty and evicted slots -inf) added in
+    place, so the old slots need nothing more; only the pass's own columns get the causal mask, built once per pass
+    (``step.causal``), added at their slots; one softmax; the column sums; probs @ V. The tile (float32 [R*Hs,
+    g*m, hi]) is written once by the product and once by the softmax."""
     R, Hq, n, D = query.shape
-    Hkv, G = layer.keys.shape[1], layer.cache.share
-    g = Hq // Hkv
-    keys_t = step.take(layer.keys[:, :, :hi]).transpose(2, 3)  # [R, Hkv, D, hi]
-    values = step.take(layer.values[:, :, :hi])  # [R, Hkv, hi, D]
-    score = step.take(layer.score[:, :, :hi])  # [R, Hkv, hi]: a view (adjacent rows) or a copy written back
-    hiding = _slot_hiding(step.take(layer.pos[:, :, :hi]), n)  # [R, Hkv, hi]
-    other = layer.other_heads(step.take)  # [R, Hkv, G, T + 1] or None
-    qg = query.view(R, Hkv, g, n, D)  # [R, Hkv, g, n, D]: query heads grouped by their KV head (a view)
-    gathered = 0 if step.span is not None else R * Hkv * hi * (2 * D * query.element_size() + 8 + 4)
+    Hs, G = layer.keys.shape[1], layer.cache.share
+    g = Hq // Hs  # query rows per storage head (a shared budget: its G heads' groups, in order)
+    keys_t = step.take(layer.keys[:, :, :hi]).reshape(R * Hs, hi, D).transpose(1, 2)  # [R*Hs, D, hi] (a view)
+    values = step.take(layer.values[:, :, :hi]).reshape(R * Hs, hi, D)  # [R*Hs, hi, D]
+    bias = step.take(layer.bias[:, :, :hi]).reshape(R * Hs, 1, hi)  # [R*Hs, 1, hi]: 0 held, -inf empty/evicted
+    score = step.take(layer.score[:, :, :hi])  # [R, Hs, hi]: a view (adjacent rows) or a copy written back
+    own = own.clamp(max=hi - 1)  # [R, Hs, n*G]: masked columns' scratch slot -> any slot (their causal bias 0)
+    causal = step.causal if G == 1 else step.causal.repeat_interleave(G, dim=-1)  # [R, n, n*G], as ``own``
+    other = layer.other_heads(step.take)  # [R, Hs, G, T + 1] or None
+    if other is not None:  # [R, Hs, G, 1, 1, hi] additive: another head's slots
+        other = torch.zeros(other[..., :hi].shape, dtype=torch.float32, device=query.device).masked_fill_(
+            other[..., :hi], torch.finfo(torch.float32).min
+        )[:, :, :, None, None, :]
+    qg = query.view(R, Hs, g, n, D)  # [R, Hs, g, n, D]: query heads grouped by their storage head (a view)
+    gathered = 0 if step.span is not None else R * Hs * hi * (2 * D * query.element_size() + 4 + query.element_size())
     layer.cache.note_workspace(
         gathered
-        + workspace.workspace_bytes(
-            R, Hq, Hkv, n, hi, D, ordered=False, padded=step.real is not None, elem=query.element_size(), share=G
+        + workspace.rows_workspace_bytes(
+            R, Hq, Hs, n, hi, D, padded=step.real is not None, elem=query.element_size(), share=G
         )
     )
-    out = None  # [R, n, Hkv, g, D]: allocated once when the block takes more than one chunk
+    out = None  # [R, n, Hs, g, D]: allocated once when the block takes more than one chunk
     for a, b, _ in workspace.query_chunks(R, Hq, n, hi, False):
         m = b - a
         if out is None and m < n:
-            out = torch.empty(R, n, Hkv, g, D, dtype=values.dtype, device=values.device)
-        probs = _chunk_probs(qg[:, :, :, a:b], keys_t, scaling, hiding, step.qpos[:, a:b], other)  # [R, Hkv, g*m, hi]
+            out = torch.empty(R, n, Hs, g, D, dtype=values.dtype, device=values.device)
+        qm = torch.empty(R, Hs, g, m, D, dtype=query.dtype, device=query.device)
+        torch.mul(qg[:, :, :, a:b], scaling, out=qm)  # [R, Hs, g, m, D]: the chunk's scaled queries, contiguous
+        logits = torch.bmm(qm.view(R * Hs, g * m, D), keys_t).add_(bias)  # [R*Hs, g*m, hi]: old slots masked
+        del qm
+        logits = logits.float().view(R, Hs, g, m, hi)  # (a copy in half precision only)
+        later = causal[:, None, None, a:b, :].expand(R, Hs, g, m, n * G)  # [R, Hs, g, m, n*G] (a view)
+        logits.scatter_add_(-1, own[:, :, None, None, :].expand(R, Hs, g, m, n * G), later)
+        del later
+        if other is not None:
+            logits.view(R, Hs, G, g // G, m, hi).add_(other)
+        if step.blind:  # a row sees no slot at all (pads alone, nothing held): keep its softmax finite
+            logits.clamp_min_(torch.finfo(torch.float32).min)
+        # the softmax in place: a fresh tile per call costs its page faults too (1.3 ms of 2.1 a call, 2026-11-27)
+        probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits).view(R, Hs, g * m, hi)  # [R, Hs, g*m, hi]
+        del logits
         _add_received(score, probs, None if step.real is None else step.real[:, a:b])
-        o = torch.matmul(probs.to(values.dtype), values).view(R, Hkv, g, m, D)  # [R, Hkv, g, m, D]
+        o = torch.bmm(probs.to(values.dtype).view(R * Hs, g * m, hi), values).view(R, Hs, g, m, D)
         del probs
         if out is None:
-            out = o.permute(0, 3, 1, 2, 4).contiguous()  # [R, n, Hkv, g, D]
+            out = o.permute(0, 3, 1, 2, 4).contiguous()  # [R, n, Hs, g, D]
         else:
-            out[:, a:b].copy_(o.permute(0, 3, 1, 2, 4))  # [R, m, Hkv, g, D]
+            out[:, a:b].copy_(o.permute(0, 3, 1, 2, 4))  # [R, m, Hs, g, D]
         del o
     if step.span is None:
         layer.score[:, :, :hi].index_copy_(0, step.rows, score)

@@ -314,10 +314,11 @@ class PoolLayer(_PoolLayer):
         return take(self.head)[:, :, None, :] != own  # [R, Hs, G, T + 1]
 
     # -- a pass's writes: the new pairs (evictions: ``BoundedPool.evict``, before the pass) ----------------------
-    def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
         """Write each row's columns [R, H, n, D] at the slots its free list gives (masked columns: the scratch slot).
         In a shared budget (G heads per storage head, T = G x C slots) column j's pairs take the free-list entries
-        [G j, G j + G), one per head in order, and each slot records its head."""
+        [G j, G j + G), one per head in order, and each slot records its head. Returns the slots written
+        [R, Hs, n*G] (column j's head k at j*G + k)."""
         R, H, n, _ = key_states.shape
         G, C, T1 = self.cache.share, self.cache.capacity, self.keys.shape[2]
         Hs = H // G
@@ -345,6 +346,7 @@ class PoolLayer(_PoolLayer):
         self.score.view(-1).index_fill_(0, flat, 0.0)
         bias = torch.zeros(qpos.shape, dtype=self.bias.dtype, device=self.device).masked_fill_(qpos < 0, float("-inf"))
         self.bias.view(-1).index_copy_(0, flat, bias.view(-1))
+        return slots
 
     def keep(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor, kept: torch.Tensor, sums):
         """A compress pass's choice (``snap``): of each row's prompt pairs [R, H, s, D] the columns ``kept``
@@ -488,10 +490,12 @@ class BoundedPool(_Pool):
         n = self.method.lookahead if kind == "probe" else max(w.phase.size for w in work)  # probes: the whole window
         rows = [w.row for w in work]
         qpos, rope, write, evicting, ids = [], [], [], [], []
+        blind = False  # a row whose pass is pads alone and that holds nothing yet: its queries see no slot
         for w, prompt in zip(work, prompts):
             ph, st = w.phase, self.rows[w.row]
             a = min(max(ph.start, st.offset), ph.end)  # the phase's first real position (end: all pads)
             pad = n - (ph.end - a)
+            blind |= a == ph.end and st.high == 0
             qpos.append([-1] * pad + list(range(a, ph.end)))
             rope.append([0] * pad + list(range(a - st.offset, ph.end - st.offset)))
             ids.append(torch.nn.functional.pad(prompt[a - st.offset : ph.end - st.offset], (pad, 0)))
@@ -509,6 +513,10 @@ class BoundedPool(_Pool):
         R, hi = len(rows), max(1, *(self.rows[r].high for r in rows))  # at least one slot: a pass of pads alone
         columns = to_device([*qpos, *rope, *write], device)  # [2R or 3R, n]: one host-to-device copy
         qpos_t = columns[:R]  # [R, n]
+        causal = None
+        if kind == "prefill":  # [R, n, n]: a query's later own columns hidden (pad keys: 0, they sit at the scratch)
+            later = (qpos_t[:, None, :] > qpos_t[:, :, None]) & (qpos_t[:, None, :] >= 0)
+            causal = torch.zeros(later.shape, device=device).masked_fill_(later, torch.finfo(torch.float32).min)
         step = RowsPass(
             kind=kind,
             pool=self,
@@ -520,6 +528,8 @@ class BoundedPool(_Pool):
             write=columns[2 * R :] if write else None,
             hi=hi,
             evictions=_evictions(evicting, device),
+            causal=causal,
+            blind=blind,
         )
         return step, torch.stack(ids)
 

@@ -65,7 +65,11 @@ class RowsPass:
     ``hi``: slots [0, hi) enter the products (a budget shared by G heads: its slots [0, G x hi); FKV paged: blocks
     [0, hi)). ``active`` [R, 1, 1] (BM's decode passes over every row): 1 for the rows decoding, whose attention
     joins their slots' sums. ``bias`` [R, hi] (the dense pools' decode passes): each row's held slots; FKV paged:
-    ``owner`` [hi] the row of each block and ``bias`` [hi x Hkv, 1, Bs] each block's held positions.
+    ``owner`` [hi] the row of each block and ``bias`` [hi x Hkv, 1, Bs] each block's held positions. ``causal``
+    [R, n, n] (BM's prefill passes): the additive causal mask of the pass's own columns, query by key (finfo.min
+    where the key's position is after the query's; 0 for masked keys), built once per pass and added at each
+    layer's own slots; ``blind``: some row's queries see no slot at all (its columns all masked, nothing held), so
+    the attention keeps their softmax finite.
     ``evictions``: BM's rows that free slots first, or ED's rows that keep only their newest pair. ``decoding``
     (decode passes): the rows that decode, in work order, for the caller
     (it arrives in the description's one host-to-device copy)."""
@@ -84,6 +88,8 @@ class RowsPass:
     bias: torch.Tensor | None = None  # [R, hi] additive mask of the dense pools' rows (0: held, -inf: not)
     decoding: torch.Tensor | None = None  # [k] a decode pass's decoding rows (whose logits the caller reads)
     owner: torch.Tensor | None = None  # [hi] FKV's paged decode passes: each block's row
+    causal: torch.Tensor | None = None  # [R, n, n] float32 (BM's prefill passes): 0, or min where a key is later
+    blind: bool = False  # BM's prefill passes: some row's queries see no slot (pads alone, nothing held yet)
 
     def layer(self, module):
         return self.pool.layers[module.layer_idx]

@@ -72,6 +72,60 @@ def workspace_bytes(
     return held + head_mask_bytes(batch, kv_heads, slots, share)
 
 
+def rows_workspace_bytes(
+    rows: int,
+    q_heads: int,
+    kv_heads: int,
+    queries: int,
+    slots: int,
+    head_dim: int,
+    *,
+    padded: bool,
+    elem: int = 4,
+    share: int = 1,
+) -> int:
+    """Peak bytes one BM prefill call of the engine (``attention._rows_block``, fused) allocates above what it was
+    given, the returned output included: ``rows`` rows of ``queries`` columns over ``slots`` slots per storage head
+    (``kv_heads``: the storage heads, ``share`` heads each); ``padded``: some column is masked. Checked against
+    measured allocations in ``tests/test_continuous.py``."""
+    held = _rows_workspace_bytes(rows, q_heads, kv_heads, queries, slots, head_dim, padded, elem, SCORE_CHUNK_BYTES)
+    if share == 1:
+        return held
+    # the other heads' slots: the head tags compared (``head_mask_bytes``), then as an additive float32 mask
+    # [R, Hs, G, slots] held through the loop, and the pass's causal mask repeated per head [R, n, n*G]
+    other = 4 * rows * kv_heads * share * slots + 4 * rows * queries * queries * share
+    return held + other + head_mask_bytes(rows, kv_heads, slots, share)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rows_workspace_bytes(
+    R: int, Hq: int, Hs: int, n: int, hi: int, D: int, padded: bool, e: int, chunk_bytes: int
+) -> int:
+    g = Hq // Hs
+    held = 8 * R * Hq // g * n  # the own slots, clamped [R, Hs, n] (int64)
+    peak = 0
+    for a, b, _ in query_chunks(R, Hq, n, hi, False, chunk_bytes):
+        m = b - a
+        if m < n and a == 0:
+            held += e * R * n * Hq * D  # the [R, n, Hq, D] result
+        q = e * R * Hq * m * D  # the chunk's queries (a copy), later its output
+        logits = e * R * Hq * m * hi  # the masked, scaled product in the model dtype
+        p = 4 * R * Hq * m * hi  # float32 logits, and the probabilities
+        if padded:  # per-query weights [R, g*m], broadcast copy inside matmul, its [R, Hs, hi] result
+            score = 4 * R * g * m + max(R * g * m, 4 * R * Hs * g * m + 4 * R * Hs * hi)
+        else:
+            score = 4 * R * Hs * hi  # the probabilities summed over the query rows
+        steps = [
+            q + logits,  # the product
+            logits + p if e != 4 else 0,  # its float32 copy
+            p + score,  # the probabilities (the softmax in place), summed
+            p + (logits if e != 4 else 0) + q,  # probabilities (cast back) @ V
+            q + (q if m == n else 0),  # the output, and its [R, n, Hq, D] copy when one chunk did all
+        ]
+        peak = max(peak, held + max(steps))
+    return peak
+
+
 def head_mask_bytes(batch: int, kv_heads: int, slots: int, share: int) -> int:
     """What a pass over a budget shared by ``share`` heads holds to hide each head's slots from the others' queries
     (``pool.PoolLayer.other_heads``: the rows' head tags gathered and compared, bool [B, Hs, G, T + 1]); 0 unshared."""

@@ -33,7 +33,7 @@ from ..core.workspace import (
     paged_decode_workspace_bytes,
     probe_state_bytes,
     probe_workspace_bytes,
-    workspace_bytes,
+    rows_workspace_bytes,
 )
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -185,8 +185,8 @@ def _pool_prefill_passes(
     passes = []
     for n in range(1, method.p + 1):
         R = min(slots, max(1, tokens // n))
-        gathered = R * H * C * (2 * D * nbytes + 8 + 4)  # keys, values, positions, sums of the rows
-        ws = workspace_bytes(R, q_heads, H, n, C, D, ordered=False, padded=True, elem=nbytes, share=G)
+        gathered = R * H * C * (2 * D * nbytes + 4 + nbytes)  # keys, values, sums and additive mask of the rows
+        ws = rows_workspace_bytes(R, q_heads, H, n, C, D, padded=True, elem=nbytes, share=G)
         passes.append((R * n * per_token + R * V * 4, gathered + ws))
     w = method.lookahead
     if w:
