@@ -161,3 +161,24 @@ def test_a_row_that_sees_no_slot_stays_finite(model, monkeypatch):
     monkeypatch.setattr(attention, "_rows_block", checked)
     _padded(model, Method("bm", kv_max=KV, p=P))
     assert any(blind) and not all(blind)
+
+
+def test_probes_folded_into_passes_of_rows_that_do_not_probe_change_nothing(model, monkeypatch):
+    """Rows at their own phases share passes: in some a row probes and another does not (its probe columns are
+    masked; ``among``), in others every row probes. Every request's kept positions, tokens and logits equal its
+    generation alone (where every pass's probe is its own row's)."""
+    method = Method("bm", kv_max=KV, p=P, rule="question:every=1")
+    partial, folded = [], attention._folded
+
+    def spy(layer, step, *args):
+        partial.append(step.among is not None)
+        return folded(layer, step, *args)
+
+    monkeypatch.setattr(attention, "_folded", spy)
+    served = _served(model, method)
+    assert any(partial) and not all(partial)
+    for prompt, new, (tokens, logits, kept) in zip(_prompts(), NEW, served):
+        alone = generate(model, torch.tensor([prompt]), None, method, new, ignore_eos=True, return_logits=True)
+        assert kept == [layer[0] for layer in alone.kept_positions()]
+        assert tokens == alone.tokens[0].tolist()
+        torch.testing.assert_close(logits, torch.stack([x[0] for x in alone.logits]), atol=1e-4, rtol=0)

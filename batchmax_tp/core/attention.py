@@ -16,12 +16,12 @@ A decode step (one query per row) is one fused product: ``baddbmm`` adds the add
 scaled logits, then softmax, the score sums and ``probs @ V``; its workspace comes from
 ``workspace.decode_workspace_bytes``.
 
-Look-ahead probe (rules ``probe``, ``snapkv``, ``question``): a probe pass (its keys/values never stored) attends
-from the probe's queries to every valid slot (all precede it) and causally to the probe keys up to itself (masked
-probe columns hidden); its output goes on through the layer, its attention to the slots, summed over the query
-group and averaged over the row's real probe queries, becomes the slots' ``probe`` values (overwritten each probe
-pass); the paper's sums get nothing from it. The math is ``core.probe``'s, shared with the re-scoring of rules that
-probe only every few blocks.
+Look-ahead probe (rules ``probe``, ``snapkv``, ``question``): a probe (its keys/values never stored; its queries the
+first columns of the prefill pass of the chunk it follows, ``_folded``) attends from the probe's queries to every valid
+slot (all precede it) and causally to the probe keys up to itself (masked probe columns hidden); its output goes on
+through the layer, its attention to the slots, summed over the query group and averaged over the row's real probe
+queries, becomes the slots' ``probe`` values (overwritten each probe pass); the paper's sums get nothing from it. The
+math is ``core.probe``'s, shared with the re-scoring of rules that probe only every few blocks.
 
 HF's ``model.generate`` drop-in (``core.hf_cache``) hands its cache layer over instead of a description.
 
@@ -195,12 +195,12 @@ def _rows_attention(
     layer = step.layer(module)
     layer.cache.allocate(key, value)
     hi = step.hi * layer.cache.share  # a shared budget's G heads hold G slots per column
-    if step.kind == "probe":  # nothing is evicted or written: the probe only reads
-        return _rows_probe(layer, step, query, (key, value), scaling, hi)
     if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice
         return _compress(module, layer, step, query, key, value, scaling)
     # The pass's evictions ran before it (the pool's ``evict``); it writes its pairs, then attends.
     if step.kind == "prefill" and not isinstance(layer, DensePoolLayer):  # BM's prefill: over the slots written
+        if step.probe is not None:  # the probes folded into the pass: its first columns
+            return _folded(layer, step, query, key, value, scaling, hi)
         return _rows_block(layer, step, query, scaling, hi, layer.write(step, key, value))
     layer.write(step, key, value)
     if step.kind == "decode" and step.owner is not None:  # FKV paged: block by block
@@ -208,6 +208,23 @@ def _rows_attention(
     if step.kind == "decode":
         return _decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias)
     return _dense_prefill(module, layer, query, key, value, scaling)  # a baseline's prompt: over its own pairs
+
+
+def _folded(layer: PoolLayer, step: RowsPass, query, key, value, scaling: float, hi: int) -> torch.Tensor:
+    """A prefill pass with look-ahead probes folded in: query/key/value [R, H, w + n, D], the probes' ``w``
+    columns first. The chunks' pairs are written and attended (``_rows_block``); then the probing rows' probes
+    attend over the slots held now and their own keys (``_rows_probe``), as a probe pass of their own after the
+    chunks would. Returns [R, w + n, Hq, D] (a row that does not probe: zeros in its probe columns)."""
+    w = step.probe.qpos.shape[1]
+    out = _rows_block(layer, step, query[:, :, w:], scaling, hi, layer.write(step, key[:, :, w:], value[:, :, w:]))
+    probe_in = [t[:, :, :w] for t in (query, key, value)]  # [R, H, w, D] each (views)
+    if step.among is not None:  # [Rp, H, w, D]: the probing rows'
+        probe_in = [t.index_select(0, step.among) for t in probe_in]
+    looked = _rows_probe(layer, step.probe, probe_in[0], (probe_in[1], probe_in[2]), scaling, hi)  # [Rp, w, Hq, D]
+    del probe_in
+    if step.among is not None:
+        looked = looked.new_zeros(out.shape[0], *looked.shape[1:]).index_copy_(0, step.among, looked)
+    return torch.cat([looked, out], dim=1)  # [R, w + n, Hq, D]
 
 
 def _paged_decode(layer, query: torch.Tensor, step: RowsPass, scaling: float) -> torch.Tensor:

@@ -483,54 +483,73 @@ class BoundedPool(_Pool):
     def prefill_pass(
         self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
     ) -> tuple[RowsPass, torch.Tensor]:
-        """The pass of ``work`` (each row's prefill chunk, or each row's look-ahead probe) and its input ids [R, n]:
-        every row's real tokens right-aligned, masked columns in front (a padded row's pads among them: counted as
-        held, never written)."""
-        kind = work[0].phase.kind
-        n = self.method.lookahead if kind == "probe" else max(w.phase.size for w in work)  # probes: the whole window
+        """The pass of ``work`` (each row's prefill chunk, and the look-ahead probes some chunks take along) and its
+        input ids [R, w + n]: a probe's columns first (the rule's window ``w``, when some row probes; masked for a
+        row that does not), then the chunk's; each part's real tokens right-aligned, masked columns in front (a
+        padded row's pads among them: counted as held, never written)."""
+        n = max(w.phase.size for w in work)
+        window = self.method.lookahead if any(w.probe is not None for w in work) else 0
         rows = [w.row for w in work]
-        qpos, rope, write, evicting, ids = [], [], [], [], []
+        qpos, rope, write, evicting, ids, among, probe_qpos, probe_rope = [], [], [], [], [], [], [], []
         blind = False  # a row whose pass is pads alone and that holds nothing yet: its queries see no slot
-        for w, prompt in zip(work, prompts):
+        for j, (w, prompt) in enumerate(zip(work, prompts)):
             ph, st = w.phase, self.rows[w.row]
-            a = min(max(ph.start, st.offset), ph.end)  # the phase's first real position (end: all pads)
-            pad = n - (ph.end - a)
-            blind |= a == ph.end and st.high == 0
-            qpos.append([-1] * pad + list(range(a, ph.end)))
-            rope.append([0] * pad + list(range(a - st.offset, ph.end - st.offset)))
-            ids.append(torch.nn.functional.pad(prompt[a - st.offset : ph.end - st.offset], (pad, 0)))
-            if kind == "probe":
-                st.probed = True
-                continue
+            q, r, i = _columns(ph, st, prompt, n)
+            blind |= q[-1] < 0 and st.high == 0  # (real tokens are right-aligned)
+            if window:
+                pq, pr, pi = _columns(w.probe, st, prompt, window) if w.probe else ([-1] * window, [0] * window, None)
+                if w.probe:
+                    among.append(j)
+                    probe_qpos.append(pq)
+                    probe_rope.append(pr)
+                r, i = pr + r, torch.cat([pi if pi is not None else i.new_zeros(window), i])
+            qpos.append(q)
+            rope.append(r)
+            ids.append(i)
             if ph.evict:
                 evicting.append(self._evict_row(w.row, ph, prefill=True))
-            st.probed = False
-            real = ph.end - a
-            write.append([self.capacity] * pad + list(range(st.ptr, st.ptr + real)))
+            real = sum(x >= 0 for x in q)
+            write.append([self.capacity] * (n - real) + list(range(st.ptr, st.ptr + real)))
             st.ptr, st.filled, st.seen = st.ptr + real, st.filled + ph.size, ph.end
+            st.probed = w.probe is not None  # its next eviction ranks with this probe
             if st.contiguous:
                 st.high = max(st.high, st.ptr)
         R, hi = len(rows), max(1, *(self.rows[r].high for r in rows))  # at least one slot: a pass of pads alone
-        columns = to_device([*qpos, *rope, *write], device)  # [2R or 3R, n]: one host-to-device copy
-        qpos_t = columns[:R]  # [R, n]
-        causal = None
-        if kind == "prefill":  # [R, n, n]: a query's later own columns hidden (pad keys: 0, they sit at the scratch)
-            later = (qpos_t[:, None, :] > qpos_t[:, :, None]) & (qpos_t[:, None, :] >= 0)
-            causal = torch.zeros(later.shape, device=device).masked_fill_(later, torch.finfo(torch.float32).min)
+        flat = [x for part in (qpos, rope, write, probe_qpos, probe_rope) for row in part for x in row]
+        columns = to_device(flat, device)  # one host-to-device copy, split below
+        sizes = [R * n, R * (window + n), R * n, len(among) * window, len(among) * window]
+        qpos_t, rope_t, write_t, probe_t, probe_rope_t = columns.split(sizes)
+        qpos_t = qpos_t.view(R, n)
+        later = (qpos_t[:, None, :] > qpos_t[:, :, None]) & (qpos_t[:, None, :] >= 0)  # [R, n, n]: keys after queries
         step = RowsPass(
-            kind=kind,
+            kind="prefill",
             pool=self,
             rows=to_device(rows, device),
             span=_span(rows),
             qpos=qpos_t,
-            positions=columns[R : 2 * R],
+            positions=rope_t.view(R, window + n),
             real=None if all(q[0] >= 0 for q in qpos) else qpos_t >= 0,
-            write=columns[2 * R :] if write else None,
+            write=write_t.view(R, n),
             hi=hi,
             evictions=_evictions(evicting, device),
-            causal=causal,
+            causal=torch.zeros(later.shape, device=device).masked_fill_(later, torch.finfo(torch.float32).min),
             blind=blind,
         )
+        if among:  # the probes folded into the pass: the probing rows' first ``window`` columns
+            probe_t = probe_t.view(len(among), window)
+            probing = [rows[j] for j in among]
+            probe = RowsPass(
+                kind="probe",
+                pool=self,
+                rows=to_device(probing, device),
+                span=_span(probing),
+                qpos=probe_t,
+                positions=probe_rope_t.view(len(among), window),
+                real=None if all(q[0] >= 0 for q in probe_qpos) else probe_t >= 0,
+                write=None,
+                hi=hi,
+            )
+            step = replace(step, probe=probe, among=None if len(among) == R else to_device(among, device))
         return step, torch.stack(ids)
 
     def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
@@ -625,6 +644,16 @@ def _evictions(evicting: list[tuple[int, int, int, str | None]], device) -> tupl
         t = to_device(members, device)  # [E, 2]: one copy per kind
         out.append(Eviction(t[:, 0], t[:, 1].view(-1, 1, 1), count, probe))
     return tuple(out)
+
+
+def _columns(phase: Phase, st: RowState, prompt: torch.Tensor, n: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """A row's ``n`` columns of ``phase`` (a prefill chunk or a look-ahead probe): each column's position (-1:
+    masked), RoPE position and token id, real tokens right-aligned (a padded row's pads are masked columns)."""
+    a = min(max(phase.start, st.offset), phase.end)  # the phase's first real position (end: all pads)
+    pad = n - (phase.end - a)
+    qpos = [-1] * pad + list(range(a, phase.end))
+    rope = [0] * pad + list(range(a - st.offset, phase.end - st.offset))
+    return qpos, rope, torch.nn.functional.pad(prompt[a - st.offset : phase.end - st.offset], (pad, 0))
 
 
 def _span(rows: list[int]) -> slice | None:

@@ -1,9 +1,10 @@
 """The look-ahead probe's attention over a cache layer's slots: one formula for a probe pass and for re-scoring.
 
-A probe pass (``core.rules``: rules with a ``window``; ``core.schedule``: a pass of its own after a prefill block)
-feeds the prompt's last ``w`` tokens as queries. Each probe query attends to every valid slot and causally to the
-probe's own keys up to itself (pad probe tokens are neither queries nor keys). A slot's probe value is the
-attention it got, summed over the query group and averaged over the sample's real probe queries.
+A probe (``core.rules``: rules with a ``window``; ``core.schedule``: a phase after a prefill block, run in that block's
+pass as more columns, ``attention._folded``) feeds the prompt's last ``w`` tokens as queries. Each probe query attends
+to every valid slot and causally to the probe's own keys up to itself (pad probe tokens are neither queries nor keys). A
+slot's probe value is the attention it got, summed over the query group and averaged over the sample's real probe
+queries.
 
 The own keys enter a query's softmax only through their log-sum-exp, which never changes once the pass ran (the
 query and the own keys are fixed). So a rule with ``every > 1`` keeps the probe's scaled queries, that per-query

@@ -50,11 +50,9 @@ def forward_pass(model: torch.nn.Module, step: RowsPass, ids: torch.Tensor, mask
     """One model call described by ``step`` (ids [R, n]; ``mask`` [R, n] all true: the attention reads the
     description, but without a mask HF's mask builder looks for packed sequences in the position ids, a host sync in
     every pass); the description goes to every attention call, which writes the pool itself (no cache is handed to
-    the model). A prefill chunk or decode step returns the last position's logits; a look-ahead probe runs through
-    the decoder layers only (its outputs are never used: no logits)."""
+    the model). A prefill pass or decode step returns the last position's logits (a prefill pass's look-ahead
+    probes, if any, are its first columns: the last is a chunk's)."""
     kw = dict(attention_mask=mask, position_ids=step.positions, use_cache=False, batchmax=step)
-    if step.kind == "probe":
-        return model.get_decoder()(input_ids=ids, **kw)
     return model(input_ids=ids, logits_to_keep=1, **kw)
 
 

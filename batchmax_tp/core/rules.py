@@ -22,23 +22,22 @@ Rules (``rule_names()``):
   are found in position space, never in slot order (slots are unordered); evicted positions simply are absent.
 - ``sinks``: average attention, but the sample's first ``sinks`` real tokens (StreamingLLM's attention sinks)
   and the ``recent`` newest positions (``pos > curr_id - recent``) are never evicted.
-- ``probe``: look-ahead probe. The whole prompt is known before prefill, so its last ``window`` tokens (the
-  question and the assistant header in a chat prompt) are run as queries after every prefill block but the last,
-  in a pass of their own (``schedule.Phase`` kind ``probe``): after block ``[a, b)`` of a prompt of padded length
-  ``s``, the prompt's tokens at padded positions ``[max(b, s - window), s)``, at their own RoPE positions (the
-  sample's real position ids, as if the prompt between ``b`` and the probe were already evicted). Each probe query
-  attends to every kept slot (the block just written included: all of them precede it) and causally to the probe
-  tokens up to itself; pad probe tokens are neither queries nor keys. The probe's keys/values are never written
-  to the cache, and the pass runs the decoder layers only (no logits). A slot's ``probe`` value is the attention
-  it got from the probe queries of the last probe pass, summed over the query group and averaged over the
-  sample's real probe queries (the same scale as average attention); the priority is ``average attention +
-  weight * probe`` at prefill evictions and plain average attention at decode evictions. Under tensor parallelism
-  a probe pass is a forward of ``window`` tokens with the model's own collectives and nothing more; eviction stays
-  rank-local. ``every`` (all probe rules; default 1, ``question`` 4): a probe pass follows only every ``every``-th
-  prefill block (the first always); the prefill evictions after an unprobed block re-score the slots held then
-  with the last probe pass's queries and the log-sum-exp over its own keys, kept aside (``core.probe``): the same
-  formula, fresh keys, about ``1 / every`` of the probe's forward cost. The probe's values and stored queries live
-  during prefill only.
+- ``probe``: look-ahead probe. The whole prompt is known before prefill, so its last ``window`` tokens (the question
+  and the assistant header in a chat prompt) are run as queries after every prefill block but the last
+  (``schedule.Phase`` kind ``probe``, run in the block's own pass as more columns of its row): after block ``[a, b)``
+  of a prompt of padded length ``s``, the prompt's tokens at padded positions ``[max(b, s - window), s)``, at their
+  own RoPE positions (the sample's real position ids, as if the prompt between ``b`` and the probe were already
+  evicted). Each probe query attends to every kept slot (the block just written included: all of them precede it) and
+  causally to the probe tokens up to itself; pad probe tokens are neither queries nor keys. The probe's keys/values
+  are never written to the cache. A slot's ``probe`` value is the attention it got from the probe queries of the last
+  probe, summed over the query group and averaged over the sample's real probe queries (the same scale as average
+  attention); the priority is ``average attention + weight * probe`` at prefill evictions and plain average attention
+  at decode evictions. Under tensor parallelism a probe adds ``window`` columns to a pass, and no collective; eviction
+  stays rank-local. ``every`` (all probe rules; default 1, ``question`` 4): a probe follows only every ``every``-th
+  prefill block (the first always); the prefill evictions after an unprobed block re-score the slots held then with
+  the last probe's queries and the log-sum-exp over its own keys, kept aside (``core.probe``): the same formula, fresh
+  keys, about ``1 / every`` of the probe's forward cost. The probe's values and stored queries live during prefill
+  only.
 - ``snapkv``: ``probe`` and ``pooled`` together (SnapKV's observation window and pooling at every eviction):
   ``pool(average attention + weight * probe)``.
 - ``question``: SnapKV's own ranking under Algorithm 1. Prefill evictions rank by the look-ahead attention

@@ -21,8 +21,8 @@ class Phase:
     pairs each (sample, KV head) drops before the pass; ``step`` is the decode step t (1-based, 0 in prefill).
     A ``probe`` pass (rules with a look-ahead window, ``core.rules``) follows a prefill block ``[a, b)`` and feeds
     the prompt's positions ``[max(b, s - window), s)`` as queries over the slots kept then; nothing is written
-    to the cache. It is a pass of its own, so it never widens a block's activations or attention workspace. A
-    rule with ``every > 1`` probes only after blocks ``0, every, 2 * every, ...``; never after the last block.
+    to the cache. The engine runs it in the block's own pass (``window`` more columns per row; ``SlotWork.probe``).
+    A rule with ``every > 1`` probes only after blocks ``0, every, 2 * every, ...``; never after the last block.
     """
 
     kind: Literal["prefill", "probe", "decode"]

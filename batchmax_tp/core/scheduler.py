@@ -12,12 +12,13 @@ left-padded prompt (Algorithm 1 for BM, at padded positions: its pads are counte
 evictions, as in the paper), so its kept positions and tokens are the padded batch's. FKV and ED keep no pad and
 evict nothing by score: their rows run the padded schedule on their own tokens (``pool.DensePool``).
 
-Prefill passes run before the decode pass of the slots already decoding, up to ``prefill_budget`` prompt tokens
-between two decode passes (None: no limit, so a new request is prefilled whole before the next decode pass). Under
-BM a pass takes the next chunk (or look-ahead probe) of many rows, each at its own phase, up to ``pass_tokens``
-rows x columns. The baselines prefill a group per pass: requests admitted together into adjacent slots with prompts
-of one length (up to the longest prompt's tokens in all); with ``keys``, adjacent requests of one key form a group
-instead (``serve(share_prompts=True)`` keys identical prompts, whose prefill then runs once for the whole group).
+Prefill passes run before the decode pass of the slots already decoding, up to ``prefill_budget`` prompt tokens between
+two decode passes (None: no limit, so a new request is prefilled whole before the next decode pass). Under BM a pass
+takes the next chunk of many rows, each at its own phase (and the look-ahead probe that follows a chunk, folded into the
+same pass), up to ``pass_tokens`` rows x columns. The baselines prefill a group per pass: requests admitted together
+into adjacent slots with prompts of one length (up to the longest prompt's tokens in all); with ``keys``, adjacent
+requests of one key form a group instead (``serve(share_prompts=True)`` keys identical prompts, whose prefill then runs
+once for the whole group).
 FKV's paged pool (``pool.PagedPool``) adds a second condition to admission: the request at the head of the queue
 enters a free slot only when the pool's free blocks cover its prompt and generation (``need``), which it holds until
 it ends; no request is passed over, none is preempted.
@@ -60,7 +61,7 @@ class SlotRun:
 
 @dataclass(frozen=True)
 class Step:
-    """The next pass: ``kind`` and each slot's part (a group's slots for a prefill block or probe; every decoding
+    """The next pass: ``kind`` and each slot's part (a group's slots for a prefill block; every decoding
     slot for a decode step). ``admitted``: the groups that entered their slots just before this pass."""
 
     kind: str
@@ -173,20 +174,24 @@ class Scheduler:
         return self.pass_tokens is not None
 
     def _batched_prefill(self, runs: list[SlotRun], admitted) -> Step:
-        """The next prefill pass of many groups, each at its own phase: the groups of the first one's kind (a prefill
-        chunk or a probe), in admission order, while the pass's rows x columns fit ``pass_tokens`` (at least
-        one group). Each row feeds as many columns as the pass's longest chunk (a probe: the rule's whole window)."""
-        kind, work, width, seen = runs[0].phase.kind, [], 0, set()
+        """The next prefill pass of many groups, each at its own phase (a prefill chunk), in admission order, while
+        the pass's rows x columns fit ``pass_tokens`` (at least one group). Each row feeds as many columns as the
+        pass's longest chunk. A chunk that a look-ahead probe follows takes its probe along (``SlotWork.probe``):
+        every row of the pass then feeds the rule's window more columns."""
+        work, width, probing, seen = [], 0, False, set()
+        window = self.method.lookahead
         for run in runs:
-            if run.group.start in seen or run.phase.kind != kind:
+            if run.group.start in seen:
                 continue
             seen.add(run.group.start)
-            size = self.method.lookahead if kind == "probe" else max(width, run.phase.size)
-            if work and len(seen) * size > self.pass_tokens:
+            after = run.phases[run.cursor + 1] if run.cursor + 1 < len(run.phases) else None
+            probe = after if after is not None and after.kind == "probe" else None
+            size = max(width, run.phase.size)
+            if work and len(seen) * (size + (window if probing or probe else 0)) > self.pass_tokens:
                 break
-            width = size
-            work.extend(SlotWork(s, run.phase) for s in run.group)
-        return Step(kind, tuple(work), admitted)
+            width, probing = size, probing or probe is not None
+            work.extend(SlotWork(s, run.phase, probe) for s in run.group)
+        return Step("prefill", tuple(work), admitted)
 
     def complete(self, step: Step, finished: set[int] | frozenset[int] = frozenset()) -> list[tuple[int, int]]:
         """Advance the slots ``step`` ran; free those whose request ended. Returns the (slot, request) pairs freed."""
@@ -198,7 +203,7 @@ class Scheduler:
         freed = []
         for work in step.work:
             run = self.running[work.row]
-            run.cursor += 1
+            run.cursor += 1 if work.probe is None else 2  # a chunk and the probe that ran beside it
             if run.done or work.row in finished:
                 freed.append((work.row, run.request))
                 self.running[work.row] = None

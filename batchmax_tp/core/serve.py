@@ -300,9 +300,9 @@ class _Run:
         return finished
 
     def prefill(self, pool, step: Step) -> set[int]:
-        """One prefill pass of many rows' chunks (or look-ahead probes), each at its own position (a shared group: its
-        first row alone); the rows whose prompt ends here (and the rest of their shared group) emit their first
-        token."""
+        """One prefill pass of many rows' chunks (and the look-ahead probes folded in), each at its own position (a
+        shared group: its first row alone); the rows whose prompt ends here (and the rest of their shared group) emit
+        their first token."""
         work = tuple(w for w in step.work if self.group_of[w.row].start not in self.shared or w.row in self.shared)
         prompts = [self.prompts[self.request_of[w.row]] for w in work]
         described, ids = pool.prefill_pass(work, prompts, self.device)
@@ -310,8 +310,6 @@ class _Run:
             pool.evict(eviction)
         out = forward_pass(self.model, described, ids, torch.ones_like(ids, dtype=torch.bool))
         pool.note()
-        if step.kind == "probe":
-            return set()
         rows, index = [], []
         for j, w in enumerate(work):
             if w.phase.end < self.ends[self.request_of[w.row]]:

@@ -26,10 +26,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SlotWork:
-    """One pool row's part of a pass: ``row`` runs ``phase`` of its own schedule."""
+    """One pool row's part of a pass: ``row`` runs ``phase`` of its own schedule; ``probe``: the look-ahead probe
+    that follows that prefill chunk in the schedule, run in the same pass (its queries as more columns of the row,
+    which write nothing), or None."""
 
     row: int
     phase: Phase
+    probe: Phase | None = None
 
 
 #: How a slot pool's decode passes run (``serve(compile=...)``, the ``compile`` setting; ``core.replay``): ``none``
@@ -69,7 +72,12 @@ class RowsPass:
     [R, n, n] (BM's prefill passes): the additive causal mask of the pass's own columns, query by key (finfo.min
     where the key's position is after the query's; 0 for masked keys), built once per pass and added at each
     layer's own slots; ``blind``: some row's queries see no slot at all (its columns all masked, nothing held), so
-    the attention keeps their softmax finite.
+    the attention keeps their softmax finite. ``probe`` (BM's prefill passes of a rule with a look-ahead probe):
+    the probes that follow some rows' chunks, folded into the pass. Each row's first ``w`` columns (the rule's
+    window) are then its probe's queries (masked for a row that does not probe), and ``qpos``, ``real``, ``write``
+    and ``causal`` describe the chunk's columns after them (``positions``: every column's); ``probe`` describes the
+    probing rows' ``w`` columns (kind "probe", rows ``among`` the pass's). The attention writes the chunks' pairs,
+    attends the chunks, then the probes over the slots held then: exactly the pass of its own a probe was.
     ``evictions``: BM's rows that free slots first, or ED's rows that keep only their newest pair. ``decoding``
     (decode passes): the rows that decode, in work order, for the caller
     (it arrives in the description's one host-to-device copy)."""
@@ -89,6 +97,8 @@ class RowsPass:
     decoding: torch.Tensor | None = None  # [k] a decode pass's decoding rows (whose logits the caller reads)
     owner: torch.Tensor | None = None  # [hi] FKV's paged decode passes: each block's row
     causal: torch.Tensor | None = None  # [R, n, n] float32 (BM's prefill passes): 0, or min where a key is later
+    probe: RowsPass | None = None  # the look-ahead probes a prefill pass runs beside its chunks (its first columns)
+    among: torch.Tensor | None = None  # a folded probe's rows among its pass's rows [Rp] (None: every row probes)
     blind: bool = False  # BM's prefill passes: some row's queries see no slot (pads alone, nothing held yet)
 
     def layer(self, module):

@@ -178,21 +178,25 @@ def _pool_prefill_passes(
     shape: ModelShape, method: Method, slots: int, tokens: int, q_heads: int, kv_heads: int, nbytes: int, per_token: int
 ) -> list[tuple[int, int]]:
     """(activations, attention workspace) of BM's batched prefill passes at their largest: R rows of n columns
-    (``R * n <= tokens``, the pass size, n <= p; a probe pass n = the rule's window) over all ``kv_max`` slots (a
-    shared budget: its storage heads' G x ``kv_max``), the rows' slot state gathered (rows that are not adjacent)."""
+    (``R * n <= tokens``, the pass size, n <= p) over all ``kv_max`` slots (a shared budget: its storage heads'
+    G x ``kv_max``), the rows' slot state gathered (rows that are not adjacent). A rule with a look-ahead probe
+    folds it into the pass (``attention._folded``): w more columns per row (the rule's window), whose probe attends
+    after the chunk, the chunk's output held, then both outputs joined."""
     G = method.group(kv_heads)
-    C, D, V, H = G * method.kv_max, shape.head_dim, shape.vocab, kv_heads // G
+    C, D, V, H, w, e = G * method.kv_max, shape.head_dim, shape.vocab, kv_heads // G, method.lookahead, nbytes
     passes = []
     for n in range(1, method.p + 1):
-        R = min(slots, max(1, tokens // n))
-        gathered = R * H * C * (2 * D * nbytes + 4 + nbytes)  # keys, values, sums and additive mask of the rows
-        ws = rows_workspace_bytes(R, q_heads, H, n, C, D, padded=True, elem=nbytes, share=G)
-        passes.append((R * n * per_token + R * V * 4, gathered + ws))
-    w = method.lookahead
-    if w:
-        R = min(slots, max(1, tokens // w))
-        gathered = R * H * C * (2 * D * nbytes + 8)
-        passes.append((R * w * per_token, gathered + probe_workspace_bytes(R, q_heads, H, w, C, D, nbytes, G)))
+        R = min(slots, max(1, tokens // (n + w)))
+        gathered = R * H * C * (2 * D * e + 4 + e)  # keys, values, sums and additive mask of the rows
+        ws = gathered + rows_workspace_bytes(R, q_heads, H, n, C, D, padded=True, elem=e, share=G)
+        if w:
+            chunk_out = e * R * n * q_heads * D
+            probe_in = e * R * (q_heads + 2 * kv_heads) * w * D  # the probing rows' queries, keys, values
+            gathered = R * H * C * (2 * D * e + 8)  # keys, values and positions of the rows
+            probe = gathered + probe_workspace_bytes(R, q_heads, H, w, C, D, e, G) + chunk_out + probe_in
+            joined = chunk_out + 3 * e * R * w * q_heads * D + e * R * (n + w) * q_heads * D
+            ws = max(ws, probe, joined)
+        passes.append((R * (n + w) * per_token + R * V * 4, ws))
     return passes
 
 
