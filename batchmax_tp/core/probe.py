@@ -26,8 +26,9 @@ _LOG_FLOOR = -80.0
 
 
 def probabilities(logits: torch.Tensor, lse: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """``exp(logits - lse)`` in place, 0 where ``hidden`` (broadcast to ``logits``) is True."""
-    return logits.sub_(lse).clamp_(min=_LOG_FLOOR).exp_().masked_fill_(hidden, 0.0)
+    """``exp(logits - lse)`` in place, 0 where ``hidden`` (broadcast to ``logits``) is True (a product with the
+    visible slots as 0/1: a broadcast ``masked_fill_`` is several times slower on the CPU)."""
+    return logits.sub_(lse).clamp_(min=_LOG_FLOOR).exp_().mul_(hidden.logical_not().to(logits.dtype))
 
 
 @dataclass
@@ -84,7 +85,7 @@ def slot_probabilities(
     if other is not None:
         hidden = hidden | other[:, :, :, None, :]  # [B, Hkv, G, 1, hi]
     grouped = logits.view(B, Hkv, G, gw // G, hi)  # [B, Hkv, G, g/G*w, hi] (a view)
-    grouped.masked_fill_(hidden, NEG)
+    grouped.add_(torch.zeros(hidden.shape, device=logits.device).masked_fill_(hidden, NEG))  # hidden -> NEG
     lse = torch.logaddexp(logits.logsumexp(-1, keepdim=True), own_lse)  # [B, Hkv, g*w, 1]
     probabilities(grouped, lse.view(B, Hkv, G, gw // G, 1), hidden)
     return logits, lse
