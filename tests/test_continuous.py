@@ -401,6 +401,24 @@ def test_a_pass_computes_its_rows_real_tokens_and_at_most_chunk_minus_one_masked
 
 
 @pytest.mark.parametrize("key", ["bm", "bm-question"])
+def test_a_lone_rows_first_block_runs_in_one_pass(key, references):
+    """A request prefilling alone runs its first block (kv_max tokens) in one pass, not in chunks of p; beside other
+    rows, in chunks of p; its answer is the same either way (nothing is evicted inside the first block)."""
+    model, i = model_of("llama"), LENGTHS.index(288)
+    fed = []  # columns of every prefill pass the model computed
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, a, o: fed.append(a[0].shape[1]))
+    kw = dict(ignore_eos=True, return_logits=True, keep_positions=True)
+    try:
+        lone = serve(model, [Request(prompts()[i], NEW[i])], METHODS[key], 1, **kw)
+    finally:
+        hook.remove()
+    window = METHODS[key].lookahead
+    assert fed[0] == window + KV  # the first block and the probe after it, one pass
+    assert len([n for n in fed if n > 1]) == 1 + -(-(288 - KV) // P)  # then one pass per later block
+    check_against_alone(lone, [references("llama", key)[i]])
+
+
+@pytest.mark.parametrize("key", ["bm", "bm-question"])
 def test_the_pass_size_changes_no_answer(key, references):
     """One row per pass (``pass_tokens`` = p) and every row in one pass: each request equals generate() alone."""
     model, refs = model_of("llama"), references("llama", key)

@@ -191,7 +191,25 @@ class Scheduler:
                 break
             width, probing = size, probing or probe is not None
             work.extend(SlotWork(s, run.phase, probe) for s in run.group)
+        if len(seen) == 1 and work[0].probe is None:  # a lone group: its first block in as few passes as fit
+            work = self._first_block(self.running[work[0].row], window)
         return Step("prefill", tuple(work), admitted)
+
+    def _first_block(self, run: SlotRun, window: int) -> list[SlotWork]:
+        """A group alone in its pass runs its first block's next chunks as one (nothing is evicted inside the first
+        block, so this is Algorithm 1 still), as many as its rows x columns fit ``pass_tokens``, and the probe that
+        follows the block's last chunk, if any."""
+        rows, phases, k = len(run.group), run.phases, run.cursor
+        merged, probe = run.phase, None
+        while k + 1 < len(phases) and phases[k + 1].kind == "prefill" and phases[k + 1].evict == 0:
+            after = phases[k + 2] if k + 2 < len(phases) and phases[k + 2].kind == "probe" else None
+            grown = Phase("prefill", merged.start, phases[k + 1].end, 0)
+            if rows * (grown.size + (window if after else 0)) > self.pass_tokens:
+                break
+            merged, k = grown, k + 1
+        if k + 1 < len(phases) and phases[k + 1].kind == "probe":
+            probe = phases[k + 1]
+        return [SlotWork(s, merged, probe, k - run.cursor + 1) for s in run.group]
 
     def complete(self, step: Step, finished: set[int] | frozenset[int] = frozenset()) -> list[tuple[int, int]]:
         """Advance the slots ``step`` ran; free those whose request ended. Returns the (slot, request) pairs freed."""
@@ -203,7 +221,7 @@ class Scheduler:
         freed = []
         for work in step.work:
             run = self.running[work.row]
-            run.cursor += 1 if work.probe is None else 2  # a chunk and the probe that ran beside it
+            run.cursor += work.phases + (work.probe is not None)  # its chunks, and the probe that ran beside them
             if run.done or work.row in finished:
                 freed.append((work.row, run.request))
                 self.running[work.row] = None

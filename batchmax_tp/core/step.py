@@ -26,13 +26,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SlotWork:
-    """One pool row's part of a pass: ``row`` runs ``phase`` of its own schedule; ``probe``: the look-ahead probe
-    that follows that prefill chunk in the schedule, run in the same pass (its queries as more columns of the row,
-    which write nothing), or None."""
+    """One pool row's part of a pass: ``row`` runs ``phase`` of its own schedule (``phases`` of them merged into
+    one: a lone row's first-block chunks); ``probe``: the look-ahead probe that follows that prefill chunk in the
+    schedule, run in the same pass (its queries as more columns of the row, which write nothing), or None."""
 
     row: int
     phase: Phase
     probe: Phase | None = None
+    phases: int = 1
 
 
 #: How a slot pool's decode passes run (``serve(compile=...)``, the ``compile`` setting; ``core.replay``): ``none``

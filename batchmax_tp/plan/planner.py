@@ -168,25 +168,34 @@ def predict_pool(
         meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
         return MemoryEstimate(kv, max(workspace, compress) + decode[1], weights, activations + decode[0], meta)
     meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
-    passes = _pool_prefill_passes(shape, method, slots, tokens, q_heads, kv_heads, nbytes, per_token)
+    passes = _pool_prefill_passes(shape, method, slots, tokens, q_heads, kv_heads, nbytes, per_token, prompt_len)
     evicting = (0, eviction_workspace_bytes(shape.layers, slots, Hs, T, nbytes, G))
     activations, workspace = max([*passes, evicting], key=sum)
     return MemoryEstimate(kv, workspace + decode[1], weights, activations + decode[0], meta)
 
 
 def _pool_prefill_passes(
-    shape: ModelShape, method: Method, slots: int, tokens: int, q_heads: int, kv_heads: int, nbytes: int, per_token: int
+    shape: ModelShape,
+    method: Method,
+    slots: int,
+    tokens: int,
+    q_heads: int,
+    kv_heads: int,
+    nbytes: int,
+    per_token: int,
+    prompt_len: int,
 ) -> list[tuple[int, int]]:
     """(activations, attention workspace) of BM's batched prefill passes at their largest: R rows of n columns
     (``R * n <= tokens``, the pass size, n <= p) over all ``kv_max`` slots (a shared budget: its storage heads'
     G x ``kv_max``), the rows' slot state gathered (rows that are not adjacent). A rule with a look-ahead probe
     folds it into the pass (``attention._folded``): w more columns per row (the rule's window), whose probe attends
-    after the chunk, the chunk's output held, then both outputs joined."""
+    after the chunk, the chunk's output held, then both outputs joined. A row prefilling alone runs its first block
+    in one pass (R = 1, n = ``kv_max`` or the whole prompt when shorter)."""
     G = method.group(kv_heads)
     C, D, V, H, w, e = G * method.kv_max, shape.head_dim, shape.vocab, kv_heads // G, method.lookahead, nbytes
     passes = []
-    for n in range(1, method.p + 1):
-        R = min(slots, max(1, tokens // (n + w)))
+    for n in [*range(1, method.p + 1), min(method.kv_max, prompt_len)]:
+        R = min(slots, max(1, tokens // (n + w))) if n <= method.p else 1
         gathered = R * H * C * (2 * D * e + 4 + e)  # keys, values, sums and additive mask of the rows
         ws = gathered + rows_workspace_bytes(R, q_heads, H, n, C, D, padded=True, elem=e, share=G)
         if w:
