@@ -284,9 +284,9 @@ class BatchMax(Method):
 
     def pass_tokens(self, slots: int) -> int:
         """Every row's next chunk of ``p`` in one pass (and the look-ahead probe a rule folds into it), and never
-        less than Algorithm 1's first block (and its probe: a lone row's runs in one pass): measured 2026-11-26, kv_max-token passes made a pool's prefill 2.2x
-        slower than this on an H200 (Llama-2-7B, 98 slots), and no faster on the 2-core CPU (16 slots, within
-        run-to-run noise); docs/performance.md."""
+        less than Algorithm 1's first block and its probe (a lone row's run in one pass): measured 2026-11-26,
+        kv_max-token passes of many rows made a pool's prefill 2.2x slower than this on an H200 (Llama-2-7B, 98
+        slots), and no faster on the 2-core CPU (16 slots, within run-to-run noise); docs/performance.md."""
         return max(self.kv_max + self.lookahead, slots * (self.p + self.lookahead))
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
