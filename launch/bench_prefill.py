@@ -1,8 +1,8 @@
 """What a prompt token costs each method, against prompt length: prefill seconds per real prompt token, side by side in
 one process, with each method's FLOP ratio to FKV's beside it.
 
-    python launch/bench_prefill.py                        # embedded model, CPU: about 12 minutes on 2 cores
-    python launch/bench_prefill.py --lengths 1536,6144 --rows 2
+    python launch/bench_prefill.py                        # embedded model, CPU: about 21 minutes on 2 cores
+    python launch/bench_prefill.py --lengths 1536,6144 --rows 8
     python launch/bench_prefill.py --device cuda --model arch:llama-2-7b --dtype float16
 
 For each prompt length, ``--rows`` random-token prompts of that length are served by each method with one new
@@ -41,7 +41,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt lengths, comma-separated")
-    ap.add_argument("--rows", type=int, default=2, help="prompts per length (served at once)")
+    ap.add_argument("--rows", type=int, default=4, help="prompts per length (served at once)")
     ap.add_argument("--methods", default=",".join(METHODS), help="method specs, comma-separated (';' inside one)")
     ap.add_argument("--out", default="results/bench_prefill.json")
     a = ap.parse_args(argv)
