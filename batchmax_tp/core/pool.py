@@ -80,8 +80,9 @@ def free_slots(
 class RowState:
     """One slot's host state: pairs held (``filled``), next position (``seen``), write pointer into its free list
     (``ptr``), slots ever written (``high``), whether its free list is still the identity (``contiguous``), whether
-    its last pass was a look-ahead probe (``probed``: its next prefill eviction ranks with it); the dense pools'
-    ``length`` (slots [0, length) held). A padded row's ``filled`` counts its pads (Algorithm 1 on the padded batch)."""
+    its last pass carried its look-ahead probe (``probed``: its next prefill eviction ranks with it); the dense
+    pools' ``length`` (slots [0, length) held). A padded row's ``filled`` counts its pads (Algorithm 1 on the padded
+    batch)."""
 
     filled: int = 0
     seen: int = 0

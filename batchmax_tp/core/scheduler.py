@@ -58,6 +58,10 @@ class SlotRun:
     def done(self) -> bool:
         return self.cursor >= len(self.phases)
 
+    def probe_after(self, k: int) -> Phase | None:
+        """The look-ahead probe that follows phase ``k`` in the schedule, or None."""
+        return self.phases[k + 1] if k + 1 < len(self.phases) and self.phases[k + 1].kind == "probe" else None
+
 
 @dataclass(frozen=True)
 class Step:
@@ -184,14 +188,13 @@ class Scheduler:
             if run.group.start in seen:
                 continue
             seen.add(run.group.start)
-            after = run.phases[run.cursor + 1] if run.cursor + 1 < len(run.phases) else None
-            probe = after if after is not None and after.kind == "probe" else None
+            probe = run.probe_after(run.cursor)
             size = max(width, run.phase.size)
             if work and len(seen) * (size + (window if probing or probe else 0)) > self.pass_tokens:
                 break
             width, probing = size, probing or probe is not None
             work.extend(SlotWork(s, run.phase, probe) for s in run.group)
-        if len(seen) == 1 and work[0].probe is None:  # a lone group: its first block in as few passes as fit
+        if len(seen) == 1:  # a lone group: its first block in as few passes as fit
             work = self._first_block(self.running[work[0].row], window)
         return Step("prefill", tuple(work), admitted)
 
@@ -199,17 +202,13 @@ class Scheduler:
         """A group alone in its pass runs its first block's next chunks as one (nothing is evicted inside the first
         block, so this is Algorithm 1 still), as many as its rows x columns fit ``pass_tokens``, and the probe that
         follows the block's last chunk, if any."""
-        rows, phases, k = len(run.group), run.phases, run.cursor
-        merged, probe = run.phase, None
+        rows, phases, k, merged = len(run.group), run.phases, run.cursor, run.phase
         while k + 1 < len(phases) and phases[k + 1].kind == "prefill" and phases[k + 1].evict == 0:
-            after = phases[k + 2] if k + 2 < len(phases) and phases[k + 2].kind == "probe" else None
             grown = Phase("prefill", merged.start, phases[k + 1].end, 0)
-            if rows * (grown.size + (window if after else 0)) > self.pass_tokens:
+            if rows * (grown.size + (window if run.probe_after(k + 1) else 0)) > self.pass_tokens:
                 break
             merged, k = grown, k + 1
-        if k + 1 < len(phases) and phases[k + 1].kind == "probe":
-            probe = phases[k + 1]
-        return [SlotWork(s, merged, probe, k - run.cursor + 1) for s in run.group]
+        return [SlotWork(s, merged, run.probe_after(k), k - run.cursor + 1) for s in run.group]
 
     def complete(self, step: Step, finished: set[int] | frozenset[int] = frozenset()) -> list[tuple[int, int]]:
         """Advance the slots ``step`` ran; free those whose request ended. Returns the (slot, request) pairs freed."""

@@ -201,8 +201,8 @@ def _pool_prefill_passes(
         if w:
             chunk_out = e * R * n * q_heads * D
             probe_in = e * R * (q_heads + 2 * kv_heads) * w * D  # the probing rows' queries, keys, values
-            gathered = R * H * C * (2 * D * e + 8)  # keys, values and positions of the rows
-            probe = gathered + probe_workspace_bytes(R, q_heads, H, w, C, D, e, G) + chunk_out + probe_in
+            probe_gathered = R * H * C * (2 * D * e + 8)  # keys, values and positions of the rows
+            probe = probe_gathered + probe_workspace_bytes(R, q_heads, H, w, C, D, e, G) + chunk_out + probe_in
             joined = chunk_out + 3 * e * R * w * q_heads * D + e * R * (n + w) * q_heads * D
             ws = max(ws, probe, joined)
         passes.append((R * (n + w) * per_token + R * V * 4, ws))
