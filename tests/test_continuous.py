@@ -433,8 +433,8 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float_
 
 @pytest.mark.parametrize("key", list(METHODS))
 def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
-    """Every decode pass of a run with evictions and slots refilled, counted: one host read (the new tokens, one
-    ``tolist``), one host-to-device copy of the pass's description plus one per kind of eviction in it, and no
+    """Every decode pass of a run with evictions and slots refilled, counted: one host read (one ``tolist``: the
+    tokens of the pass before, read a pass late since nothing here ends on a token), one host-to-device copy of the pass's description plus one per kind of eviction in it, and no
     other synchronisation (HF's look for packed sequences in the position ids is avoided by an all-true mask; BM
     ``question``'s pooled scores need no width read back: ``rules.pool_by_position`` pools in sorted order)."""
     from batchmax_tp.core import pool as pool_mod
@@ -483,6 +483,76 @@ def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
     assert (expected[0] > passes[0]) == METHODS[key].evicts  # decode passes evicted (every method but FKV)
     assert reads.count("tolist") == passes[0]
     assert [r for r in reads if r != "tolist"] == []
+
+
+@pytest.mark.parametrize("key", ["bm", "fkv-paged"])
+def test_tokens_are_read_a_pass_late_when_no_request_ends_on_them(monkeypatch, key):
+    """Without EOS, stops or a continuation, each pass's tokens are read only after the next pass has been launched
+    (on a GPU the host then describes a pass while the one before runs); a request is handed to ``on_finish`` once
+    its last token is read, and before the run ends. Tokens, logits and hand-offs equal reading every pass at once
+    (a run with an EOS id that no request emits)."""
+    from batchmax_tp.core import replay
+    from batchmax_tp.core import serve as serve_mod
+
+    events = []
+    real_to_host, real_read, real_forward, real_runner = (
+        serve_mod._to_host,
+        serve_mod._read,
+        serve_mod.forward_pass,
+        replay.decode_runner,
+    )
+
+    def to_host(tokens):  # the copy's event, tagged with its number (serve hands it back to ``_read`` untouched)
+        host, event = real_to_host(tokens)
+        tag = sum(1 for e in events if e[0] == "copy")
+        events.append(("copy", tag))
+        return host, (tag, event)
+
+    def read(host, tagged):
+        events.append(("read", tagged[0]))
+        return real_read(host, tagged[1])
+
+    def launched(run):
+        def call(*args):
+            events.append(("pass", None))
+            return run(*args)
+
+        return call
+
+    monkeypatch.setattr(serve_mod, "_to_host", to_host)
+    monkeypatch.setattr(serve_mod, "_read", read)
+    monkeypatch.setattr(serve_mod, "forward_pass", launched(real_forward))
+    monkeypatch.setattr(replay, "decode_runner", lambda mode: launched(real_runner(mode)))
+    model, method = model_of("llama"), METHODS[key]
+    requests = [Request(p, n) for p, n in zip(prompts(), [30, 2, 25, 40, 3, 20])]
+
+    def run(**kw):
+        handed = []
+
+        def on_finish(i, out):
+            handed.append((i, list(out.tokens)))
+            events.append(("finish", i))
+
+        out = serve(model, requests, method, 3, return_logits=True, on_finish=on_finish, **kw)
+        return out, handed
+
+    lagged, handed = run(ignore_eos=True)
+    copies = {key: at for at, (kind, key) in enumerate(events) if kind == "copy"}
+    reads = {key: at for at, (kind, key) in enumerate(events) if kind == "read"}
+    last_pass = max(at for at, (kind, _) in enumerate(events) if kind == "pass")
+    assert copies.keys() == reads.keys() and len(copies) > 40
+    for key_, at in copies.items():  # read after the next pass was launched, or after the last pass
+        assert ("pass", None) in events[at : reads[key_]] or reads[key_] > last_pass
+    assert sum(1 for at, (kind, _) in enumerate(events) if kind == "finish" and at < last_pass) >= 4
+    assert [len(t) for _, t in sorted(handed)] == [30, 2, 25, 40, 3, 20]
+    unused = sorted(set(range(model.config.vocab_size)) - {t for o in lagged.outputs for t in o.tokens})[0]
+    events.clear()
+    at_once, handed_at_once = run(eos_token_id=unused)
+    assert not [e for e in events if e[0] == "copy"]  # an EOS to watch: read at once, no copy left in flight
+    assert [o.tokens for o in at_once.outputs] == [o.tokens for o in lagged.outputs]
+    for a, b in zip(at_once.outputs, lagged.outputs):
+        torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=0, rtol=0)
+    assert sorted(handed_at_once) == sorted(handed)
 
 
 @pytest.mark.parametrize("key", list(METHODS))

@@ -10,6 +10,11 @@ Memory is fixed before the first pass: the pool's K/V and bookkeeping (``planner
 pass's workspace. Under BM every slot is bounded by ``kv_max`` from its first token, so admission is exact: no
 reservation, no preemption.
 
+The host reads a pass's tokens only when it needs them: when finishing depends on the tokens (EOS, stops) or a
+continuation is scored, at once; otherwise one pass late, after the next pass is launched (``_Run.lag``), so that on
+a GPU the host describes pass t + 1 while pass t runs instead of waiting for it. A request that ends is then handed to
+``on_finish`` once its last token has been read.
+
 Tensor parallelism: the schedule is a pure function of host state every rank has (the queue, the pass count and
 which slots finished). When finishing depends on tokens (EOS or stops), each pass's tokens are broadcast from the
 group's first rank, and every ``AGREE_EVERY`` passes the ranks compare a digest of their admission logs: a
@@ -153,6 +158,25 @@ def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int]
     return make_pool(method, layers, max(slots, rows), cap, static, blocks), need
 
 
+def _to_host(tokens: torch.Tensor):
+    """Start copying ``tokens`` [k] to the host without waiting: (the host tensor, the event that marks the copy done;
+    None off CUDA, where the copy is done on return)."""
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _read(host: torch.Tensor, event) -> list[int]:
+    """The tokens a ``_to_host`` copy brought, once it is done (waits for that copy alone, not for later work)."""
+    if event is not None:
+        event.synchronize()
+    return host.tolist()
+
+
 def _tensor_parallel(group):
     """The tensor-parallel group, when it has more than one rank (else None)."""
     return group if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1 else None
@@ -177,7 +201,7 @@ class _Run:
     """One ``serve`` call's state between passes: which request each slot holds, the next input of every row, the
     outputs, the seconds and K/V bytes so far, and the named steps of a pass: admit a group, run the pass (a prefill
     block or probe, or a decode step), emit its tokens (chosen, agreed across tensor-parallel ranks, teacher-forced),
-    retire the requests that ended."""
+    retire the requests that ended, hand them on once their tokens are read (``lag``: a pass late)."""
 
     def __init__(
         self,
@@ -203,6 +227,12 @@ class _Run:
         self.warpers, self.eos, self.stop, self.return_logits = sampling, eos, stop, return_logits
         self.tp_group = _tensor_parallel(tp_group)
         self.token_bound = bool(eos) or stop is not None  # whether finishing depends on the tokens
+        self.forcing = any(r.continuation is not None for r in requests)
+        # read each pass's tokens one pass late (after the next pass is launched) when nothing needs them sooner
+        self.lag = not self.token_bound and not self.forcing
+        self.pending: list[tuple[list[int], torch.Tensor, object]] = []  # (requests, host tokens, event) unread
+        self.unread = [0] * len(requests)  # per request: its tokens chosen but not read yet
+        self.ended: list[tuple[int, RequestOutput]] = []  # retired, waiting for their last tokens
         self.gens: list[torch.Generator | None] = [None] * slots
         self.outputs: list[RequestOutput | None] = [None] * len(requests)
         self.request_of: list[int] = [-1] * slots
@@ -213,7 +243,6 @@ class _Run:
         # HF's mask builder looks for packed sequences in the position ids, a host sync in every pass
         self.all_true = torch.ones(slots, 1, dtype=torch.bool, device=self.device)
         self.decode_forward = replay.eager_decode  # or compiled, or captured (serve's ``compile``)
-        self.forcing = any(r.continuation is not None for r in requests)
         self.times = {"prefill": 0.0, "decode": 0.0, "compile": 0.0}  # seconds spent in each kind of pass so far
         self.compiles = False  # True until the first decode pass compiles or captures (timed as "compile")
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -280,24 +309,52 @@ class _Run:
             dist.broadcast(tokens, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
         return tokens.tolist()
 
-    def emit(self, rows: list[int], index: torch.Tensor, logits: torch.Tensor) -> set[int]:
+    def emit(self, rows: list[int], index: torch.Tensor, logits: torch.Tensor, first: bool) -> set[int]:
         """Choose, record and feed the next token of each of ``rows`` (``index``: the same rows on the device) from
-        their logits [k, V]; returns the rows whose request ended early (EOS or a stop)."""
+        their logits [k, V] (``first``: the rows' first tokens, a prefill pass's); returns the rows whose request
+        ended early (EOS or a stop). Under ``lag`` the tokens are read at the next emit (this pass is launched by
+        then) or at ``read_all``, and nothing ends early."""
         tokens = self.choose(logits, rows)  # [k]
         feed = self.teach(rows, logits, tokens)  # [k]
         self.next_ids.index_copy_(0, index, feed)
-        now, finished = time.perf_counter() - self.start, set()
-        for j, (row, token) in enumerate(zip(rows, self.agreed(tokens))):
-            i = self.request_of[row]
+        now, requests = time.perf_counter() - self.start, [self.request_of[row] for row in rows]
+        for j, i in enumerate(requests):
             out = self.outputs[i]
-            if not out.tokens:
+            if first:
                 out.first_token_s = now
-            out.tokens.append(token)
             if self.return_logits:
                 out.logits.append(logits[j].float())
-            if token in self.eos or (self.stop is not None and self.stop(i, out.tokens)):
-                finished.add(row)
-        return finished
+            self.unread[i] += 1
+        if self.lag:
+            self.read_all()  # the earlier passes' tokens: their copies are done or nearly, this pass runs on
+            self.pending.append((requests, *_to_host(tokens)))
+            return set()
+        self.pending.append((requests, self.agreed(tokens), None))
+        self.read_all()
+        return {
+            row
+            for row, i in zip(rows, requests)
+            if self.outputs[i].tokens[-1] in self.eos or (self.stop is not None and self.stop(i, self.outputs[i].tokens))
+        }
+
+    def read_all(self) -> None:
+        """Read every pass's tokens not read yet, in order, into their requests' outputs."""
+        for requests, host, event in self.pending:
+            tokens = host if isinstance(host, list) else _read(host, event)
+            for i, token in zip(requests, tokens):
+                self.outputs[i].tokens.append(token)
+                self.unread[i] -= 1
+        self.pending.clear()
+
+    def hand_on(self, on_finish) -> None:
+        """Hand every retired request whose tokens have all been read to ``on_finish`` (in retirement order)."""
+        waiting = []
+        for i, out in self.ended:
+            if self.unread[i]:
+                waiting.append((i, out))
+            elif on_finish is not None:
+                on_finish(i, out)
+        self.ended = waiting
 
     def prefill(self, pool, step: Step) -> set[int]:
         """One prefill pass of many rows' chunks (and the look-ahead probes folded in), each at its own position (a
@@ -322,7 +379,7 @@ class _Run:
         if not rows:
             return set()
         logits = out.logits[:, -1].index_select(0, to_device(index, self.device))  # [k, V]
-        return self.emit(rows, to_device(rows, self.device), logits)
+        return self.emit(rows, to_device(rows, self.device), logits, first=True)
 
     def decode(self, pool, step: Step) -> set[int]:
         """One decode step of every decoding slot, in one pass over the pool."""
@@ -334,7 +391,7 @@ class _Run:
             pool.note_decode(self.query_group, described.hi)
         out = self.decode_forward(self.model, described.for_model(), self.next_ids[:, None], self.all_true)
         index = described.decoding  # [k] the decoding rows
-        return self.emit(rows, index, out.logits[:, -1].index_select(0, index))  # [k, V]
+        return self.emit(rows, index, out.logits[:, -1].index_select(0, index), first=False)  # [k, V]
 
     def run_pass(self, pool, step: Step) -> set[int]:
         """Run one pass (every decoding slot's step, or one group's prefill block or probe), timed, and note the K/V
@@ -351,9 +408,10 @@ class _Run:
             self.kv_high = max(self.kv_high, kv)
         return finished
 
-    def retire(self, pool, row: int, i: int, keep_positions: bool) -> RequestOutput:
+    def retire(self, pool, row: int, i: int, keep_positions: bool) -> None:
         """Close request ``i``, which ended in ``row``: its timings, the run's memory so far, host log-probabilities
-        and (``keep_positions``) the positions its slot held."""
+        and (``keep_positions``) the positions its slot held; it is handed on once its tokens are read
+        (``hand_on``)."""
         out = self.outputs[i]
         out.finished_s = time.perf_counter() - self.start
         out.run_prefill_s, out.run_decode_s, out.kv_bytes = self.times["prefill"], self.times["decode"], self.kv_high
@@ -362,7 +420,7 @@ class _Run:
             out.logprobs = torch.stack(out.logprobs).tolist() if out.logprobs else []
         if keep_positions:
             out.kept_positions = pool.kept_positions(row)
-        return out
+        self.ended.append((i, out))
 
     def agree(self, sched: Scheduler, every: int = 1) -> None:
         """Under tensor parallelism, once every ``every`` passes: raise unless all ranks ran the same schedule."""
@@ -471,11 +529,12 @@ def serve(
                     run.admit(pool, rows, group, sched.passes, share_prompts and len(group) > 1, sched.pads)
                 finished = run.run_pass(pool, step)
                 for row, i in sched.complete(step, finished):
-                    out = run.retire(pool, row, i, keep_positions)
+                    run.retire(pool, row, i, keep_positions)
                     pool.finish(row)
-                    if on_finish is not None:
-                        on_finish(i, out)
+                run.hand_on(on_finish)
                 run.agree(sched, every=AGREE_EVERY)
+        run.read_all()
+        run.hand_on(on_finish)
         run.agree(sched)
         pool.note()
         logger.debug("%s: %d requests in %d slots, %d passes", method.label(), len(requests), slots, sched.passes)
