@@ -331,11 +331,12 @@ class _Run:
             return set()
         self.pending.append((requests, self.agreed(tokens), None))
         self.read_all()
-        return {
-            row
-            for row, i in zip(rows, requests)
-            if self.outputs[i].tokens[-1] in self.eos or (self.stop is not None and self.stop(i, self.outputs[i].tokens))
-        }
+        ended = set()
+        for row, i in zip(rows, requests):
+            tokens = self.outputs[i].tokens
+            if tokens[-1] in self.eos or (self.stop is not None and self.stop(i, tokens)):
+                ended.add(row)
+        return ended
 
     def read_all(self) -> None:
         """Read every pass's tokens not read yet, in order, into their requests' outputs."""
