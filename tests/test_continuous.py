@@ -435,8 +435,9 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float_
 def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
     """Every decode pass of a run with evictions and slots refilled, counted: one host read (one ``tolist``: the
     tokens of the pass before, read a pass late since nothing here ends on a token), one host-to-device copy of the
-    pass's description plus one per kind of eviction in it, and no other synchronisation (HF's look for packed sequences in the position ids is avoided by an all-true mask; BM
-    ``question``'s pooled scores need no width read back: ``rules.pool_by_position`` pools in sorted order)."""
+    pass's description plus one per kind of eviction in it, and no other synchronisation (HF's look for packed
+    sequences in the position ids is avoided by an all-true mask; BM ``question``'s pooled scores need no width read
+    back: ``rules.pool_by_position`` pools in sorted order)."""
     from batchmax_tp.core import pool as pool_mod
     from batchmax_tp.core import serve as serve_mod
 
