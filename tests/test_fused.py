@@ -147,6 +147,44 @@ def test_the_op_count_catches_the_unfused_call(model, monkeypatch):
     assert any("materialised 2 times" in p for p in problems)
 
 
+def _decode_write_ops(model, monkeypatch, rule: str) -> list[list[str]]:
+    """The ops that compute or write (not views) in each layer's write of every BM decode pass of a run."""
+    from batchmax_tp.core.pool import PoolLayer
+
+    write, calls = PoolLayer.write, []
+
+    def counted(layer, step, key_states, value_states):
+        if step.kind != "decode":
+            return write(layer, step, key_states, value_states)
+        with _Ops() as ops:
+            out = write(layer, step, key_states, value_states)
+        calls.append([op for op, _, _, fresh in ops.ops if fresh or op.endswith("_")])
+        return out
+
+    monkeypatch.setattr(PoolLayer, "write", counted)
+    serve(model, [Request(p, 12) for p in _prompts()], Method("bm", kv_max=KV, p=P, rule=rule), 3, ignore_eos=True)
+    return calls
+
+
+@pytest.mark.parametrize("rule", ["paper", "paper:share=3"])
+def test_a_decode_layer_only_copies_its_pairs(model, monkeypatch, rule):
+    """A decode pass's slot bookkeeping (positions, sums, masks, heads) is recorded once for every layer before the
+    model call (``BoundedPool.ready``); inside it each layer's write is the two copies of its pairs."""
+    calls = _decode_write_ops(model, monkeypatch, rule)
+    assert len(calls) > 10 * model.config.num_hidden_layers
+    assert all(ops == ["index_copy_", "index_copy_"] for ops in calls), calls[0]
+
+
+def test_the_decode_write_count_catches_per_layer_bookkeeping(model, monkeypatch):
+    """The count above can fail: without the pool's once-per-pass record each layer gathers its slot, builds its
+    indices and writes its positions, sums and mask."""
+    from batchmax_tp.core.pool import BoundedPool, _Pool
+
+    monkeypatch.setattr(BoundedPool, "ready", _Pool.ready)
+    calls = _decode_write_ops(model, monkeypatch, "paper")
+    assert calls and all(len(ops) > 6 and "gather" in ops for ops in calls)
+
+
 def test_a_row_that_sees_no_slot_stays_finite(model, monkeypatch):
     """A padded batch's row whose chunk is all pads and that holds nothing yet sees no slot at all (``blind``): its
     softmax stays finite, so no NaN reaches the pass's output or any slot's sums."""

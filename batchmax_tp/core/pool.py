@@ -31,6 +31,7 @@ handed to the attention) and advances them; nothing per pass is set on a pool or
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -245,6 +246,13 @@ class _Pool:
             owner=owner,
         )
 
+    def ready(self, step: RowsPass) -> RowsPass:
+        """Run a described pass's evictions (every layer at once) and return what the model call reads
+        (``RowsPass.for_model``)."""
+        for eviction in step.evictions:
+            self.evict(eviction)
+        return step.for_model()
+
     def fork(self, rows: range) -> None:
         """Copy row ``rows.start`` (a shared prefill's result) into the other rows of ``rows``, in every layer."""
         for layer in self.layers:
@@ -315,11 +323,19 @@ class PoolLayer(_PoolLayer):
         return take(self.head)[:, :, None, :] != own  # [R, Hs, G, T + 1]
 
     # -- a pass's writes: the new pairs (evictions: ``BoundedPool.evict``, before the pass) ----------------------
-    def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
+    def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor | None:
         """Write each row's columns [R, H, n, D] at the slots its free list gives (masked columns: the scratch slot).
         In a shared budget (G heads per storage head, T = G x C slots) column j's pairs take the free-list entries
         [G j, G j + G), one per head in order, and each slot records its head. Returns the slots written
-        [R, Hs, n*G] (column j's head k at j*G + k)."""
+        [R, Hs, n*G] (column j's head k at j*G + k); a decode pass whose slots the pool recorded for every layer at
+        once (``step.written``, ``BoundedPool.ready``) copies the pairs alone and returns None."""
+        if step.written is not None:  # [S, H, 1, D] -> [S*H, D]: row by row, heads in order (storage head, own head)
+            flat = step.written[self.layer_idx]  # [S*H]
+            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, key_states.reshape(-1, key_states.shape[-1]))
+            self.values.view(-1, self.values.shape[-1]).index_copy_(
+                0, flat, value_states.reshape(-1, value_states.shape[-1])
+            )
+            return None
         R, H, n, _ = key_states.shape
         G, C, T1 = self.cache.share, self.cache.capacity, self.keys.shape[2]
         Hs = H // G
@@ -567,6 +583,37 @@ class BoundedPool(_Pool):
             st.ptr, st.filled, st.seen = st.ptr + 1, st.filled + 1, st.seen + 1
         hi = C if self.static else max(self.rows[w.row].high for w in work)
         return self._decode_pass(work, ptr, seen, hi, evicting, device)
+
+    def ready(self, step: RowsPass) -> RowsPass:
+        """Run a described pass's evictions (every layer at once); a decode pass then records each row's new slot in
+        every layer at once (the head of its free list, as ``PoolLayer.write`` takes it): its position, a zero sum,
+        an open mask (and in a shared budget its head), and hands the model call where each layer's pairs go
+        (``RowsPass.written``), so that inside the model call a layer only copies its pairs."""
+        model_step = super().ready(step)
+        if step.kind != "decode":
+            return model_step
+        free = self.stacks["free"]  # [L, S, Hs, T + 1]
+        L, S, Hs, T1 = free.shape
+        G, C, device = self.share, self.capacity, free.device
+        index, qpos = step.write, step.qpos  # [S, 1] each
+        own = torch.arange(G, device=device)  # [G]: a pair per head of the group, in order
+        if G > 1:  # [S, G]: the free-list entries [G j, G j + G) of the row's pairs; idle rows the scratch slot
+            index, qpos = torch.where(index == C, T1 - 1, index * G + own), qpos.expand(S, G)
+        slots = free.gather(3, index[None, :, None, :].expand(L, S, Hs, G))  # [L, S, Hs, G]
+        rows = step.rows.view(1, S, 1, 1) * Hs + torch.arange(Hs, device=device).view(1, 1, Hs, 1)  # [1, S, Hs, 1]
+        written = (rows * T1 + slots).view(L, S * Hs * G)  # [L, S*H] within each layer's K/V
+        stacked = (written + torch.arange(L, device=device)[:, None] * (S * Hs * T1)).view(-1)  # [L*S*H] in the stacks
+        qpos = qpos[None, :, None, :].expand(L, S, Hs, G).reshape(-1)  # [L*S*H]
+        self.stacks["pos"].view(-1).index_copy_(0, stacked, qpos)
+        self.stacks["score"].view(-1).index_fill_(0, stacked, 0.0)
+        bias = self.stacks["bias"]
+        bias.view(-1).index_copy_(
+            0, stacked, torch.zeros_like(qpos, dtype=bias.dtype).masked_fill_(qpos < 0, -math.inf)
+        )
+        if G > 1:
+            head = self.stacks["head"]
+            head.view(-1).index_copy_(0, stacked, own.to(head.dtype).repeat(L * S * Hs))
+        return replace(model_step, written=written)
 
     def kept_positions(self, row: int) -> list[list[list[int]]]:
         """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""

@@ -84,7 +84,14 @@ def idle_pass(step: RowsPass) -> RowsPass:
         active=None if step.active is None else torch.zeros_like(step.active),  # no sums
         bias=None if step.bias is None else torch.zeros_like(step.bias),  # finite: no NaN in idle rows
         owner=None if step.owner is None else torch.zeros_like(step.owner),  # every block row 0's, unmasked
+        written=None if step.written is None else _scratch(step),  # BM: every pair to its row's scratch slot
     )
+
+
+def _scratch(step: RowsPass) -> torch.Tensor:
+    """``step.written`` [L, S*H] moved to the scratch slot (the last) of the same row and head."""
+    T1 = step.pool.layers[0].keys.shape[2]  # slots per row and head, the scratch slot last
+    return step.written - step.written % T1 + (T1 - 1)
 
 
 class CapturedDecode:
@@ -105,11 +112,12 @@ class CapturedDecode:
         if self.graph is None:
             self._capture(model, step, ids, mask)
         captured = self.inputs
-        if (step.hi, step.qpos.shape, step.active is None, step.bias is None) != (
+        if (step.hi, step.qpos.shape, step.active is None, step.bias is None, step.written is None) != (
             captured.hi,
             captured.qpos.shape,
             captured.active is None,
             captured.bias is None,
+            captured.written is None,
         ):
             raise RuntimeError("a captured decode pass needs one shape for the whole run (a static pool)")
         self.ids.copy_(ids)
@@ -125,6 +133,8 @@ class CapturedDecode:
             captured.bias.copy_(step.bias)
         if step.owner is not None:
             captured.owner.copy_(step.owner)
+        if step.written is not None:
+            captured.written.copy_(step.written)
         self.graph.replay()
         return self.output
 

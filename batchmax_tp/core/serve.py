@@ -364,9 +364,7 @@ class _Run:
         work = tuple(w for w in step.work if self.group_of[w.row].start not in self.shared or w.row in self.shared)
         prompts = [self.prompts[self.request_of[w.row]] for w in work]
         described, ids = pool.prefill_pass(work, prompts, self.device)
-        for eviction in described.evictions:
-            pool.evict(eviction)
-        out = forward_pass(self.model, described, ids, torch.ones_like(ids, dtype=torch.bool))
+        out = forward_pass(self.model, pool.ready(described), ids, torch.ones_like(ids, dtype=torch.bool))
         pool.note()
         rows, index = [], []
         for j, w in enumerate(work):
@@ -386,11 +384,10 @@ class _Run:
         """One decode step of every decoding slot, in one pass over the pool."""
         rows = [w.row for w in step.work]
         described = pool.decode_pass(step.work, self.device)
-        for eviction in described.evictions:  # in every layer at once, before the model call
-            pool.evict(eviction)
+        model_step = pool.ready(described)  # its evictions and its slots' bookkeeping, in every layer at once
         if self.compiles:  # a compiled pass notes no workspace itself; a static pool's is the same every pass
             pool.note_decode(self.query_group, described.hi)
-        out = self.decode_forward(self.model, described.for_model(), self.next_ids[:, None], self.all_true)
+        out = self.decode_forward(self.model, model_step, self.next_ids[:, None], self.all_true)
         index = described.decoding  # [k] the decoding rows
         return self.emit(rows, index, out.logits[:, -1].index_select(0, index), first=False)  # [k, V]
 

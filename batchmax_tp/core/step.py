@@ -81,7 +81,10 @@ class RowsPass:
     attends the chunks, then the probes over the slots held then: exactly the pass of its own a probe was.
     ``evictions``: BM's rows that free slots first, or ED's rows that keep only their newest pair. ``decoding``
     (decode passes): the rows that decode, in work order, for the caller
-    (it arrives in the description's one host-to-device copy)."""
+    (it arrives in the description's one host-to-device copy). ``written`` (BM's decode passes, set by the pool's
+    ``ready`` once the evictions ran): where each layer's new pairs go, as indices into the layer's K/V rows
+    flattened [S*Hs*(C + 1)], row by row and local KV head in order; the pool has recorded those slots' positions,
+    sums and masks in every layer at once, so a layer only copies its pairs there."""
 
     kind: Literal["prefill", "probe", "compress", "decode"]
     pool: object  # core.pool's BoundedPool or DensePool
@@ -101,6 +104,7 @@ class RowsPass:
     probe: RowsPass | None = None  # the look-ahead probes a prefill pass runs beside its chunks (its first columns)
     among: torch.Tensor | None = None  # a folded probe's rows among its pass's rows [Rp] (None: every row probes)
     blind: bool = False  # BM's prefill passes: some row's queries see no slot (pads alone, nothing held yet)
+    written: torch.Tensor | None = None  # [L, R*Hkv] BM's decode passes: each layer's K/V index of each row's pair
 
     def layer(self, module):
         return self.pool.layers[module.layer_idx]
