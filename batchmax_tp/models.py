@@ -42,6 +42,7 @@ from transformers import (
 
 from .core.attention import SUPPORTED_FAMILIES, unsupported
 from .embedded import EMBEDDED_MODEL
+from .parted import PARTED, PartedModel, PartsError, gguf_path
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +97,30 @@ def _embedded_gguf() -> Path:
 
 def embedded_model_dir() -> Path:
     """Directory of the embedded model as a transformers checkpoint, converting the GGUF on first use."""
-    target = cache_root() / _EMBEDDED_NAME
+    return _converted(_EMBEDDED_NAME, _embedded_gguf)
+
+
+def _parted_gguf(model: PartedModel) -> Path:
+    """The assembled GGUF of a model for accuracy (``batchmax_tp.parted``); one line when it is not fetched."""
+    path = gguf_path(model, cache_root())
+    if not path.is_file():
+        raise PartsError(
+            f"{model.name} ({model.title}, ~{model.size / 1e9:.1f} GB) is not fetched: run "
+            f"python -m batchmax_tp.parted fetch {model.name}"
+        )
+    return path
+
+
+def _converted(name: str, gguf_of) -> Path:
+    """Directory ``<cache_root>/<name>`` of a GGUF model (``gguf_of()``: its file) as a transformers checkpoint,
+    converted on first use into a temporary directory renamed into place."""
+    target = cache_root() / name
     if (target / _COMPLETE_MARKER).is_file():
         return target
-    gguf = _embedded_gguf()
+    gguf = gguf_of()
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{_EMBEDDED_NAME}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
     try:
         _convert_gguf(gguf, tmp)
@@ -135,7 +153,7 @@ def _remove_stale_tmp_dirs(target: Path) -> None:
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """De-quantize the GGUF into float32 safetensors + tokenizer in ``out_dir``."""
     start = time.perf_counter()
-    logger.info("converting %s into %s (once; takes ~20 s)", gguf, out_dir)
+    logger.info("converting %s into %s (once; ~20 s for SmolLM2, ~70 s for a 0.5B model)", gguf, out_dir)
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -157,7 +175,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    logger.info("converted the embedded model in %.1f s", time.perf_counter() - start)
+    logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - start)
 
 
 def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -177,8 +195,13 @@ def _parse_dtype(dtype: str) -> torch.dtype:
 
 
 def model_path(model_id: str) -> str:
-    """Where transformers reads ``model_id`` from: the embedded model's converted cache, else the id itself."""
-    return str(embedded_model_dir()) if model_id == EMBEDDED_MODEL else model_id
+    """Where transformers reads ``model_id`` from: the embedded model's or a model for accuracy's converted cache
+    (``batchmax_tp.parted``: fetched first, else a one-line ``PartsError``), else the id itself."""
+    if model_id == EMBEDDED_MODEL:
+        return str(embedded_model_dir())
+    if model_id in PARTED:
+        return str(_converted(model_id, lambda: _parted_gguf(PARTED[model_id])))
+    return model_id
 
 
 #: Seconds :func:`check_hub_reachable` waits for the hub to answer.
@@ -191,7 +214,7 @@ def check_hub_reachable(model_id: str, timeout_s: float = HUB_PROBE_TIMEOUT_S) -
     more). Nothing is checked offline (``HF_HUB_OFFLINE=1``: the client answers from the cache at once)."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if constants.HF_HUB_OFFLINE or model_id == EMBEDDED_MODEL or model_id.startswith(ARCH_PREFIX):
+    if constants.HF_HUB_OFFLINE or model_id in (EMBEDDED_MODEL, *PARTED) or model_id.startswith(ARCH_PREFIX):
         return
     if Path(model_id).expanduser().is_dir():
         return
@@ -228,6 +251,8 @@ def read_config(model_id: str):
             config = architecture_config(model_id)
         elif model_id == EMBEDDED_MODEL and not (cache_root() / _EMBEDDED_NAME / _COMPLETE_MARKER).is_file():
             config = copy.deepcopy(_gguf_config(_embedded_gguf()))  # not converted yet (that waits for the load)
+        elif model_id in PARTED and not (cache_root() / model_id / _COMPLETE_MARKER).is_file():
+            config = copy.deepcopy(_gguf_config(_parted_gguf(PARTED[model_id])))  # not converted yet
         else:
             config = AutoConfig.from_pretrained(model_path(model_id))
     except (OSError, ValueError, RuntimeError) as err:
