@@ -18,11 +18,19 @@ task per task and length (``batchmax_ruler_<task>_<2k|4k>_<half>``; greedy, plai
 ``--batch-size N`` slots, or ``auto`` (default): the most slots the planner fits in ``--memory-budget`` (default:
 FKV's pool for 4 slots of the longest chosen request, measured with the model's tokenizer).
 
-Writes into ``--out`` (default results/ruler_<half>): ``<NN>_<config>/results.json`` (lm-eval's results; its
-samples too with ``--log-samples``), then ``table.json`` and ``table.md`` after every configuration, so a crash
-loses only the configuration running. ``table.md``: per task and length each configuration's score, the means per
-length and overall, each mean as a share of FKV's (per length and overall), tokens/s (prompt + generated tokens
-over the model's prefill + decode seconds), slots, peak K/V and wall seconds. Progress goes to stderr. Run it
+``--pick``: choose on one half, report on the other. The configurations run on the tuning half; at each kv_max the
+one with the highest share of FKV there is picked; FKV and the picks then run on the held-out half, and ``pick.md``
+gives each pick's held-out share with its interval (never the best held-out configuration's). Every share carries
+a paired, stratified bootstrap 95% interval over the documents (``batchmax_tp.eval.intervals``); a difference is
+marked real only where intervals separate.
+
+Writes into ``--out`` (default results/ruler_<half>; ``--pick``: results/ruler_pick, a folder per half and
+``pick.md``/``pick.json``): ``<NN>_<config>/results.json`` (lm-eval's results; its samples too with
+``--log-samples``), then ``table.json`` (with each document's score) and ``table.md`` after every configuration, so
+a crash loses only the configuration running. ``table.md``: per task and length each configuration's score, the
+means per length and overall, each mean as a share of FKV's (per length and overall) with the overall share's
+interval, tokens/s (prompt + generated tokens over the model's prefill + decode seconds), slots, peak K/V and wall
+seconds. Progress goes to stderr. Run it
 alone on the machine: the configurations' speeds are compared inside this one process.
 """
 
@@ -45,6 +53,7 @@ TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "
 LENGTHS = ("2k", "4k")
 HALVES = ("tune", "heldout")
 METRIC = "string_match_all,none"
+DOC_METRIC = "string_match_all"  # each lm-eval sample's own score
 DEFAULT_KV_MAX, DEFAULT_RULES = "512,256,128", "paper;question"
 
 
@@ -97,7 +106,11 @@ def _mean(values: list[float]) -> float:
 
 def summarize(rows: list[dict], tasks: list[str], lengths: list[str]) -> list[dict]:
     """Each row (``scores``: "<task> <length>" -> score; the first row is FKV's) with ``mean``, ``mean_by_length``,
-    ``share_of_fkv`` and ``share_by_length`` (None where FKV's mean is 0)."""
+    ``share_of_fkv`` and ``share_by_length`` (None where FKV's mean is 0), and, where the rows carry their documents'
+    scores (``documents``: cell -> per-document scores), ``interval``: the share's bootstrap 95% interval [low,
+    high] (``eval.intervals``)."""
+    from batchmax_tp.eval.intervals import share_interval
+
     share = lambda a, b: a / b if b else None  # noqa: E731
     out = []
     for row in rows:
@@ -107,7 +120,40 @@ def summarize(rows: list[dict], tasks: list[str], lengths: list[str]) -> list[di
     for row in out:
         row["share_of_fkv"] = share(row["mean"], fkv["mean"])
         row["share_by_length"] = {n: share(row["mean_by_length"][n], fkv["mean_by_length"][n]) for n in lengths}
+        if "documents" in row and "documents" in fkv:
+            found = share_interval(row["documents"], fkv["documents"])
+            row["interval"] = None if found.value is None else [found.low, found.high]
     return out
+
+
+def pick(rows: list[dict]) -> dict[int, dict]:
+    """Per kv_max, the configuration with the highest mean score (so the highest share of FKV) among ``rows``
+    (summarized; FKV's first and left out; the first listed wins a tie)."""
+    best: dict[int, dict] = {}
+    for row in rows[1:]:
+        kv = row["model_args"].get("kv_max")
+        if kv is not None and (kv not in best or row["mean"] > best[kv]["mean"]):
+            best[kv] = row
+    return dict(sorted(best.items(), reverse=True))
+
+
+def format_pick(tuned: dict[int, dict], held: list[dict], about: str) -> str:
+    """Each kv_max's pick: its share of FKV on the tuning half (where it was chosen) and on the held-out half, each
+    with its interval, and whether the held-out share is below FKV's beyond its interval."""
+    ival = lambda r: "" if not r.get("interval") else f" [{r['interval'][0]:.2f}, {r['interval'][1]:.2f}]"  # noqa: E731
+    num = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    by_label = {r["label"]: r for r in held}
+    text = about + "\n\n| kv_max | pick (tuning half) | tuning share | held-out share | below FKV? |\n"
+    text += "|---:|---|---:|---:|---|\n"
+    for kv, row in tuned.items():
+        out = by_label[row["label"]]
+        below = "yes" if out.get("interval") and out["interval"][1] < 1.0 else "not beyond its interval"
+        text += (
+            f"| {kv} | {row['label']} | {num(row['share_of_fkv'])}{ival(row)} | "
+            f"**{num(out['share_of_fkv'])}**{ival(out)} | {below} |\n"
+        )
+    fkv = held[0]
+    return text + f"\nFKV's held-out score: {fkv['mean']:.3f} (tokens/s {fkv['tokens_per_s']:.0f}).\n"
 
 
 def format_table(rows: list[dict], tasks: list[str], lengths: list[str], about: str) -> str:
@@ -125,6 +171,9 @@ def format_table(rows: list[dict], tasks: list[str], lengths: list[str], about: 
     for n in lengths:
         text += line(f"share of FKV, {n}", [num(r["share_by_length"][n]) for r in rows])
     text += line("**share of FKV**", [f"**{num(r['share_of_fkv'])}**" for r in rows])
+    if any(r.get("interval") for r in rows):
+        cell = lambda r: "-" if not r.get("interval") else f"[{r['interval'][0]:.2f}, {r['interval'][1]:.2f}]"  # noqa: E731
+        text += line("share's 95% interval", [cell(r) for r in rows])
     text += line("tokens/s", [num(r["tokens_per_s"], ".0f") for r in rows])
     text += line("slots", [str(r["slots"]) for r in rows])
     text += line("peak K/V MiB", [num(r["peak_kv_bytes"] / 2**20, ".1f") for r in rows])
@@ -191,6 +240,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory-budget", default=None, help="bytes for auto (default: FKV's pool for 4 slots)")
     ap.add_argument("--suite", type=Path, default=SUITE, help="task folder (default configs/lm_eval/ruler)")
     ap.add_argument("--log-samples", action="store_true", help="keep lm-eval's samples in results.json")
+    ap.add_argument("--pick", action="store_true", help="choose on the tuning half, report on the held-out half")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default results/ruler_<half>)")
     return ap
 
@@ -210,12 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(err))
     if args.batch_size != "auto" and not args.batch_size.isdigit():
         ap.error(f"--batch-size must be an integer or auto, got {args.batch_size!r}")
-    out = (args.out or ROOT / "results" / f"ruler_{args.half}").resolve()
+    out = (args.out or ROOT / "results" / ("ruler_pick" if args.pick else f"ruler_{args.half}")).resolve()
     suite = args.suite.resolve()
-    names = task_names(args.half, tasks, lengths)
-
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
+    halves = list(HALVES) if args.pick else [args.half]
 
     from batchmax_tp.harness import BatchMaxLM, ModelArgsError, Settings
     from batchmax_tp.plan.budget import fmt_bytes
@@ -234,17 +281,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(err))
     os.chdir(ROOT)  # the tasks' data_files are relative to the repository root
     out.mkdir(parents=True, exist_ok=True)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     log(f"loading {args.pretrained or 'the embedded model'} ...")
     base = BatchMaxLM(**common, method="fkv", batch_size=1)
     if batch["batch_size"] == "auto":
         budget = args.memory_budget
-        if budget is None:  # FKV's pool for 4 slots of the longest chosen request
+        if budget is None:  # FKV's pool for 4 slots of the longest chosen request (of every half run)
+            names = [n for half in halves for n in task_names(half, tasks, lengths)]
             prompt, gen = longest_request(base.tokenizer, suite, names, args.limit)
             budget = str(predict_pool(base.shape, base.method, 4, prompt, gen, dtype=base.dtype).total)
         batch["memory_budget"] = budget
     settings = {
-        "half": args.half,
         "suite": os.path.relpath(suite, ROOT),
         "tasks": tasks,
         "lengths": lengths,
@@ -255,51 +301,100 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": batch["batch_size"],
         "memory_budget": fmt_bytes(parse_bytes(batch["memory_budget"])) if "memory_budget" in batch else None,
     }
-    manager = TaskManager(include_path=str(suite), include_defaults=False)
-    rows: list[dict] = []
-    for k, config in enumerate(configs):
-        log(f"[{k + 1}/{len(configs)}] {config.label}: {len(names)} tasks ...")
-        lm = configured(base, {**common, **config.args, **batch})
-        start = time.perf_counter()
-        res = simple_evaluate(
-            model=lm,
-            tasks=names,
-            limit=args.limit,
-            task_manager=manager,
-            cache_requests=False,
-            bootstrap_iters=0,
-            log_samples=args.log_samples,
-        )
-        wall = time.perf_counter() - start
-        folder = out / f"{k:02d}_{re.sub(r'[^A-Za-z0-9.=-]+', '_', config.label)}"
-        folder.mkdir(exist_ok=True)
-        (folder / "results.json").write_text(json.dumps(res, indent=2, default=str), encoding="utf-8")
-        info = res["config"]["batchmax"]
-        rows.append(
-            {
-                "label": config.label,
-                "model_args": config.args,
-                "results": os.path.relpath(folder / "results.json", out),
-                "scores": {
-                    f"{t} {n}": res["results"][f"batchmax_ruler_{t}_{n}_{args.half}"][METRIC]
-                    for n in lengths
-                    for t in tasks
-                },
-                "tokens_per_s": info["tokens_per_s"],
-                "slots": int(info["slots"]),
-                "peak_kv_bytes": int(info["peak_kv_bytes"]),
-                "wall_s": wall,
-            }
-        )
-        table = write_tables(out, rows, tasks, lengths, settings)
-        row = summarize(rows, tasks, lengths)[-1]
-        share = "-" if row["share_of_fkv"] is None else f"{row['share_of_fkv']:.3f}"
-        log(
-            f"[{k + 1}/{len(configs)}] {config.label}: mean {row['mean']:.3f}, share of FKV {share}, "
-            f"{row['tokens_per_s']:.0f} tok/s, {row['slots']} slots, {wall:.0f} s"
-        )
-    print(table, end="")
+    run = Half(base, tasks, lengths, {**common, **batch}, suite, args.limit, args.log_samples, settings)
+    if not args.pick:
+        table = write_tables(out, run(configs, args.half, out), tasks, lengths, {**settings, "half": args.half})
+        print(table, end="")
+        return 0
+    tuned = summarize(run(configs, "tune", out / "tune"), tasks, lengths)
+    picks = pick(tuned)
+    log("picked on the tuning half: " + ", ".join(f"kv_max {kv}: {r['label']}" for kv, r in picks.items()))
+    chosen = [configs[0], *(c for c in configs if c.label in {r["label"] for r in picks.values()})]
+    held = summarize(run(chosen, "heldout", out / "heldout"), tasks, lengths)
+    about = (
+        f"Picked on the tuning half, reported on the held-out half: model {settings['model']}, lengths "
+        f"{', '.join(lengths)}, {args.limit or 'all'} documents per task, length and half. Shares of FKV's mean with "
+        "paired, stratified bootstrap 95% intervals over the documents."
+    )
+    text = format_pick(picks, held, about)
+    (out / "pick.md").write_text(text, encoding="utf-8")
+    (out / "pick.json").write_text(json.dumps({**settings, "tuned": tuned, "heldout": held}, indent=2), "utf-8")
+    print(text, end="")
     return 0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Half:
+    """Runs configurations on one half of the suite with the loaded model ``base``, each into its own folder,
+    its tables rewritten after each (a crash loses only the configuration running)."""
+
+    base: object
+    tasks: list[str]
+    lengths: list[str]
+    model_args: dict  # common and batch settings
+    suite: Path
+    limit: int | None
+    keep_samples: bool
+    settings: dict
+
+    def __call__(self, configs: list[Config], half: str, out: Path) -> list[dict]:
+        from lm_eval import simple_evaluate
+        from lm_eval.tasks import TaskManager
+
+        names = task_names(half, self.tasks, self.lengths)
+        manager = TaskManager(include_path=str(self.suite), include_defaults=False)
+        out.mkdir(parents=True, exist_ok=True)
+        rows: list[dict] = []
+        for k, config in enumerate(configs):
+            log(f"[{half} {k + 1}/{len(configs)}] {config.label}: {len(names)} tasks ...")
+            lm = configured(self.base, {**self.model_args, **config.args})
+            start = time.perf_counter()
+            res = simple_evaluate(
+                model=lm,
+                tasks=names,
+                limit=self.limit,
+                task_manager=manager,
+                cache_requests=False,
+                bootstrap_iters=0,
+                log_samples=True,  # each document's score, for the intervals
+            )
+            wall = time.perf_counter() - start
+            cell = {f"batchmax_ruler_{t}_{n}_{half}": f"{t} {n}" for n in self.lengths for t in self.tasks}
+            documents = {
+                cell[name]: [s[DOC_METRIC] for s in sorted(res["samples"][name], key=lambda s: s["doc_id"])]
+                for name in names
+            }
+            if not self.keep_samples:
+                res.pop("samples", None)
+            folder = out / f"{k:02d}_{re.sub(r'[^A-Za-z0-9.=-]+', '_', config.label)}"
+            folder.mkdir(exist_ok=True)
+            (folder / "results.json").write_text(json.dumps(res, indent=2, default=str), encoding="utf-8")
+            info = res["config"]["batchmax"]
+            rows.append(
+                {
+                    "label": config.label,
+                    "model_args": config.args,
+                    "results": os.path.relpath(folder / "results.json", out),
+                    "scores": {cell[name]: res["results"][name][METRIC] for name in names},
+                    "documents": documents,
+                    "tokens_per_s": info["tokens_per_s"],
+                    "slots": int(info["slots"]),
+                    "peak_kv_bytes": int(info["peak_kv_bytes"]),
+                    "wall_s": wall,
+                }
+            )
+            write_tables(out, rows, self.tasks, self.lengths, {**self.settings, "half": half})
+            row = summarize(rows, self.tasks, self.lengths)[-1]
+            share = "-" if row["share_of_fkv"] is None else f"{row['share_of_fkv']:.3f}"
+            log(
+                f"[{half} {k + 1}/{len(configs)}] {config.label}: mean {row['mean']:.3f}, share of FKV {share}, "
+                f"{row['tokens_per_s']:.0f} tok/s, {row['slots']} slots, {wall:.0f} s"
+            )
+        return rows
 
 
 if __name__ == "__main__":

@@ -212,6 +212,33 @@ def test_cli_batchmax_fkv_equals_hf_and_the_bench_tabulates(tiny_dir, tmp_path):
     assert bm["peak_kv_bytes"] < table["configs"][0]["peak_kv_bytes"]  # kv_max 128 of a ~2k prompt
     assert "| niah_multivalue 2k |" in (out / "table.md").read_text()
 
+    picked = tmp_path / "pick"
+    argv = ["--pretrained", tiny_dir, "--tasks", "niah_multivalue", "--lengths", "2k", "--limit", "2", "--pick"]
+    argv += ["--configs", "bm:128:paper", "bm:128:question", "--p", "32", "--batch-size", "2", "--out", str(picked)]
+    assert bench_ruler.main(argv) == 0
+    report = json.loads((picked / "pick.json").read_text())
+    tuned = {r["label"]: r for r in report["tuned"]}
+    choice = max(["bm 128 paper", "bm 128 question"], key=lambda label: tuned[label]["mean"])
+    assert [r["label"] for r in report["heldout"]] == ["fkv", choice]  # only the pick runs on the held-out half
+    assert all(len(docs) == 2 for r in report["heldout"] for docs in r["documents"].values())
+    assert f"| 128 | {choice} |" in (picked / "pick.md").read_text()
+
+
+def test_the_pick_is_the_best_tuning_share_at_each_budget_and_reports_held_out():
+    def row(label, kv, share, interval=None):
+        mean = 0.5 * (share or 0)  # FKV's mean: 0.5
+        return {"label": label, "model_args": {"kv_max": kv}, "mean": mean, "share_of_fkv": share, "interval": interval}
+
+    tuned = [row("fkv", None, 1.0), row("a 512", 512, 0.8), row("b 512", 512, 0.9), row("a 256", 256, 0.7)]
+    tuned += [row("b 256", 256, 0.7), row("c 256", 256, 0.6)]
+    picks = bench_ruler.pick(tuned)
+    assert {kv: r["label"] for kv, r in picks.items()} == {512: "b 512", 256: "a 256"}  # a tie: the first listed
+    held = [{**row("fkv", None, 1.0), "mean": 0.8, "tokens_per_s": 10.0}]
+    held += [row("b 512", 512, 0.95, [0.9, 1.02]), row("a 256", 256, 0.6, [0.5, 0.7]), row("a 512", 512, 1.0)]
+    text = bench_ruler.format_pick(picks, held, "about")
+    assert "| 512 | b 512 | 0.900 | **0.950** [0.90, 1.02] | not beyond its interval |" in text
+    assert "| 256 | a 256 | 0.700 | **0.600** [0.50, 0.70] | yes |" in text
+
 
 def test_bench_shares_of_fkv_and_configurations():
     rows = [
@@ -221,6 +248,9 @@ def test_bench_shares_of_fkv_and_configurations():
     fkv, bm = bench_ruler.summarize(rows, ["a", "b"], ["2k", "4k"])
     assert fkv["mean_by_length"] == {"2k": 0.75, "4k": 0.25} and fkv["mean"] == 0.5
     assert bm["mean"] == 0.25 and bm["share_of_fkv"] == 0.5 and bm["share_by_length"] == {"2k": 0.5, "4k": 0.5}
+    documents = [{"a 2k": [1.0, 1.0], "b 2k": [0.5, 0.5]}, {"a 2k": [0.5, 0.5], "b 2k": [0.25, 0.25]}]
+    with_docs = bench_ruler.summarize([{**r, "documents": d} for r, d in zip(rows, documents)], ["a", "b"], ["2k"])
+    assert with_docs[1]["interval"] == [0.5, 0.5]  # every resample halves every document
     zero = [{**rows[0], "scores": dict.fromkeys(rows[0]["scores"], 0.0)}, rows[1]]
     assert bench_ruler.summarize(zero, ["a", "b"], ["2k", "4k"])[1]["share_of_fkv"] is None
     parse = bench_ruler.parse_config

@@ -1,0 +1,68 @@
+"""Bootstrap intervals for a method's score as a share of FKV's, over the same documents.
+
+A suite's score is the mean over its cells (task x length) of each cell's mean document score; a configuration's
+share is its score over FKV's. The interval resamples each cell's documents with replacement (stratified, so every
+resample keeps every cell) and pairs them (the same documents for both: what the method changes is measured on the
+same inputs), and reads the percentiles of the resampled shares. Two shares differ for real only where their
+intervals do not overlap (``separate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+ITERS = 2000
+LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Share:
+    """A configuration's score over FKV's on the same documents, with its bootstrap interval [low, high]."""
+
+    value: float | None  # None where FKV scores 0
+    low: float | None
+    high: float | None
+
+    def text(self) -> str:
+        if self.value is None:
+            return "-"
+        return f"{self.value:.3f} [{self.low:.2f}, {self.high:.2f}]"
+
+
+def suite_mean(cells: dict[str, list[float]]) -> float:
+    """The mean over cells of each cell's mean document score."""
+    return float(np.mean([np.mean(scores) for scores in cells.values()]))
+
+
+def share_interval(
+    method: dict[str, list[float]], fkv: dict[str, list[float]], iters: int = ITERS, level: float = LEVEL, seed: int = 0
+) -> Share:
+    """``method``'s suite mean over ``fkv``'s, each a dict cell -> per-document scores (the same documents in the
+    same order), and the ``level`` percentile interval of ``iters`` paired, stratified bootstrap resamples; a
+    resample where FKV's mean is 0 is left out (its share is undefined)."""
+    if method.keys() != fkv.keys() or any(len(method[c]) != len(fkv[c]) for c in fkv):
+        raise ValueError("the shares pair documents: both need the same cells and documents")
+    base = suite_mean(fkv)
+    if base == 0:
+        return Share(None, None, None)
+    rng = np.random.default_rng(seed)
+    ours, theirs = np.zeros(iters), np.zeros(iters)
+    for cell, scores in fkv.items():
+        a, b = np.asarray(method[cell], dtype=float), np.asarray(scores, dtype=float)
+        pick = rng.integers(0, len(b), size=(iters, len(b)))  # [iters, n]: each resample's documents
+        ours += a[pick].mean(axis=1)
+        theirs += b[pick].mean(axis=1)
+    defined = theirs > 0
+    shares = ours[defined] / theirs[defined]
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(shares, [tail, 100 - tail])
+    return Share(suite_mean(method) / base, float(low), float(high))
+
+
+def separate(a: Share, b: Share) -> bool:
+    """Whether two shares differ beyond their intervals (neither interval reaches the other)."""
+    if a.value is None or b.value is None:
+        return False
+    return a.high < b.low or b.high < a.low

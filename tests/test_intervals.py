@@ -1,0 +1,46 @@
+"""The bootstrap interval of a share of FKV (``eval.intervals``) against cases whose answer is known."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from batchmax_tp.eval.intervals import Share, separate, share_interval
+
+
+def test_the_same_scores_are_a_share_of_one_with_no_width():
+    cells = {"a 2k": [1.0, 0.0, 0.5], "b 2k": [0.25, 1.0]}
+    assert share_interval(cells, cells) == Share(1.0, 1.0, 1.0)
+
+
+def test_resamples_keep_every_cell():
+    """Stratified: cell a always scores 1 for both, cell b 1 for FKV and 0 for the method, so every resample's
+    share is exactly 0.5 (pooling the documents across cells would spread it)."""
+    share = share_interval({"a": [1.0, 1.0, 1.0], "b": [0.0, 0.0, 0.0]}, {"a": [1.0] * 3, "b": [1.0] * 3})
+    assert share == Share(0.5, 0.5, 0.5)
+
+
+def test_a_proportion_matches_its_normal_interval():
+    """One cell, FKV right on every document, the method on a share p of n: the percentile interval of the share is
+    p +- 1.96 sqrt(p (1 - p) / n) (the normal approximation, close at n = 400)."""
+    n = 400
+    method = (np.random.default_rng(1).random(n) < 0.7).astype(float).tolist()
+    p = sum(method) / n
+    share = share_interval({"c": method}, {"c": [1.0] * n}, iters=4000)
+    half = 1.96 * math.sqrt(p * (1 - p) / n)
+    assert share.value == pytest.approx(p)
+    assert share.low == pytest.approx(p - half, abs=0.01) and share.high == pytest.approx(p + half, abs=0.01)
+
+
+def test_fkv_at_zero_has_no_share_and_unpaired_documents_are_refused():
+    assert share_interval({"c": [1.0]}, {"c": [0.0]}) == Share(None, None, None)
+    with pytest.raises(ValueError, match="same cells and documents"):
+        share_interval({"c": [1.0, 0.0]}, {"c": [1.0]})
+
+
+def test_differences_are_real_only_when_the_intervals_separate():
+    assert separate(Share(0.9, 0.85, 0.95), Share(0.7, 0.6, 0.8))
+    assert not separate(Share(0.9, 0.75, 0.95), Share(0.7, 0.6, 0.8))
+    assert not separate(Share(None, None, None), Share(0.7, 0.6, 0.8))
