@@ -5,11 +5,11 @@ configurations side by side, each scored as a share of FKV's.
     python launch/bench_ruler.py --half heldout --kv-max 256,128 --rules 'question;question:share=0'
     python launch/bench_ruler.py --configs fkv bm:512:paper bm:256:question --tasks niah_single,vt --limit 2
 
-Configurations: ``--configs`` takes one per argument: ``fkv``; ``ed`` or ``ed:KV_MAX``; ``bm:KV_MAX`` or
-``bm:KV_MAX:RULE``, where RULE is everything after the second ':' (``bm:256:snapkv:window=64,kernel=5``). ``--kv-max``
-x ``--rules`` adds a Batch-Max grid (rules separated by ';', as they may hold ',' ':' '='); with neither ``--configs``
-nor a grid flag the grid is kv_max 512,256,128 x rules paper;question. FKV always runs first: every share is of its
-score.
+Configurations: ``--configs`` takes one per argument: ``fkv``; ``ed`` or ``ed:KV_MAX``; ``snap:KV_MAX``;
+``bm:KV_MAX`` or ``bm:KV_MAX:RULE``, where RULE is everything after the second ':'
+(``bm:256:snapkv:window=64,kernel=5``). ``--kv-max`` x ``--rules`` adds a Batch-Max grid (rules separated by ';', as
+they may hold ',' ':' '='); with neither ``--configs`` nor a grid flag the grid is kv_max 512,256,128 x rules
+paper;question. FKV always runs first: every share is of its score.
 
 The model loads once: each configuration is a view of it with its own method (``BatchMaxLM`` settings, method and
 measurements; the same weights and tokenizer) and runs one ``simple_evaluate`` over the chosen tasks, one lm-eval
@@ -66,7 +66,8 @@ class Config:
 
 
 def parse_config(text: str) -> Config:
-    """``fkv``, ``ed[:KV_MAX]`` or ``bm:KV_MAX[:RULE]`` (RULE: the rest, ':' ',' '=' included)."""
+    """``fkv``, ``ed[:KV_MAX]``, ``snap:KV_MAX`` (SnapKV-style compression once after prefill) or
+    ``bm:KV_MAX[:RULE]`` (RULE: the rest, ':' ',' '=' included)."""
     method, _, rest = text.strip().partition(":")
     kv, _, rule = rest.partition(":")
     if method == "fkv" and not rest:
@@ -78,7 +79,11 @@ def parse_config(text: str) -> Config:
     if method == "bm" and kv.isdigit():
         rule = rule or "paper"
         return Config(f"bm {kv} {rule}", {"method": "bm", "kv_max": int(kv), "rule": rule})
-    raise argparse.ArgumentTypeError(f"bad configuration {text!r}: expected fkv, ed[:KV_MAX] or bm:KV_MAX[:RULE]")
+    if method == "snap" and kv.isdigit() and not rule:
+        return Config(f"snap {kv}", {"method": "snap", "kv_max": int(kv)})
+    raise argparse.ArgumentTypeError(
+        f"bad configuration {text!r}: expected fkv, ed[:KV_MAX], snap:KV_MAX or bm:KV_MAX[:RULE]"
+    )
 
 
 def configs_from_args(args: argparse.Namespace) -> list[Config]:

@@ -260,6 +260,7 @@ def test_bench_shares_of_fkv_and_configurations():
         "rule": "snapkv:window=64,kernel=5",
     }
     assert parse("bm:512").args["rule"] == "paper" and parse("ed:65").args == {"method": "ed", "kv_max": 65}
+    assert parse("snap:256").args == {"method": "snap", "kv_max": 256}
     args = bench_ruler.parser().parse_args(["--configs", "bm:512", "--kv-max", "256", "--rules", "paper;question:x=1"])
     labels = [c.label for c in bench_ruler.configs_from_args(args)]
     assert labels == ["fkv", "bm 512 paper", "bm 256 paper", "bm 256 question:x=1"]
