@@ -525,7 +525,13 @@ def test_good_task_configs(tmp_path):
 
 
 def test_default_yaml_is_the_builtin_defaults_plus_the_default_sweep():
-    cfg = RunConfig.from_yaml(ROOT / "configs" / "default.yaml")
+    import yaml
+
+    from batchmax_tp.config.run import SETTINGS
+
+    path = ROOT / "configs" / "default.yaml"
+    assert set(yaml.safe_load(path.read_text())) == set(SETTINGS)  # it says it spells out every key
+    cfg = RunConfig.from_yaml(path)
     # ... and its own out: the plain run (results/main) and this sweep never write into one folder.
     assert cfg == RunConfig().replace(max_new_tokens=24, device="cpu", runs=cfg.sweep.runs, out="results/default")
     assert not cfg.main_job and cfg.listed_by == ["methods", "batch_size", "runs"]  # a listed sweep
