@@ -14,7 +14,7 @@ trap 'rm -f "$report"' EXIT
 "$PY" -m ruff check . || exit 1
 "$PY" -m ruff format --check . || exit 1
 
-"$PY" -m pytest -q tests --junitxml="$report" "$@"
+"$PY" -m pytest -q tests --durations=15 --junitxml="$report" "$@"
 rc=$?
 if [ "$rc" -ne 0 ]; then
   exit "$rc"  # failures, errors, or 5 = no tests collected
