@@ -1,15 +1,19 @@
 """Child processes of the multi-process tests, as importable functions (no code in strings).
 
-A test starts one under a launcher, ``torchrun --nproc_per_node 2 tests/children.py NAME``; each child prints one
-line per step it reached (``rank R: ...``), so the test asserts what the child itself did, never only that the
-launcher exited non-zero (a child that cannot even import exits non-zero too).
+A test starts one as ``tests/children.py NAME [ARGS]``, under a launcher (``torchrun --nproc_per_node 2``) or alone;
+the killed-rank children print one line per step they reached (``rank R: ...``), so the test asserts what the child
+itself did, never only that the launcher exited non-zero (a child that cannot even import exits non-zero too); the
+others write or print their results for the test to compare.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -69,7 +73,138 @@ def killed_rank_mid_serving() -> None:
     say(f"rank {layout.rank}: served every request")
 
 
-CHILDREN = {f.__name__: f for f in (killed_rank_mid_generation, killed_rank_mid_serving)}
+def lm_eval_worker(tiny: str, tp: str, out: str) -> None:
+    """The lm-eval model (BM, ``tp`` ranks per replica) on two bundled tasks; writes each task's (doc, responses)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from batchmax_tp.harness import BatchMaxLM
+
+    lm = BatchMaxLM(pretrained=tiny, method="bm", kv_max=256, p=64, batch_size=4, tp_size=int(tp))
+    res = simple_evaluate(
+        model=lm,
+        tasks=["batchmax_needle_mc", "batchmax_passkey"],
+        limit=3,
+        log_samples=True,
+        task_manager=TaskManager(include_path="configs/lm_eval", include_defaults=False),
+    )
+    if res is not None:  # the replica that gathers the results
+        got = {t: sorted([s["doc_id"], s["resps"]] for s in res["samples"][t]) for t in res["samples"]}
+        pathlib.Path(out).write_text(json.dumps(got))
+
+
+def world_check(cases: str) -> None:
+    """For each case (JSON: a list of launcher-variable mappings), this process's whole environment replaced by the
+    case's, and ``parallel.world_from_env()`` printed (one JSON list)."""
+    base = dict(os.environ)
+    results = []
+    for case in json.loads(cases):
+        os.environ.clear()
+        os.environ.update({**base, **case})
+        results.append(list(parallel.world_from_env()))
+    print(json.dumps(results))
+
+
+def _held(real):
+    """``real``, except that rank 1 holds at its first call when ``HOLD_STAGE`` is set: it writes its pid to
+    ``HOLD_MARKER`` and waits there, as a node does while it loads or meets the others (the test then loses it)."""
+
+    def call(*a, **k):
+        if os.environ.get("RANK") == "1" and os.environ.get("HOLD_STAGE"):
+            pathlib.Path(os.environ["HOLD_MARKER"]).write_text(str(os.getpid()))
+            time.sleep(3600)
+        return real(*a, **k)
+
+    return call
+
+
+def hold() -> None:
+    """Install the hold at ``HOLD_STAGE``: ``load`` (loading the model's weights), ``setup`` (inside the first
+    process-group set-up: DeepSpeed calls torch's) or ``build`` (where DeepSpeed builds its shared-memory op, before
+    the group)."""
+    from batchmax_tp import models
+
+    stage = os.environ.get("HOLD_STAGE")
+    if stage == "load":
+        models.load_model = _held(models.load_model)
+    elif stage == "setup":
+        dist.init_process_group = _held(dist.init_process_group)
+    elif stage == "build":
+        import deepspeed.comm.torch  # noqa: F401
+
+        backend = sys.modules["deepspeed.comm.torch"]  # (deepspeed.comm.torch reads as the torch package)
+        backend.build_shm_op = _held(backend.build_shm_op)
+
+
+def held_run(*argv: str) -> None:
+    """``launch/run.py ARGV`` with the hold installed."""
+    hold()
+    _run(argv)
+
+
+def held_lm_eval_worker(tiny: str, tp: str, out: str) -> None:
+    """``lm_eval_worker`` with the hold installed."""
+    hold()
+    lm_eval_worker(tiny, tp, out)
+
+
+def _run(argv: tuple[str, ...]) -> None:
+    from batchmax_tp.cli import main
+
+    sys.exit(main(list(argv)))
+
+
+def failing_rank_run(*argv: str) -> None:
+    """``launch/run.py ARGV`` where rank 1 raises in its first run."""
+    from batchmax_tp import job
+
+    if os.environ.get("RANK") == "1":
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected failure on rank 1")
+
+        job.evaluate_run = boom
+    _run(argv)
+
+
+def oom_rank_run(*argv: str) -> None:
+    """``launch/run.py ARGV`` where rank 1 raises CUDA's out-of-memory error in layer 10's MLP of the first prefill
+    block of its first static batch (rank 0 then waits in that layer's all-reduce)."""
+    from transformers.models.llama import modeling_llama
+
+    from batchmax_tp.eval import batches
+
+    if os.environ.get("RANK") == "1":
+        state = {"armed": False, "calls": 0}
+        run_batch, mlp_forward = batches.run_batch, modeling_llama.LlamaMLP.forward
+
+        def arm(*a, **k):
+            state["armed"] = True
+            return run_batch(*a, **k)
+
+        def forward(self, x):
+            state["calls"] += state["armed"]
+            if state["calls"] == 40:  # layer 10 of the first prefill block of the first run
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+            return mlp_forward(self, x)
+
+        batches.run_batch, modeling_llama.LlamaMLP.forward = arm, forward
+    _run(argv)
+
+
+CHILDREN = {
+    f.__name__: f
+    for f in (
+        killed_rank_mid_generation,
+        killed_rank_mid_serving,
+        lm_eval_worker,
+        world_check,
+        held_run,
+        held_lm_eval_worker,
+        failing_rank_run,
+        oom_rank_run,
+    )
+}
 
 if __name__ == "__main__":
-    CHILDREN[sys.argv[1]]()
+    CHILDREN[sys.argv[1]](*sys.argv[2:])

@@ -130,6 +130,32 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded model's tokenizer, prepared as ``load_model`` prepares it (left padding, a pad token)."""
+    from transformers import AutoTokenizer
+
+    from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    _prepare_tokenizer(tok)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The embedded model and its tokenizer (float32, CPU), loaded once for the whole suite."""
+    from batchmax_tp.models import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny random Llama (seed 0)."""
+    return tiny_llama(seed=0)
+
+
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Any model load fails the test: a configuration that is refused loads no weights."""

@@ -472,3 +472,8 @@ def hf_position_ids(attention_mask):
     """Position ids HF ``generate`` uses for a left-padded batch: cumsum(mask)-1, pads clamped to 0."""
     pos = attention_mask.long().cumsum(-1) - 1
     return pos.masked_fill(attention_mask == 0, 0)
+
+
+def rule_string(rule: str, params: dict) -> str:
+    """A rule as the engine takes it: ``NAME`` or ``NAME:key=value,...``."""
+    return rule if not params else rule + ":" + ",".join(f"{k}={v}" for k, v in params.items())

@@ -20,13 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import AutoTokenizer
 
 from batchmax_tp import cli
 from batchmax_tp.config import ConfigError, parse_args
 from batchmax_tp.core.method import BatchMax, ExtremeDecoding, Method
 from batchmax_tp.eval import batches, generation, oom, report, tasks
-from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
 from batchmax_tp.plan import budget
 from batchmax_tp.plan.planner import ModelShape, max_batch, paper_ed_bytes, predict
 from batchmax_tp.plan.tuner import paper_plan
@@ -52,13 +50,6 @@ def _yaml(tmp_path, data, name="cfg.yaml") -> str:
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
-    _prepare_tokenizer(tok)
-    return tok
 
 
 @pytest.fixture(scope="module")

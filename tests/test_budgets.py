@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import PEAKED, assert_kept_equal, assert_logits_close, assert_tokens_equal, left_padded_batch
-from reference import reference_generate
-from test_rules import rule_string
-from test_tp import FAMILIES, make_model, prompt_batch, run_tp
+from multiproc import FAMILIES, make_model, prompt_batch, run_tp
+from reference import reference_generate, rule_string
 from tiny import tiny_llama, tiny_random_model
 
 from batchmax_tp.core.engine import generate

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from fakes import FakeTokenizer, fake_encode, make_fake_generate
 
 from batchmax_tp import cli
 from batchmax_tp.config import EMBEDDED_MODEL, ConfigError, RunConfig, parse_args
@@ -189,16 +190,6 @@ def test_existing_data_file_is_accepted(tmp_path):
 
 
 # ---------------------------------------------------------------------- launch/run.py early exits
-@pytest.fixture
-def no_model_load(monkeypatch):
-    import batchmax_tp.models as models
-
-    def boom(*args, **kwargs):
-        raise AssertionError("load_model must not be called for a bad configuration")
-
-    monkeypatch.setattr(models, "load_model", boom)
-
-
 @pytest.mark.parametrize(
     "bad",
     [
@@ -360,39 +351,6 @@ def test_summary_with_fake_batches():
     assert empty["tokens_per_s"] is None and empty["accuracy"] is None and empty["tokens_per_s_spread"] is None
 
 
-class _FakeTokenizer:
-    eos_token_id = 2
-    pad_token_id = 2
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(f"w{i}" for i in ids)
-
-
-def _fake_encode(tokenizer, prompts, chat_template=True):
-    lengths = [len(p.split()) for p in prompts]
-    width = max(lengths)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        mask[row, width - n :] = 1
-    return torch.full((len(prompts), width), 3) * mask + 2 * (1 - mask), mask
-
-
-def _make_fake_generate(calls):
-    def fake_generate(model, input_ids, attention_mask, method, max_new_tokens, **kw):
-        calls.append({"batch": input_ids.shape[0], "method": method, "max_new_tokens": max_new_tokens, **kw})
-        bsz = input_ids.shape[0]
-        tokens = torch.tensor([[10 + j, 11, 2, 12][:max_new_tokens] for j in range(bsz)])
-        return SimpleNamespace(
-            tokens=tokens,
-            num_generated=torch.full((bsz,), max_new_tokens),
-            prefill_s=0.5,
-            decode_s=1.5,
-            peak_kv_bytes=1024 * bsz,
-        )
-
-    return fake_generate
-
-
 def test_evaluate_run_with_fake_engine(tmp_path):
     samples = [
         SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference=ref, tokens_cut=0)
@@ -403,8 +361,8 @@ def test_evaluate_run_with_fake_engine(tmp_path):
     )
     calls = []
     spec = cfg.sweep.run_specs()[0]
-    engine = dict(generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False)
-    summary = evaluate_run(RunContext(SimpleNamespace(), _FakeTokenizer(), **engine), samples, spec, cfg)
+    engine = dict(generate_fn=make_fake_generate(calls), encode_fn=fake_encode, progress=False)
+    summary = evaluate_run(RunContext(SimpleNamespace(), FakeTokenizer(), **engine), samples, spec, cfg)
     assert [c["batch"] for c in calls] == [2, 1]
     assert [c["seed"] for c in calls] == [5, 6]
     assert all(c["ignore_eos"] is True and c["eos_token_id"] == 2 and c["max_new_tokens"] == 4 for c in calls)
@@ -450,10 +408,10 @@ def fake_stack(monkeypatch, tmp_path):
         )
     )
     calls = []
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: (SimpleNamespace(), _FakeTokenizer()))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (SimpleNamespace(), FakeTokenizer()))
     # The run path looks its engine and encoder up at call time.
-    monkeypatch.setattr(generation, "encode_prompts", _fake_encode)
-    monkeypatch.setattr(generation, "generate", _make_fake_generate(calls))
+    monkeypatch.setattr(generation, "encode_prompts", fake_encode)
+    monkeypatch.setattr(generation, "generate", make_fake_generate(calls))
     return SimpleNamespace(data=str(data), calls=calls)
 
 

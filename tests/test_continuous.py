@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import requires_deepspeed
-from test_tp import FAMILIES, ROOT, assert_rank1_killed_and_nobody_finished, free_port, run_child
+from multiproc import FAMILIES, ROOT, assert_rank1_killed_and_nobody_finished, free_port, run_child
 from tiny import tiny_random_model
 
 from batchmax_tp.core.engine import generate

@@ -73,13 +73,6 @@ def test_forced_tokens_are_fed_and_own_choices_recorded(method):
         generate(model, ids, mask, method, n, force_tokens=forced[:, :3])
 
 
-@pytest.fixture(scope="module")
-def embedded():
-    from batchmax_tp.models import load_model
-
-    return load_model()  # (model, tokenizer), float32, cached conversion
-
-
 PROMPTS = [
     "The lighthouse keeper on the northern island kept a logbook of every ship that passed during the long "
     "winter. In January he recorded eleven fishing boats, three cargo ships and a single sailing yacht that "

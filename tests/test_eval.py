@@ -16,23 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from batchmax_tp import cli
 from batchmax_tp.config import ConfigError, RunConfig, parse_args
 from batchmax_tp.eval import metrics, report, results, tasks
 from batchmax_tp.eval.generation import encode_prompts
-from batchmax_tp.models import _prepare_tokenizer, embedded_model_dir
 from batchmax_tp.plan.budget import run_dir_name
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
-    _prepare_tokenizer(tok)
-    return tok
 
 
 def _render(tokenizer, prompt) -> str:

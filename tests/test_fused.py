@@ -26,7 +26,7 @@ HEAD_DIM = 16  # the tiny model's
 
 
 @pytest.fixture(scope="module")
-def model():
+def model_3kv():
     """3 KV heads (6 query heads), so that budgets can be shared by 1, 3 or all (``share=0``) of them."""
     return tiny_random_model("llama", seed=0, hidden_size=96, num_attention_heads=6, num_key_value_heads=3, **PEAKED)
 
@@ -36,9 +36,9 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 128, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-def _served(model, method: Method):
+def _served(model_3kv, method: Method):
     out = serve(
-        model,
+        model_3kv,
         [Request(p, n) for p, n in zip(_prompts(), NEW)],
         method,
         3,
@@ -49,7 +49,7 @@ def _served(model, method: Method):
     return [(o.tokens, torch.stack(o.logits), o.kept_positions) for o in out.outputs]
 
 
-def _padded(model, method: Method):
+def _padded(model_3kv, method: Method):
     """The paper's padded batch (``generate``: the static policy), left-padded prompts."""
     ps = _prompts()[2:5]
     s = max(map(len, ps))
@@ -57,7 +57,7 @@ def _padded(model, method: Method):
     mask = torch.zeros_like(ids)
     for i, p in enumerate(ps):
         ids[i, s - len(p) :], mask[i, s - len(p) :] = torch.tensor(p), 1
-    out = generate(model, ids, mask, method, 6, ignore_eos=True, return_logits=True)
+    out = generate(model_3kv, ids, mask, method, 6, ignore_eos=True, return_logits=True)
     return [(out.tokens.tolist(), torch.stack(out.logits), out.kept_positions())]
 
 
@@ -66,11 +66,11 @@ METHODS = [f"{rule}:share={share}" for rule in RULES for share in (1, 3, 0)]
 
 @pytest.mark.parametrize("run", [_served, _padded], ids=["rows", "padded"])
 @pytest.mark.parametrize("rule", METHODS)
-def test_fused_equals_unfused(model, monkeypatch, run, rule):
+def test_fused_equals_unfused(model_3kv, monkeypatch, run, rule):
     method = Method("bm", kv_max=KV, p=P, rule=rule)
-    fused = run(model, method)
+    fused = run(model_3kv, method)
     monkeypatch.setattr(attention, "_rows_block", unfused.rows_block)
-    reference = run(model, method)
+    reference = run(model_3kv, method)
     assert len(fused) == len(reference) > 0
     for i, ((tokens, logits, kept), (tokens_u, logits_u, kept_u)) in enumerate(zip(fused, reference)):
         assert kept == kept_u, f"request {i}: kept positions differ"
@@ -96,7 +96,7 @@ class _Ops(TorchDispatchMode):
         return out
 
 
-def _layer_calls(model, monkeypatch, block) -> list[tuple[tuple[int, int, int, int], list]]:
+def _layer_calls(model_3kv, monkeypatch, block) -> list[tuple[tuple[int, int, int, int], list]]:
     """(rows, query heads, columns, slots) and the ops of every BM prefill layer call ``block`` makes."""
     calls = []
 
@@ -107,7 +107,7 @@ def _layer_calls(model, monkeypatch, block) -> list[tuple[tuple[int, int, int, i
         return out
 
     monkeypatch.setattr(attention, "_rows_block", counted)
-    serve(model, [Request(p, 2) for p in _prompts()], Method("bm", kv_max=KV, p=P), 3, ignore_eos=True)
+    serve(model_3kv, [Request(p, 2) for p in _prompts()], Method("bm", kv_max=KV, p=P), 3, ignore_eos=True)
     return calls
 
 
@@ -134,20 +134,20 @@ def _excess(calls) -> list[str]:
     return problems
 
 
-def test_one_prefill_layer_call_builds_no_mask_and_writes_one_tile(model, monkeypatch):
-    calls = _layer_calls(model, monkeypatch, attention._rows_block)
+def test_one_prefill_layer_call_builds_no_mask_and_writes_one_tile(model_3kv, monkeypatch):
+    calls = _layer_calls(model_3kv, monkeypatch, attention._rows_block)
     assert len(calls) > 10 and any(R > 1 for (R, *_), _ in calls)
     assert _excess(calls) == []
 
 
-def test_the_op_count_catches_the_unfused_call(model, monkeypatch):
+def test_the_op_count_catches_the_unfused_call(model_3kv, monkeypatch):
     """The count above can fail: the unfused call builds a mask per layer and a second tile (the softmax's)."""
-    problems = _excess(_layer_calls(model, monkeypatch, unfused.rows_block))
+    problems = _excess(_layer_calls(model_3kv, monkeypatch, unfused.rows_block))
     assert any("mask built per layer" in p for p in problems)
     assert any("materialised 2 times" in p for p in problems)
 
 
-def _decode_write_ops(model, monkeypatch, rule: str) -> list[list[str]]:
+def _decode_write_ops(model_3kv, monkeypatch, rule: str) -> list[list[str]]:
     """The ops that compute or write (not views) in each layer's write of every BM decode pass of a run."""
     from batchmax_tp.core.pool import PoolLayer
 
@@ -162,30 +162,30 @@ def _decode_write_ops(model, monkeypatch, rule: str) -> list[list[str]]:
         return out
 
     monkeypatch.setattr(PoolLayer, "write", counted)
-    serve(model, [Request(p, 12) for p in _prompts()], Method("bm", kv_max=KV, p=P, rule=rule), 3, ignore_eos=True)
+    serve(model_3kv, [Request(p, 12) for p in _prompts()], Method("bm", kv_max=KV, p=P, rule=rule), 3, ignore_eos=True)
     return calls
 
 
 @pytest.mark.parametrize("rule", ["paper", "paper:share=3"])
-def test_a_decode_layer_only_copies_its_pairs(model, monkeypatch, rule):
+def test_a_decode_layer_only_copies_its_pairs(model_3kv, monkeypatch, rule):
     """A decode pass's slot bookkeeping (positions, sums, masks, heads) is recorded once for every layer before the
     model call (``BoundedPool.ready``); inside it each layer's write is the two copies of its pairs."""
-    calls = _decode_write_ops(model, monkeypatch, rule)
-    assert len(calls) > 10 * model.config.num_hidden_layers
+    calls = _decode_write_ops(model_3kv, monkeypatch, rule)
+    assert len(calls) > 10 * model_3kv.config.num_hidden_layers
     assert all(ops == ["index_copy_", "index_copy_"] for ops in calls), calls[0]
 
 
-def test_the_decode_write_count_catches_per_layer_bookkeeping(model, monkeypatch):
+def test_the_decode_write_count_catches_per_layer_bookkeeping(model_3kv, monkeypatch):
     """The count above can fail: without the pool's once-per-pass record each layer gathers its slot, builds its
     indices and writes its positions, sums and mask."""
     from batchmax_tp.core.pool import BoundedPool, _Pool
 
     monkeypatch.setattr(BoundedPool, "ready", _Pool.ready)
-    calls = _decode_write_ops(model, monkeypatch, "paper")
+    calls = _decode_write_ops(model_3kv, monkeypatch, "paper")
     assert calls and all(len(ops) > 6 and "gather" in ops for ops in calls)
 
 
-def test_a_row_that_sees_no_slot_stays_finite(model, monkeypatch):
+def test_a_row_that_sees_no_slot_stays_finite(model_3kv, monkeypatch):
     """A padded batch's row whose chunk is all pads and that holds nothing yet sees no slot at all (``blind``): its
     softmax stays finite, so no NaN reaches the pass's output or any slot's sums."""
     blind, block = [], attention._rows_block
@@ -197,11 +197,11 @@ def test_a_row_that_sees_no_slot_stays_finite(model, monkeypatch):
         return out
 
     monkeypatch.setattr(attention, "_rows_block", checked)
-    _padded(model, Method("bm", kv_max=KV, p=P))
+    _padded(model_3kv, Method("bm", kv_max=KV, p=P))
     assert any(blind) and not all(blind)
 
 
-def test_probes_folded_into_passes_of_rows_that_do_not_probe_change_nothing(model, monkeypatch):
+def test_probes_folded_into_passes_of_rows_that_do_not_probe_change_nothing(model_3kv, monkeypatch):
     """Rows at their own phases share passes: in some a row probes and another does not (its probe columns are
     masked; ``among``), in others every row probes. Every request's kept positions, tokens and logits equal its
     generation alone (where every pass's probe is its own row's)."""
@@ -213,10 +213,10 @@ def test_probes_folded_into_passes_of_rows_that_do_not_probe_change_nothing(mode
         return folded(layer, step, *args)
 
     monkeypatch.setattr(attention, "_folded", spy)
-    served = _served(model, method)
+    served = _served(model_3kv, method)
     assert any(partial) and not all(partial)
     for prompt, new, (tokens, logits, kept) in zip(_prompts(), NEW, served):
-        alone = generate(model, torch.tensor([prompt]), None, method, new, ignore_eos=True, return_logits=True)
+        alone = generate(model_3kv, torch.tensor([prompt]), None, method, new, ignore_eos=True, return_logits=True)
         assert kept == [layer[0] for layer in alone.kept_positions()]
         assert tokens == alone.tokens[0].tolist()
         torch.testing.assert_close(logits, torch.stack([x[0] for x in alone.logits]), atol=1e-4, rtol=0)

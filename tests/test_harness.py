@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from conftest import PEAKED  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.model import CachingLM  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
+from multiproc import CHILDREN_PY, free_port, lm_eval_cli, lose_node_1, tool, torchrun_nodes  # noqa: E402
 from reference import reference_generate  # noqa: E402
 
 from batchmax_tp import harness, models  # noqa: E402
@@ -229,23 +229,11 @@ def test_use_cache_files_never_mix_methods(tiny_dir, tmp_path):
     assert harness._rewrite_use_cache(argv)[-1] == harness.cache_path("x/y", "method=ed,kv_max=65")
 
 
-def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """``batchmax-lm-eval ARGS`` (the installed console script; its entry function where none is installed)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    script = shutil.which("batchmax-lm-eval")
-    command = (
-        [script]
-        if script
-        else [sys.executable, "-c", "import sys; from batchmax_tp.harness import main; sys.exit(main())"]
-    )
-    return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-
-
 def test_console_script_runs_a_bundled_task_and_keeps_hf(tiny_dir, tmp_path):
     """The documented command (``batchmax-lm-eval ...``) from the repository root writes lm-eval's
     results JSON with the method in its config; lm-eval's own models stay registered beside ours."""
     out = tmp_path / "out"
-    done = _cli(
+    done = lm_eval_cli(
         "--model",
         "batchmax",
         "--model_args",
@@ -269,7 +257,7 @@ def test_console_script_runs_a_bundled_task_and_keeps_hf(tiny_dir, tmp_path):
 
 
 def test_console_script_bad_model_args_exit_2_with_one_line():
-    done = _cli(
+    done = lm_eval_cli(
         "--model",
         "batchmax",
         "--model_args",
@@ -285,21 +273,6 @@ def test_console_script_bad_model_args_exit_2_with_one_line():
 
 
 # -- tensor parallel and replicas ---------------------------------------------------------------------------------
-_WORKER = """
-import json, sys
-from lm_eval import simple_evaluate
-from lm_eval.tasks import TaskManager
-from batchmax_tp.harness import BatchMaxLM
-tiny, tp, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-lm = BatchMaxLM(pretrained=tiny, method="bm", kv_max=256, p=64, batch_size=4, tp_size=tp)
-res = simple_evaluate(model=lm, tasks=["batchmax_needle_mc", "batchmax_passkey"], limit=3, log_samples=True,
-                      task_manager=TaskManager(include_path="configs/lm_eval", include_defaults=False))
-if res is not None:
-    json.dump({t: sorted([s["doc_id"], s["resps"]] for s in res["samples"][t]) for t in res["samples"]},
-              open(out, "w"))
-"""
-
-
 _ENV = {
     **os.environ,
     "HF_HUB_OFFLINE": "1",
@@ -311,28 +284,24 @@ _ENV = {
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory, tiny_dir):
-    """The worker script and its single-process results."""
-    folder = tmp_path_factory.mktemp("harness-tp")
-    script, single = folder / "worker.py", folder / "single.json"
-    script.write_text(_WORKER)
+    """The lm-eval worker's (``children.lm_eval_worker``) single-process results."""
+    single = tmp_path_factory.mktemp("harness-tp") / "single.json"
     subprocess.run(
-        [sys.executable, str(script), tiny_dir, "1", str(single)],
+        [sys.executable, CHILDREN_PY, "lm_eval_worker", tiny_dir, "1", str(single)],
         cwd=ROOT,
         env=_ENV,
         check=True,
         capture_output=True,
         timeout=600,
     )
-    return script, single
+    return single
 
 
 @pytest.mark.parametrize("tp", [2, 1])
 def test_tp_and_replicas_give_the_results_of_one_process(tiny_dir, tmp_path, worker, tp):
     """2 processes: tp 2 (one replica, heads split) or tp 1 (two replicas splitting the documents). Only one
     process reports, and its per-document results equal a single process's."""
-    from test_tp import free_port
-
-    script, single = worker
+    single = worker
     multi = tmp_path / "multi.json"
     env = _ENV
     done = subprocess.run(
@@ -344,7 +313,8 @@ def test_tp_and_replicas_give_the_results_of_one_process(tiny_dir, tmp_path, wor
             "2",
             "--master_port",
             str(free_port()),
-            str(script),
+            CHILDREN_PY,
+            "lm_eval_worker",
             tiny_dir,
             str(tp),
             str(multi),
@@ -367,12 +337,6 @@ def test_tp_and_replicas_give_the_results_of_one_process(tiny_dir, tmp_path, wor
                 assert_scores_close([tuple(x[0]) for x in a], [tuple(x[0]) for x in b])
 
 
-def _held_worker() -> str:
-    from test_replicas import HOLD_PATCH
-
-    return HOLD_PATCH + _WORKER
-
-
 @pytest.mark.parametrize(
     "stage, lose", [("load", "stop"), ("setup", "kill")], ids=["load-worker-stopped", "setup-node-killed"]
 )
@@ -381,15 +345,11 @@ def test_a_replica_lost_while_starting_ends_the_other_lm_eval_replica(tmp_path, 
     hung, or its node lost with its sockets open) or inside the first process-group set-up (its agent and worker
     killed). The other replica waits for it (a gloo collective or the rendezvous: up to 30 minutes); its watchdog,
     started before anything waits (``replicas.watch_from_start``), ends it naming rank 1 (within ~30 s)."""
-    from test_launchers import tool
-    from test_replicas import lose_node_1, torchrun_nodes
-
     if tool("torchrun") is None:
         pytest.skip("torchrun is not installed")
-    script, marker = tmp_path / "held.py", tmp_path / "held.pid"
-    script.write_text(_held_worker())
+    marker = tmp_path / "held.pid"
     env = dict(HF_DATASETS_OFFLINE="1", HOLD_MARKER=str(marker), HOLD_STAGE=stage)
-    nodes = torchrun_nodes(str(script), [tiny_dir, "1", str(tmp_path / "out.json")], **env)
+    nodes = torchrun_nodes(CHILDREN_PY, ["held_lm_eval_worker", tiny_dir, "1", str(tmp_path / "out.json")], **env)
     worker = None
     try:
         worker, _ = lose_node_1(nodes, marker, lose)

@@ -13,9 +13,7 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from multiproc import CHILDREN_PY, clean_env, free_port, tool
 
 from batchmax_tp import parallel as tp
 from batchmax_tp.config import ConfigError, parse_args
@@ -57,28 +56,6 @@ SUMMARY_KEYS = (
     "peak_kv_bytes",
 )
 TIMEOUT_S = 240
-# Launcher/rank variables that must not leak from the environment pytest runs in.
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
-_LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    env.update(extra)
-    return env
-
-
-def tool(name: str) -> str | None:
-    """The launcher installed next to this Python (so it runs the same interpreter), else the one on PATH."""
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which(name)
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = TIMEOUT_S) -> SimpleNamespace:
@@ -261,24 +238,11 @@ def test_mpiexec_tp2_equals_single_process(tmp_path, single, small):
 
 
 # ---------------------------------------------------------------------- SLURM (no real SLURM here)
-# A child process (torch imported once) that, for each case, replaces its whole environment with the case's
-# launcher variables and reports tp.world_from_env().
-_WORLD_CHECK = """
-import json, os, sys
-from batchmax_tp import parallel as tp
-base = {k: v for k, v in os.environ.items()}
-results = []
-for case in json.loads(sys.argv[1]):
-    os.environ.clear()
-    os.environ.update({**base, **case})
-    results.append(list(tp.world_from_env()))
-print(json.dumps(results))
-"""
-
-
+# A child process (torch imported once, ``children.world_check``) that, for each case, replaces its whole
+# environment with the case's launcher variables and reports tp.world_from_env().
 def _worlds_in_subprocess(cases: list[dict[str, str]]) -> list[tuple[int, int, int]]:
     proc = subprocess.run(
-        [sys.executable, "-c", _WORLD_CHECK, json.dumps(cases)],
+        [sys.executable, CHILDREN_PY, "world_check", json.dumps(cases)],
         env=clean_env(),
         capture_output=True,
         text=True,
@@ -429,17 +393,6 @@ def test_tp_larger_than_kv_heads_fails_before_loading_weights(tmp_path, small, e
 def test_failing_rank_ends_the_job(tmp_path, small):
     """Rank 1 of a dp=2 run raises in its first method: the job exits non-zero quickly and writes no results,
     although rank 0 would otherwise wait in the result gather (whose timeout is hours)."""
-    wrapper = tmp_path / "fail_rank1.py"
-    wrapper.write_text(
-        "import os, runpy, sys\n"
-        "from batchmax_tp import job\n"
-        "if os.environ.get('RANK') == '1':\n"
-        "    def boom(*args, **kwargs):\n"
-        "        raise RuntimeError('injected failure on rank 1')\n"
-        "    job.evaluate_run = boom\n"
-        f"sys.argv = [{RUN_PY!r}, *sys.argv[1:]]\n"
-        f"runpy.run_path({RUN_PY!r}, run_name='__main__')\n"
-    )
     exe = tool("torchrun")
     if exe is None:
         pytest.skip("torchrun is not installed")
@@ -451,7 +404,8 @@ def test_failing_rank_ends_the_job(tmp_path, small):
             "2",
             "--master_port",
             str(free_port()),
-            str(wrapper),
+            CHILDREN_PY,
+            "failing_rank_run",
             *small,
             "--tp-size",
             "1",
@@ -491,28 +445,9 @@ def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path,
             )
         )
     )
-    wrapper = tmp_path / "oom_rank1.py"
-    wrapper.write_text(
-        "import os, runpy, sys, torch\n"
-        "from batchmax_tp.eval import batches\n"
-        "from transformers.models.llama import modeling_llama\n"
-        "if os.environ.get('RANK') == '1':\n"
-        "    state = {'armed': False, 'calls': 0}\n"
-        "    run_batch, mlp_forward = batches.run_batch, modeling_llama.LlamaMLP.forward\n"
-        "    def arm(*a, **k):\n"
-        "        state['armed'] = True\n"
-        "        return run_batch(*a, **k)\n"
-        "    def forward(self, x):\n"
-        "        state['calls'] += state['armed']\n"
-        "        if state['calls'] == 40:  # layer 10 of the first prefill block of the first run\n"
-        "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB (injected)')\n"
-        "        return mlp_forward(self, x)\n"
-        "    batches.run_batch, modeling_llama.LlamaMLP.forward = arm, forward\n"
-        f"sys.argv = [{RUN_PY!r}, *sys.argv[1:]]\n"
-        f"runpy.run_path({RUN_PY!r}, run_name='__main__')\n"
-    )
     res = run(
-        [exe, "--nproc_per_node", "2", "--master_port", str(free_port()), str(wrapper), "--config", str(config)],
+        [exe, "--nproc_per_node", "2", "--master_port", str(free_port()), CHILDREN_PY, "oom_rank_run"]
+        + ["--config", str(config)],
         timeout=180,
     )
     assert res.returncode != 0

@@ -29,11 +29,6 @@ CHUNKS = [workspace.SCORE_CHUNK_BYTES, 4096]  # 4096: prefill and even some deco
 LABEL = "test::attention_call"
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(seed=0)
-
-
 def _ids(batch: int, prompt: int) -> torch.Tensor:
     return torch.randint(3, 128, (batch, prompt), generator=torch.Generator().manual_seed(0))
 

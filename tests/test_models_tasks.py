@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny import tiny_llama
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from batchmax_tp import models
 from batchmax_tp.eval.generation import encode_prompts
@@ -24,13 +24,6 @@ from batchmax_tp.models import EMBEDDED_MODEL, embedded_model_dir, load_model
 def write_lines(path: Path, lines: list[str]) -> Path:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
-    models._prepare_tokenizer(tok)
-    return tok
 
 
 # ---------------------------------------------------------------- load_jsonl

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from memtrack import AttentionPasses
-from tiny import tiny_llama
 
 from batchmax_tp.core import workspace
 from batchmax_tp.core.engine import generate
@@ -19,11 +18,6 @@ CASES = [
     (Method("ed", kv_max=65), 2, 32, 8),  # prompt shorter than kv_max
     (Method("fkv"), 2, 40, 9),
 ]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(seed=0)
 
 
 @pytest.mark.parametrize("chunk_bytes", [workspace.SCORE_CHUNK_BYTES, 4096])

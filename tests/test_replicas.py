@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch.distributed as dist
-from test_config import _fake_encode, _FakeTokenizer, _make_fake_generate
-from test_launchers import RUN_PY, clean_env, free_port, tool
+from fakes import FakeTokenizer, fake_encode, make_fake_generate
+from multiproc import CHILDREN_PY, RUN_PY, free_port, lose_node_1, tool, torchrun_nodes
 
 from batchmax_tp.config import RunConfig
 from batchmax_tp.eval import merge, results
@@ -188,12 +188,12 @@ def test_an_oom_marker_becomes_the_row_once_and_a_later_success_stands(tmp_path)
     folder = tmp_path / spec.name
     results.write_oom_marker(folder, 1, "CUDA out of memory (injected)", 0)
     calls = []
-    run = dict(generate_fn=_make_fake_generate(calls), encode_fn=_fake_encode, progress=False)
-    first = evaluate_run(RunContext(SimpleNamespace(), _FakeTokenizer(), **run), samples, spec, cfg)
+    run = dict(generate_fn=make_fake_generate(calls), encode_fn=fake_encode, progress=False)
+    first = evaluate_run(RunContext(SimpleNamespace(), FakeTokenizer(), **run), samples, spec, cfg)
     assert first["status"] == "oom" and first["oom_cause"] == "runtime" and "injected" in first["error"]
     assert calls == [] and not list(folder.glob("oom-rank*.json"))
     (folder / results.SUMMARY_FILE).unlink()
-    second = evaluate_run(RunContext(SimpleNamespace(), _FakeTokenizer(), **run), samples, spec, cfg)
+    second = evaluate_run(RunContext(SimpleNamespace(), FakeTokenizer(), **run), samples, spec, cfg)
     assert second["status"] == "done" and second["num_samples"] == 3 and len(calls) == 2
 
 
@@ -267,34 +267,18 @@ def test_merge_py_merges_complete_runs_and_names_the_rest(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------- a killed replica, end to end
-def torchrun_nodes(script: str, args: list[str], **env_vars: str) -> list[subprocess.Popen]:
-    """``script args`` on two torchrun "nodes" of one rank each (static rendezvous on this host, watchdog limit 6 s),
-    each in a session of its own."""
-    port, env = free_port(), clean_env(BATCHMAX_DEAD_AFTER_S="6", **env_vars)
-    node = ["--nnodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    return [
-        subprocess.Popen(
-            [tool("torchrun"), *node, "--node_rank", str(n), script, *args],
-            env=env,
-            cwd=Path(RUN_PY).parent.parent,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for n in range(2)
-    ]
-
-
 def launch_nodes(
-    checkpoint: str, out: Path, script: str = RUN_PY, flags: tuple[str, ...] = (), **env_vars: str
+    checkpoint: str, out: Path, held: bool = False, flags: tuple[str, ...] = (), **env_vars: str
 ) -> list[subprocess.Popen]:
-    """The job on two nodes (``torchrun_nodes``): replica 0 on node 0, replica 1 on node 1. Each run gets a torch
+    """The job on two nodes (``torchrun_nodes``): replica 0 on node 0, replica 1 on node 1 (``held``: with the hold
+    of ``children.hold`` installed, ``HOLD_STAGE`` and ``HOLD_MARKER`` in ``env_vars``). Each run gets a torch
     extensions folder of its own unless ``TORCH_EXTENSIONS_DIR`` is given (as on a fresh machine: nothing built)."""
     args = ["--model", checkpoint, "--method", "bm", "--kv-max", "64", "--p", "16", "--batch-size", "1"]
     args += ["--num-samples", "6", "--max-new-tokens", "32", "--ignore-eos", "--tp-size", "1", "--out", str(out)]
     env_vars.setdefault("TORCH_EXTENSIONS_DIR", str(out.parent / "torch_extensions"))
-    return torchrun_nodes(script, [*args, *flags], **env_vars)
+    if held:
+        return torchrun_nodes(CHILDREN_PY, ["held_run", *args, *flags], **env_vars)
+    return torchrun_nodes(RUN_PY, [*args, *flags], **env_vars)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str, str]]:
@@ -389,52 +373,8 @@ def test_a_dead_replica_ends_the_job_and_the_rerun_completes_only_what_is_missin
 
 
 # ---------------------------------------------------------------------- a node lost while the job starts
-# A hold on node 1 (rank 1): at HOLD_STAGE it writes its pid to HOLD_MARKER and waits there, as a node does while
-# it loads or meets the others; the test then loses that node. Nothing is held without HOLD_STAGE.
-HOLD_PATCH = """
-import os, pathlib, time
-import torch.distributed as dist
-from batchmax_tp import models
-
-def _held(real):
-    def call(*a, **k):
-        if os.environ.get("RANK") == "1" and os.environ.get("HOLD_STAGE"):
-            pathlib.Path(os.environ["HOLD_MARKER"]).write_text(str(os.getpid()))
-            time.sleep(3600)
-        return real(*a, **k)
-    return call
-
-if os.environ.get("HOLD_STAGE") == "load":  # loading the model's weights
-    models.load_model = _held(models.load_model)
-elif os.environ.get("HOLD_STAGE") == "setup":  # inside the first process-group set-up (DeepSpeed calls torch's)
-    dist.init_process_group = _held(dist.init_process_group)
-elif os.environ.get("HOLD_STAGE") == "build":  # where DeepSpeed builds its shared-memory op (before the group)
-    import sys, deepspeed.comm.torch
-    backend = sys.modules["deepspeed.comm.torch"]  # (deepspeed.comm.torch reads as the torch package)
-    backend.build_shm_op = _held(backend.build_shm_op)
-"""
-HOLD_RUN_PY = (
-    "import sys\nsys.path.insert(0, {root!r})\n" + HOLD_PATCH + "from batchmax_tp.cli import main\nsys.exit(main())\n"
-)
-
-
-def lose_node_1(nodes: list[subprocess.Popen], marker: Path, lose: str) -> tuple[psutil.Process, float]:
-    """Wait until node 1 holds (``HOLD_PATCH``), then lose it: "kill" (SIGKILL of its torchrun agent and worker: a
-    lost node) or "stop" (SIGSTOP of its worker: a hung one, or a lost node whose sockets stay open). Returns its
-    worker and when it was lost."""
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), "node 1 never got there"
-        time.sleep(0.05)
-    worker = psutil.Process(int(marker.read_text()))
-    if lose == "kill":
-        for victim in (psutil.Process(nodes[1].pid), worker):
-            victim.kill()
-    else:
-        worker.send_signal(signal.SIGSTOP)
-    return worker, time.monotonic()
-
-
+# A hold on node 1 (rank 1, ``children.hold``): at HOLD_STAGE it writes its pid to HOLD_MARKER and waits there, as a
+# node does while it loads or meets the others; the test then loses that node. Nothing is held without HOLD_STAGE.
 @pytest.mark.skipif(tool("torchrun") is None, reason="torchrun is not installed")
 @pytest.mark.parametrize(
     "stage, lose",
@@ -448,10 +388,9 @@ def test_a_node_lost_while_the_job_starts_ends_the_other(tmp_path, tiny_dir, who
     runs from the first moment (``replicas.watch_from_start``), so it exits non-zero naming rank 1 (in ~10 s here),
     where it used to wait out ``setup_timeout`` (30 minutes). The same command again on both nodes completes the
     job with the results of an uninterrupted run, and nothing was built (no lock a killed build could leave)."""
-    script, marker = tmp_path / "run_held.py", tmp_path / "held.pid"
-    script.write_text(HOLD_RUN_PY.format(root=str(Path(RUN_PY).parent.parent)))
+    marker = tmp_path / "held.pid"
     out = tmp_path / "out"
-    procs = launch_nodes(tiny_dir, out, script=str(script), HOLD_STAGE=stage, HOLD_MARKER=str(marker))
+    procs = launch_nodes(tiny_dir, out, held=True, HOLD_STAGE=stage, HOLD_MARKER=str(marker))
     worker, _ = lose_node_1(procs, marker, lose)
     code, _, err = finish([procs[0]], timeout=150)[0]  # a guard: the watchdog's line is the assertion
     with contextlib.suppress(psutil.NoSuchProcess):
@@ -471,12 +410,11 @@ def test_a_node_lost_while_the_job_starts_ends_the_other(tmp_path, tiny_dir, who
 def test_a_live_rank_stuck_in_set_up_ends_every_rank_at_the_set_up_bound(tmp_path, tiny_dir):
     """Node 1 alive but stuck while it loads the model (its watchdog beats on, so no peer can call it dead): at
     ``--setup-timeout 15`` it ends with one line naming that step, and node 0 (waiting for it to load) ends too."""
-    script, marker = tmp_path / "run_held.py", tmp_path / "held.pid"
-    script.write_text(HOLD_RUN_PY.format(root=str(Path(RUN_PY).parent.parent)))
+    marker = tmp_path / "held.pid"
     procs = launch_nodes(
         tiny_dir,
         tmp_path / "out",
-        script=str(script),
+        held=True,
         flags=("--setup-timeout", "15"),
         HOLD_STAGE="load",
         HOLD_MARKER=str(marker),

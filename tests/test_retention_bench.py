@@ -19,13 +19,6 @@ from batchmax_tp.bench import retention as br
 
 
 @pytest.fixture(scope="module")
-def embedded():
-    from batchmax_tp.models import load_model
-
-    return load_model()
-
-
-@pytest.fixture(scope="module")
 def count(embedded):
     return br.token_counter(embedded[1])
 

@@ -178,7 +178,7 @@ def test_cli_batchmax_fkv_equals_hf_and_the_bench_tabulates(tiny_dir, tmp_path):
     """One document of two tasks (one stopping at a blank line, one not) through ``batchmax-lm-eval`` with
     ``--model batchmax`` (FKV) and ``--model hf``: the same texts and scores. ``bench_ruler`` (FKV and BM on the
     loaded model) gives FKV's text again, and writes its tables from lm-eval's results."""
-    from test_harness import _cli
+    from multiproc import lm_eval_cli
 
     tasks = ["batchmax_ruler_niah_multivalue_2k_tune", "batchmax_ruler_vt_2k_heldout"]
     common = ["--tasks", ",".join(tasks), "--include_path", "configs/lm_eval/ruler", "--limit", "1", "--log_samples"]
@@ -187,7 +187,7 @@ def test_cli_batchmax_fkv_equals_hf_and_the_bench_tabulates(tiny_dir, tmp_path):
         ("hf", ["--model", "hf", "--model_args", f"pretrained={tiny_dir},dtype=float32", "--device", "cpu"]),
         ("batchmax", ["--model", "batchmax", "--model_args", f"pretrained={tiny_dir},method=fkv"]),
     ):
-        done = _cli(*args, *common, "--output_path", str(tmp_path / name))
+        done = lm_eval_cli(*args, *common, "--output_path", str(tmp_path / name))
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = {t: _samples(tmp_path / name, t) for t in tasks}
     for t in tasks:

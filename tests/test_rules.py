@@ -19,7 +19,7 @@ from conftest import (
     requires_deepspeed,
     tiny_llama,
 )
-from reference import reference_generate
+from reference import reference_generate, rule_string
 
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
@@ -45,10 +45,6 @@ CASES = [
     ("question", dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2)),
     ("probe", dict(window=3, every=2, weight=4.0)),
 ]
-
-
-def rule_string(rule: str, params: dict) -> str:
-    return rule if not params else rule + ":" + ",".join(f"{k}={v}" for k, v in params.items())
 
 
 def case_id(case) -> str:
@@ -275,7 +271,7 @@ def _tp_worker(rank, world, port, outdir):
     )
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from test_tp import batch, count_collectives, make_model
+    from multiproc import batch, count_collectives, make_model
 
     from batchmax_tp import parallel as tp
 
@@ -316,7 +312,7 @@ def passes(method, ids, mask, new) -> tuple[int, int]:
 
 @requires_deepspeed
 def test_probe_passes_add_only_their_own_layers_collectives_under_tp2(tmp_path):
-    from test_tp import batch, free_port, make_model
+    from multiproc import batch, free_port, make_model
 
     mp.spawn(_tp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

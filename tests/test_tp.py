@@ -4,161 +4,23 @@ is added by eviction, and the results equal a single process."""
 from __future__ import annotations
 
 import json
-import os
-import resource
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import requires_deepspeed
-from tiny import tiny_random_model
+from multiproc import (
+    FAMILIES,
+    assert_matches_single,
+    assert_rank1_killed_and_nobody_finished,
+    make_model,
+    run_child,
+    run_tp,
+    single_process,
+)
 
 from batchmax_tp.core.method import Method
 
 pytestmark = requires_deepspeed  # every test here runs tensor-parallel ranks
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# 9 query / 3 KV heads, like the embedded model: AutoTP splits them unevenly on tp=2 (6/2 and 3/1).
-GQA_9_3 = dict(hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16, initializer_range=0.2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def batch(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 128, (3, 60), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :23] = 0
-    mask[1, :8] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
-# Every family of the paper and two more: Phi-3 has a fused qkv_proj / gate_up_proj and no GQA (6 heads, 6 KV
-# heads); Qwen2 has q/k/v biases; Mistral is Llama-like with its own classes. 6 heads allow tp 2 and 3.
-FAMILIES = {
-    "llama": dict(family="llama", **GQA_9_3),
-    "phi3": dict(
-        family="phi3", hidden_size=96, num_attention_heads=6, num_key_value_heads=6, head_dim=16, initializer_range=0.2
-    ),
-    "qwen2": dict(
-        family="qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16, initializer_range=0.2
-    ),
-    "mistral": dict(
-        family="mistral",
-        hidden_size=96,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        initializer_range=0.2,
-    ),
-}
-
-
-def make_model(embedded: bool | str):
-    """``False``: the 9/3 GQA Llama (the embedded model's heads); a family name: that tiny model; ``arch:NAME``: that
-    architecture with random weights."""
-    if isinstance(embedded, str) and embedded.startswith("arch:"):
-        from batchmax_tp.models import load_model
-
-        return load_model(embedded, dtype="float32", device="cpu")[0]
-    return tiny_random_model(seed=0, **FAMILIES[embedded or "llama"])
-
-
-def prompt_batch(embedded: bool | str, replica: int = 0):
-    return batch(seed=replica)
-
-
-def count_collectives() -> dict[str, int]:
-    """Wrap torch.distributed's collectives in this process; returns the live call counts by name."""
-    import torch.distributed as dist
-
-    counts: dict[str, int] = {}
-    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter", "barrier"):
-        orig = getattr(dist, name)
-
-        def wrapped(*a, _orig=orig, _name=name, **k):
-            counts[_name] = counts.get(_name, 0) + 1
-            return _orig(*a, **k)
-
-        setattr(dist, name, wrapped)
-    return counts
-
-
-def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_collectives_):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    from batchmax_tp import parallel as tp
-    from batchmax_tp.core.engine import generate
-
-    layout = tp.init_distributed(tp_size)
-    model = tp.apply_tensor_parallel(make_model(embedded), layout, torch.float32)
-    ids, mask = prompt_batch(embedded, layout.replica)
-    counts = count_collectives() if count_collectives_ else {}
-    results = {}
-    for m in method:
-        counts.clear()
-        out = generate(model, ids, mask, m, new, ignore_eos=True, return_logits=True)
-        results[m.name] = dict(
-            tokens=out.tokens,
-            logits=torch.stack(out.logits),
-            kept=out.kept_positions(),
-            local_kv_heads=len(out.kept_positions()[0][0]),
-            collectives=dict(counts),
-            forwards=out.served.passes,
-            params=sum(p.numel() for p in model.parameters()),
-            host_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        )
-    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_tp(tmp_path, world, tp_size, methods, new=12, embedded=False, count_collectives=False):
-    mp.spawn(
-        _worker,
-        args=(world, tp_size, free_port(), str(tmp_path), methods, new, embedded, count_collectives),
-        nprocs=world,
-        join=True,
-    )
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-
-
-def single_process(methods, new=12, embedded=False, replica=0):
-    from batchmax_tp.core.engine import generate
-
-    model = make_model(embedded)
-    ids, mask = prompt_batch(embedded, replica)
-    out = {}
-    for m in methods:
-        o = generate(model, ids, mask, m, new, ignore_eos=True, return_logits=True)
-        out[m.name] = dict(tokens=o.tokens, logits=torch.stack(o.logits), kept=o.kept_positions())
-    return out
-
-
-def assert_matches_single(ranks, single, method: str, tp_size: int):
-    """Logits and tokens equal on every rank; rank r's kept sets equal the single run's for r's KV heads."""
-    offset = 0
-    for r, res in enumerate(ranks[:tp_size]):
-        got = res[method]
-        torch.testing.assert_close(got["logits"], single[method]["logits"], atol=1e-4, rtol=0)
-        assert torch.equal(got["tokens"], single[method]["tokens"])
-        h = got["local_kv_heads"]
-        want = [[heads[offset : offset + h] for heads in layer] for layer in single[method]["kept"]]
-        assert got["kept"] == want, f"rank {r}: kept positions differ from heads {offset}..{offset + h - 1}"
-        offset += h
-    total_heads = len(single[method]["kept"][0][0])
-    assert offset == total_heads
 
 
 @pytest.mark.parametrize("tp_size", [2, 3])
@@ -261,31 +123,6 @@ def test_dp2_tp2_each_replica_matches_single_process(tmp_path):
         single = single_process(methods, replica=replica)
         assert_matches_single(ranks[2 * replica : 2 * replica + 2], single, "bm", 2)
     assert not torch.equal(ranks[0]["bm"]["tokens"], ranks[2]["bm"]["tokens"]), "replicas got the same data"
-
-
-def run_child(name: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    """``tests/children.py NAME`` on 2 ranks under torchrun; ``timeout`` guards the test, never asserted."""
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)  # kept: the GPU package set's wheels
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
-    return subprocess.run(
-        [*command, str(free_port()), os.path.join(ROOT, "tests", "children.py"), name],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def assert_rank1_killed_and_nobody_finished(proc: subprocess.CompletedProcess, reached: str) -> None:
-    """Both ranks reached ``reached`` (the child ran), rank 1 was killed there, rank 0 ended without finishing. (The
-    ranks share one pipe: a line of one may land inside another's, so the text is searched, not its lines.)"""
-    out = proc.stdout
-    assert proc.returncode != 0, out
-    for rank in range(2):
-        assert f"rank {rank}: {reached}" in out, (out, proc.stderr[-3000:])
-    assert "rank 1: killed" in out and "generated again" not in out and "served every request" not in out, out
-    assert "Signal 9 (SIGKILL)" in proc.stderr or "exitcode  : -9" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_killed_rank_ends_the_job():
