@@ -42,7 +42,7 @@ from transformers import (
 
 from .core.attention import SUPPORTED_FAMILIES, unsupported
 from .embedded import EMBEDDED_MODEL
-from .parted import PARTED, PartedModel, PartsError, gguf_path
+from .parted import PARTED, PartedModel, PartsError, cache_root, gguf_path
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +73,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-def cache_root() -> Path:
-    """Root of batchmax_tp's cache: ``$BATCHMAX_CACHE`` or ``~/.cache/batchmax_tp``."""
-    env = os.environ.get("BATCHMAX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchmax_tp"
 
 
 def _embedded_gguf() -> Path:

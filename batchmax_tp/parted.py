@@ -95,6 +95,13 @@ QWEN_05B = PartedModel(
 PARTED = {m.name: m for m in (QWEN_05B,)}
 
 
+def cache_root() -> Path:
+    """Root of batchmax_tp's cache (every model's, not only these): ``$BATCHMAX_CACHE`` or
+    ``~/.cache/batchmax_tp``."""
+    env = os.environ.get("BATCHMAX_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchmax_tp"
+
+
 def folder(model: PartedModel, root: Path) -> Path:
     return root / "parted" / model.name
 
@@ -220,8 +227,6 @@ def check_header(model: PartedModel, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .models import cache_root
-
     ap = argparse.ArgumentParser(description="Fetch and check a model for accuracy measurements (see the module).")
     ap.add_argument("action", choices=["fetch", "check"])
     ap.add_argument("model", choices=sorted(PARTED))

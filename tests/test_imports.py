@@ -4,10 +4,11 @@ Walks every module of ``batchmax_tp`` with ``ast`` (nothing is imported) and col
 one imports at run time (imports under ``if TYPE_CHECKING:`` only name types and are left out). Layers, lowest
 first; a module may import its own layer and the ones below:
 
-    embedded  <  core/  <  parallel  <  models  <  plan/  <  eval/  <  bench/  <  config  <  harness  <  job  <  cli
-    (<  __init__)
+    embedded  <  core/  <  parallel  <  parted  <  models  <  plan/  <  eval/  <  bench/  <  config  <  harness
+    <  job  <  cli  (<  __init__)
 
 ``embedded`` holds only the embedded model's name (``config`` and ``models`` share it without importing each other);
+``parted`` fetches and checks the models for accuracy (and names the cache root ``models`` uses);
 ``bench/`` holds the benchmark libraries of ``launch/bench_*.py``.
 """
 
@@ -27,6 +28,7 @@ LAYERS = [
     "embedded",
     "core",
     "parallel",
+    "parted",
     "models",
     "plan",
     "api",
