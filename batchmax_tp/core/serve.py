@@ -230,7 +230,7 @@ class _Run:
         self.forcing = any(r.continuation is not None for r in requests)
         # read each pass's tokens one pass late (after the next pass is launched) when nothing needs them sooner
         self.lag = not self.token_bound and not self.forcing
-        self.pending: list[tuple[list[int], torch.Tensor, object]] = []  # (requests, host tokens, event) unread
+        self.pending: list[tuple[list[int], torch.Tensor, object]] = []  # lag: (requests, host tokens, event) unread
         self.unread = [0] * len(requests)  # per request: its tokens chosen but not read yet
         self.ended: list[tuple[int, RequestOutput]] = []  # retired, waiting for their last tokens
         self.gens: list[torch.Generator | None] = [None] * slots
@@ -329,8 +329,7 @@ class _Run:
             self.read_all()  # the earlier passes' tokens: their copies are done or nearly, this pass runs on
             self.pending.append((requests, *_to_host(tokens)))
             return set()
-        self.pending.append((requests, self.agreed(tokens), None))
-        self.read_all()
+        self.land(requests, self.agreed(tokens))
         ended = set()
         for row, i in zip(rows, requests):
             tokens = self.outputs[i].tokens
@@ -338,13 +337,16 @@ class _Run:
                 ended.add(row)
         return ended
 
+    def land(self, requests: list[int], tokens: list[int]) -> None:
+        """One pass's host tokens into their requests' outputs."""
+        for i, token in zip(requests, tokens):
+            self.outputs[i].tokens.append(token)
+            self.unread[i] -= 1
+
     def read_all(self) -> None:
-        """Read every pass's tokens not read yet, in order, into their requests' outputs."""
+        """Read every pass's tokens not read yet (``lag``), in order, into their requests' outputs."""
         for requests, host, event in self.pending:
-            tokens = host if isinstance(host, list) else _read(host, event)
-            for i, token in zip(requests, tokens):
-                self.outputs[i].tokens.append(token)
-                self.unread[i] -= 1
+            self.land(requests, _read(host, event))
         self.pending.clear()
 
     def hand_on(self, on_finish) -> None:
