@@ -144,7 +144,10 @@ def pick(rows: list[dict]) -> dict[int, dict]:
 
 def format_pick(tuned: dict[int, dict], held: list[dict], about: str) -> str:
     """Each kv_max's pick: its share of FKV on the tuning half (where it was chosen) and on the held-out half, each
-    with its interval, and whether the held-out share is below FKV's beyond its interval."""
+    with its interval, and whether the held-out share is below FKV's beyond its interval (``separate``: FKV's own
+    share is exactly 1 in every paired resample)."""
+    from batchmax_tp.eval.intervals import Share, separate
+
     ival = lambda r: "" if not r.get("interval") else f" [{r['interval'][0]:.2f}, {r['interval'][1]:.2f}]"  # noqa: E731
     num = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     by_label = {r["label"]: r for r in held}
@@ -152,7 +155,9 @@ def format_pick(tuned: dict[int, dict], held: list[dict], about: str) -> str:
     text += "|---:|---|---:|---:|---|\n"
     for kv, row in tuned.items():
         out = by_label[row["label"]]
-        below = "yes" if out.get("interval") and out["interval"][1] < 1.0 else "not beyond its interval"
+        share = Share(out["share_of_fkv"], *out["interval"]) if out.get("interval") else None
+        real = share is not None and share.value < 1.0 and separate(share, Share(1.0, 1.0, 1.0))
+        below = "yes" if real else "not beyond its interval"
         text += (
             f"| {kv} | {row['label']} | {num(row['share_of_fkv'])}{ival(row)} | "
             f"**{num(out['share_of_fkv'])}**{ival(out)} | {below} |\n"

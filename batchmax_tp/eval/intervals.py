@@ -25,11 +25,6 @@ class Share:
     low: float | None
     high: float | None
 
-    def text(self) -> str:
-        if self.value is None:
-            return "-"
-        return f"{self.value:.3f} [{self.low:.2f}, {self.high:.2f}]"
-
 
 def suite_mean(cells: dict[str, list[float]]) -> float:
     """The mean over cells of each cell's mean document score."""
