@@ -21,13 +21,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from multiproc import CHILDREN_PY, clean_env, free_port, tool
+from multiproc import CHILDREN_PY, ROOT, RUN_PY, clean_env, free_port, tool
 
 from batchmax_tp import parallel as tp
 from batchmax_tp.config import ConfigError, parse_args
 
-ROOT = Path(__file__).resolve().parent.parent
-RUN_PY = str(ROOT / "launch" / "run.py")
 SMALL = [
     "--method",
     "bm",
