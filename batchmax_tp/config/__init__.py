@@ -22,7 +22,7 @@ The job: the same-memory comparison (the "main job", ``RunConfig.main_job``) run
 runs itself -- a ``methods`` (``method``), ``batch_size``, ``kv_max``, ``runs`` or ``procedure`` given in the YAML or
 as a flag (:data:`LISTING_KEYS`) -- or sets ``same_memory: false``; ``same_memory: true`` forces it.
 
-Validation needs only torch-free modules (``core.method``, ``core.rules``, ``plan``, ``eval.tasks``), so a bad
+Validation needs only torch-free modules (``core.method``, ``core.rules``, ``plan``, ``config.tasks``), so a bad
 setting is reported in a fraction of a second, before torch or transformers load; nothing here loads a model or
 writes a file.
 
@@ -32,14 +32,13 @@ entries), ``memory`` (:class:`MemoryConfig`), ``run`` (:class:`RunConfig`, YAML)
 """
 
 from ..embedded import EMBEDDED_MODEL  # the default model
-from ..eval.metrics import METRICS
-from ..eval.tasks import TASK_NAMES
 from .memory import PROCEDURES, MemoryConfig
 from .parser import build_parser, parse_args
 from .parts import DTYPES, LOG_LEVELS, DataConfig, GenerationConfig, ModelConfig, OutputConfig, ParallelConfig
 from .run import LISTING_KEYS, RunConfig, load_yaml
 from .settings import ConfigError
 from .sweep import RUN_KEYS, SweepConfig
+from .tasks import METRICS, TASK_NAMES
 
 __all__ = [
     "ConfigError",

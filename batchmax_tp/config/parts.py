@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..embedded import EMBEDDED_MODEL
-from ..eval.metrics import METRICS
-from ..eval.tasks import TASK_NAMES, TASKS
 from .settings import (
     FLAG,
     INT,
@@ -27,6 +25,7 @@ from .settings import (
     Part,
     setting,
 )
+from .tasks import METRICS, PAPER_TASKS, TASK_NAMES
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")  #: auto: float32 on CPU, the checkpoint's own on CUDA
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -139,13 +138,13 @@ class DataConfig(Part):
         """``num_shots``, or the paper's count for the task (0 for jsonl)."""
         if self.num_shots is not None:
             return self.num_shots
-        return 0 if self.task == "jsonl" else TASKS[self.task].shots
+        return 0 if self.task == "jsonl" else PAPER_TASKS[self.task].shots
 
     def metric_for_task(self) -> str:
         """``metric``, or the task's (CNN/DM and NarrativeQA rouge2, GSM8K accuracy, jsonl contains)."""
         if self.metric is not None:
             return self.metric
-        return "contains" if self.task == "jsonl" else TASKS[self.task].metric
+        return "contains" if self.task == "jsonl" else PAPER_TASKS[self.task].metric
 
 
 @dataclass(frozen=True)
@@ -204,7 +203,7 @@ class GenerationConfig(Part):
                     )
 
     def sampling(self) -> dict[str, Any]:
-        """The keyword arguments ``core.engine.generate`` and ``core.serve.serve`` take from this part."""
+        """The keyword arguments ``core.engine.generate`` and ``core.serve.Sampling`` take from this part."""
         return {
             "ignore_eos": self.ignore_eos,
             "do_sample": self.do_sample,

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
 
+from ..config.tasks import METRICS
+
 __all__ = [
     "METRICS",
     "METRIC_LABELS",
@@ -37,7 +39,6 @@ __all__ = [
     "score",
 ]
 
-METRICS = ("rouge2", "accuracy", "exact", "contains")
 #: How a metric is named in reports (the paper's column titles).
 METRIC_LABELS = {"rouge2": "rouge-2", "accuracy": "accuracy", "exact": "exact match", "contains": "contains"}
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config.tasks import PAPER_TASKS, TASK_NAMES  # noqa: F401 (TASK_NAMES: the names a run can give, re-exported)
 from .metrics import normalise_text
 
 if TYPE_CHECKING:
@@ -212,13 +213,12 @@ class TaskDef:
     shot_split: str = "train"
 
 
+_TURNS = {"cnn_dailymail": _cnn_dailymail_turn, "narrativeqa": _narrativeqa_turn, "gsm8k": _gsm8k_turn}
+#: The paper's tasks (``config.tasks.PAPER_TASKS``, each with how its records become turns).
 TASKS: dict[str, TaskDef] = {
-    "cnn_dailymail": TaskDef("cnn_dailymail", "abisee/cnn_dailymail", "3.0.0", 1, "rouge2", _cnn_dailymail_turn),
-    "narrativeqa": TaskDef("narrativeqa", "deepmind/narrativeqa", None, 2, "rouge2", _narrativeqa_turn),
-    "gsm8k": TaskDef("gsm8k", "openai/gsm8k", "main", 16, "accuracy", _gsm8k_turn),
+    name: TaskDef(t.name, t.hub_id, t.hub_config, t.shots, t.metric, _TURNS[name], t.test_split, t.shot_split)
+    for name, t in PAPER_TASKS.items()
 }
-#: ``jsonl`` = generic ``{"id", "prompt", "reference"}`` samples (:func:`load_jsonl`).
-TASK_NAMES = ("jsonl", *TASKS)
 
 
 def fixture_dir(task: str) -> Path:
