@@ -26,7 +26,6 @@ from batchmax_tp.bench import regimes  # noqa: E402
 from batchmax_tp.eval.files import atomic_write_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-_LABELS = {("fkv", "paper"): "FKV", ("ed", "paper"): "ED", ("bm", "paper"): "BM", ("snap", "paper"): "snap"}
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -74,7 +73,7 @@ def measure(out: Path, lengths: list[int], outputs: list[int]) -> list[dict]:
                 runs = {}
                 for summary in sorted(cell_out.glob("*/summary.json")):
                     s = json.loads(summary.read_text())
-                    name = _LABELS.get((s["method"], s.get("rule", "paper")), f"BM ({s.get('rule')})")
+                    name = regimes.run_label(s["method"], s.get("rule", "paper"))
                     ok = s.get("status") == "done"
                     runs[name] = {
                         "batch": s["batch_size"],

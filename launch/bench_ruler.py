@@ -5,11 +5,12 @@ configurations side by side, each scored as a share of FKV's.
     python launch/bench_ruler.py --half heldout --kv-max 256,128 --rules 'question;question:share=0'
     python launch/bench_ruler.py --configs fkv bm:512:paper bm:256:question --tasks niah_single,vt --limit 2
 
-Configurations: ``--configs`` takes one per argument: ``fkv``; ``ed`` or ``ed:KV_MAX``; ``snap:KV_MAX``;
-``bm:KV_MAX`` or ``bm:KV_MAX:RULE``, where RULE is everything after the second ':'
-(``bm:256:snapkv:window=64,kernel=5``). ``--kv-max`` x ``--rules`` adds a Batch-Max grid (rules separated by ';', as
-they may hold ',' ':' '='); with neither ``--configs`` nor a grid flag the grid is kv_max 512,256,128 x rules
-paper;question. FKV always runs first: every share is of its score.
+Configurations: ``--configs`` takes one per argument: a method's name (``fkv``, ``ed``: the ``batchmax`` model's
+default kv_max, ED's 65), ``NAME:KV_MAX`` for a method that evicts (``ed:2``, ``snap:256``, ``bm:512``) or, for one
+with rules, ``bm:KV_MAX:RULE``, where RULE is everything after the second ':' (``bm:256:snapkv:window=64,kernel=5``).
+``--kv-max`` x ``--rules`` adds a Batch-Max grid (rules separated by ';', as they may hold ',' ':' '='); with
+neither ``--configs`` nor a grid flag the grid is kv_max 512,256,128 x rules paper;question. FKV always runs first:
+every share is of its score.
 
 The model loads once: each configuration is a view of it with its own method (``BatchMaxLM`` settings, method and
 measurements; the same weights and tokenizer) and runs one ``simple_evaluate`` over the chosen tasks, one lm-eval
@@ -66,24 +67,23 @@ class Config:
 
 
 def parse_config(text: str) -> Config:
-    """``fkv``, ``ed[:KV_MAX]``, ``snap:KV_MAX`` (SnapKV-style compression once after prefill) or
-    ``bm:KV_MAX[:RULE]`` (RULE: the rest, ':' ',' '=' included)."""
+    """``NAME`` (at the ``batchmax`` model's default kv_max), ``NAME:KV_MAX`` (a method that evicts) or
+    ``NAME:KV_MAX:RULE`` (one with rules, BM; RULE: the rest, ':' ',' '=' included; default the paper's), e.g. ``fkv``,
+    ``ed``, ``ed:2``, ``snap:256`` (SnapKV-style compression once after prefill), ``bm:512:question``."""
+    from batchmax_tp.core.method import METHODS
+
     method, _, rest = text.strip().partition(":")
     kv, _, rule = rest.partition(":")
-    if method == "fkv" and not rest:
-        return Config("fkv", {"method": "fkv"})
-    if method == "ed" and not rest:
-        return Config("ed", {"method": "ed"})
-    if method == "ed" and kv.isdigit() and not rule:
-        return Config(f"ed {kv}", {"method": "ed", "kv_max": int(kv)})
-    if method == "bm" and kv.isdigit():
+    kind = METHODS.get(method)
+    if kind is not None and not rest:
+        return Config(method, {"method": method})
+    if kind is not None and kind.evicts and kv.isdigit() and kind.takes_rule:
         rule = rule or "paper"
-        return Config(f"bm {kv} {rule}", {"method": "bm", "kv_max": int(kv), "rule": rule})
-    if method == "snap" and kv.isdigit() and not rule:
-        return Config(f"snap {kv}", {"method": "snap", "kv_max": int(kv)})
-    raise argparse.ArgumentTypeError(
-        f"bad configuration {text!r}: expected fkv, ed[:KV_MAX], snap:KV_MAX or bm:KV_MAX[:RULE]"
-    )
+        return Config(f"{method} {kv} {rule}", {"method": method, "kv_max": int(kv), "rule": rule})
+    if kind is not None and kind.evicts and kv.isdigit() and not rule:
+        return Config(f"{method} {kv}", {"method": method, "kv_max": int(kv)})
+    forms = [n if not k.evicts else f"{n}[:KV_MAX{'[:RULE]' if k.takes_rule else ''}]" for n, k in METHODS.items()]
+    raise argparse.ArgumentTypeError(f"bad configuration {text!r}: expected {', '.join(forms[:-1])} or {forms[-1]}")
 
 
 def configs_from_args(args: argparse.Namespace) -> list[Config]:

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from ..core.method import ExtremeDecoding, Method, is_full_cache
+from ..core.method import Method
 
 
 def _sync(device: torch.device) -> None:
@@ -51,11 +51,17 @@ def hf_reference_generate(
     """
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    if is_full_cache(method):  # the full cache: HF generate as it is
-        return _full_cache(model, input_ids, attention_mask, max_new_tokens)
-    if not isinstance(method, ExtremeDecoding):
+    if not has_hf_reference(method):
         raise ValueError(f"no plain HF reference for method {method.name!r}")
+    if not method.evicts:  # the full cache: HF generate as it is
+        return _full_cache(model, input_ids, attention_mask, max_new_tokens)
     return _extreme_decoding(model, input_ids, attention_mask, method.kv_max, max_new_tokens)
+
+
+def has_hf_reference(method: Method) -> bool:
+    """Whether plain HF runs ``method`` (:func:`hf_reference_generate`): the full cache, and ED (a cache cut to its
+    newest pair); neither Batch-Max nor snap."""
+    return not method.evicts or method.keeps_newest
 
 
 def _full_cache(

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..core.method import BatchMax, ExtremeDecoding, FullCache, Method, Snap
+from ..core.method import Method, method_type
 from ..plan.planner import DTYPE_BYTES, ModelShape, max_slots, predict_pool
 
 #: A method wins a cell only if its answers reach this share of FKV's.
@@ -72,9 +72,14 @@ def methods(p: int = 64) -> list[Method]:
 
 
 def label(method: Method) -> str:
-    if isinstance(method, BatchMax):
-        return "BM" if method.rule == "paper" else f"BM ({method.rule})"
-    return {FullCache: "FKV", ExtremeDecoding: "ED", Snap: "snap"}[type(method)]
+    """``FKV``, ``ED``, ``BM``, ``snap``; ``BM (question)`` for a rule other than the paper's."""
+    return run_label(method.name, method.rule)
+
+
+def run_label(name: str, rule: str = "paper") -> str:
+    """:func:`label` of the method called ``name`` (a run's summary) under ``rule``."""
+    short = method_type(name).short_name
+    return short if rule == "paper" else f"{short} ({rule})"
 
 
 def budget_bytes(shape: ModelShape, prompt_len: int, new: int, budget: str, tp: int, dtype: str) -> int:
@@ -87,7 +92,7 @@ def attended_keys(method: Method, prompt_len: int) -> float:
     at most ``kv_max`` + a block (the first ``kv_max`` tokens causal), and its look-ahead probes' queries (a rule's
     ``lookahead`` tokens every ``probe_every`` blocks, over ``kv_max`` slots) counted as more prompt tokens."""
     L = prompt_len
-    if not isinstance(method, BatchMax) or L <= method.kv_max:
+    if not method.bounded_prefill or L <= method.kv_max:
         return (L + 1) / 2
     k, p = method.kv_max, method.p
     keys = k * (k + 1) / 2 + (L - k) * (k + (p + 1) / 2)
@@ -102,7 +107,7 @@ def prompt_token_flops(shape: ModelShape, method: Method, prompt_len: int) -> fl
     linear = 2 * (shape.params - (0 if shape.tied else shape.vocab * shape.hidden))  # a tied embedding is the head
     attention = 4 * shape.layers * shape.heads * shape.head_dim * attended_keys(method, prompt_len)
     probe_share = 0.0
-    if isinstance(method, BatchMax) and method.lookahead and prompt_len > method.kv_max:
+    if method.bounded_prefill and method.lookahead and prompt_len > method.kv_max:
         blocks = math.ceil((prompt_len - method.kv_max) / method.p)
         probe_share = method.lookahead * math.ceil(blocks / method.probe_every) / prompt_len
     return linear * (1 + probe_share) + attention
@@ -110,9 +115,9 @@ def prompt_token_flops(shape: ModelShape, method: Method, prompt_len: int) -> fl
 
 def held_pairs(method: Method, prompt_len: int, new: int) -> float:
     """Pairs per (request, KV head) a decode step reads, on average over the generation."""
-    if isinstance(method, FullCache):
+    if not method.evicts:
         return prompt_len + new / 2
-    if isinstance(method, ExtremeDecoding):
+    if method.keeps_newest:  # from 1 pair to kv_max, then back to the newest
         return (1 + method.kv_max) / 2
     return min(method.kv_max, prompt_len + new / 2)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from ..core.method import BatchMax, is_full_cache, takes_rule
+from ..core.method import METHODS, BatchMax, is_full_cache, takes_rule
 from .memory import MemoryConfig
 from .parts import DataConfig, GenerationConfig, ModelConfig, OutputConfig, ParallelConfig
 from .settings import ConfigError, Part, Setting
@@ -125,8 +125,8 @@ class RunConfig:
                 + ("; the methods tune chooses among: --method" if procedure == "tune" else "")
                 + ")",
             )
-            if procedure == "tune" and "ed" in [m.partition(":")[0] for m in sweep.methods] and "methods" in changed:
-                raise ConfigError("methods", "procedure tune chooses among fkv, bm and snap: ed is not one to pick")
+            if procedure == "tune" and "methods" in changed:
+                _refuse_untunable(sweep.methods)
         elif self.main_job:
             refuse(
                 ("methods", "batch_size"),
@@ -218,6 +218,17 @@ class RunConfig:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> RunConfig:
         return cls.from_dict(load_yaml(path), source=str(path))
+
+
+def _refuse_untunable(methods: list[str]) -> None:
+    """ConfigError for a method ``--procedure tune`` cannot pick: one that keeps the newest pair alone (ED), whose
+    first decode step drops the prompt whatever its kv_max, so no kv_max of the grid buys it answers."""
+    names = [m.partition(":")[0] for m in methods]
+    refused = [n for n in names if n in METHODS and METHODS[n].keeps_newest]
+    if refused:
+        picks = [n for n, kind in METHODS.items() if not kind.keeps_newest]
+        among = f"{', '.join(picks[:-1])} and {picks[-1]}"
+        raise ConfigError("methods", f"procedure tune chooses among {among}: {', '.join(refused)} is not one to pick")
 
 
 def _check_keys(data: dict[str, Any], source: str) -> None:

@@ -57,6 +57,16 @@ class Method:
     #: Whether ``rule`` chooses anything (only BM's eviction has rules); a class attribute, so that a method's
     #: name tells it before any instance exists (``method_type(name).takes_rule``).
     takes_rule: ClassVar[bool] = False
+    #: The kv_max a run serving text (lm-eval's ``batchmax`` model, the serving bench) gets; None: ``default_kv_max``.
+    serving_kv_max: ClassVar[int | None] = None
+    #: Whether the prompt is prefilled in blocks (Algorithm 1: kv_max, then p at a time) within kv_max slots.
+    bounded_prefill: ClassVar[bool] = False
+    #: Whether an eviction keeps the newest pair alone (Algorithm 3): 1 to kv_max pairs, no prompt pair but its last.
+    keeps_newest: ClassVar[bool] = False
+    #: The method in tables, plots and labels.
+    short_name: ClassVar[str]
+    #: Where reports list the method: the paper's tables' order (ED, FKV, BM), then snap (``METHODS``: the runs').
+    report_order: ClassVar[int]
 
     def __new__(cls, name: str | None = None, *args, **kwargs):
         if cls is Method:  # the registry: a name parses into its class
@@ -187,6 +197,8 @@ class FullCache(Method):
     name: str = "fkv"
     block: int = BLOCK
     evicts: ClassVar[bool] = False
+    short_name: ClassVar[str] = "FKV"
+    report_order: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 0:
@@ -219,6 +231,11 @@ class ExtremeDecoding(Method):
     name: str = "ed"
     default_kv_max: ClassVar[int] = 2
     least_kv_max: ClassVar[int] = 2
+    #: The paper's other ED setting (it runs 2 and 65, docs/memory-planning.md), lm-eval's default (docs/lm-eval.md).
+    serving_kv_max: ClassVar[int] = 65
+    keeps_newest: ClassVar[bool] = True
+    short_name: ClassVar[str] = "ED"
+    report_order: ClassVar[int] = 0
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return max(self.kv_max, prompt_len)
@@ -245,6 +262,9 @@ class BatchMax(Method):
     name: str = "bm"
     takes_rule: ClassVar[bool] = True
     default_kv_max: ClassVar[int] = 512
+    bounded_prefill: ClassVar[bool] = True
+    short_name: ClassVar[str] = "BM"
+    report_order: ClassVar[int] = 2
 
     def validate_kv_max(self) -> None:
         if self.kv_max <= self.p:
@@ -319,6 +339,8 @@ class Snap(Method):
     window: int = 32
     kernel: int = 7
     default_kv_max: ClassVar[int] = 512
+    short_name: ClassVar[str] = "snap"
+    report_order: ClassVar[int] = 3
 
     def __post_init__(self) -> None:
         for what in ("window", "kernel"):
@@ -403,3 +425,10 @@ def is_full_cache(method: str | Method) -> bool:
 def takes_rule(method: str | Method) -> bool:
     """Whether ``method`` (an instance or a name) has eviction rules to choose from (BM)."""
     return (method if isinstance(method, Method) else method_type(method)).takes_rule
+
+
+def serving_kv_max(method: str | Method) -> int | None:
+    """The kv_max a run serving text gives ``method`` (an instance or a name) when none is given (lm-eval's
+    ``batchmax`` model, the serving bench): its ``serving_kv_max``, else its ``default_kv_max`` (None: FKV)."""
+    kind = method if isinstance(method, Method) else method_type(method)
+    return kind.default_kv_max if kind.serving_kv_max is None else kind.serving_kv_max

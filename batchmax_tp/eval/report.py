@@ -17,7 +17,7 @@ import io
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from ..core.method import METHODS, BatchMax, ExtremeDecoding, FullCache, Method, Snap, is_full_cache
+from ..core.method import METHODS, Method
 from .files import atomic_write_text
 from .metrics import METRIC_LABELS
 
@@ -105,7 +105,6 @@ _MIB_OF = {
     "weights_mib": "weights_bytes",
 }
 
-_NAMES = {"ed": "ED", "fkv": "FKV", "bm": "BM", "snap": "snap"}
 _LEGEND = {
     "ed": "ED (decoding-only eviction)",
     "fkv": "FKV (full KV cache)",
@@ -113,8 +112,6 @@ _LEGEND = {
     "snap": "snap (SnapKV after the prompt)",
 }
 _COLOURS = {"ed": "tab:orange", "fkv": "tab:blue", "bm": "tab:green", "snap": "tab:red"}
-#: Methods in report order.
-_ORDER = {"ed": 0, "fkv": 1, "bm": 2, "snap": 3}
 #: Colours of further series of one method (another kv_max or rule), in order of appearance.
 _MORE_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
 _MARKERS = {"ed": "s", "fkv": "o", "bm": "^", "snap": "v"}
@@ -133,9 +130,43 @@ def _is_oom(s: dict[str, Any]) -> bool:
     return s.get("status") == "oom"
 
 
-def _is(s: dict[str, Any], kind: type[Method]) -> bool:
-    """Whether summary ``s`` is a run of the method class ``kind`` (its name parsed by the registry)."""
-    return METHODS.get(s["method"]) is kind
+def _is(s: dict[str, Any], kind: Callable[[type[Method]], bool]) -> bool:
+    """Whether summary ``s`` is a run of a method that ``kind`` picks by its class's facts (its name parsed by the
+    registry; a name this version does not know: no)."""
+    cls = METHODS.get(s["method"])
+    return cls is not None and kind(cls)
+
+
+def _full_cache(kind: type[Method]) -> bool:
+    """FKV, the accuracy reference: never evicts."""
+    return not kind.evicts
+
+
+def _decoding_only(kind: type[Method]) -> bool:
+    """ED, the throughput reference: keeps the newest pair alone."""
+    return kind.keeps_newest
+
+
+def _with_rules(kind: type[Method]) -> bool:
+    """BM: has eviction rules to choose among."""
+    return kind.takes_rule
+
+
+def _bounded(kind: type[Method]) -> bool:
+    """BM and snap: a slot of at most kv_max pairs that keeps part of the prompt."""
+    return kind.evicts and not kind.keeps_newest
+
+
+def _short(method: str) -> str:
+    """The method called ``method`` in tables and plots (``Method.short_name``; an unknown name as it is)."""
+    cls = METHODS.get(method)
+    return method if cls is None else cls.short_name
+
+
+def _order(method: str) -> int:
+    """Where reports list the method called ``method`` (``Method.report_order``; an unknown name last)."""
+    cls = METHODS.get(method)
+    return 9 if cls is None else cls.report_order
 
 
 def _lead(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -264,9 +295,9 @@ def _comparison(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
     to each throughput ratio: how far the runs' own batches spread (the machine's noise as the runs saw it); a
     difference smaller than that spread is called so."""
     ok = [s for s in summaries if not _is_oom(s)]
-    ed = [s for s in ok if _is(s, ExtremeDecoding) and s.get("tokens_per_s")]
-    fkv = [s for s in ok if _is(s, FullCache) and s.get("score") is not None]
-    bm = [s for s in ok if _is(s, BatchMax)]
+    ed = [s for s in ok if _is(s, _decoding_only) and s.get("tokens_per_s")]
+    fkv = [s for s in ok if _is(s, _full_cache) and s.get("score") is not None]
+    bm = [s for s in ok if _is(s, _with_rules)]
     if not bm or not (ed or fkv):
         return []
     best_ed = max(ed, key=lambda s: s["tokens_per_s"]) if ed else None
@@ -309,10 +340,13 @@ def _same_memory_ratios(summaries: Sequence[dict[str, Any]], label: str) -> list
     if not any(s.get("same_memory_budget_bytes") for s in summaries):
         return []
     ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
-    bm = sorted((s for s in summaries if _is(s, BatchMax)), key=lambda s: s.get("rule", "paper") != "paper")
-    bm += [s for s in summaries if _is(s, Snap)]
-    fkv = next((s for s in ok if _is(s, FullCache)), None)
-    ed = max((s for s in ok if _is(s, ExtremeDecoding)), key=lambda s: s["tokens_per_s"], default=None)
+    # BM (the paper's rule first), then snap
+    bm = sorted(
+        (s for s in summaries if _is(s, _bounded)),
+        key=lambda s: (_order(s["method"]), s.get("rule", "paper") != "paper"),
+    )
+    fkv = next((s for s in ok if _is(s, _full_cache)), None)
+    ed = max((s for s in ok if _is(s, _decoding_only)), key=lambda s: s["tokens_per_s"], default=None)
     if not bm:
         return []
     lines = ["## Same memory: BM's tokens/s over FKV's and ED's", ""]
@@ -330,7 +364,7 @@ def _same_memory_ratios(summaries: Sequence[dict[str, Any]], label: str) -> list
     ]
     for s in bm:
         kv = s.get("kv_max")
-        name = f"BM ({s.get('rule', 'paper')})" if _is(s, BatchMax) else _NAMES.get(s["method"], s["method"])
+        name = _short(s["method"]) + (f" ({s.get('rule', 'paper')})" if _is(s, _with_rules) else "")
         if _is_oom(s):
             lines.append(f"| {name} | {s['batch_size']} | {kv} | OOM | OOM | OOM | OOM |")
             continue
@@ -349,7 +383,7 @@ def _every_method(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
     if not any(s.get("same_memory_budget_bytes") for s in summaries):
         return []
     ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
-    fkv = next((s for s in ok if _is(s, FullCache)), None)
+    fkv = next((s for s in ok if _is(s, _full_cache)), None)
     lines = [
         "## Every method at its own fastest, one budget",
         "",
@@ -359,7 +393,7 @@ def _every_method(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
         "| decode s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for s in sorted(summaries, key=lambda s: (_ORDER.get(s["method"], 9), s.get("rule", "paper") != "paper")):
+    for s in sorted(summaries, key=lambda s: (_order(s["method"]), s.get("rule", "paper") != "paper")):
         kv = "N/A" if s.get("kv_max") is None else str(s["kv_max"])
         name = _method_label(s)
         if _is_oom(s):
@@ -372,7 +406,7 @@ def _every_method(summaries: Sequence[dict[str, Any]], label: str) -> list[str]:
             f"{_speed(s.get('tokens_per_s'))} | {_ratio(s.get('tokens_per_s'), fkv)} | {per_token} | "
             f"{'n/a' if s.get('decode_s') is None else format(s['decode_s'], '.1f')} |"
         )
-    bounded = [s for s in ok if not _is(s, FullCache) and not _is(s, ExtremeDecoding) and "decode_s" in s]
+    bounded = [s for s in ok if not _is(s, _full_cache) and not _is(s, _decoding_only) and "decode_s" in s]
     if fkv and bounded and "prefill_s" in fkv:
         best = min(bounded, key=lambda s: s["decode_s"])
         ceiling = fkv["generated_tokens"] / (fkv["prefill_s"] + best["decode_s"])
@@ -394,8 +428,8 @@ def _paper_setting(main: Sequence[dict[str, Any]], paper: Sequence[dict[str, Any
         found = [s for s in runs if _is(s, kind) and all(s.get(k, "paper") == v for k, v in match.items())]
         return found[0] if found else None
 
-    rows = [("ED", ExtremeDecoding, {}), ("FKV", FullCache, {}), ("BM", BatchMax, {"rule": "paper"})]
-    ed_static = find(paper, ExtremeDecoding)
+    rows = [("ED", _decoding_only, {}), ("FKV", _full_cache, {}), ("BM", _with_rules, {"rule": "paper"})]
+    ed_static = find(paper, _decoding_only)
     lines = [
         "## The paper's setting beside the continuous engine",
         "",
@@ -418,7 +452,7 @@ def _paper_setting(main: Sequence[dict[str, Any]], paper: Sequence[dict[str, Any
         lines.append(f"| {name} | {cells[0][0]} | {cells[0][1]} | {cells[1][0]} | {cells[1][1]} |")
     gains = []
     for where, runs in (("static (the paper's setting)", paper), ("continuous", main)):
-        ed, bm = find(runs, ExtremeDecoding), find(runs, BatchMax, rule="paper")
+        ed, bm = find(runs, _decoding_only), find(runs, _with_rules, rule="paper")
         if ed and bm and ed.get("tokens_per_s") and bm.get("tokens_per_s"):
             gains.append(f"{where} {100.0 * (bm['tokens_per_s'] / ed['tokens_per_s'] - 1.0):+.0f}%")
     if gains:
@@ -438,7 +472,7 @@ def plot_claim(summaries: Sequence[dict[str, Any]], path: str | os.PathLike[str]
         ax.scatter([s["tokens_per_s"]], [s["score"]], color=colour, marker=marker, s=60, zorder=3)
         name = _method_label(s) + ("" if s.get("kv_max") is None else f" {s['kv_max']}")
         ax.annotate(name, (s["tokens_per_s"], s["score"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
-    fkv = next((s for s in ok if _is(s, FullCache)), None)
+    fkv = next((s for s in ok if _is(s, _full_cache)), None)
     if fkv is not None:  # the accuracy the claim is made at
         ax.axhline(0.9 * fkv["score"], color="tab:gray", linestyle="--", linewidth=1, label="90% of FKV's")
         ax.legend(fontsize=8, loc="lower right")
@@ -482,7 +516,7 @@ def mask_timings(report: str) -> str:
 def _method_label(s: dict) -> str:
     """``BM``, or ``BM (snapkv)`` for a rule other than the paper's; ``ED, static`` for a run of the main job's
     paper setting."""
-    method = _NAMES.get(s["method"], s["method"])
+    method = _short(s["method"])
     rule = s.get("rule", "paper")
     label = method if rule == "paper" else f"{method} ({rule})"
     return f"{label}, static" if s.get("paper_setting") else label
@@ -522,7 +556,7 @@ def _subtitle(summaries: Sequence[dict[str, Any]]) -> str:
 
 
 def _methods(summaries: Sequence[dict[str, Any]]) -> list[str]:
-    return sorted({s["method"] for s in summaries}, key=lambda m: _ORDER.get(m, 9))
+    return sorted({s["method"] for s in summaries}, key=_order)
 
 
 def _series(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
@@ -592,7 +626,7 @@ def _point_series(runs: Sequence[dict[str, Any]]) -> list[tuple[str, str, tuple[
     rule, so that BM under each eviction rule has its own marker, colour and label (``BM (question)``)."""
     keys = sorted(
         {(s["method"], s.get("rule", "paper")) for s in runs},
-        key=lambda k: (_ORDER.get(k[0], 9), k[1] != "paper", k[1]),
+        key=lambda k: (_order(k[0]), k[1] != "paper", k[1]),
     )
     out, extra = [], 0
     for method, rule in keys:
@@ -642,7 +676,7 @@ def plot_metric_vs_kv(summaries: Sequence[dict[str, Any]], path: str | os.PathLi
 def _evicts(method: str) -> bool:
     """Whether the method called ``method`` evicts (FKV: a line across the metric plot, no kv_max)."""
     kind = METHODS.get(method)
-    return kind is None or not is_full_cache(kind.name)
+    return kind is None or kind.evicts
 
 
 def _plot_full_cache(ax, runs: list[dict[str, Any]], legend: str, colour: str) -> None:

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..core.method import BatchMax, ExtremeDecoding, Method, is_full_cache
+from ..core.method import Method, is_full_cache
 from .planner import (
     MemoryEstimate,
     ModelShape,
@@ -183,7 +183,7 @@ def _paper_info(
     """The paper procedure's plan as ``plan.json`` holds it: the budget and shapes, b0 and where it came from (the
     planner's ``guess`` or the ``measured`` trials), the kv_max grid and which of it has no fitting batch, the runs."""
     b0 = specs[0].batch_size
-    planned = {s.kv_max for s in specs if isinstance(s.method, BatchMax)}
+    planned = {s.kv_max for s in specs if s.method.takes_rule}  # BM's runs: the kv_max grid, sized with its rule
     return {
         "procedure": "paper",
         "memory_budget_bytes": budget,
@@ -352,7 +352,7 @@ def same_memory_plan(
     fits = [max_slots(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
     # The prompts fill the largest batch of a method whose slots hold their prompts: ED's never do, and fit hundreds,
     # which would make every method answer up to ``max_prompts`` prompts.
-    holding = [f for m, f in zip(methods, fits) if not isinstance(m, ExtremeDecoding)]
+    holding = [f for m, f in zip(methods, fits) if not m.keeps_newest]
     largest = max(holding or fits, default=0)
     prompts = max(num_samples, min(largest, max_prompts))
     if largest > prompts:

@@ -251,9 +251,9 @@ def _why(best: Trial | None, picks: list[Trial], goal: float, target: float) -> 
     """One line: the pick, its tokens/s and metric against the goal, and each other method's best that met it."""
     if best is None:
         return f"no configuration that fits the budget reaches {target} x FKV's metric ({goal:.3f})"
-    kv = "" if best.kv_max is None or best.method == "fkv" else f" kv_max={best.kv_max}"
+    kv = "" if best.kv_max is None or is_full_cache(best.method) else f" kv_max={best.kv_max}"
     others = ", ".join(
-        f"{t.method}{'' if t.kv_max is None or t.method == 'fkv' else f' kv_max={t.kv_max}'} b={t.batch} "
+        f"{t.method}{'' if t.kv_max is None or is_full_cache(t.method) else f' kv_max={t.kv_max}'} b={t.batch} "
         f"{t.tokens_per_s:.1f}"
         for t in picks
         if t is not best
