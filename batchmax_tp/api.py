@@ -6,20 +6,22 @@
     outs[0].tokens, outs[0].text
 
 ``run_prompts`` serves the prompts (token-id lists, or strings with ``tokenizer``) continuously
-(``core.serve.serve``) in as many slots as fit one memory budget: by default what FKV needs for
+(``core.engine.Engine``) in as many slots as fit one memory budget: by default what FKV needs for
 ``plan.budget.STORY_FKV_BATCH`` (4) of these prompts, the comparison the project makes (``memory_budget``: bytes per
-rank instead; ``slots``: a number of slots instead). Everything else ``serve`` takes passes through.
+rank instead; ``slots``: a number of slots instead). ``sampling``, ``batching``, ``record`` and ``compile`` pass
+through to the engine (``core.serve``'s ``Sampling``, ``Batching`` and ``Record``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from .core.engine import Engine
 from .core.method import Method
-from .core.serve import Request, RequestOutput, serve
+from .core.serve import Batching, Record, Request, RequestOutput, Sampling
 from .plan.budget import STORY_FKV_BATCH
 from .plan.planner import ModelShape, max_slots, predict
 
@@ -61,11 +63,16 @@ def run_prompts(
     tokenizer=None,
     slots: int | None = None,
     memory_budget: int | None = None,
-    **options,
+    sampling: Sampling | None = None,
+    batching: Batching = Batching(),
+    record: Record = Record(),
+    compile: str = "auto",
 ) -> list[PromptOutput]:
-    """Generate ``max_new_tokens`` for each prompt (at most; EOS ends one unless ``ignore_eos``), in order. Strings
-    are encoded with ``tokenizer`` (its special tokens added, as the model expects). ``slots`` None: as many as fit
-    the same memory (``same_memory_slots``), at most the prompts. ``options``: ``serve``'s keywords."""
+    """Generate ``max_new_tokens`` for each prompt (at most; EOS ends one unless ``Sampling(ignore_eos=True)``), in
+    order. Strings are encoded with ``tokenizer`` (its special tokens added, as the model expects). ``slots`` None:
+    as many as fit the same memory (``same_memory_slots``), at most the prompts. ``sampling`` (None: greedy) gets
+    the tokenizer's EOS and pad ids where it gives none; ``batching``, ``record`` and ``compile``: the engine's
+    (``Engine``, ``Engine.run``)."""
     if not prompts:
         return []
     ids = []
@@ -78,10 +85,13 @@ def run_prompts(
     if slots is None:
         longest = max(len(p) for p in ids)
         slots = min(len(ids), same_memory_slots(model, method, longest, max_new_tokens, memory_budget))
+    sampling = Sampling() if sampling is None else sampling
     if tokenizer is not None:
-        options.setdefault("eos_token_id", tokenizer.eos_token_id)
-        options.setdefault("pad_token_id", tokenizer.pad_token_id)
-    served = serve(model, [Request(p, max_new_tokens) for p in ids], method, slots, **options)
+        eos = tokenizer.eos_token_id if sampling.eos_token_id is None else sampling.eos_token_id
+        pad = tokenizer.pad_token_id if sampling.pad_token_id is None else sampling.pad_token_id
+        sampling = replace(sampling, eos_token_id=eos, pad_token_id=pad)
+    engine = Engine(model, method, slots, compile=compile, batching=batching)
+    served = engine.run([Request(p, max_new_tokens) for p in ids], sampling, record=record)
     texts = [None] * len(ids)
     if tokenizer is not None:
         texts = [tokenizer.decode(out.tokens, skip_special_tokens=True) for out in served.outputs]

@@ -7,7 +7,7 @@ context + continuation, as ``--model hf`` computes it, would never evict (lm-eva
 the scores. Each request runs its own schedule on its unpadded prompt, so its result does not depend on the batch.
 
 - ``loglikelihood``: contexts longest first; the choices of one context are admitted together and their prefill runs
-  once (``serve(share_prompts=True)``: exact, a slot's state after its prompt depends on the prompt only);
+  once (``Batching(share_prompts=True)``: exact, a slot's state after its prompt depends on the prompt only);
 - ``loglikelihood_rolling``: lm-eval's rolling windows, each scored as above;
 - ``generate_until``: continuous batching; a request stops at its first stop string (its slot frees at once) or
   at ``max_gen_toks``; the text is cut at the stop string as lm-eval's ``hf`` model cuts it.
@@ -34,7 +34,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import lm_eval.models  # noqa: F401 - lm-eval's own models register first: registering ours must not hide them
 import torch
@@ -53,14 +53,14 @@ from transformers import AutoTokenizer
 
 from . import models, parallel
 from .config import EMBEDDED_MODEL
-from .core.method import METHODS, BatchMax, Method
-from .core.serve import Request, RequestOutput, serve
+from .core.engine import Engine
+from .core.method import METHODS, Method, serving_kv_max
+from .core.serve import Batching, Request, RequestOutput, Sampling
 from .eval import replicas
 from .plan.planner import DTYPE_BYTES, ModelShape, max_slots, parse_bytes
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_MAX = {"bm": 512, "ed": 65, "snap": 512}  # the headline BM budget (snap: the same); the paper's ED
 DEFAULT_MAX_BATCH = 64  # the cap of batch_size=auto without max_batch_size (lm-eval's hf model uses 64 too)
 CUDA_BUDGET_FRACTION = 0.9  # batch_size=auto on a GPU without memory_budget: this share of its memory
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_k", "top_p")
@@ -115,10 +115,10 @@ class Settings:
         return s
 
     def method_(self) -> Method:
-        """The ``Method`` these settings name (``kv_max`` defaults: BM 512, ED 65)."""
+        """The ``Method`` these settings name (``kv_max`` defaults: ``core.method.serving_kv_max``, BM 512, ED 65)."""
         if self.method not in METHODS:
             raise ModelArgsError(f"model_args: method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        kv_max = self.kv_max if self.kv_max is not None else DEFAULT_KV_MAX.get(self.method)
+        kv_max = self.kv_max if self.kv_max is not None else serving_kv_max(self.method)
         try:
             return Method(self.method, kv_max=kv_max, p=self.p, rule=self.rule)
         except ValueError as err:
@@ -135,8 +135,9 @@ class Settings:
         """What a response depends on besides the request: part of every ``--use_cache`` file name."""
         m = self.method_()
         model = self.pretrained.strip("/").replace("/", "__").replace(":", "-")
-        parts = [model, m.name] + ([] if m.held_kv_max is None else [f"kv{m.kv_max}"])
-        parts += [f"p{m.p}", m.rule] if isinstance(m, BatchMax) else []  # BM: its blocks of p and its rule
+        parts = [model, m.slug()] + ([] if m.held_kv_max is None else [f"kv{m.kv_max}"])  # slug: snap's window...
+        parts += [f"p{m.p}"] if m.evicts and not m.keeps_newest else []  # BM's blocks, snap's decode eviction
+        parts += [m.rule] if m.takes_rule else []
         return "batchmax-" + "-".join(parts + [self.dtype, f"len{self.max_length or 'model'}"])
 
 
@@ -405,19 +406,15 @@ class BatchMaxLM(TemplateLM):
             return parse_bytes(str(self.settings.memory_budget))
         return int(torch.cuda.get_device_properties(self._device).total_memory * CUDA_BUDGET_FRACTION)
 
-    def _serve(self, requests: list[Request], slots: int, bar: tqdm, **kwargs) -> list[RequestOutput]:
-        """``core.serve`` on this replica's model; the run's time and tokens go into ``stats``."""
+    def _serve(
+        self, requests: list[Request], slots: int, bar: tqdm, sampling: Sampling, batching: Batching
+    ) -> list[RequestOutput]:
+        """``core.engine.Engine`` on this replica's model (the tokenizer's pad id in ``sampling``); the run's time
+        and tokens go into ``stats``."""
         start = time.perf_counter()
-        done = serve(
-            self._model,
-            requests,
-            self.method,
-            slots,
-            pad_token_id=self.tokenizer.pad_token_id,
-            on_finish=lambda i, out: bar.update(1),
-            tp_group=self.tp_group,
-            **kwargs,
-        )
+        engine = Engine(self._model, self.method, slots, tp_group=self.tp_group, batching=batching)
+        sampling = replace(sampling, pad_token_id=self.tokenizer.pad_token_id)
+        done = engine.run(requests, sampling, on_finish=lambda i, out: bar.update(1))
         self.stats["wall_s"] += time.perf_counter() - start
         self.stats["prefill_s"] += done.prefill_s
         self.stats["decode_s"] += done.decode_s
@@ -456,7 +453,9 @@ class BatchMaxLM(TemplateLM):
         bar = self._bar(len(unique), "batchmax loglikelihood", disable_tqdm)
         for wave in _waves(groups, slots):
             reqs = [Request(p, len(c), continuation=c) for p, c in wave]
-            outs = self._serve(reqs, min(slots, len(reqs)), bar, ignore_eos=True, share_prompts=True)
+            outs = self._serve(
+                reqs, min(slots, len(reqs)), bar, Sampling(ignore_eos=True), Batching(share_prompts=True)
+            )
             for (p, c), out in zip(wave, outs):
                 results[(p, c)] = (float(sum(out.logprobs)), list(out.tokens) == list(c))
         bar.close()
@@ -502,7 +501,7 @@ class BatchMaxLM(TemplateLM):
         return results
 
     def _generate(self, requests, indices: list[int], bar: tqdm) -> list[str]:
-        """One ``serve`` run for requests that share their generation settings."""
+        """One engine run for requests that share their generation settings."""
         kwargs = normalize_gen_kwargs(dict(requests[indices[0]].args[1]), self.max_gen_toks)
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
@@ -519,7 +518,8 @@ class BatchMaxLM(TemplateLM):
             text = self.tok_decode(tokens[-window:], skip_special_tokens=False)
             return any(s and s in text for s in until)
 
-        outs = self._serve(reqs, self._slots(reqs), bar, eos_token_id=self.eot_token_id, stop=stop, **sampling)
+        chosen = Sampling(eos_token_id=self.eot_token_id, stop=stop, **sampling)
+        outs = self._serve(reqs, self._slots(reqs), bar, chosen, Batching())
         texts = [""] * len(indices)
         for j, out in zip(order, outs):
             texts[j] = postprocess_generated_text(self.tok_decode(out.tokens), stop=until, think_end_token=None)
@@ -527,7 +527,7 @@ class BatchMaxLM(TemplateLM):
 
 
 def _sampling(kwargs: dict) -> dict:
-    """``serve``'s sampling arguments from lm-eval's normalised generation kwargs (greedy unless ``do_sample``)."""
+    """The ``Sampling`` arguments from lm-eval's normalised generation kwargs (greedy unless ``do_sample``)."""
     unknown = sorted(k for k in kwargs if k not in SAMPLING_KWARGS)
     if unknown:
         raise ValueError(

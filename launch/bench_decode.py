@@ -11,7 +11,7 @@ Measurements, in one process (a padded batch of ``--batch`` prompts on the engin
    (projections, MLP, norms, lm_head).
 2. **FKV's pass** at the same batch on prompts of ``kv_max`` tokens, so its decode passes attend over as many
    pairs as BM keeps.
-3. **With ``--compiled``: the decode pass eager against compiled** (``serve(compile=...)``), BM and FKV:
+3. **With ``--compiled``: the decode pass eager against compiled** (``Engine(compile=...)``), BM and FKV:
    ``--batch`` requests of ``--kv-max + 64`` tokens in as many slots, ``--compiled-new`` new tokens each, run
    eager, compiled, compiled, eager in one process; the median of each run's last 100 decode passes, and the first
    compiled run's wall time (its compiling). About 8 minutes on 2 cores at --batch 16.
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.core import attention, pool  # noqa: E402
 from batchmax_tp.core import serve as serve_mod  # noqa: E402
-from batchmax_tp.core.engine import generate  # noqa: E402
+from batchmax_tp.core.engine import Engine, generate  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 
@@ -131,7 +131,7 @@ def compiled_vs_eager(model, methods: list[Method], batch: int, prompt_len: int,
             for mode in ("none", "default", "default", "none"):
                 times.clear()
                 t0 = time.perf_counter()
-                serve_mod.serve(model, requests, m, batch, ignore_eos=True, compile=mode)
+                Engine(model, m, batch, compile=mode).run(requests, serve_mod.Sampling(ignore_eos=True))
                 key = "eager" if mode == "none" else "compiled"
                 row[f"{key}_ms"].append(1e3 * statistics.median(times[-100:]))
                 row[f"{key}_wall_s"].append(time.perf_counter() - t0)

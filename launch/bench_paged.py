@@ -28,8 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from batchmax_tp.core.engine import Engine  # noqa: E402
 from batchmax_tp.core.method import BLOCK, Method  # noqa: E402
-from batchmax_tp.core.serve import Request, serve  # noqa: E402
+from batchmax_tp.core.serve import Request, Sampling  # noqa: E402
 from batchmax_tp.eval.files import atomic_write_text  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 
@@ -55,7 +56,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def run(model, requests, method, slots: int, compile: str) -> dict:
     t0 = time.perf_counter()
-    out = serve(model, requests, method, slots, ignore_eos=True, compile=compile)
+    out = Engine(model, method, slots, compile=compile).run(requests, Sampling(ignore_eos=True))
     wall = time.perf_counter() - t0
     decodes = out.passes - len(requests)  # one prefill pass per request (a group of one length: one pass)
     at_once = _most_at_once(out)

@@ -26,8 +26,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.bench.regimes import label, prompt_token_flops  # noqa: E402
-from batchmax_tp.core.method import Method  # noqa: E402
-from batchmax_tp.core.serve import Request, serve  # noqa: E402
+from batchmax_tp.core.engine import Engine  # noqa: E402
+from batchmax_tp.core.method import Method, method_type  # noqa: E402
+from batchmax_tp.core.serve import Request, Sampling  # noqa: E402
 from batchmax_tp.eval.files import atomic_write_text  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 from batchmax_tp.plan.planner import ModelShape  # noqa: E402
@@ -55,14 +56,14 @@ def method_of(spec: str) -> Method:
     """``bm:rule=question`` -> Method("bm", kv_max=512, rule="question"); kv_max 512 unless the spec says."""
     name, _, args = spec.partition(":")
     kwargs = dict(kv.split("=", 1) for kv in args.split(";") if kv)
-    if name != "fkv":
+    if method_type(name).evicts:
         kwargs.setdefault("kv_max", "512")
     return Method(name, **{k: int(v) if v.isdigit() else v for k, v in kwargs.items()})
 
 
 def timed(model, requests: list[Request], method: Method) -> float:
-    """Prefill seconds (the serve's own clock: prompts and first tokens) of ``requests``, served at once."""
-    out = serve(model, requests, method, len(requests), ignore_eos=True)
+    """Prefill seconds (the engine's own clock: prompts and first tokens) of ``requests``, served at once."""
+    out = Engine(model, method, len(requests)).run(requests, Sampling(ignore_eos=True))
     return out.prefill_s
 
 

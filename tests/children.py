@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tiny.py beside
 from tiny import tiny_random_model  # noqa: E402
 
 from batchmax_tp import parallel  # noqa: E402
-from batchmax_tp.core.engine import generate  # noqa: E402
+from batchmax_tp.core.engine import Engine, generate  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
-from batchmax_tp.core.serve import Request, serve  # noqa: E402
+from batchmax_tp.core.serve import Request, Sampling  # noqa: E402
 
 #: 9 query / 3 KV heads, as the embedded model (tests/test_tp.py's GQA_9_3).
 LLAMA_9_3 = dict(hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16, initializer_range=0.2)
@@ -69,7 +69,8 @@ def killed_rank_mid_serving() -> None:
             say("rank 1: killed")
             die()
 
-    serve(model, requests, Method("bm", 32, 8), 2, eos_token_id=7, on_finish=finished, tp_group=model.batchmax_tp_group)
+    engine = Engine(model, Method("bm", 32, 8), 2, tp_group=model.batchmax_tp_group)
+    engine.run(requests, Sampling(eos_token_id=7), on_finish=finished)
     say(f"rank {layout.rank}: served every request")
 
 

@@ -126,7 +126,7 @@ class AttentionPasses:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.llama import modeling_llama
 
-        from batchmax_tp.core import attention
+        from batchmax_tp.core import attention, hf_cache
 
         self.order: list[str] = []  # CALL / MASK, in call order
         self._on = False
@@ -144,6 +144,7 @@ class AttentionPasses:
         for name in ("sdpa",):
             monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, name, region(ALL_ATTENTION_FUNCTIONS[name], self.CALL))
         monkeypatch.setattr(attention, "batchmax_attention", region(attention.batchmax_attention, self.CALL))
+        monkeypatch.setattr(hf_cache, "drop_in_attention", region(hf_cache.drop_in_attention, self.CALL))
         monkeypatch.setattr(modeling_llama, "create_causal_mask", region(masking_utils.create_causal_mask, self.MASK))
 
     @contextlib.contextmanager

@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from batchmax_tp.bench.hf_reference import hf_reference_generate
-from batchmax_tp.core import attention
+from batchmax_tp.core import hf_cache
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.hf_cache import BatchMaxCache
 from batchmax_tp.core.method import FullCache, Method
@@ -54,7 +54,7 @@ def score_path(model, ids, mask, method, n) -> SimpleNamespace:
     """The score-collecting path: HF's ``model.generate`` drop-in on a ``BatchMaxCache`` (reserved to the run's
     size) with the "batchmax" attention: its tokens, logits, cache and kept positions."""
     cache = BatchMaxCache(method, reserve=method.capacity(ids.shape[1], n))
-    with torch.no_grad(), attention.use_batchmax_attention(model):
+    with torch.no_grad(), hf_cache.use_drop_in(model):
         res = model.generate(
             ids,
             attention_mask=mask,

@@ -12,9 +12,9 @@ from multiproc import FAMILIES, make_model, prompt_batch, run_tp
 from reference import reference_generate, rule_string
 from tiny import tiny_llama, tiny_random_model
 
-from batchmax_tp.core.engine import generate
+from batchmax_tp.core.engine import Engine, generate
 from batchmax_tp.core.method import Method
-from batchmax_tp.core.serve import Request, serve
+from batchmax_tp.core.serve import Record, Request, Sampling
 from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict, predict_pool
 
 ATOL = 1e-4
@@ -82,8 +82,8 @@ def test_shared_budget_matches_the_reference_continuous():
     lengths, new = [9, 40, 61, 23], [6, 12, 3, 14]
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
     method = Method("bm", kv_max=16, p=4, rule=shared("question", QUESTION, 0))
-    out = serve(model, [Request(pr, n) for pr, n in zip(prompts, new)], method, 2, ignore_eos=True,
-                return_logits=True, keep_positions=True)  # fmt: skip
+    requests = [Request(pr, n) for pr, n in zip(prompts, new)]
+    out = Engine(model, method, 2).run(requests, Sampling(ignore_eos=True), record=Record(logits=True, positions=True))
     for pr, n, o in zip(prompts, new, out.outputs):
         ids = torch.tensor([pr])
         ref = reference_generate(

@@ -387,6 +387,23 @@ def test_evaluate_run_with_fake_engine(tmp_path):
     assert summary["accuracy"] == pytest.approx(0.5) and summary["status"] == "done"
 
 
+def test_a_static_run_gives_its_engine_the_runs_compile_and_tensor_parallel_group(tmp_path):
+    """The paper's padded batches run on the same engine as a continuous run, with the same settings: each batch's
+    generate gets the run's ``compile`` and the model's tensor-parallel group (without them, on CUDA under tensor
+    parallelism, ``auto`` would capture CUDA graphs and no rank would take the first rank's tokens)."""
+    samples = [SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference=None, tokens_cut=0) for i in range(3)]
+    cfg = RunConfig(
+        methods=["bm"], kv_max=128, p=16, batch_size=2, max_new_tokens=4, out=str(tmp_path), scheduler="static",
+        compile="none",
+    )  # fmt: skip
+    calls, group = [], object()
+    engine = dict(generate_fn=make_fake_generate(calls), encode_fn=fake_encode, progress=False)
+    model = SimpleNamespace(batchmax_tp_group=group)
+    evaluate_run(RunContext(model, FakeTokenizer(), **engine), samples, cfg.sweep.run_specs()[0], cfg)
+    assert [c["batch"] for c in calls] == [2, 1]
+    assert all(c["compile"] == "none" and c["tp_group"] is group for c in calls)
+
+
 def test_atomic_write_leaves_no_temp_files(tmp_path):
     target = tmp_path / "sub" / "x.json"
     atomic_write_text(target, "one")

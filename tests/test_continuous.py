@@ -4,6 +4,8 @@ ranks stay in lock-step."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,10 +17,10 @@ from conftest import requires_deepspeed
 from multiproc import FAMILIES, ROOT, assert_rank1_killed_and_nobody_finished, free_port, run_child
 from tiny import tiny_random_model
 
-from batchmax_tp.core.engine import generate
+from batchmax_tp.core.engine import Engine, generate
 from batchmax_tp.core.method import BatchMax, Method
 from batchmax_tp.core.scheduler import Scheduler
-from batchmax_tp.core.serve import Request, check_requests, serve
+from batchmax_tp.core.serve import Batching, Record, Request, Sampling, check_requests, kv_layout
 from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict_pool
 
 P, KV = 16, 96
@@ -85,16 +87,8 @@ def test_every_request_equals_generate_alone(family, key, references):
     for slots in (1, 2, 3, 12):
         # prefill whole before decoding, or one block between decode steps (one slot: the same passes either way)
         for budget in (None,) if slots == 1 else (None, P):
-            out = serve(
-                model,
-                requests,
-                METHODS[key],
-                slots,
-                ignore_eos=True,
-                prefill_budget=budget,
-                return_logits=True,
-                keep_positions=True,
-            )
+            engine = Engine(model, METHODS[key], slots, batching=Batching(prefill_budget=budget))
+            out = engine.run(requests, Sampling(ignore_eos=True), record=Record(logits=True, positions=True))
             check_against_alone(out, refs)
             used = len({slot for _, slot, _ in out.admissions})
             if METHODS[key].pass_tokens(slots) is None and getattr(METHODS[key], "paged", False):
@@ -127,14 +121,10 @@ def test_requests_of_one_length_prefill_together_and_still_equal_generate_alone(
     else:  # 4 rows x a first chunk of p tokens <= kv_max: one pass, rows admitted alone
         assert [w.row for w in step.work] == [0, 1, 2, 3] and [w.phase.size for w in step.work] == [P] * 4
         assert [rows for rows, _ in step.admitted] == [range(r, r + 1) for r in range(4)]
-    out = serve(
-        model,
+    out = Engine(model, METHODS[key], 4).run(
         [Request(p, n) for p, n in zip(ps, new)],
-        METHODS[key],
-        4,
-        ignore_eos=True,
-        return_logits=True,
-        keep_positions=True,
+        Sampling(ignore_eos=True),
+        record=Record(logits=True, positions=True),
     )
     check_against_alone(out, refs)
 
@@ -143,13 +133,14 @@ def test_requests_of_one_length_prefill_together_and_still_equal_generate_alone(
 def test_no_request_is_no_pass(key):
     """A replica whose share is already done (a resumed run) schedules nothing, for every method."""
     assert Scheduler(METHODS[key], [], [], 3).next_step() is None
-    assert serve(model_of("llama"), [], METHODS[key], 3).outputs == []
+    assert Engine(model_of("llama"), METHODS[key], 3).run([]).outputs == []
 
 
 def test_admission_is_a_pure_function_of_the_inputs():
     model = model_of("llama")
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
-    runs = [serve(model, requests, METHODS["bm"], 3, ignore_eos=True, prefill_budget=P) for _ in range(2)]
+    engine = Engine(model, METHODS["bm"], 3, batching=Batching(prefill_budget=P))
+    runs = [engine.run(requests, Sampling(ignore_eos=True)) for _ in range(2)]
     assert runs[0].admissions == runs[1].admissions
     sched = Scheduler(METHODS["bm"], LENGTHS, NEW, 3, P)  # the schedule alone, no model: the same admissions
     while (step := sched.next_step()) is not None:
@@ -165,7 +156,7 @@ def test_eos_honoured_frees_the_slot_and_tokens_match_through_eos(key):
     # An EOS id the model does produce: the token that prompt 0, alone, generates at its 4th step.
     eos = alone(model, ps[0], method, 20)[0][3]
     requests = [Request(p, 20) for p in ps]
-    out = serve(model, requests, method, 2, eos_token_id=eos, return_logits=True, keep_positions=True)
+    out = Engine(model, method, 2).run(requests, Sampling(eos_token_id=eos), record=Record(logits=True, positions=True))
     ended_early = 0
     for i, (p, o) in enumerate(zip(ps, out.outputs)):
         tokens, logits, _ = alone(model, p, method, 20, eos=eos)  # alone decodes on past EOS: kept sets differ
@@ -181,7 +172,7 @@ def test_kv_bytes_equal_the_prediction_and_stay_constant(key):
     model = model_of("llama")
     method = METHODS[key]
     requests = [Request(p, 8) for p in prompts()]
-    out = serve(model, requests, method, 3, ignore_eos=True)
+    out = Engine(model, method, 3).run(requests, Sampling(ignore_eos=True))
     want = predict_pool(ModelShape.from_config(model.config), method, 3, max(LENGTHS), 8)
     assert out.peak_kv_bytes == want.kv
     if key != "ed":  # ED's staging buffer comes and goes with each slot's prefill (counted in the peak)
@@ -210,7 +201,7 @@ def test_attention_calls_hold_what_they_report(monkeypatch, key):
 
     # The attention proper of each pass (after the pass's evictions and writes, whose few [rows, H, C] temporaries
     # are not workspace the planner counts, as in a static run's cache update).
-    for name, kind in (("_rows_block", "prefill"), ("_rows_probe", "probe"), ("_decode_attention", "decode")):
+    for name, kind in (("_rows_block", "prefill"), ("_rows_probe", "probe"), ("decode_attention", "decode")):
         original = getattr(attention, name)
 
         def labelled(*args, _fn=original, _kind=kind, **kwargs):
@@ -224,7 +215,7 @@ def test_attention_calls_hold_what_they_report(monkeypatch, key):
         monkeypatch.setattr(attention, name, labelled)
     model = model_of("llama")
     with AllocationTracker() as t:
-        out = serve(model, [Request(p, 6) for p in prompts()[:6]], METHODS[key], 3, ignore_eos=True)
+        out = Engine(model, METHODS[key], 3).run([Request(p, 6) for p in prompts()[:6]], Sampling(ignore_eos=True))
     measured = t.spans(label)
     assert len(measured) == len(reported) == len(kinds) > 0
     assert "decode" in kinds and "prefill" in kinds
@@ -306,17 +297,8 @@ def _tp_worker(rank, world, port, outdir, family, eos, compile="none"):
     replay.compiled_decode = lambda: compiled
     results = {}
     for key, method in TP_METHODS.items():
-        out = serve(
-            model,
-            _tp_requests(),
-            method,
-            2,
-            eos_token_id=eos,
-            ignore_eos=eos is None,
-            return_logits=True,
-            tp_group=model.batchmax_tp_group,
-            compile=compile,
-        )
+        engine = Engine(model, method, 2, tp_group=model.batchmax_tp_group, compile=compile)
+        out = engine.run(_tp_requests(), Sampling(eos_token_id=eos, ignore_eos=eos is None), record=Record(logits=True))
         results[key] = dict(
             tokens=[o.tokens for o in out.outputs],
             admissions=out.admissions,
@@ -341,7 +323,8 @@ def test_tp_serves_the_tokens_of_one_process(tmp_path, tp_size, eos, compile):
         assert [got[key]["graphs"] for got in ranks] == [1 if compile == "default" else 0] * tp_size
     model = model_of("phi3")  # 6 KV heads: split 3+3 or 2+2+2
     for key, method in TP_METHODS.items():
-        single = serve(model, _tp_requests(), method, 2, eos_token_id=eos, ignore_eos=eos is None, return_logits=True)
+        sampling = Sampling(eos_token_id=eos, ignore_eos=eos is None)
+        single = Engine(model, method, 2).run(_tp_requests(), sampling, record=Record(logits=True))
         for got in ranks:
             assert got[key]["tokens"] == [o.tokens for o in single.outputs]
             assert got[key]["admissions"] == single.admissions
@@ -388,7 +371,8 @@ def test_a_pass_computes_its_rows_real_tokens_and_at_most_chunk_minus_one_masked
     fed = []  # (rows, columns) of every prefill pass the model computed
     hook = model.model.embed_tokens.register_forward_hook(lambda m, a, o: fed.append(tuple(a[0].shape)))
     try:
-        out = serve(model, [Request(p, 3) for p in ps], METHODS["bm"], 5, ignore_eos=True, return_logits=True)
+        engine = Engine(model, METHODS["bm"], 5)
+        out = engine.run([Request(p, 3) for p in ps], Sampling(ignore_eos=True), record=Record(logits=True))
     finally:
         hook.remove()
     prefill = [(r, n) for r, n in fed if n > 1]
@@ -407,9 +391,9 @@ def test_a_lone_rows_first_block_runs_in_one_pass(key, references):
     model, i = model_of("llama"), LENGTHS.index(288)
     fed = []  # columns of every prefill pass the model computed
     hook = model.model.embed_tokens.register_forward_hook(lambda m, a, o: fed.append(a[0].shape[1]))
-    kw = dict(ignore_eos=True, return_logits=True, keep_positions=True)
+    sampling, record = Sampling(ignore_eos=True), Record(logits=True, positions=True)
     try:
-        lone = serve(model, [Request(prompts()[i], NEW[i])], METHODS[key], 1, **kw)
+        lone = Engine(model, METHODS[key], 1).run([Request(prompts()[i], NEW[i])], sampling, record=record)
     finally:
         hook.remove()
     window = METHODS[key].lookahead
@@ -424,8 +408,9 @@ def test_the_pass_size_changes_no_answer(key, references):
     model, refs = model_of("llama"), references("llama", key)
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
     for tokens in (P, 10**6):
-        kw = dict(ignore_eos=True, return_logits=True, keep_positions=True, pass_tokens=tokens)
-        check_against_alone(serve(model, requests, METHODS[key], 12, **kw), refs)
+        engine = Engine(model, METHODS[key], 12, batching=Batching(pass_tokens=tokens))
+        out = engine.run(requests, Sampling(ignore_eos=True), record=Record(logits=True, positions=True))
+        check_against_alone(out, refs)
 
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
@@ -478,7 +463,7 @@ def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
 
     monkeypatch.setattr(serve_mod._Run, "decode", watched)
     requests = [Request(p, n) for p, n in zip(prompts(), [30, 2, 25, 40, 3, 20])]
-    serve(model_of("llama"), requests, METHODS[key], 3, eos_token_id=None, ignore_eos=True)
+    Engine(model_of("llama"), METHODS[key], 3).run(requests, Sampling(eos_token_id=None, ignore_eos=True))
     paged = getattr(METHODS[key], "paged", False)  # more requests at once: fewer passes
     assert passes[0] >= (30 if paged else 40) and copies[0] == expected[0]
     assert (expected[0] > passes[0]) == METHODS[key].evicts  # decode passes evicted (every method but FKV)
@@ -527,17 +512,17 @@ def test_tokens_are_read_a_pass_late_when_no_request_ends_on_them(monkeypatch, k
     model, method = model_of("llama"), METHODS[key]
     requests = [Request(p, n) for p, n in zip(prompts(), [30, 2, 25, 40, 3, 20])]
 
-    def run(**kw):
+    def run(sampling):
         handed = []
 
         def on_finish(i, out):
             handed.append((i, list(out.tokens)))
             events.append(("finish", i))
 
-        out = serve(model, requests, method, 3, return_logits=True, on_finish=on_finish, **kw)
+        out = Engine(model, method, 3).run(requests, sampling, on_finish=on_finish, record=Record(logits=True))
         return out, handed
 
-    lagged, handed = run(ignore_eos=True)
+    lagged, handed = run(Sampling(ignore_eos=True))
     copies = {key: at for at, (kind, key) in enumerate(events) if kind == "copy"}
     reads = {key: at for at, (kind, key) in enumerate(events) if kind == "read"}
     last_pass = max(at for at, (kind, _) in enumerate(events) if kind == "pass")
@@ -548,7 +533,7 @@ def test_tokens_are_read_a_pass_late_when_no_request_ends_on_them(monkeypatch, k
     assert [len(t) for _, t in sorted(handed)] == [30, 2, 25, 40, 3, 20]
     unused = sorted(set(range(model.config.vocab_size)) - {t for o in lagged.outputs for t in o.tokens})[0]
     events.clear()
-    at_once, handed_at_once = run(eos_token_id=unused)
+    at_once, handed_at_once = run(Sampling(eos_token_id=unused))
     assert not [e for e in events if e[0] == "copy"]  # an EOS to watch: read at once, no copy left in flight
     assert [o.tokens for o in at_once.outputs] == [o.tokens for o in lagged.outputs]
     for a, b in zip(at_once.outputs, lagged.outputs):
@@ -558,7 +543,7 @@ def test_tokens_are_read_a_pass_late_when_no_request_ends_on_them(monkeypatch, k
 
 @pytest.mark.parametrize("key", list(METHODS))
 def test_compiled_decode_passes_are_one_graph_and_give_the_eager_answers(monkeypatch, key):
-    """``serve(compile="default")``: every decode pass through ``torch.compile(..., fullgraph=True)`` (so a graph
+    """``Engine(compile="default")``: every decode pass through ``torch.compile(..., fullgraph=True)`` (so a graph
     break is an error), over 200+ passes with evictions and slots refilled: the pool is static (every pass one
     shape, evictions run before the model call), so the whole run is ONE graph, never recompiled. Tokens, logits
     (1e-4) and kept positions equal the eager run's. AOT autograd's functionalisation runs here too; inductor's code
@@ -574,17 +559,17 @@ def test_compiled_decode_passes_are_one_graph_and_give_the_eager_answers(monkeyp
     counters.clear()
     model = model_of("llama")
     requests = [Request(p, n) for p, n in zip(prompts()[3:9], [130, 90, 140, 110, 80, 120])]  # 670 tokens, 3 slots
-    kw = dict(ignore_eos=True, return_logits=True, keep_positions=True)
-    eager = serve(model, requests, METHODS[key], 3, **kw)
-    got = serve(model, requests, METHODS[key], 3, compile="default", **kw)
+    sampling, record = Sampling(ignore_eos=True), Record(logits=True, positions=True)
+    eager = Engine(model, METHODS[key], 3).run(requests, sampling, record=record)
+    got = Engine(model, METHODS[key], 3, compile="default").run(requests, sampling, record=record)
     assert got.passes >= 670 // 3  # decode passes alone
     assert got.compile_s > 0 and eager.compile_s == 0
     check_against_alone(got, [(o.tokens, o.logits, o.kept_positions) for o in eager.outputs])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     with pytest.raises(ValueError, match="compile must be one of auto, none, default, cudagraphs"):
-        serve(model, requests, METHODS[key], 3, compile="max-autotune")
+        Engine(model, METHODS[key], 3, compile="max-autotune").run(requests)
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        serve(model, requests, METHODS[key], 3, compile="cudagraphs")
+        Engine(model, METHODS[key], 3, compile="cudagraphs").run(requests)
 
 
 @pytest.mark.parametrize("key", list(METHODS))
@@ -616,10 +601,10 @@ def test_the_idle_pass_a_capture_runs_changes_nothing_a_later_pass_reads(monkeyp
 
     model = model_of("llama")
     requests = [Request(p, n) for p, n in zip(prompts()[3:8], [30, 70, 5, 40, 50])]
-    kw = dict(ignore_eos=True, return_logits=True, keep_positions=True)
-    want = serve(model, requests, METHODS[key], 2, **kw)
+    sampling, record = Sampling(ignore_eos=True), Record(logits=True, positions=True)
+    want = Engine(model, METHODS[key], 2).run(requests, sampling, record=record)
     monkeypatch.setattr(replay, "compiled_decode", lambda: with_idle_first)
-    got = serve(model, requests, METHODS[key], 2, compile="default", **kw)
+    got = Engine(model, METHODS[key], 2, compile="default").run(requests, sampling, record=record)
     assert checked[0] >= (80 if getattr(METHODS[key], "paged", False) else 100)
     check_against_alone(got, [(o.tokens, o.logits, o.kept_positions) for o in want.outputs])
 
@@ -631,12 +616,12 @@ def test_evicting_one_layer_at_a_time_keeps_what_evicting_every_layer_at_once_ke
 
     model = model_of("llama")
     requests = [Request(p, n) for p, n in zip(prompts()[3:8], [30, 70, 5, 40, 50])]
-    kw = dict(ignore_eos=True, return_logits=True, keep_positions=True)
+    sampling, record = Sampling(ignore_eos=True), Record(logits=True, positions=True)
     for key in ("bm", "bm-question"):
-        whole = serve(model, requests, METHODS[key], 3, **kw)
+        whole = Engine(model, METHODS[key], 3).run(requests, sampling, record=record)
         monkeypatch.setattr(workspace, "EVICT_CHUNK_BYTES", 1)  # one layer per call
         assert workspace.eviction_layers(4, 3, 2, 96, 4) == 1
-        layered = serve(model, requests, METHODS[key], 3, **kw)
+        layered = Engine(model, METHODS[key], 3).run(requests, sampling, record=record)
         monkeypatch.undo()
         check_against_alone(layered, [(o.tokens, o.logits, o.kept_positions) for o in whole.outputs])
 
@@ -658,7 +643,8 @@ def test_auto_compile_is_what_measured_fastest_on_each_device():
 
 def test_run_prompts_serves_text_or_ids_in_the_memory_fkv_needs():
     """The users' entry: token ids or text (with a tokenizer) in, one output per prompt out, in order; by default
-    in as many slots as fit FKV's memory at batch 4 of these prompts (the planner's), and the tokens are serve's."""
+    in as many slots as fit FKV's memory at batch 4 of these prompts (the planner's), and the tokens are the
+    engine's."""
     from batchmax_tp.api import run_prompts, same_memory_slots
     from batchmax_tp.plan.planner import max_slots, predict
 
@@ -670,8 +656,8 @@ def test_run_prompts_serves_text_or_ids_in_the_memory_fkv_needs():
     budget = predict(shape, Method("fkv", p=8), 4, 70, 6).total
     want_slots = max(1, max_slots(budget, shape, method, 70, 6))
     assert same_memory_slots(model, method, 70, 6) == want_slots
-    outs = run_prompts(model, prompts, method, 6, ignore_eos=True)
-    served = serve(model, [Request(p, 6) for p in prompts], method, min(5, want_slots), ignore_eos=True)
+    outs = run_prompts(model, prompts, method, 6, sampling=Sampling(ignore_eos=True))
+    served = Engine(model, method, min(5, want_slots)).run([Request(p, 6) for p in prompts], Sampling(ignore_eos=True))
     assert [o.tokens for o in outs] == [o.tokens for o in served.outputs]
     assert all(o.text is None and len(o.tokens) == 6 for o in outs)
 
@@ -685,9 +671,78 @@ def test_run_prompts_serves_text_or_ids_in_the_memory_fkv_needs():
             return " ".join(str(i) for i in ids)
 
     texts = [" ".join(map(str, p)) for p in prompts[:2]]
-    outs = run_prompts(model, texts, method, 6, tokenizer=Tok(), slots=2, ignore_eos=True)
-    again = serve(model, [Request(p, 6) for p in prompts[:2]], method, 2, ignore_eos=True)
+    outs = run_prompts(model, texts, method, 6, tokenizer=Tok(), slots=2, sampling=Sampling(ignore_eos=True))
+    again = Engine(model, method, 2).run([Request(p, 6) for p in prompts[:2]], Sampling(ignore_eos=True))
     assert [o.tokens for o in outs] == [o.tokens for o in again.outputs]
     assert [o.text for o in outs] == [" ".join(map(str, o.tokens)) for o in again.outputs]
     with pytest.raises(ValueError, match="tokenizer"):
         run_prompts(model, texts, method, 6)
+
+
+def _same(a, b) -> bool:
+    """Whether two pass descriptions (or parts of one) are equal: tensors by value, the pool by identity."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        pairs = [(f.name, getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)]
+        return type(a) is type(b) and all(x is y if name == "pool" else _same(x, y) for name, x, y in pairs)
+    if isinstance(a, tuple | list):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("key", list(METHODS))
+def test_describing_a_pass_changes_nothing_until_the_pool_runs_it(monkeypatch, key):
+    """A pool's ``prefill_pass`` and ``decode_pass`` only describe: the pool's host state (each row's, FKV paged's
+    block fill) is the same after one, describing again gives the same pass (its rows' new states included), and
+    the rows advance when ``ready`` executes it; the run's tokens are unchanged."""
+    from batchmax_tp.core import pool as pools
+
+    def host(pool):
+        return copy.deepcopy((pool.rows, getattr(pool, "fill", None)))
+
+    described = []
+
+    def pure(fn):
+        def describe(self, *args):
+            before = host(self)
+            first = fn(self, *args)
+            assert host(self) == before, f"{fn.__name__} changed the pool's host state"
+            assert _same(first, fn(self, *args)), f"{fn.__name__} described the same pass twice differently"
+            step = first[0] if isinstance(first, tuple) else first
+            described.append((step.kind, len(step.after)))
+            return first
+
+        return describe
+
+    model, method = model_of("llama"), METHODS[key]
+    requests = [Request(p, n) for p, n in zip(prompts()[:6], NEW[:6])]
+    want = Engine(model, method, 3).run(requests, Sampling(ignore_eos=True))
+    for cls in (pools.BoundedPool, pools.SnapPool, pools.DensePool, pools.PagedPool):
+        for name in ("prefill_pass", "decode_pass"):
+            if name in vars(cls):
+                monkeypatch.setattr(cls, name, pure(vars(cls)[name]))
+    got = Engine(model, method, 3).run(requests, Sampling(ignore_eos=True))
+    assert [o.tokens for o in got.outputs] == [o.tokens for o in want.outputs]
+    kinds = {kind for kind, _ in described}
+    assert "decode" in kinds and kinds & {"prefill", "compress"}, kinds
+    assert all(advanced > 0 for _, advanced in described)  # every pass carries its rows' new states
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_pool_is_allocated_from_the_models_shape_before_its_first_pass(monkeypatch, family):
+    """``kv_layout`` (read from the model's projections) is the shape of the keys and values the model hands the
+    attention, for every supported family; the pool exists before the first pass (the attention allocates nothing)."""
+    from batchmax_tp.core import attention
+
+    model, seen = model_of(family), []
+    original = attention._rows_attention
+
+    def looking(module, step, query, key, value, scaling):
+        seen.append((step.pool.allocated, key.shape[1], key.shape[-1], value.shape[-1], key.dtype))
+        return original(module, step, query, key, value, scaling)
+
+    monkeypatch.setattr(attention, "_rows_attention", looking)
+    Engine(model, METHODS["bm"], 2).run([Request(p, 3) for p in prompts()[:2]], Sampling(ignore_eos=True))
+    heads, k_dim, v_dim, dtype, _ = kv_layout(model)
+    assert seen and all(s == (True, heads, k_dim, v_dim, dtype) for s in seen), (seen[:2], kv_layout(model))

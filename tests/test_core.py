@@ -153,7 +153,7 @@ def tiny_arch(name, seed=0):
 
 
 def hf_generate(model, ids, mask, n, cache=None, **kw):
-    from batchmax_tp.core.attention import use_batchmax_attention
+    from batchmax_tp.core.hf_cache import use_drop_in
 
     args = dict(
         attention_mask=mask,
@@ -168,7 +168,7 @@ def hf_generate(model, ids, mask, n, cache=None, **kw):
         if cache is None:
             res = model.generate(ids, **args)
         else:
-            with use_batchmax_attention(model):
+            with use_drop_in(model):
                 res = model.generate(ids, past_key_values=cache, **args)
     return res.sequences[:, ids.shape[1] :], [x.float() for x in res.logits]
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import PEAKED, left_padded_batch, tiny_llama
 
-from batchmax_tp.core.engine import generate
+from batchmax_tp.core.engine import Engine, generate
 from batchmax_tp.core.method import Method
-from batchmax_tp.core.serve import Request, serve
+from batchmax_tp.core.serve import Record, Request, Sampling
 from batchmax_tp.plan.planner import ModelShape, predict
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -57,9 +57,9 @@ def test_continuous_serving_on_cuda_equals_cpu(method, slots):
     g = torch.Generator().manual_seed(3)
     lengths, new = [5, 16, 95, 96, 97, 150, 250, 40], [9, 3, 12, 20, 1, 10, 18, 8]
     requests = [Request(torch.randint(3, 128, (n,), generator=g).tolist(), k) for n, k in zip(lengths, new)]
-    kw = dict(eos_token_id=2, return_logits=True, keep_positions=True)
-    cpu = serve(model, requests, method, slots, **kw)
-    gpu = serve(model.cuda(), requests, method, slots, **kw)
+    sampling, record = Sampling(eos_token_id=2), Record(logits=True, positions=True)
+    cpu = Engine(model, method, slots).run(requests, sampling, record=record)
+    gpu = Engine(model.cuda(), method, slots).run(requests, sampling, record=record)
     for i, (a, b) in enumerate(zip(gpu.outputs, cpu.outputs)):
         assert a.tokens == b.tokens, f"request {i}"
         torch.testing.assert_close(torch.stack(a.logits).cpu(), torch.stack(b.logits), atol=1e-3, rtol=0)
@@ -73,8 +73,8 @@ def test_continuous_serving_in_float16_on_a_gqa_model(method):
     model = tiny_llama(**PEAKED).cuda()
     g = torch.Generator().manual_seed(5)
     requests = [Request(torch.randint(3, 128, (n,), generator=g).tolist(), 8) for n in (12, 100, 200, 30)]
-    want = serve(model, requests, method, 3, ignore_eos=True)
-    got = serve(model.half(), requests, method, 3, ignore_eos=True)
+    want = Engine(model, method, 3).run(requests, Sampling(ignore_eos=True))
+    got = Engine(model.half(), method, 3).run(requests, Sampling(ignore_eos=True))
     assert [o.num_generated for o in got.outputs] == [8] * 4
     assert [o.tokens[:2] for o in got.outputs] == [o.tokens[:2] for o in want.outputs]
 
@@ -93,9 +93,9 @@ def test_captured_and_compiled_decode_passes_equal_eager_on_cuda(method, mode):
     g = torch.Generator().manual_seed(7)
     lengths, new = [5, 16, 95, 96, 97, 150, 250, 40, 12, 70], [40, 3, 120, 60, 1, 90, 140, 8, 100, 30]
     requests = [Request(torch.randint(3, 128, (n,), generator=g).tolist(), k) for n, k in zip(lengths, new)]
-    kw = dict(eos_token_id=2, return_logits=True, keep_positions=True)
-    eager = serve(model, requests, method, 3, **kw)
-    got = serve(model, requests, method, 3, compile=mode, **kw)
+    sampling, record = Sampling(eos_token_id=2), Record(logits=True, positions=True)
+    eager = Engine(model, method, 3).run(requests, sampling, record=record)
+    got = Engine(model, method, 3, compile=mode).run(requests, sampling, record=record)
     assert got.compile_s > 0
     for i, (a, b) in enumerate(zip(got.outputs, eager.outputs)):
         assert a.tokens == b.tokens, f"request {i}"
@@ -118,10 +118,10 @@ def test_captured_decode_pass_replays_one_graph_in_float16():
     model = tiny_llama(**PEAKED).cuda().half()
     g = torch.Generator().manual_seed(9)
     requests = [Request(torch.randint(3, 128, (n,), generator=g).tolist(), 64) for n in (12, 100, 200, 30, 90)]
-    want = serve(model, requests, SERVED[0], 3, ignore_eos=True)
+    want = Engine(model, SERVED[0], 3).run(requests, Sampling(ignore_eos=True))
     replay.CapturedDecode._capture = counted
     try:
-        got = serve(model, requests, SERVED[0], 3, ignore_eos=True, compile="auto")
+        got = Engine(model, SERVED[0], 3, compile="auto").run(requests, Sampling(ignore_eos=True))
     finally:
         replay.CapturedDecode._capture = real
     assert captures == [1]

@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from batchmax_tp.core import attention
-from batchmax_tp.core.engine import generate
+from batchmax_tp.core.engine import Engine, generate
 from batchmax_tp.core.method import Method
 from batchmax_tp.core.rules import RULES
-from batchmax_tp.core.serve import Request, serve
+from batchmax_tp.core.serve import Record, Request, Sampling
 
 LENGTHS = [5, 40, 97, 130, 200, 290]
 NEW = [6, 3, 9, 4, 7, 5]
@@ -37,14 +37,10 @@ def _prompts() -> list[list[int]]:
 
 
 def _served(model_3kv, method: Method):
-    out = serve(
-        model_3kv,
+    out = Engine(model_3kv, method, 3).run(
         [Request(p, n) for p, n in zip(_prompts(), NEW)],
-        method,
-        3,
-        ignore_eos=True,
-        return_logits=True,
-        keep_positions=True,
+        Sampling(ignore_eos=True),
+        record=Record(logits=True, positions=True),
     )
     return [(o.tokens, torch.stack(o.logits), o.kept_positions) for o in out.outputs]
 
@@ -107,7 +103,8 @@ def _layer_calls(model_3kv, monkeypatch, block) -> list[tuple[tuple[int, int, in
         return out
 
     monkeypatch.setattr(attention, "_rows_block", counted)
-    serve(model_3kv, [Request(p, 2) for p in _prompts()], Method("bm", kv_max=KV, p=P), 3, ignore_eos=True)
+    engine = Engine(model_3kv, Method("bm", kv_max=KV, p=P), 3)
+    engine.run([Request(p, 2) for p in _prompts()], Sampling(ignore_eos=True))
     return calls
 
 
@@ -162,7 +159,8 @@ def _decode_write_ops(model_3kv, monkeypatch, rule: str) -> list[list[str]]:
         return out
 
     monkeypatch.setattr(PoolLayer, "write", counted)
-    serve(model_3kv, [Request(p, 12) for p in _prompts()], Method("bm", kv_max=KV, p=P, rule=rule), 3, ignore_eos=True)
+    engine = Engine(model_3kv, Method("bm", kv_max=KV, p=P, rule=rule), 3)
+    engine.run([Request(p, 12) for p in _prompts()], Sampling(ignore_eos=True))
     return calls
 
 

@@ -368,14 +368,15 @@ def test_a_replica_lost_while_starting_ends_the_other_lm_eval_replica(tmp_path, 
 # -- the serving core under the adapter ---------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["bm", "ed", "fkv"])
 def test_shared_prefill_equals_separate_prefills(method, monkeypatch):
-    """``serve(share_prompts=True)``: three requests with one prompt prefill once (one row), then each is
+    """``Batching(share_prompts=True)``: three requests with one prompt prefill once (one row), then each is
     teacher-forced along its own continuation; tokens, log-probabilities and kept positions equal three
     separate prefills."""
     from conftest import tiny_llama
 
     from batchmax_tp import Method
     from batchmax_tp.core import serve as serving
-    from batchmax_tp.core.serve import Request, serve
+    from batchmax_tp.core.engine import Engine
+    from batchmax_tp.core.serve import Batching, Record, Request, Sampling
 
     rows = []  # prompt rows each prefill pass computes
 
@@ -394,7 +395,8 @@ def test_shared_prefill_equals_separate_prefills(method, monkeypatch):
     runs, computed = {}, {}
     for share in (False, True):
         rows.clear()
-        runs[share] = serve(model, reqs, m, 4, ignore_eos=True, share_prompts=share, keep_positions=True)
+        engine = Engine(model, m, 4, batching=Batching(share_prompts=share))
+        runs[share] = engine.run(reqs, Sampling(ignore_eos=True), record=Record(positions=True))
         computed[share] = sum(rows)
     assert computed[True] * 2 == computed[False]  # 1 + 1 rows per block instead of 3 + 1
     for a, b in zip(runs[True].outputs, runs[False].outputs):

@@ -4,7 +4,7 @@ Walks every module of ``batchmax_tp`` with ``ast`` (nothing is imported) and col
 one imports at run time (imports under ``if TYPE_CHECKING:`` only name types and are left out). Layers, lowest
 first; a module may import its own layer and the ones below:
 
-    embedded  <  core/  <  parallel  <  parted  <  models  <  plan/  <  eval/  <  bench/  <  config  <  harness
+    embedded  <  core/  <  parallel  <  parted  <  models  <  plan/  <  config/  <  eval/  <  bench/  <  harness
     <  job  <  cli  (<  __init__)
 
 ``embedded`` holds only the embedded model's name (``config`` and ``models`` share it without importing each other);
@@ -31,10 +31,10 @@ LAYERS = [
     "parted",
     "models",
     "plan",
+    "config",
     "api",
     "eval",
     "bench",
-    "config",
     "harness",
     "job",
     "cli",
@@ -135,6 +135,15 @@ def test_core_imports_nothing_else_from_the_package():
         if not t.startswith("batchmax_tp.core")
     ]
     assert outside == []
+
+
+def test_the_attention_sits_below_the_hf_drop_in_and_the_engine():
+    """The engine's attention imports only what a pass needs (the description, the pool, the probe, snap and workspace
+    arithmetic): the HF drop-in (``hf_cache``) is on top of it, as are the pass loop and the engine."""
+    lower = ("method", "rules", "schedule", "step", "pool", "probe", "snap", "workspace")
+    below = {f"batchmax_tp.core.{m}" for m in lower}
+    assert SCANS["batchmax_tp.core.attention"][0] <= below, SCANS["batchmax_tp.core.attention"][0] - below
+    assert "batchmax_tp.core.attention" in SCANS["batchmax_tp.core.hf_cache"][0]
 
 
 def test_no_import_cycle():

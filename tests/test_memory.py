@@ -13,9 +13,9 @@ from memtrack import AllocationTracker
 from tiny import tiny_llama
 
 from batchmax_tp.core import attention, hf_cache, workspace
-from batchmax_tp.core.engine import generate
+from batchmax_tp.core.engine import Engine, generate
 from batchmax_tp.core.method import BatchMax, Method
-from batchmax_tp.core.serve import Request, serve
+from batchmax_tp.core.serve import Request, Sampling
 from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict, predict_pool
 
 CASES = [
@@ -39,7 +39,6 @@ def per_call(monkeypatch):
     from batchmax_tp.core import pool as pools
 
     reported, notes = [], []
-    fn = attention.batchmax_attention
 
     def recording(note):
         def recording_note(self, nbytes):
@@ -48,16 +47,21 @@ def per_call(monkeypatch):
 
         return recording_note
 
-    def labelled(*args, **kwargs):
-        start = len(notes)
-        with torch.profiler.record_function(LABEL):
-            out = fn(*args, **kwargs)
-        reported.append(max(notes[start:], default=0))
-        return out
+    def labelled(fn):
+        def labelled_call(*args, **kwargs):
+            start = len(notes)
+            with torch.profiler.record_function(LABEL):
+                out = fn(*args, **kwargs)
+            reported.append(max(notes[start:], default=0))
+            return out
+
+        return labelled_call
 
     for cls in (hf_cache.BatchMaxCache, pools._Pool):  # the HF drop-in's cache, the engine's pools
         monkeypatch.setattr(cls, "note_workspace", recording(cls.note_workspace))
-    monkeypatch.setattr(attention, "batchmax_attention", labelled)  # register() picks up the wrapper
+    # the engine's attention and the HF drop-in's (register() picks up the wrappers)
+    monkeypatch.setattr(attention, "batchmax_attention", labelled(attention.batchmax_attention))
+    monkeypatch.setattr(hf_cache, "drop_in_attention", labelled(hf_cache.drop_in_attention))
     return reported
 
 
@@ -67,7 +71,7 @@ def _score_collecting(model, ids, method, new) -> tuple[int, int]:
     reported peak workspace, the passes run per layer). The engine's own passes: ``test_continuous``."""
     c = hf_cache.BatchMaxCache(method, reserve=method.capacity(ids.shape[1], new))
     s, chunk = ids.shape[1], method.p if method.kv_max is not None and method.kv_max < ids.shape[1] else None
-    with torch.no_grad(), attention.use_batchmax_attention(model):
+    with torch.no_grad(), hf_cache.use_drop_in(model):
         model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -131,7 +135,7 @@ def test_padded_and_hf_masks_are_counted(model, per_call):
     mask = torch.ones_like(ids)
     mask[0, :9] = 0
     mask[1, :3] = 0
-    with torch.inference_mode(), attention.use_batchmax_attention(model), AllocationTracker() as t:
+    with torch.inference_mode(), hf_cache.use_drop_in(model), AllocationTracker() as t:
         model(
             input_ids=ids,
             attention_mask=mask,
@@ -208,7 +212,7 @@ SERVED_CASES = [
 
 def _served_peak(model, method, slots, prompt, new, lengths):
     requests = [Request(_ids(1, n)[0].tolist(), new) for n in lengths]
-    serve(model, requests, method, slots, ignore_eos=True)
+    Engine(model, method, slots).run(requests, Sampling(ignore_eos=True))
 
 
 @pytest.mark.parametrize("method,slots,prompt,new", SERVED_CASES)
@@ -227,7 +231,7 @@ def test_snap_compress_calls_hold_at_most_what_they_report_and_the_planner_predi
     covers; the other calls (decode steps) are exact as ever."""
     method, prompt, layers = Method("snap", kv_max=32, p=8, window=8, kernel=5), 96, model.config.num_hidden_layers
     with AllocationTracker() as t:
-        serve(model, [Request(_ids(1, prompt)[0].tolist(), 6)], method, 1, ignore_eos=True)
+        Engine(model, method, 1).run([Request(_ids(1, prompt)[0].tolist(), 6)], Sampling(ignore_eos=True))
     measured = t.spans(LABEL)
     assert len(measured) == len(per_call) == layers * 6  # the compress pass, then 5 decode steps
     est = predict_pool(ModelShape.from_config(model.config), method, 1, prompt, 6)
@@ -253,7 +257,7 @@ def test_cuda_attention_calls_within_the_plan(monkeypatch, dtype, chunk_bytes, m
     model = tiny_llama(seed=0).to(device="cuda", dtype=dtype)
     ids = _ids(batch, prompt).cuda()
     _score_collecting(model, ids, method, new)  # warm-up: cuBLAS, kernels
-    measured, fn = [], attention.batchmax_attention
+    measured, fn = [], hf_cache.drop_in_attention
 
     def measuring(*args, **kwargs):
         torch.cuda.synchronize()
@@ -264,7 +268,7 @@ def test_cuda_attention_calls_within_the_plan(monkeypatch, dtype, chunk_bytes, m
         measured.append(torch.cuda.max_memory_allocated() - base)
         return out
 
-    monkeypatch.setattr(attention, "batchmax_attention", measuring)
+    monkeypatch.setattr(hf_cache, "drop_in_attention", measuring)
     peak, _ = _score_collecting(model, ids, method, new)
     assert max(measured) <= peak + 32 * 512
     assert peak <= 1.25 * max(measured)

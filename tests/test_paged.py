@@ -14,9 +14,10 @@ import torch
 from conftest import hf_full_cache_logits, tiny_random_model
 
 from batchmax_tp.core import pool as pool_mod
+from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import FullCache, Method, make_method
 from batchmax_tp.core.scheduler import Scheduler
-from batchmax_tp.core.serve import Request, serve
+from batchmax_tp.core.serve import Record, Request, Sampling
 from batchmax_tp.plan.planner import ModelShape, predict_pool
 
 ATOL = 1e-4
@@ -58,11 +59,12 @@ def hf_alone(model, prompt: list[int], new: int, eos: int | None):
 def test_paged_fkv_equals_hf_generate_on_mixed_lengths_ending_early(family, block):
     model = model_of(family)
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
-    plain = serve(model, requests, Method("fkv", block=block), 2, ignore_eos=True)
+    plain = Engine(model, Method("fkv", block=block), 2).run(requests, Sampling(ignore_eos=True))
     # EOS honoured: a token the plain run emits early in several requests ends them there
     eos = next(t for o in plain.outputs for t in o.tokens[1:3] if o.tokens.count(t))
     for slots in (1, 3):
-        out = serve(model, requests, Method("fkv", block=block), slots, eos_token_id=eos, return_logits=True)
+        engine = Engine(model, Method("fkv", block=block), slots)
+        out = engine.run(requests, Sampling(eos_token_id=eos), record=Record(logits=True))
         ended_early = 0
         for i, (r, o) in enumerate(zip(requests, out.outputs)):
             want = hf_alone(model, r.input_ids, r.max_new_tokens, eos)
@@ -101,7 +103,7 @@ def test_admission_never_holds_more_blocks_than_the_pool_and_kv_is_the_planners(
     monkeypatch.setattr(pool_mod.PagedPool, "reserve", reserving)
     monkeypatch.setattr(pool_mod.PagedPool, "finish", finishing)
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
-    out = serve(model, requests, method, 2, ignore_eos=True)
+    out = Engine(model, method, 2).run(requests, Sampling(ignore_eos=True))
     pool = pools[0]
     longest = max(method.capacity(s, t) for s, t in zip(LENGTHS, NEW))  # 70: 9 blocks of 8 per slot
     assert pool.num_blocks == 2 * -(-longest // 8) and held[0] == 0

@@ -119,8 +119,9 @@ def test_fkv_on_qwen_equals_hf_generate():
     """The larger model through the project's GGUF path; FKV on the engine gives HF ``generate``'s greedy tokens."""
     import torch
 
+    from batchmax_tp.core.engine import Engine
     from batchmax_tp.core.method import Method
-    from batchmax_tp.core.serve import Request, serve
+    from batchmax_tp.core.serve import Request, Sampling
     from batchmax_tp.models import load_model
 
     model, tokenizer = load_model("qwen2.5-coder-0.5b")
@@ -134,7 +135,7 @@ def test_fkv_on_qwen_equals_hf_generate():
         for q in questions
     ]
     eos = model.generation_config.eos_token_id
-    out = serve(model, [Request(p, 16) for p in prompts], Method("fkv"), 2, eos_token_id=eos)
+    out = Engine(model, Method("fkv"), 2).run([Request(p, 16) for p in prompts], Sampling(eos_token_id=eos))
     for prompt, got in zip(prompts, out.outputs):
         want = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) :].tolist()
         assert got.tokens == want  # through the first EOS (HF stops there too)

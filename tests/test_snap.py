@@ -11,8 +11,9 @@ from reference import reference_generate
 from tiny import tiny_random_model
 
 from batchmax_tp.core import snap
+from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import Method
-from batchmax_tp.core.serve import Request, serve
+from batchmax_tp.core.serve import Record, Request, Sampling
 
 KV, P, WINDOW, KERNEL = 40, 8, 12, 5
 METHOD = Method("snap", kv_max=KV, p=P, window=WINDOW, kernel=KERNEL)
@@ -72,7 +73,8 @@ def check(out, want) -> None:
 def test_every_request_equals_the_reference(family, refs):
     model, requests = model_of(family), [Request(p, n) for p, n in zip(prompts(), NEW)]
     for slots in (1, 2, 5):
-        out = serve(model, requests, METHOD, slots, ignore_eos=True, return_logits=True, keep_positions=True)
+        record = Record(logits=True, positions=True)
+        out = Engine(model, METHOD, slots).run(requests, Sampling(ignore_eos=True), record=record)
         check(out, refs(family))
 
 
@@ -83,14 +85,10 @@ def test_eos_honoured_ends_a_request_where_the_reference_emits_it(refs):
     eos = next(t for tokens, _, _ in full for t in tokens[1:-1] if t not in tokens[:1])  # one that ends a request early
     want = refs("llama", eos)
     assert any(len(w[0]) < n for w, n in zip(want, NEW)), "no request ends early: the test would prove nothing"
-    out = serve(
-        model_of("llama"),
+    out = Engine(model_of("llama"), METHOD, 2).run(
         [Request(p, n) for p, n in zip(prompts(), NEW)],
-        METHOD,
-        2,
-        eos_token_id=eos,
-        return_logits=True,
-        keep_positions=True,
+        Sampling(eos_token_id=eos),
+        record=Record(logits=True, positions=True),
     )
     check(out, want)
 
@@ -98,8 +96,9 @@ def test_eos_honoured_ends_a_request_where_the_reference_emits_it(refs):
 def test_the_choice_is_not_the_newest_pairs_and_differs_from_bm():
     """Not vacuous: a long prompt keeps pairs from before its last kv_max positions, and BM keeps other ones."""
     model, prompt = model_of("llama"), prompts()[-1]
-    (out,) = serve(model, [Request(prompt, 1)], METHOD, 1, keep_positions=True).outputs
-    bm = serve(model, [Request(prompt, 1)], Method("bm", kv_max=KV, p=P), 1, keep_positions=True).outputs[0]
+    (out,) = Engine(model, METHOD, 1).run([Request(prompt, 1)], record=Record(positions=True)).outputs
+    bm_engine = Engine(model, Method("bm", kv_max=KV, p=P), 1)
+    bm = bm_engine.run([Request(prompt, 1)], record=Record(positions=True)).outputs[0]
     kept = out.kept_positions
     assert all(len(head) == KV for layer in kept for head in layer)
     assert any(min(head) < len(prompt) - KV for layer in kept for head in layer)

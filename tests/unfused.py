@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from batchmax_tp.core import workspace
-from batchmax_tp.core.attention import _add_received, _chunk_probs, _slot_hiding
+from batchmax_tp.core.attention import add_received
+from batchmax_tp.core.hf_cache import _chunk_probs, _slot_hiding
 
 
 def rows_block(layer, step, query: torch.Tensor, scaling: float, hi: int, own: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,7 @@ def rows_block(layer, step, query: torch.Tensor, scaling: float, hi: int, own: t
         if out is None and m < n:
             out = torch.empty(R, n, Hkv, g, D, dtype=values.dtype, device=values.device)
         probs = _chunk_probs(qg[:, :, :, a:b], keys_t, scaling, hiding, step.qpos[:, a:b], other)
-        _add_received(score, probs, None if step.real is None else step.real[:, a:b])
+        add_received(score, probs, None if step.real is None else step.real[:, a:b])
         o = torch.matmul(probs.to(values.dtype), values).view(R, Hkv, g, m, D)
         if out is None:
             out = o.permute(0, 3, 1, 2, 4).contiguous()

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 
 import torch
 
-from ..core.engine import generate
-from ..core.method import BatchMax, Method, is_full_cache
+from ..core.engine import Engine, generate
+from ..core.method import Method, serving_kv_max
 from ..core.rules import get_rule
-from ..core.serve import Request, serve
+from ..core.serve import Request, Sampling
 from ..embedded import EMBEDDED_MODEL
 from ..eval.results import percentile
 from ..eval.tasks import default_fixture_path, load_jsonl
@@ -43,7 +43,6 @@ INSTRUCTIONS = (
     "Retell the text above in detail, paragraph by paragraph.",
 )  # None: the story's own question
 CONT_OVER_STATIC_TARGET, EQUAL_TARGET = 1.3, 0.95
-ED_KV_MAX = 65  #: the ED rows' kv_max
 
 
 # ---------------------------------------------------------------------- command line
@@ -131,12 +130,12 @@ def build_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 # ---------------------------------------------------------------------- rows: methods and sizes
 def make_method(key: str, kv_max: int, p: int) -> Method:
-    """A row's method: ``<cont|static>-<method>[-<rule>]``; a row naming a rule runs BM at ``kv_max`` and ``p``, ED
-    runs at ``ED_KV_MAX``."""
+    """A row's method: ``<cont|static>-<method>[-<rule>]``; a row naming a rule runs BM at ``kv_max`` and ``p``, the
+    others at their ``core.method.serving_kv_max`` (ED: 65)."""
     name, _, rule = key.split("-", 1)[1].partition("-")
     if rule:
         return Method(name, kv_max=kv_max, p=p, rule=rule)
-    return Method(name, kv_max=None if is_full_cache(name) else ED_KV_MAX)
+    return Method(name, kv_max=serving_kv_max(name))
 
 
 def continuous(key: str) -> bool:
@@ -169,18 +168,20 @@ def num_requests(a: argparse.Namespace, budget: int, shape: ModelShape, longest:
 def warm_up(model, methods: list[Method], eos, pad) -> None:
     """One tiny untimed generate and serve per method; BM as a small cache that evicts, with its rule."""
     for m in methods:
-        if isinstance(m, BatchMax):
-            m = Method("bm", kv_max=max(64, 64 + get_rule(m.rule).protected()), p=32, rule=m.rule)
-        n = 2 * m.kv_max if isinstance(m, BatchMax) else 16
+        n = 16
+        if m.takes_rule:  # a prompt twice its kv_max, so that its prefill evicts with its rule
+            m = Method(m.name, kv_max=max(64, 64 + get_rule(m.rule).protected()), p=32, rule=m.rule)
+            n = 2 * m.kv_max
         ids = torch.randint(100, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
         generate(model, ids.to(model.device), None, m, 4, ignore_eos=True, eos_token_id=eos, pad_token_id=pad)
-        serve(model, [Request(ids[0].tolist(), 4)], m, 1, ignore_eos=True, eos_token_id=eos, pad_token_id=pad)
+        sampling = Sampling(eos_token_id=eos, ignore_eos=True, pad_token_id=pad)
+        Engine(model, m, 1).run([Request(ids[0].tolist(), 4)], sampling)
 
 
 def run_continuous(model, prompts, method: Method, slots: int, new: int, ignore_eos: bool, eos, pad) -> dict:
     reqs = [Request(p, new) for p in prompts]
     t = time.perf_counter()
-    out = serve(model, reqs, method, slots, ignore_eos=ignore_eos, eos_token_id=eos, pad_token_id=pad)
+    out = Engine(model, method, slots).run(reqs, Sampling(eos_token_id=eos, ignore_eos=ignore_eos, pad_token_id=pad))
     wall = time.perf_counter() - t
     return {
         "wall_s": wall,

@@ -8,20 +8,20 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from ..core.engine import generate
-from ..core.method import BatchMax, ExtremeDecoding, FullCache, Method, takes_rule
+from ..core.engine import Engine, generate
+from ..core.method import METHODS, Method, takes_rule
 from ..core.rules import get_rule
-from ..core.serve import Request, serve
+from ..core.serve import Batching, Request, Sampling
 from ..core.step import COMPILE_MODES
 from ..embedded import EMBEDDED_MODEL
 from ..eval.oom import free_memory
 from ..plan.budget import fmt_bytes
 from ..plan.planner import DTYPE_BYTES, ModelShape, max_slots, parse_bytes, predict, predict_pool
-from .hf_reference import hf_reference_generate
+from .hf_reference import has_hf_reference, hf_reference_generate
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +113,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     try:
         a.rules = parse_rules(a.rules)
         lengths_arg(a.lengths)  # kept as given (the results' "args"): lengths_arg(a.lengths) reads it
-        unknown = sorted(set(a.methods.split(",")) - {"fkv", "ed", "bm", "snap"})
+        unknown = sorted(set(a.methods.split(",")) - set(METHODS))
         if unknown:
-            raise ValueError(f"--methods: unknown {', '.join(unknown)} (give some of fkv, ed, bm, snap)")
+            raise ValueError(f"--methods: unknown {', '.join(unknown)} (give some of {', '.join(METHODS)})")
         if a.compile not in ("none", "auto") and a.scheduler != "continuous":
             raise ValueError("--compile compiles the continuous scheduler's decode passes: add --scheduler continuous")
     except ValueError as err:
@@ -199,7 +199,7 @@ def warm_up(model, rules: list[str], device: str, hf: bool) -> None:
     for m, length in [(Method("fkv"), 16), (Method("ed", kv_max=2), 16)] + [(m, 2 * m.kv_max) for m in small]:
         warm = prompts(model.config.vocab_size, 1, length, device)
         generate(model, warm, None, m, 4)
-        if hf and isinstance(m, (FullCache, ExtremeDecoding)):
+        if hf and has_hf_reference(m):
             hf_reference_generate(model, warm, None, m, 4)
 
 
@@ -224,7 +224,8 @@ def _hf_row(model, ids: torch.Tensor, method: Method, new: int, device: str, our
 def _served(model, ids: torch.Tensor, method: Method, new: int, pass_tokens: int | None, compile: str = "none"):
     """``ids``' rows served in as many slots (EOS ignored), the tokens as a [B, new] tensor like ``generate``'s."""
     requests = [Request(row.tolist(), new) for row in ids]
-    out = serve(model, requests, method, ids.shape[0], ignore_eos=True, pass_tokens=pass_tokens, compile=compile)
+    engine = Engine(model, method, ids.shape[0], compile=compile, batching=Batching(pass_tokens=pass_tokens))
+    out = engine.run(requests, Sampling(ignore_eos=True))
     out.tokens = torch.tensor([o.tokens for o in out.outputs], device=ids.device)
     return out
 
@@ -248,7 +249,7 @@ def timed(
         free_memory(torch.device(device))  # the last row's buffers are not in this row's peak
         torch.cuda.reset_peak_memory_stats()
     if scheduler == "continuous":
-        out = _served(model, ids, method, new, pass_tokens if isinstance(method, BatchMax) else None, compile)
+        out = _served(model, ids, method, new, pass_tokens if method.bounded_prefill else None, compile)
     else:
         out = generate(model, ids, None, method, new, ignore_eos=True)
     row = {
@@ -264,7 +265,7 @@ def timed(
     }
     if device.startswith("cuda"):
         row["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
-    if hf and isinstance(method, (FullCache, ExtremeDecoding)):  # plain HF has neither Batch-Max nor snap
+    if hf and has_hf_reference(method):  # plain HF has neither Batch-Max nor snap
         row["hf"] = _hf_row(model, ids, method, new, device, out.tokens)
         row["ours_over_hf"] = row["tokens_per_s"] / row["hf"]["tokens_per_s"]
     return row
@@ -279,7 +280,7 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
         if m.name not in a.methods.split(","):
             continue
         kw = dict(dtype=a.dtype)  # the planner's settings; a pool's BM passes take --pass-tokens
-        if pool and isinstance(m, BatchMax):
+        if pool and m.bounded_prefill:
             kw["pass_tokens"] = a.pass_tokens
         fit = max_slots(budget, shape, m, s, T, **kw)
         b = min(fit, batch_cap(a))
@@ -322,17 +323,23 @@ def row_line(m: Method, row: dict) -> str:
 
 
 # ---------------------------------------------------------------------- ratios and memory
-def fastest(rows: list[dict], method: str, rule: str | None = None) -> dict | None:
-    """The fastest finished row of ``method`` (BM: of ``rule``), or None."""
-    ok = [r for r in rows if r["method"] == method and r["status"] == "ok" and (rule is None or r.get("rule") == rule)]
+def fastest(rows: list[dict], kind: Callable[[type[Method]], bool], rule: str | None = None) -> dict | None:
+    """The fastest finished row of a method ``kind`` picks by its facts (BM: of ``rule``), or None."""
+    ok = [r for r in rows if _is(r, kind) and r["status"] == "ok" and (rule is None or r.get("rule") == rule)]
     return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+
+
+def _is(row: dict, kind: Callable[[type[Method]], bool]) -> bool:
+    """Whether ``row``'s method is one ``kind`` picks (a name this version does not know: no)."""
+    cls = METHODS.get(row["method"])
+    return cls is not None and kind(cls)
 
 
 def ratios(rows: list[dict], rule: str | None) -> dict:
     """BM with ``rule`` (its fastest kv_max) over the fastest ED row and over FKV: tokens/s ratios, None where a
     row is missing (``rule`` None: no BM row)."""
-    bm = fastest(rows, BatchMax.name, rule) if rule else None
-    ed, fkv = fastest(rows, ExtremeDecoding.name), fastest(rows, FullCache.name)
+    bm = fastest(rows, lambda m: m.takes_rule, rule) if rule else None
+    ed, fkv = fastest(rows, lambda m: m.keeps_newest), fastest(rows, lambda m: not m.evicts)
     return {
         "rule": rule,
         "bm_kv_max": bm and bm["kv_max"],
@@ -367,7 +374,7 @@ def measure_memory(
 
 def peak_growth(memory: list[dict], lengths: list[int]) -> float | None:
     """BM's measured peak at the longest length over its peak at 1024 (None without both)."""
-    bm_at = {r["prompt_len"]: r["measured_kv_plus_workspace"] for r in memory if r["method"] == BatchMax.name}
+    bm_at = {r["prompt_len"]: r["measured_kv_plus_workspace"] for r in memory if _is(r, lambda m: m.evicts)}
     return bm_at[max(lengths)] / bm_at[1024] if 1024 in bm_at and max(lengths) in bm_at else None
 
 
@@ -433,7 +440,7 @@ def warnings(rows: list[dict], paper: dict) -> list[str]:
 
 def format_memory(memory: list[dict], lengths: list[int], batch: int, growth) -> str:
     lines = [f"\npeak K/V + workspace (MiB) at batch {batch}:", "prompt " + " ".join(f"{L:>8}" for L in lengths)]
-    for name in (BatchMax.name, FullCache.name):
+    for name in dict.fromkeys(r["method"] for r in memory):  # as measured: BM, then FKV
         vals = [r["measured_kv_plus_workspace"] / 2**20 for r in memory if r["method"] == name]
         lines.append(f"{name:<6} " + " ".join(f"{v:>8.1f}" for v in vals))
     lines.append(f"BM peak at {max(lengths)} / at 1024 = {_fmt(growth)}")

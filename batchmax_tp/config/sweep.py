@@ -96,7 +96,7 @@ class SweepConfig(Part):
     compile: str = setting(
         "auto",
         TEXT,
-        "continuous: decode passes eager (none), compiled whole with torch.compile (default: 1.19x faster steps "
+        "decode passes (either scheduler) eager (none), compiled whole with torch.compile (default: 1.19x faster steps "
         "for BM on a 2-core CPU, after 1-3 minutes of compiling), captured once as a CUDA graph and replayed "
         "(cudagraphs, CUDA only), or auto (cudagraphs on CUDA, none elsewhere)",
         metavar="|".join(COMPILE_MODES),

@@ -1,6 +1,8 @@
 """The paper's algorithms on an unchanged Hugging Face model; imports nothing else from batchmax_tp.
 
-``method`` (what to keep) -> ``rules`` (how BM ranks pairs) -> ``schedule`` (the block/step plan) -> ``cache``
-(the bounded cache) -> ``attention`` (the "batchmax" attention that feeds the scores) -> ``engine`` (generate);
-``baseline`` (FKV and ED on the model's own attention) and ``workspace`` (bytes each attention call allocates).
+``method`` (what to keep; ``rules``: how BM ranks pairs) -> ``schedule`` (each request's passes) -> ``step`` (one
+pass, described) -> ``pool`` (the bounded slots; evicts) -> ``attention`` (the "batchmax" attention: reads the
+description, writes the pool, feeds the scores; ``probe``, ``snap``, ``workspace`` beside it) -> ``scheduler`` and
+``replay`` -> ``serve`` (the pass loop) -> ``engine`` (``Engine``, ``generate``); ``hf_cache`` (HF generate's
+drop-in) on top of ``attention``.
 """

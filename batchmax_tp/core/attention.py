@@ -23,7 +23,8 @@ through the layer, its attention to the slots, summed over the query group and a
 queries, becomes the slots' ``probe`` values (overwritten each probe pass); the paper's sums get nothing from it. The
 math is ``core.probe``'s, shared with the re-scoring of rules that probe only every few blocks.
 
-HF's ``model.generate`` drop-in (``core.hf_cache``) hands its cache layer over instead of a description.
+HF's ``model.generate`` drop-in (``core.hf_cache``) sits on top: its own attention function runs its layers with
+this module's decode step (``decode_attention``) and score sums (``add_received``).
 
 Nothing is registered at import time: call ``register()`` (or use ``use_batchmax_attention``).
 """
@@ -38,7 +39,6 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import probe, snap, workspace
-from .hf_cache import BoundedLayer, take_updated_layer
 from .pool import DensePoolLayer, PoolLayer
 from .step import RowsPass
 from .workspace import SDPA, SDPA_REPEAT
@@ -58,32 +58,18 @@ def batchmax_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [B, Hq, n, D]; ``batchmax``: the engine's description of the pass (``core.step``), whose key/value
-    [B, Hkv, n, D] are the pass's new pairs; or, under HF's generate (``core.hf_cache``, no description), key/value
-    are the cache layer's buffers [B, Hkv, C, D] and attention_mask the block's padding mask (last n columns of a
-    2D [B, *] mask, True for real tokens) or None. Returns [B, n, Hq, D]."""
+    [B, Hkv, n, D] are the pass's new pairs (``attention_mask`` is not read: the description states what each query
+    sees). Returns [B, n, Hq, D]."""
+    if batchmax is None:
+        raise RuntimeError(
+            "the 'batchmax' attention runs the engine's passes (batchmax_tp.core.engine.Engine); for HF's "
+            "model.generate use BatchMaxCache under batchmax_tp.core.hf_cache.use_drop_in(model)"
+        )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if batchmax is not None:
-        return _rows_attention(module, batchmax, query, key, value, scaling), None
-    layer = take_updated_layer(key)
-    return _bounded_attention(layer, query, key, value, attention_mask, scaling), None
+    return _rows_attention(module, batchmax, query, key, value, scaling), None
 
 
-def _bounded_attention(
-    layer: BoundedLayer,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-) -> torch.Tensor:
-    """A ``BoundedLayer``'s pass (the HF drop-in): an unmasked decode step (fused) or a block (chunked)."""
-    if query.shape[2] == 1 and attention_mask is None:
-        layer.new_slots = None
-        return _decode_attention(layer, query, key, value, scaling, layer.high)
-    return _block_attention(layer, query, key, value, attention_mask, scaling)
-
-
-def _decode_attention(
+def decode_attention(
     layer,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -132,56 +118,6 @@ def _decode_attention(
     return out.view(B, 1, Hq, D)  # [B, 1, Hq, D]: (Hkv, g) rows are the query heads in order
 
 
-def _block_attention(
-    layer,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-) -> torch.Tensor:
-    """A prefill block (or a masked decode step): causal over the kept slots in query chunks. Returns [B, n, Hq, D]."""
-    B, Hq, n, D = query.shape
-    Hkv = key.shape[1]
-    g = Hq // Hkv
-    token_mask = None if attention_mask is None else attention_mask[:, -n:].bool()  # [B, n]
-    layer.mark_pads(token_mask)
-    hi = layer.high  # slots [hi, C) were never written: leave them out of every product
-    keys_t = key[:, :, :hi].transpose(2, 3)  # [B, Hkv, D, hi]
-    values = value[:, :, :hi]  # [B, Hkv, hi, D]
-    score = layer.score[:, :, :hi]  # [B, Hkv, hi], a view: accumulated in place
-    hiding = _slot_hiding(layer.pos[:, :, :hi], n)
-    first = layer.seen - n  # padded position of the block's first query
-    qg = query.view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head (a view)
-
-    # Memory: at most one chunk's tensors are alive at a time (each is dropped as soon as it is used), the
-    # scaling is folded into the chunk's own query copy, and chunk outputs go straight into the result's
-    # [B, n, Hq, D] layout. ``workspace_bytes`` counts what remains, allocation by allocation.
-    ordered = layer.free is None
-    converted = 0 if attention_mask is None or attention_mask.dtype == torch.bool else B * n  # token_mask bytes
-    layer.cache.note_workspace(
-        converted
-        + workspace.workspace_bytes(
-            B, Hq, Hkv, n, hi, D, ordered=ordered, padded=token_mask is not None, elem=query.element_size()
-        )
-    )
-    out = None  # [B, n, Hkv, g, D]: allocated once when the block takes more than one chunk
-    for a, b, lim in workspace.query_chunks(B, Hq, n, hi, ordered):
-        m = b - a
-        if out is None and m < n:
-            out = torch.empty(B, n, Hkv, g, D, dtype=value.dtype, device=value.device)
-        probs = _chunk_probs(qg[:, :, :, a:b], keys_t[..., :lim], scaling, hiding, first + a)  # [B, Hkv, g*m, lim]
-        _add_received(score[..., :lim], probs, None if token_mask is None else token_mask[:, a:b])
-        o = torch.matmul(probs.to(value.dtype), values[:, :, :lim]).view(B, Hkv, g, m, D)  # [B, Hkv, g, m, D]
-        del probs
-        if out is None:  # the whole block in one chunk
-            out = o.permute(0, 3, 1, 2, 4).contiguous()  # [B, n, Hkv, g, D]; no copy when n == 1
-        else:
-            out[:, a:b].copy_(o.permute(0, 3, 1, 2, 4))  # [B, m, Hkv, g, D]
-        del o
-    return out.view(B, n, Hq, D)  # [B, n, Hq, D]
-
-
 def _rows_attention(
     module: torch.nn.Module,
     step: RowsPass,
@@ -193,12 +129,11 @@ def _rows_attention(
     """A pool's pass, as ``step`` states it (BM's prefill chunks, probes and decode steps; the dense pools' prefill
     and decode steps): write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
     layer = step.layer(module)
-    layer.cache.allocate(key, value)
     hi = step.hi * layer.cache.share  # a shared budget's G heads hold G slots per column
     if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice
         return _compress(module, layer, step, query, key, value, scaling)
     # The pass's evictions ran before it (the pool's ``evict``); it writes its pairs, then attends.
-    if step.kind == "prefill" and not isinstance(layer, DensePoolLayer):  # BM's prefill: over the slots written
+    if step.kind == "prefill" and layer.score is not None:  # BM's prefill (a layer with sums): over the slots written
         if step.probe is not None:  # the probes folded into the pass: its first columns
             return _folded(layer, step, query, key, value, scaling, hi)
         return _rows_block(layer, step, query, scaling, hi, layer.write(step, key, value))
@@ -206,7 +141,7 @@ def _rows_attention(
     if step.kind == "decode" and step.owner is not None:  # FKV paged: block by block
         return _paged_decode(layer, query, step, scaling)
     if step.kind == "decode":
-        return _decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias)
+        return decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias)
     return _dense_prefill(module, layer, query, key, value, scaling)  # a baseline's prompt: over its own pairs
 
 
@@ -362,7 +297,7 @@ def _rows_block(
         # the softmax in place: a fresh tile per call costs its page faults too (1.3 ms of 2.1 a call, 2026-11-27)
         probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits).view(R, Hs, g * m, hi)  # [R, Hs, g*m, hi]
         del logits
-        _add_received(score, probs, None if step.real is None else step.real[:, a:b])
+        add_received(score, probs, None if step.real is None else step.real[:, a:b])
         o = torch.bmm(probs.to(values.dtype).view(R * Hs, g * m, hi), values).view(R, Hs, g, m, D)
         del probs
         if out is None:
@@ -413,53 +348,7 @@ def _rows_probe(
     return out.view(R, Hkv, g, w, D).permute(0, 3, 1, 2, 4).reshape(R, w, Hq, D)  # [R, w, Hq, D]
 
 
-def _slot_hiding(slot_pos: torch.Tensor, n: int) -> torch.Tensor:
-    """What hides slots [B, Hkv, hi] from a block of ``n`` queries. A decode step (n == 1): every kept slot precedes
-    the query, so the mask [B, Hkv, 1, 1, hi] of empty/evicted slots. A longer block: each slot's effective
-    position [B, Hkv, hi] (empty and pad slots after every query), compared per chunk with the queries'."""
-    if n == 1:
-        return (slot_pos < 0)[:, :, None, None, :]  # [B, Hkv, 1, 1, hi]
-    return slot_pos.masked_fill(slot_pos < 0, torch.iinfo(slot_pos.dtype).max)  # [B, Hkv, hi]
-
-
-def _chunk_probs(
-    q: torch.Tensor,
-    keys_t: torch.Tensor,
-    scaling: float,
-    hiding: torch.Tensor,
-    qpos: torch.Tensor | int,
-    other: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A query chunk's attention probabilities: q [B, Hkv, g, m, D] (a view), keys_t [B, Hkv, D, lim], ``hiding``
-    from ``_slot_hiding``, ``qpos`` the queries' positions: [B, m] per row (-1: a masked query, which sees no slot),
-    or the first one's position (every row's queries at the same positions); ``other`` [B, Hkv, G, >= lim] (a budget
-    shared by G heads: the slots each head's g / G query heads must not see). Returns [B, Hkv, g*m, lim]."""
-    B, Hkv, g, m, D = q.shape
-    lim = keys_t.shape[-1]
-    # The chunk's scaled queries, copied contiguous (never a view: scaled in place) [B, Hkv, g, m, D]
-    qc = q.clone(memory_format=torch.contiguous_format).mul_(scaling)
-    logits = torch.matmul(qc.view(B, Hkv, g * m, D), keys_t)  # [B, Hkv, g*m, lim]
-    del qc
-    logits = logits.float().view(B, Hkv, g, m, lim)  # [B, Hkv, g, m, lim]
-    if hiding.dim() == 5:  # a decode step's mask [B, Hkv, 1, 1, hi]
-        hidden = hiding[..., :lim]
-    else:
-        if isinstance(qpos, int):
-            qpos = torch.arange(qpos, qpos + m, device=q.device)[None]  # [1, m]
-        hidden = (hiding[:, :, None, :lim] > qpos[:, None, :, None])[:, :, None]  # [B, Hkv, 1, m, lim]
-        del qpos
-    # A pad query sees no slot at all; a finite fill keeps its row finite (its weights are dropped below).
-    logits.masked_fill_(hidden, torch.finfo(torch.float32).min)
-    if other is not None:  # [B, Hkv, G, g/G, m, lim]: another head's slots
-        G = other.shape[2]
-        hid = other[:, :, :, None, None, :lim]  # [B, Hkv, G, 1, 1, lim]
-        logits.view(B, Hkv, G, g // G, m, lim).masked_fill_(hid, torch.finfo(torch.float32).min)
-    probs = torch.softmax(logits, dim=-1).view(B, Hkv, g * m, lim)  # [B, Hkv, g*m, lim]
-    del logits, hidden
-    return probs
-
-
-def _add_received(score: torch.Tensor, probs: torch.Tensor, token_mask: torch.Tensor | None) -> None:
+def add_received(score: torch.Tensor, probs: torch.Tensor, token_mask: torch.Tensor | None) -> None:
     """Add the attention each slot received, summed over the query group and the chunk's real queries, to
     ``score`` [B, Hkv, lim] (a view, in place). probs [B, Hkv, g*m, lim]; token_mask [B, m] or None."""
     if token_mask is None:
@@ -507,15 +396,16 @@ def register() -> None:
 
 
 @contextlib.contextmanager
-def use_batchmax_attention(model: torch.nn.Module):
-    """Run ``model`` with the "batchmax" attention inside the block, restoring its implementation after."""
+def use_batchmax_attention(model: torch.nn.Module, name: str = NAME):
+    """Run ``model`` with the "batchmax" attention (or another registered under ``name``: the HF drop-in's, which
+    registers it first) inside the block, restoring its implementation after."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     reason = unsupported(config)
     if reason is not None:
         raise ValueError(f"Batch-Max's attention cannot run this model exactly: {reason}")
     register()
     previous = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
+    model.set_attn_implementation(name)
     try:
         yield model
     finally:

@@ -1,5 +1,13 @@
-"""The paper's padded batch as a tensor call: ``generate`` runs a left-padded batch ``input_ids [B, s]`` on the one
-engine (``core.serve``) under its ``static`` policy, and returns the batch's tokens as tensors.
+"""The one engine as an object, and the paper's padded batch as a tensor call over it.
+
+``Engine(model, method, slots)`` holds what a run needs besides its requests (the model, the method, how many slots,
+the tensor-parallel group, how decode passes run, how requests share passes); ``engine.run(requests)`` returns one
+output per request (``core.serve``: the pass loop). Sampling (``Sampling``) and what each output records
+(``Record``) are given per run. Every caller goes through it: the main job, the lm-eval model, ``run_prompts``, the
+benchmarks, and ``generate``.
+
+``generate`` runs a left-padded batch ``input_ids [B, s]`` on the engine under its ``static`` policy and returns the
+batch's tokens as tensors (a test adapter, and the paper's padded batch).
 
 Every row runs Algorithm 1 (BM) or 3 (ED) on the batch's padded prompt, at padded positions: its pads are counted
 as held, never written, and go first at the first evictions, so its kept positions and tokens are those of the
@@ -10,15 +18,55 @@ rows are their prompts' own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .method import Method
 from .schedule import Phase, plan
-from .serve import Request, ServeOutput, serve
+from .serve import Batching, Record, Request, RequestOutput, Sampling, ServeOutput, serve
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """``slots`` bounded slots of ``method`` over ``model`` (an unchanged Hugging Face causal LM): ``run`` serves
+    requests in them. ``tp_group``: the tensor-parallel group, when there is one (every rank runs the same
+    requests). ``compile``: how decode passes run (``core.replay``: ``"none"``, ``"default"``, ``"cudagraphs"``,
+    ``"auto"``). ``batching``: continuous (the default) or the paper's static batches, and how prompts share
+    passes. The pool is allocated at each run's start, from the model's shape and the run's longest request (FKV's
+    rows hold it whole), and freed at its end."""
+
+    model: torch.nn.Module
+    method: Method
+    slots: int
+    tp_group: object = None
+    compile: str = "auto"
+    batching: Batching = Batching()
+
+    def run(
+        self,
+        requests: Sequence[Request],
+        sampling: Sampling = Sampling(),
+        on_finish: Callable[[int, RequestOutput], None] | None = None,
+        record: Record = Record(),
+    ) -> ServeOutput:
+        """Every request's output (``outputs``, in request order) and the run's measurements; ``on_finish(i,
+        output)`` is called as each request ends."""
+        return serve(
+            self.model,
+            requests,
+            self.method,
+            self.slots,
+            sampling=sampling,
+            batching=self.batching,
+            record=record,
+            on_finish=on_finish,
+            tp_group=self.tp_group,
+            compile=self.compile,
+        )
 
 
 @dataclass
@@ -59,12 +107,14 @@ def generate(
     return_logits: bool = False,
     force_tokens: torch.Tensor | None = None,
     compile: str = "auto",
+    tp_group=None,
 ) -> GenerationOutput:
     """Generate ``max_new_tokens`` tokens for a LEFT-padded batch ``input_ids [B, s]`` (``attention_mask`` [B, s],
     1 for real tokens; None: no pad) as the paper's padded batch, in B slots of the one engine. Greedy unless
     ``do_sample`` (row b samples from its own generator, seeded ``seed + b``). ``force_tokens`` [B, >= T]: teacher
     forcing -- each step feeds these tokens instead of the chosen ones, while ``tokens`` still records the model's
-    own choices. ``compile``: how decode passes run (``serve``)."""
+    own choices. ``compile``: how decode passes run (``Engine``); ``tp_group``: the tensor-parallel group, when there
+    is one."""
     mask = _checked_mask(input_ids, attention_mask, max_new_tokens, force_tokens)
     B = input_ids.shape[0]
     lengths = mask.sum(-1).tolist()
@@ -78,24 +128,10 @@ def generate(
         )
         for b in range(B)
     ]
-    served = serve(
-        model,
-        requests,
-        method,
-        B,
-        ignore_eos=ignore_eos,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        return_logits=return_logits,
-        keep_positions=True,
-        compile=compile,
-        policy="static",
-        pad_to=input_ids.shape[1],
-    )
+    static = Batching(policy="static", pad_to=input_ids.shape[1])
+    engine = Engine(model, method, B, tp_group=tp_group, compile=compile, batching=static)
+    sampling = Sampling(eos_token_id, ignore_eos, pad_token_id, None, do_sample, temperature, top_k, top_p)
+    served = engine.run(requests, sampling, record=Record(logits=return_logits, positions=True))
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long)  # [B, T]

@@ -1,8 +1,10 @@
-"""The HF drop-in: ``model.generate(..., past_key_values=BatchMaxCache(method))`` on a model whose attention
-implementation is "batchmax". An adapter beside the engine (``core.serve``), plugged in through transformers'
-Cache API: one ``BoundedLayer`` per decoder layer, driven by HF's generate, which states no pass: each layer infers
-its eviction from the block it is handed (``Method.num_to_evict``) and hands itself to the attention call that
-follows (a thread-local: this module is the only place one exists).
+"""The HF drop-in: ``model.generate(..., past_key_values=BatchMaxCache(method))`` inside ``use_drop_in(model)``
+(the model's attention implementation "batchmax_hf", registered here). An adapter on top of the engine's attention
+(``core.attention``, which imports nothing from here), plugged in through transformers' Cache and Attention APIs:
+one ``BoundedLayer`` per decoder layer, driven by HF's generate, which states no pass: each layer infers its eviction
+from the block it is handed (``Method.num_to_evict``) and hands itself to this module's attention function, called
+next (a thread-local: this module is the only place one exists). A decode step runs the engine's fused decode
+(``attention.decode_attention``); a block runs in query chunks here (``_block_attention``).
 
 Each layer preallocates, per (sample, local KV head), ``capacity`` slots of keys and values plus, per slot, the
 absolute (padded-sequence) position of the token it holds (-1: empty, pad or evicted) and the attention weight it
@@ -20,16 +22,23 @@ HF's generate runs no look-ahead probe pass: a rule with one ranks without its p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface
 
+from . import workspace
+from .attention import add_received, decode_attention, padding_mask, use_batchmax_attention
 from .method import Method
 from .pool import free_slots
 
 logger = logging.getLogger(__name__)
+
+NAME = "batchmax_hf"  # the drop-in's attention implementation (the engine's is "batchmax")
 
 # The layer whose ``update`` ran last on this thread, handed to the attention call that follows it in the same
 # attention module (transformers calls ``past_key_values.update`` and then the attention function).
@@ -41,10 +50,142 @@ def take_updated_layer(key: torch.Tensor) -> BoundedLayer:
     _handoff.layer = None
     if layer is None or layer.keys is not key:
         raise RuntimeError(
-            "the 'batchmax' attention needs past_key_values=BatchMaxCache(...) and a model that passes the cache's "
-            "keys straight to its attention function"
+            "the 'batchmax_hf' attention needs past_key_values=BatchMaxCache(...) and a model that passes the "
+            "cache's keys straight to its attention function"
         )
     return layer
+
+
+def drop_in_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The drop-in's attention: query [B, Hq, n, D]; key/value the cache layer's buffers [B, Hkv, C, D] (its
+    ``update`` just wrote the block); attention_mask the block's padding mask (last n columns of a 2D [B, *] mask,
+    True for real tokens) or None. An unmasked decode step is fused, a block chunked. Returns [B, n, Hq, D]."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    layer = take_updated_layer(key)
+    if query.shape[2] == 1 and attention_mask is None:
+        layer.new_slots = None
+        return decode_attention(layer, query, key, value, scaling, layer.high), None
+    return _block_attention(layer, query, key, value, attention_mask, scaling), None
+
+
+def register() -> None:
+    """Register the drop-in's attention and mask builder under "batchmax_hf" (idempotent)."""
+    AttentionInterface.register(NAME, drop_in_attention)
+    AttentionMaskInterface.register(NAME, padding_mask)
+
+
+@contextlib.contextmanager
+def use_drop_in(model: torch.nn.Module):
+    """Run ``model`` with the drop-in's attention inside the block (for ``model.generate(...,
+    past_key_values=BatchMaxCache(...))``), restoring its implementation after."""
+    register()
+    with use_batchmax_attention(model, NAME):
+        yield model
+
+
+def _block_attention(
+    layer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """A prefill block (or a masked decode step): causal over the kept slots in query chunks. Returns [B, n, Hq, D]."""
+    B, Hq, n, D = query.shape
+    Hkv = key.shape[1]
+    g = Hq // Hkv
+    token_mask = None if attention_mask is None else attention_mask[:, -n:].bool()  # [B, n]
+    layer.mark_pads(token_mask)
+    hi = layer.high  # slots [hi, C) were never written: leave them out of every product
+    keys_t = key[:, :, :hi].transpose(2, 3)  # [B, Hkv, D, hi]
+    values = value[:, :, :hi]  # [B, Hkv, hi, D]
+    score = layer.score[:, :, :hi]  # [B, Hkv, hi], a view: accumulated in place
+    hiding = _slot_hiding(layer.pos[:, :, :hi], n)
+    first = layer.seen - n  # padded position of the block's first query
+    qg = query.view(B, Hkv, g, n, D)  # [B, Hkv, g, n, D]: query heads grouped by their KV head (a view)
+
+    # Memory: at most one chunk's tensors are alive at a time (each is dropped as soon as it is used), the
+    # scaling is folded into the chunk's own query copy, and chunk outputs go straight into the result's
+    # [B, n, Hq, D] layout. ``workspace_bytes`` counts what remains, allocation by allocation.
+    ordered = layer.free is None
+    converted = 0 if attention_mask is None or attention_mask.dtype == torch.bool else B * n  # token_mask bytes
+    layer.cache.note_workspace(
+        converted
+        + workspace.workspace_bytes(
+            B, Hq, Hkv, n, hi, D, ordered=ordered, padded=token_mask is not None, elem=query.element_size()
+        )
+    )
+    out = None  # [B, n, Hkv, g, D]: allocated once when the block takes more than one chunk
+    for a, b, lim in workspace.query_chunks(B, Hq, n, hi, ordered):
+        m = b - a
+        if out is None and m < n:
+            out = torch.empty(B, n, Hkv, g, D, dtype=value.dtype, device=value.device)
+        probs = _chunk_probs(qg[:, :, :, a:b], keys_t[..., :lim], scaling, hiding, first + a)  # [B, Hkv, g*m, lim]
+        add_received(score[..., :lim], probs, None if token_mask is None else token_mask[:, a:b])
+        o = torch.matmul(probs.to(value.dtype), values[:, :, :lim]).view(B, Hkv, g, m, D)  # [B, Hkv, g, m, D]
+        del probs
+        if out is None:  # the whole block in one chunk
+            out = o.permute(0, 3, 1, 2, 4).contiguous()  # [B, n, Hkv, g, D]; no copy when n == 1
+        else:
+            out[:, a:b].copy_(o.permute(0, 3, 1, 2, 4))  # [B, m, Hkv, g, D]
+        del o
+    return out.view(B, n, Hq, D)  # [B, n, Hq, D]
+
+
+def _slot_hiding(slot_pos: torch.Tensor, n: int) -> torch.Tensor:
+    """What hides slots [B, Hkv, hi] from a block of ``n`` queries. A decode step (n == 1): every kept slot precedes
+    the query, so the mask [B, Hkv, 1, 1, hi] of empty/evicted slots. A longer block: each slot's effective
+    position [B, Hkv, hi] (empty and pad slots after every query), compared per chunk with the queries'."""
+    if n == 1:
+        return (slot_pos < 0)[:, :, None, None, :]  # [B, Hkv, 1, 1, hi]
+    return slot_pos.masked_fill(slot_pos < 0, torch.iinfo(slot_pos.dtype).max)  # [B, Hkv, hi]
+
+
+def _chunk_probs(
+    q: torch.Tensor,
+    keys_t: torch.Tensor,
+    scaling: float,
+    hiding: torch.Tensor,
+    qpos: torch.Tensor | int,
+    other: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A query chunk's attention probabilities: q [B, Hkv, g, m, D] (a view), keys_t [B, Hkv, D, lim], ``hiding``
+    from ``_slot_hiding``, ``qpos`` the queries' positions: [B, m] per row (-1: a masked query, which sees no slot),
+    or the first one's position (every row's queries at the same positions); ``other`` [B, Hkv, G, >= lim] (a budget
+    shared by G heads: the slots each head's g / G query heads must not see). Returns [B, Hkv, g*m, lim]."""
+    B, Hkv, g, m, D = q.shape
+    lim = keys_t.shape[-1]
+    # The chunk's scaled queries, copied contiguous (never a view: scaled in place) [B, Hkv, g, m, D]
+    qc = q.clone(memory_format=torch.contiguous_format).mul_(scaling)
+    logits = torch.matmul(qc.view(B, Hkv, g * m, D), keys_t)  # [B, Hkv, g*m, lim]
+    del qc
+    logits = logits.float().view(B, Hkv, g, m, lim)  # [B, Hkv, g, m, lim]
+    if hiding.dim() == 5:  # a decode step's mask [B, Hkv, 1, 1, hi]
+        hidden = hiding[..., :lim]
+    else:
+        if isinstance(qpos, int):
+            qpos = torch.arange(qpos, qpos + m, device=q.device)[None]  # [1, m]
+        hidden = (hiding[:, :, None, :lim] > qpos[:, None, :, None])[:, :, None]  # [B, Hkv, 1, m, lim]
+        del qpos
+    # A pad query sees no slot at all; a finite fill keeps its row finite (its weights are dropped below).
+    logits.masked_fill_(hidden, torch.finfo(torch.float32).min)
+    if other is not None:  # [B, Hkv, G, g/G, m, lim]: another head's slots
+        G = other.shape[2]
+        hid = other[:, :, :, None, None, :lim]  # [B, Hkv, G, 1, 1, lim]
+        logits.view(B, Hkv, G, g // G, m, lim).masked_fill_(hid, torch.finfo(torch.float32).min)
+    probs = torch.softmax(logits, dim=-1).view(B, Hkv, g * m, lim)  # [B, Hkv, g*m, lim]
+    del logits, hidden
+    return probs
 
 
 class BoundedLayer(CacheLayerMixin):
@@ -239,7 +380,7 @@ class BoundedLayer(CacheLayerMixin):
 class BatchMaxCache(Cache):
     """KV cache bounded by ``method.kv_max`` pairs per (sample, KV head) during prefill and decoding, for
     ``model.generate(..., past_key_values=BatchMaxCache(method))`` on a model whose attention implementation is
-    "batchmax" (``core.attention.use_batchmax_attention``). HF's generate prefills the whole prompt in one block, so
+    "batchmax_hf" (``use_drop_in``). HF's generate prefills the whole prompt in one block, so
     a prompt longer than ``kv_max`` needs ``prefill_chunk_size=p`` (identical to Algorithm 1 when ``kv_max`` is a
     multiple of ``p``). ``reserve`` preallocates that many slots for FKV/ED so their prefill does not reallocate.
     A rule whose heads share a budget (``share`` != 1) runs in the engine's pool only (``core.serve``).

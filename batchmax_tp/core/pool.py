@@ -104,7 +104,7 @@ class _Pool:
 
     stacked_kv = False  # K/V stacked over the layers too (ED's eviction reads every layer's newest pair)
     num_blocks = 0  # K/V blocks shared by the rows (FKV paged; 0: each row holds its own slots)
-    share = 1  # KV heads sharing one budget of slots (BM under a rule's ``share``; set by ``allocate``)
+    share = 1  # KV heads sharing one budget of slots (BM under a rule's ``share``; set once by ``allocate``)
 
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, layer_class, static: bool):
         self.layers = [layer_class(self, i) for i in range(num_layers)]
@@ -116,21 +116,18 @@ class _Pool:
         self.rows = [RowState() for _ in range(slots)]
         self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
 
-    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the pool from the first pass's local shapes (heads under tensor parallelism), once. What an
-        eviction reads is stacked over the layers [L, S, ...] (``stacks``: one call frees slots in every layer),
-        each layer holding its views [S, ...]: BM's slot state, ED's few slots of K/V. BM's and FKV's K/V are one
-        tensor per layer: a compiled pass writes those in place only when they are not views into a larger buffer
-        (inductor copied each layer's whole K/V every pass otherwise, 138 against 100 ms a BM pass on the CPU)."""
+    def allocate(self, kv_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the pool, once, before its first pass, from the model's local shapes (``kv_heads`` this rank's KV
+        heads under tensor parallelism; ``k_dim``, ``v_dim`` a key's and a value's size). What an eviction reads is
+        stacked over the layers [L, S, ...] (``stacks``: one call frees slots in every layer), each layer holding its
+        views [S, ...]: BM's slot state, ED's few slots of K/V. BM's and FKV's K/V are one tensor per layer: a
+        compiled pass writes those in place only when they are not views into a larger buffer (inductor copied each
+        layer's whole K/V every pass otherwise, 138 against 100 ms a BM pass on the CPU)."""
         if self.allocated:
             return
-        dtype, device = key_states.dtype, key_states.device
-        H, C1 = self.storage(key_states.shape[1])
+        H, C1 = self.storage(kv_heads)
         L = len(self.layers)
-        kv = {
-            "keys": (L, *self.kv_dims(H, C1), key_states.shape[-1]),
-            "values": (L, *self.kv_dims(H, C1), value_states.shape[-1]),
-        }
+        kv = {"keys": (L, *self.kv_dims(H, C1), k_dim), "values": (L, *self.kv_dims(H, C1), v_dim)}
         stacked = self.stacked_kv
         self.stacks = {
             **({name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in kv.items()} if stacked else {}),
@@ -203,15 +200,17 @@ class _Pool:
         device,
         lengths: list[int] | None = None,
         blocks: tuple[list[int], list[int]] | None = None,
+        after: dict[int, RowState] | None = None,
     ) -> RowsPass:
         """A decode pass over every row from per-row host lists (one host-to-device copy): ``write`` (BM: the index
         into the row's free list; the dense pools: the slot), ``seen`` (the position fed; -1 for idle rows) and, for
         the dense pools, ``lengths`` (the slots each row holds after the pass: the additive mask of its row); the
         decoding rows of ``work`` and each row's RoPE position ride in the same copy, and FKV paged's ``blocks``:
-        (owner, filled positions) of each of the first ``hi`` blocks."""
+        (owner, filled positions) of each of the first ``hi`` blocks; ``after``: the decoding rows' states after the
+        pass."""
         S, k = self.slots, len(work)
         decoding = [w.row for w in work] + [-1] * (S - k)
-        rope = [max(0, p - st.offset) for p, st in zip(seen, self.rows)]
+        rope = [max(0, p - st.offset) for p, st in zip(seen, self.rows)]  # (an offset never changes in a pass)
         lists = [write, seen, decoding, rope, *([lengths] if lengths is not None else [])]
         flat = to_device([x for values in [*lists, *(blocks or ())] for x in values], device)  # one copy
         packed = flat[: len(lists) * S].view(len(lists), S)
@@ -244,11 +243,14 @@ class _Pool:
             bias=bias,
             decoding=packed[2, :k],
             owner=owner,
+            after=tuple((after or {}).items()),
         )
 
     def ready(self, step: RowsPass) -> RowsPass:
-        """Run a described pass's evictions (every layer at once) and return what the model call reads
-        (``RowsPass.for_model``)."""
+        """Execute a described pass's host part: its rows' new states (``RowsPass.after``), then its evictions (every
+        layer at once); returns what the model call reads (``RowsPass.for_model``)."""
+        for row, st in step.after:
+            self.rows[row] = st
         for eviction in step.evictions:
             self.evict(eviction)
         return step.for_model()
@@ -486,9 +488,10 @@ class BoundedPool(_Pool):
                 self.rows[row] = RowState(**vars(self.rows[rows.start]))
         self.note()
 
-    def _evict_row(self, row: int, phase: Phase, prefill: bool) -> tuple[int, int, int, str | None]:
-        """A row's eviction before ``phase`` (count: its empty slots + the phase's), its host state advanced."""
-        st, C = self.rows[row], self.capacity
+    def _evict_row(self, row: int, st: RowState, phase: Phase, prefill: bool) -> tuple[int, int, int, str | None]:
+        """A row's eviction before ``phase`` (count: its empty slots + the phase's), its state ``st`` (the pass's
+        copy) advanced."""
+        C = self.capacity
         probe = None
         if prefill and self.method.lookahead:
             probe = "fresh" if st.probed or self.method.probe_every == 1 else "rescore"
@@ -509,8 +512,9 @@ class BoundedPool(_Pool):
         rows = [w.row for w in work]
         qpos, rope, write, evicting, ids, among, probe_qpos, probe_rope = [], [], [], [], [], [], [], []
         blind = False  # a row whose pass is pads alone and that holds nothing yet: its queries see no slot
+        after = {w.row: replace(self.rows[w.row]) for w in work}  # each row's state after the pass (a copy)
         for j, (w, prompt) in enumerate(zip(work, prompts)):
-            ph, st = w.phase, self.rows[w.row]
+            ph, st = w.phase, after[w.row]
             q, r, i = _columns(ph, st, prompt, n)
             blind |= q[-1] < 0 and st.high == 0  # (real tokens are right-aligned)
             if window:
@@ -524,14 +528,14 @@ class BoundedPool(_Pool):
             rope.append(r)
             ids.append(i)
             if ph.evict:
-                evicting.append(self._evict_row(w.row, ph, prefill=True))
+                evicting.append(self._evict_row(w.row, st, ph, prefill=True))
             real = sum(x >= 0 for x in q)
             write.append([self.capacity] * (n - real) + list(range(st.ptr, st.ptr + real)))
             st.ptr, st.filled, st.seen = st.ptr + real, st.filled + ph.size, ph.end
             st.probed = w.probe is not None  # its next eviction ranks with this probe
             if st.contiguous:
                 st.high = max(st.high, st.ptr)
-        R, hi = len(rows), max(1, *(self.rows[r].high for r in rows))  # at least one slot: a pass of pads alone
+        R, hi = len(rows), max(1, *(after[r].high for r in rows))  # at least one slot: a pass of pads alone
         flat = [x for part in (qpos, rope, write, probe_qpos, probe_rope) for row in part for x in row]
         columns = to_device(flat, device)  # one host-to-device copy, split below
         sizes = [R * n, R * (window + n), R * n, len(among) * window, len(among) * window]
@@ -551,6 +555,7 @@ class BoundedPool(_Pool):
             evictions=_evictions(evicting, device),
             causal=torch.zeros(later.shape, device=device).masked_fill_(later, torch.finfo(torch.float32).min),
             blind=blind,
+            after=tuple(after.items()),
         )
         if among:  # the probes folded into the pass: the probing rows' first ``window`` columns
             probe_t = probe_t.view(len(among), window)
@@ -573,16 +578,17 @@ class BoundedPool(_Pool):
         """A decode pass over every row: each decoding row's eviction (its own step's count) and write slot."""
         S, C = self.slots, self.capacity
         ptr, seen, evicting = [C] * S, [-1] * S, []
+        after = {w.row: replace(self.rows[w.row]) for w in work}  # each row's state after the pass (a copy)
         for w in work:
-            st = self.rows[w.row]
+            st = after[w.row]
             if w.phase.evict:  # Algorithm 1: p pairs (the empty slots too) go before a step that does not fit
-                evicting.append(self._evict_row(w.row, w.phase, prefill=False))
+                evicting.append(self._evict_row(w.row, st, w.phase, prefill=False))
             ptr[w.row], seen[w.row] = st.ptr, st.seen
             if st.contiguous:
                 st.high = max(st.high, st.ptr + 1)
             st.ptr, st.filled, st.seen = st.ptr + 1, st.filled + 1, st.seen + 1
-        hi = C if self.static else max(self.rows[w.row].high for w in work)
-        return self._decode_pass(work, ptr, seen, hi, evicting, device)
+        hi = C if self.static else max(after[w.row].high for w in work)
+        return self._decode_pass(work, ptr, seen, hi, evicting, device, after=after)
 
     def ready(self, step: RowsPass) -> RowsPass:
         """Run a described pass's evictions (every layer at once); a decode pass then records each row's new slot in
@@ -644,22 +650,20 @@ class SnapPool(BoundedPool):
         min(s, ``kv_max``) pairs in slots [0, K) (a padded batch's rows: at their padded positions, no pad held)."""
         step, ids = _group_pass(self, work, prompts, device, "compress")
         kept = min(step.hi, self.capacity)
-        for w in work:
-            st = self.rows[w.row]
+        for _, st in step.after:
             st.filled, st.ptr, st.high = kept, kept, kept
         return step, ids
 
 
 def _group_pass(pool: _Pool, work, prompts, device, kind: str, slots=None) -> tuple[RowsPass, torch.Tensor]:
     """The pass of one group's prompts (one length s, a single block; a padded batch's rows at its positions, no pad)
-    and their ids [R, s], the rows' ``seen`` advanced; ``slots(s)``: where each of the s pairs is written (None: the
-    pass writes none itself, a compress pass keeps its own choice)."""
+    and their ids [R, s], the rows' ``seen`` advanced in its ``after``; ``slots(s)``: where each of the s pairs is
+    written (None: the pass writes none itself, a compress pass keeps its own choice)."""
     rows, end, offset = [w.row for w in work], work[0].phase.end, pool.rows[work[0].row].offset
     s = end - offset
     columns = to_device([list(range(offset, end)), list(range(s)), *([slots(s)] if slots else [])], device)  # [2|3, s]
     R = len(rows)
-    for row in rows:
-        pool.rows[row].seen = end
+    after = tuple((row, replace(pool.rows[row], seen=end)) for row in rows)  # each row's state after the pass
     step = RowsPass(
         kind=kind,
         pool=pool,
@@ -670,6 +674,7 @@ def _group_pass(pool: _Pool, work, prompts, device, kind: str, slots=None) -> tu
         real=None,
         write=columns[2].expand(R, s) if slots else None,
         hi=s,
+        after=after,
     )
     return step, torch.stack(prompts)
 
@@ -766,8 +771,9 @@ class DensePool(_Pool):
         additive mask [S, span] of the slots each row holds (idle rows: slot 0 alone, finite and never used)."""
         S, C = self.slots, self.capacity
         write, seen, lengths, evicting = [C] * S, [-1] * S, [1] * S, []
+        after = {w.row: replace(self.rows[w.row]) for w in work}  # each row's state after the pass (a copy)
         for w in work:
-            st = self.rows[w.row]
+            st = after[w.row]
             if w.phase.evict:  # ED (Algorithm 3): only the newest pair stays, moved to slot 0
                 evicting.append((w.row, st.length - 1, st.seen - 1, None))
                 st.length = 1
@@ -775,7 +781,7 @@ class DensePool(_Pool):
             st.length, st.seen = st.length + 1, st.seen + 1
             lengths[w.row] = st.length
         hi = C if self.static else max(lengths[w.row] for w in work)
-        return self._decode_pass(work, write, seen, hi, evicting, device, lengths)
+        return self._decode_pass(work, write, seen, hi, evicting, device, lengths, after=after)
 
     def kept_positions(self, row: int) -> list[list[list[int]]]:
         """Per layer and local KV head: the positions row ``row`` holds (slots [0, length) hold the last ``length``
@@ -899,16 +905,25 @@ class PagedPool(DensePool):
         """A decode pass over every row: each decoding row writes its next slot; the blocks of the decoding rows
         (each with its filled positions) enter the attention, up to the highest one held."""
         S, C = self.slots, self.capacity
-        write, seen = [C] * S, [-1] * S
+        write, seen, fill = [C] * S, [-1] * S, list(self.fill)  # ``fill`` after the pass (``ready`` records it)
+        after = {w.row: replace(self.rows[w.row]) for w in work}  # each row's state after the pass (a copy)
         for w in work:
-            st = self.rows[w.row]
+            st = after[w.row]
             write[w.row], seen[w.row] = self._where(w.row, st.length), st.seen
             st.length, st.seen = st.length + 1, st.seen + 1
-            self.fill[self.tables[w.row][(st.length - 1) // self.block]] += 1
+            fill[self.tables[w.row][(st.length - 1) // self.block]] += 1
         hi = self.num_blocks + 1 if self.static else 1 + max(max(self.tables[w.row]) for w in work)
         first = work[0].row  # a block no decoding row holds goes to it, masked whole (it adds exp(-inf) = 0)
         owner = [first if r == S else r for r in self.owner[:hi]]
-        return self._decode_pass(work, write, seen, hi, [], device, blocks=(owner, self.fill[:hi]))
+        return self._decode_pass(work, write, seen, hi, [], device, blocks=(owner, fill[:hi]), after=after)
+
+    def ready(self, step: RowsPass) -> RowsPass:
+        """``_Pool.ready``; a decode pass also counts each decoding row's new position in its block."""
+        model_step = super().ready(step)
+        if step.kind == "decode":
+            for row, st in step.after:
+                self.fill[self.tables[row][(st.length - 1) // self.block]] += 1
+        return model_step
 
     def note_decode(self, query_group: int, hi: int) -> None:
         keys = self.layers[0].keys  # [N + 1, H, Bs, D]

@@ -17,8 +17,8 @@ two decode passes (None: no limit, so a new request is prefilled whole before th
 takes the next chunk of many rows, each at its own phase (and the look-ahead probe that follows a chunk, folded into the
 same pass), up to ``pass_tokens`` rows x columns. The baselines prefill a group per pass: requests admitted together
 into adjacent slots with prompts of one length (up to the longest prompt's tokens in all); with ``keys``, adjacent
-requests of one key form a group instead (``serve(share_prompts=True)`` keys identical prompts, whose prefill then runs
-once for the whole group).
+requests of one key form a group instead (``Batching(share_prompts=True)`` keys identical prompts, whose prefill then
+runs once for the whole group).
 FKV's paged pool (``pool.PagedPool``) adds a second condition to admission: the request at the head of the queue
 enters a free slot only when the pool's free blocks cover its prompt and generation (``need``), which it holds until
 it ends; no request is passed over, none is preempted.

@@ -49,7 +49,7 @@ from .scheduler import Scheduler, Step
 logger = logging.getLogger(__name__)
 
 AGREE_EVERY = 64  # passes between two checks that the tensor-parallel ranks still run the same schedule
-POLICIES = ("continuous", "static")  # ``serve(policy=...)``: see ``core.scheduler``
+POLICIES = ("continuous", "static")  # ``Batching(policy=...)``: see ``core.scheduler``
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,66 @@ class ServeOutput:
         return sum(o.num_generated for o in self.outputs)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How each request's tokens are chosen and when it ends: greedy unless ``do_sample`` (each request samples from
+    its own generator, seeded with its ``seed``, warped by ``temperature``, ``top_k`` and ``top_p``). A request ends at
+    its ``max_new_tokens``, at an ``eos_token_id`` unless ``ignore_eos``, or when ``stop(i, tokens)`` says so (stop
+    strings). ``pad_token_id``: the input of a row with nothing to feed (None: the smallest EOS id, else 0)."""
+
+    eos_token_id: int | Sequence[int] | None = None
+    ignore_eos: bool = False
+    pad_token_id: int | None = None
+    stop: Callable[[int, list[int]], bool] | None = None
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def eos(self) -> set[int]:
+        """The token ids that end a request (none when ``ignore_eos``)."""
+        if self.ignore_eos or self.eos_token_id is None:
+            return set()
+        return set([self.eos_token_id] if isinstance(self.eos_token_id, int) else self.eos_token_id)
+
+    def pad(self) -> int:
+        eos = self.eos()
+        return self.pad_token_id if self.pad_token_id is not None else (min(eos) if eos else 0)
+
+    def warpers(self) -> LogitsProcessorList | None:
+        return sampling_warpers(self.temperature, self.top_k, self.top_p) if self.do_sample else None
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How requests share the passes. ``policy``: ``"continuous"`` refills a slot as soon as it frees; ``"static"``
+    runs the paper's padded batches (``core.scheduler``), left-padded to their longest prompt or to ``pad_to``
+    tokens. ``prefill_budget``: prompt tokens prefilled between two decode steps (None: a new request is prefilled
+    whole first). ``pass_tokens``: BM's most prompt tokens (rows x columns) in one prefill pass (None:
+    ``Method.pass_tokens(slots)``, every row's next chunk; the planner counts what is given:
+    ``predict_pool(pass_tokens=...)``). ``share_prompts``: adjacent requests with identical prompts admitted
+    together prefill once, on one row copied into the others (the choices of a multiple-choice question)."""
+
+    policy: str = "continuous"
+    prefill_budget: int | None = None
+    pass_tokens: int | None = None
+    share_prompts: bool = False
+    pad_to: int = 0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class Record:
+    """What each output keeps beyond its tokens: ``logits`` (per token, float32 [V]) and ``positions`` (the
+    positions its slot held when it ended, per layer and local KV head)."""
+
+    logits: bool = False
+    positions: bool = False
+
+
 def check_requests(requests: Sequence[Request], slots: int, context: int | None) -> None:
     """One ``ValueError`` line for input ``serve`` cannot run: no slot, an empty prompt, ``max_new_tokens`` < 1, or
     a prompt whose positions would run past the model's context."""
@@ -156,6 +216,21 @@ def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int]
     blocks = slots * max(need, default=1)  # the longest request's blocks per slot
     rows = len(list(itertools.takewhile(lambda held: held <= blocks, itertools.accumulate(sorted(need)))))
     return make_pool(method, layers, max(slots, rows), cap, static, blocks), need
+
+
+def kv_layout(model: torch.nn.Module) -> tuple[int, int, int, torch.dtype, torch.device]:
+    """(KV heads, key size, value size, dtype, device) of the model's attention as this rank holds it, read from its
+    first attention module's projections (under AutoTP a rank holds its share of the KV heads, and the ranks' shares
+    may differ): what the pool is allocated from before the first pass."""
+    attn = next(m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "head_dim"))
+    D = attn.head_dim
+    if hasattr(attn, "k_proj"):  # llama, mistral, qwen2: [kv_heads x D, hidden] on this rank
+        weight = attn.k_proj.weight
+        heads = weight.shape[0] // D
+    else:  # phi3's fused projection [(q_heads + 2 kv_heads) x D, hidden]; o_proj [hidden, q_heads x D]
+        weight = attn.qkv_proj.weight
+        heads = (weight.shape[0] // D - attn.o_proj.weight.shape[1] // D) // 2
+    return heads, D, D, weight.dtype, weight.device
 
 
 def _to_host(tokens: torch.Tensor):
@@ -443,13 +518,6 @@ class _Run:
         )
 
 
-def _eos_ids(ignore_eos: bool, eos_token_id: int | list[int] | None) -> set[int]:
-    """The token ids that end a request (none when ``ignore_eos``)."""
-    if ignore_eos or eos_token_id is None:
-        return set()
-    return set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-
-
 def _prompt_keys(requests: Sequence[Request]) -> list[int]:
     """Per request, the index of the first request with the same prompt (one key per distinct prompt)."""
     first: dict[tuple[int, ...], int] = {}
@@ -463,62 +531,42 @@ def serve(
     method: Method,
     slots: int,
     *,
-    ignore_eos: bool = False,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    prefill_budget: int | None = None,
-    pass_tokens: int | None = None,
-    share_prompts: bool = False,
-    stop: Callable[[int, list[int]], bool] | None = None,
+    sampling: Sampling = Sampling(),
+    batching: Batching = Batching(),
+    record: Record = Record(),
     on_finish: Callable[[int, RequestOutput], None] | None = None,
-    return_logits: bool = False,
-    keep_positions: bool = False,
     tp_group=None,
     compile: str = "auto",
-    policy: str = "continuous",
-    pad_to: int = 0,
 ) -> ServeOutput:
-    """Generate for every request in ``slots`` slots (continuous batching); greedy unless ``do_sample`` (each
-    request samples from its own generator, seeded with its ``seed``). A request ends at its ``max_new_tokens``,
-    at an EOS unless ``ignore_eos``, or when ``stop(i, tokens)`` says so (stop strings); ``on_finish(i, output)``
-    is called as each one ends. ``prefill_budget``: prompt tokens prefilled between two decode steps (None: a new
-    request is prefilled whole first). ``pass_tokens``: BM's most prompt tokens (rows x columns) in one prefill
-    pass (None: ``Method.pass_tokens(slots)``, every row's next chunk; the planner counts what is given:
-    ``predict_pool(pass_tokens=...)``). ``share_prompts``: adjacent requests with
-    identical prompts admitted together prefill once, on one row copied into the others (the choices of a
-    multiple-choice question). ``tp_group``: the tensor-parallel group, when there is one. ``compile``: how decode
-    passes run (``core.replay``): ``"none"`` eager, ``"default"`` compiled, ``"cudagraphs"`` captured once and
-    replayed, ``"auto"`` (the default) the fastest measured on the model's device type; the same tokens in every
-    mode. ``policy``: ``"continuous"`` refills a slot as soon as it frees; ``"static"`` runs the paper's padded
-    batches (``core.scheduler``), left-padded to their longest prompt or to ``pad_to`` tokens."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    """Generate for every request in ``slots`` slots, as ``sampling`` chooses tokens and ends requests and
+    ``batching`` shares the passes; ``on_finish(i, output)`` is called as each request ends (once its last token is
+    read). ``tp_group``: the tensor-parallel group, when there is one. ``compile``: how decode passes run
+    (``core.replay``): ``"none"`` eager, ``"default"`` compiled, ``"cudagraphs"`` captured once and replayed,
+    ``"auto"`` (the default) the fastest measured on the model's device type; the same tokens in every mode. The
+    users' entry is ``core.engine.Engine``, which holds the model, method, slots and how passes run."""
     check_requests(requests, slots, getattr(model.config, "max_position_embeddings", None))
-    eos = _eos_ids(ignore_eos, eos_token_id)
-    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-    warpers = sampling_warpers(temperature, top_k, top_p) if do_sample else None
+    eos, pad, warpers = sampling.eos(), sampling.pad(), sampling.warpers()
     device = next(model.parameters()).device
     mode = replay.resolve(compile, device, tensor_parallel=_tensor_parallel(tp_group) is not None)
     lengths, max_new = [len(r.input_ids) for r in requests], [r.max_new_tokens for r in requests]
     pool, need = _pool(model, method, slots, lengths, max_new, static=mode != "none")
     rows = pool.slots  # FKV paged: more rows than ``slots`` where the requests are shorter than the longest
-    run = _Run(model, requests, method, rows, warpers, eos, pad, stop, return_logits, tp_group)
+    if requests:  # (none: a replica whose share is done; its pool is never written)
+        pool.allocate(*kv_layout(model))
+    run = _Run(model, requests, method, rows, warpers, eos, pad, sampling.stop, record.logits, tp_group)
     run.decode_forward, run.compiles = replay.decode_runner(mode), mode != "none"
-    keys = _prompt_keys(requests) if share_prompts else None
+    share = batching.share_prompts
+    keys = _prompt_keys(requests) if share else None
     sched = Scheduler(
         method,
         run.lengths,
         run.max_new,
         rows,
-        prefill_budget,
+        batching.prefill_budget,
         keys,
-        pass_tokens,
-        policy == "static",
-        pad_to,
+        batching.pass_tokens,
+        batching.policy == "static",
+        batching.pad_to,
         blocks=pool.num_blocks,
         need=need,
     )
@@ -526,10 +574,10 @@ def serve(
         with use_batchmax_attention(model):
             while (step := sched.next_step()) is not None:
                 for rows, group in step.admitted:
-                    run.admit(pool, rows, group, sched.passes, share_prompts and len(group) > 1, sched.pads)
+                    run.admit(pool, rows, group, sched.passes, share and len(group) > 1, sched.pads)
                 finished = run.run_pass(pool, step)
                 for row, i in sched.complete(step, finished):
-                    run.retire(pool, row, i, keep_positions)
+                    run.retire(pool, row, i, record.positions)
                     pool.finish(row)
                 run.hand_on(on_finish)
                 run.agree(sched, every=AGREE_EVERY)

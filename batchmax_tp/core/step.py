@@ -5,7 +5,11 @@ keyword; transformers forwards unknown keywords through the decoder layers to th
 supported family, under DeepSpeed AutoTP too, which replaces linear layers only). The attention function finds its
 pool layer as ``batchmax.pool.layers[module.layer_idx]``: no thread-local state, no global, nothing set on a pool or
 layer between passes. (HF's ``model.generate`` drop-in, ``core.hf_cache``, passes no description: its cache hands
-its layer over instead.)
+its layer over to its own attention function instead.)
+
+Describe, then execute: a pool's ``prefill_pass``/``decode_pass`` describes a pass from its rows' host state and
+changes nothing (the rows' states after the pass ride in the description, ``RowsPass.after``); the pool's ``ready``
+executes its host part (those states, then the evictions, every layer at once) and the model call the rest.
 
 A pass is a prefill chunk, a look-ahead probe, a compress pass (``snap``: a group's whole prompts on the model's
 SDPA, each row then keeping what its window's attention chooses, ``core.snap``) or a decode step. ``SlotWork``
@@ -36,7 +40,7 @@ class SlotWork:
     phases: int = 1
 
 
-#: How a slot pool's decode passes run (``serve(compile=...)``, the ``compile`` setting; ``core.replay``): ``none``
+#: How a slot pool's decode passes run (``Engine(compile=...)``, the ``compile`` setting; ``core.replay``): ``none``
 #: eager; ``default`` through ``torch.compile(..., fullgraph=True)``; ``cudagraphs`` (CUDA only) captured once as a
 #: CUDA graph and replayed; ``auto``: ``cudagraphs`` on CUDA, ``none`` elsewhere (what measured fastest on each).
 COMPILE_MODES = ("auto", "none", "default", "cudagraphs")
@@ -105,14 +109,16 @@ class RowsPass:
     among: torch.Tensor | None = None  # a folded probe's rows among its pass's rows [Rp] (None: every row probes)
     blind: bool = False  # BM's prefill passes: some row's queries see no slot (pads alone, nothing held yet)
     written: torch.Tensor | None = None  # [L, R*Hkv] BM's decode passes: each layer's K/V index of each row's pair
+    after: tuple = ()  # (row, core.pool.RowState) per row the pass advances: its host state once the pass has run
 
     def layer(self, module):
         return self.pool.layers[module.layer_idx]
 
     def for_model(self) -> RowsPass:
-        """What the model call reads: the pass less its evictions (the pool runs them first, ``evict``) and the
-        caller's ``decoding`` rows, so that every decode pass of a static pool has one shape."""
-        return replace(self, evictions=(), decoding=None)
+        """What the model call reads: the pass less its host part (the rows' new states and the evictions, which the
+        pool's ``ready`` executes first) and the caller's ``decoding`` rows, so that every decode pass of a static
+        pool has one shape."""
+        return replace(self, evictions=(), decoding=None, after=())
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """The pass's rows of a pool tensor [S, ...]: a view when they are adjacent, else a gathered copy."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ..core.serve import Request, RequestOutput, serve
+from ..core.engine import Engine
+from ..core.serve import Batching, Request, RequestOutput, Sampling
 from . import results
 from .context import OpenRun, RunContext
 from .generation import cut_at_eos, generate_batch, special_ids
@@ -85,6 +86,8 @@ def run_batch(ctx: RunContext, run: OpenRun, index: int) -> dict[str, Any]:
         cfg.generation.seed + index,
         generate_fn=ctx.generate,
         encode_fn=ctx.encode,
+        compile=cfg.sweep.compile,
+        tp_group=getattr(ctx.model, "batchmax_tp_group", None),
     )
     result, metric = out.result, cfg.data.metric_for_task()
     samples = [
@@ -151,19 +154,16 @@ def serve_replica(ctx: RunContext, run: OpenRun, samples: Sequence[Sample], mine
             bar.update(1)
 
     def serve_all() -> None:
-        serve(
+        engine = Engine(
             ctx.model,
-            requests,
             run.spec.method,
             run.spec.batch_size,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            prefill_budget=cfg.sweep.prefill_budget,
-            compile=cfg.sweep.compile,
-            on_finish=finished,
             tp_group=getattr(ctx.model, "batchmax_tp_group", None),
-            **cfg.generation.sampling(),
+            compile=cfg.sweep.compile,
+            batching=Batching(prefill_budget=cfg.sweep.prefill_budget),
         )
+        sampling = Sampling(eos_token_id=eos, pad_token_id=pad, **cfg.generation.sampling())
+        engine.run(requests, sampling, on_finish=finished)
 
     return _oom_error(ctx, run, serve_all, -1)[1]
 

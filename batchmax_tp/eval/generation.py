@@ -151,10 +151,13 @@ def generate_batch(
     *,
     generate_fn: GenerateFn | None = None,
     encode_fn: EncodeFn | None = None,
+    compile: str = "auto",
+    tp_group=None,
 ) -> BatchOutput:
     """Encode ``prompts``, generate with the ``generation`` settings and decode: the step every run shares
     (``generate_fn``, ``encode_fn``: this module's ``generate`` and ``encode_prompts`` unless given, looked up at
-    call time)."""
+    call time). ``compile`` and ``tp_group``: how decode passes run and the tensor-parallel group (``Engine``),
+    as a continuous run gets them."""
     generate_fn, encode_fn = generate_fn or generate, encode_fn or encode_prompts
     input_ids, attention_mask = encode_fn(tokenizer, list(prompts))  # [B, s] each, left-padded
     device = getattr(model, "device", None)
@@ -173,6 +176,8 @@ def generate_batch(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         seed=seed,
+        compile=compile,
+        tp_group=tp_group,
         **generation.sampling(),
     )
     cuda_peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
