@@ -28,7 +28,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "ruff", "lm-eval>=0.4.13,<0.5"],  # ruff: lint + format (pyproject.toml)
+        "test": ["pytest", "pytest-xdist", "hypothesis", "ruff", "lm-eval>=0.4.13,<0.5"],  # ruff: lint + format (pyproject.toml)
         "mpi": ["mpi4py"],
         "lm_eval": ["lm-eval>=0.4.13,<0.5"],  # the ``batchmax`` model for lm-evaluation-harness (batchmax_tp.harness)
     },

@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 export HF_HUB_OFFLINE=1
 export BATCHMAX_REQUIRE_DEPS=1  # a test skipped for a missing dependency (deepspeed, lm-eval, ...) fails the run
+# Two workers (pytest-xdist), one thread each: two OpenMP pools of 2 threads on 2 cores would slow both ~10x. The
+# tests that start processes run one after another on one worker (tests/conftest.py: PROCESS_MODULES), the
+# in-process tests beside them on both (2026-11-28: 7:35 against 11:11 in one process).
+export OMP_NUM_THREADS=1
 report="$(mktemp -t batchmax_junit.XXXXXX.xml)"
 trap 'rm -f "$report"' EXIT
 
@@ -14,7 +18,7 @@ trap 'rm -f "$report"' EXIT
 "$PY" -m ruff check . || exit 1
 "$PY" -m ruff format --check . || exit 1
 
-"$PY" -m pytest -q tests --durations=15 --junitxml="$report" "$@"
+"$PY" -m pytest -q tests -n 2 --dist loadgroup --durations=15 --junitxml="$report" "$@"
 rc=$?
 if [ "$rc" -ne 0 ]; then
   exit "$rc"  # failures, errors, or 5 = no tests collected

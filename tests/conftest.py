@@ -105,6 +105,19 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda: needs a CUDA GPU (skipped without one); run with -m cuda on a GPU machine"
     )
+    config.addinivalue_line("markers", "xdist_group(name): run with the other tests of the group on one worker")
+
+
+#: The modules whose tests start processes (launchers, nodes, ranks, jobs): under ``pytest -n 2 --dist loadgroup``
+#: (``scripts/test.sh``) they run one after another on one worker, so that no two of them share the 2 cores (their
+#: watchdog and set-up bounds are in seconds), while the other worker runs the in-process tests.
+PROCESS_MODULES = ("test_launchers", "test_replicas", "test_harness", "test_tp", "test_scripts", "test_validation")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ in PROCESS_MODULES:
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 @pytest.fixture(scope="session")

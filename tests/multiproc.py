@@ -1,6 +1,6 @@
 """What the multi-process tests share (no test module imports another): tiny models of every family, the prompt
-batch, tensor-parallel ranks under ``mp.spawn`` compared with a single process, collective counting, and child
-processes under torchrun (``children.py``)."""
+batch, tensor-parallel ranks started from a fork server (``spawn``) compared with a single process, collective
+counting, and child processes under torchrun (``children.py``)."""
 
 from __future__ import annotations
 
@@ -125,13 +125,30 @@ def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_col
     dist.destroy_process_group()
 
 
+#: What every rank imports, imported once per test session by the fork server the ranks start from (``spawn``
+#: imported them again in every rank: ~5 s of CPU each on this machine, most of a small test's time).
+PRELOAD = [
+    "torch",
+    "transformers",
+    "deepspeed",
+    *(f"transformers.models.{f}.modeling_{f}" for f in ("llama", "phi3", "qwen2", "mistral")),
+    "batchmax_tp.core.engine",
+    "batchmax_tp.parallel",
+    "tiny",
+    "multiproc",
+]
+
+
+def spawn(fn, args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes, joined (``mp.spawn``'s contract: a rank's exception fails the
+    call), each forked from a server that has imported ``PRELOAD`` (a fresh single-threaded process: no parent
+    state, no OpenMP pool, no process group is inherited)."""
+    mp.set_forkserver_preload(PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def run_tp(tmp_path, world, tp_size, methods, new=12, embedded=False, count_collectives=False):
-    mp.spawn(
-        _worker,
-        args=(world, tp_size, free_port(), str(tmp_path), methods, new, embedded, count_collectives),
-        nprocs=world,
-        join=True,
-    )
+    spawn(_worker, (world, tp_size, free_port(), str(tmp_path), methods, new, embedded, count_collectives), world)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 

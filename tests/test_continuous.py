@@ -12,9 +12,8 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import requires_deepspeed
-from multiproc import FAMILIES, ROOT, assert_rank1_killed_and_nobody_finished, free_port, run_child
+from multiproc import FAMILIES, ROOT, assert_rank1_killed_and_nobody_finished, free_port, run_child, spawn
 from tiny import tiny_random_model
 
 from batchmax_tp.core.engine import Engine, generate
@@ -317,7 +316,7 @@ def test_tp_serves_the_tokens_of_one_process(tmp_path, tp_size, eos, compile):
     """Every rank's tokens, admissions and logits equal one process's. Compiled (``fullgraph``, so a graph break
     would be an error), DeepSpeed AutoTP's all-reduces trace into the decode pass: one graph per rank and method."""
     args = (tp_size, free_port(), str(tmp_path), "phi3", eos, compile)
-    mp.spawn(_tp_worker, args=args, nprocs=tp_size, join=True)
+    spawn(_tp_worker, args, tp_size)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp_size)]
     for key in TP_METHODS:
         assert [got[key]["graphs"] for got in ranks] == [1 if compile == "default" else 0] * tp_size
@@ -350,7 +349,7 @@ def _agree_worker(rank, world, port, outdir):
 
 
 def test_diverged_ranks_stop_with_an_error(tmp_path):
-    mp.spawn(_agree_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_agree_worker, (2, free_port(), str(tmp_path)), 2)
     for rank in range(2):
         assert "ranks diverged" in (tmp_path / f"agree{rank}.txt").read_text()
 

@@ -176,20 +176,28 @@ def _samples(folder: Path, task: str) -> list[dict]:
 
 def test_cli_batchmax_fkv_equals_hf_and_the_bench_tabulates(tiny_dir, tmp_path):
     """One document of two tasks (one stopping at a blank line, one not) through ``batchmax-lm-eval`` with
-    ``--model batchmax`` (FKV) and ``--model hf``: the same texts and scores. ``bench_ruler`` (FKV and BM on the
-    loaded model) gives FKV's text again, and writes its tables from lm-eval's results."""
-    from multiproc import lm_eval_cli
+    ``--model batchmax`` (FKV) and through lm-eval's own ``hf`` model (``simple_evaluate`` in this process, as its
+    command line runs it): the same texts and scores. ``bench_ruler`` (FKV and BM on the loaded model) gives FKV's
+    text again, and writes its tables from lm-eval's results."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from multiproc import ROOT, lm_eval_cli
 
     tasks = ["batchmax_ruler_niah_multivalue_2k_tune", "batchmax_ruler_vt_2k_heldout"]
     common = ["--tasks", ",".join(tasks), "--include_path", "configs/lm_eval/ruler", "--limit", "1", "--log_samples"]
-    runs = {}
-    for name, args in (
-        ("hf", ["--model", "hf", "--model_args", f"pretrained={tiny_dir},dtype=float32", "--device", "cpu"]),
-        ("batchmax", ["--model", "batchmax", "--model_args", f"pretrained={tiny_dir},method=fkv"]),
-    ):
-        done = lm_eval_cli(*args, *common, "--output_path", str(tmp_path / name))
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[name] = {t: _samples(tmp_path / name, t) for t in tasks}
+    args = ["--model", "batchmax", "--model_args", f"pretrained={tiny_dir},method=fkv"]
+    done = lm_eval_cli(*args, *common, "--output_path", str(tmp_path / "batchmax"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    hf = simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={tiny_dir},dtype=float32",
+        device="cpu",
+        tasks=tasks,
+        limit=1,
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(Path(ROOT) / "configs" / "lm_eval" / "ruler")),
+    )
+    runs = {"batchmax": {t: _samples(tmp_path / "batchmax", t) for t in tasks}, "hf": hf["samples"]}
     for t in tasks:
         hf, ours = runs["hf"][t], runs["batchmax"][t]
         assert len(hf) == 1 and hf[0]["resps"][0][0], t  # one document, a non-empty text

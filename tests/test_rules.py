@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import (
     PEAKED,
     assert_kept_equal,
@@ -312,9 +311,9 @@ def passes(method, ids, mask, new) -> tuple[int, int]:
 
 @requires_deepspeed
 def test_probe_passes_add_only_their_own_layers_collectives_under_tp2(tmp_path):
-    from multiproc import batch, free_port, make_model
+    from multiproc import batch, free_port, make_model, spawn
 
-    mp.spawn(_tp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_tp_worker, (2, free_port(), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     model = make_model(False)
     ids, mask = batch(0)

@@ -109,13 +109,12 @@ def test_grids():
     assert divisor_batches(960, 50)[-5:] == [24, 30, 32, 40, 48]
 
 
-def test_tuner_on_the_embedded_model_with_a_small_budget():
+def test_tuner_on_the_embedded_model_with_a_small_budget(embedded):
     from batchmax_tp.core.engine import generate
     from batchmax_tp.eval.generation import encode_prompts
     from batchmax_tp.eval.tasks import default_fixture_path, load_jsonl
-    from batchmax_tp.models import load_model
 
-    model, tok = load_model()
+    model, tok = embedded
     samples = load_jsonl(default_fixture_path())[:2]
     ids, mask = encode_prompts(tok, [s.prompt[:1200] for s in samples])
     s, new = ids.shape[1], 6
