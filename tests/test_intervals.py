@@ -44,3 +44,15 @@ def test_differences_are_real_only_when_the_intervals_separate():
     assert separate(Share(0.9, 0.85, 0.95), Share(0.7, 0.6, 0.8))
     assert not separate(Share(0.9, 0.75, 0.95), Share(0.7, 0.6, 0.8))
     assert not separate(Share(None, None, None), Share(0.7, 0.6, 0.8))
+
+
+def test_totals_pool_the_documents_counts_and_resample_them_in_pairs():
+    """``totals``: the share is the summed counts over FKV's (a needle set's answers found per prompt), not the mean
+    of the cells' means; resampling cell a's two prompts in pairs gives 4, 5 or 6 answers against FKV's 6."""
+    fkv = {"a": [1, 1], "b": [4]}
+    method = {"a": [0, 1], "b": [4]}
+    pooled, by_cell = share_interval(method, fkv, totals=True), share_interval(method, fkv)
+    assert pooled.value == pytest.approx(5 / 6) and by_cell.value == pytest.approx(0.9)
+    assert (pooled.low, pooled.high) == (pytest.approx(4 / 6), 1.0)
+    same = share_interval(fkv, fkv, totals=True)
+    assert (same.value, same.low, same.high) == (1.0, 1.0, 1.0)

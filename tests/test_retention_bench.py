@@ -253,6 +253,21 @@ def test_score_rows_table_and_csv():
     assert br.format_markdown(held, 2048).splitlines()[3].endswith("| no | heldout |")
 
 
+def test_hits_over_fkv_carry_a_paired_bootstrap_interval():
+    """Each row's hits / FKV has its 95% interval (prompts resampled in pairs within kind and length): FKV's has no
+    width, the paper rule's (2 of FKV's 4 answers) holds its 0.50 and stays below 1; the table and CSV show it."""
+    samples, runs = _fake_runs()
+    table, _ = br.score_rows(samples, runs, target_length=2048)
+    fkv, paper, _ = table
+    assert (fkv["hits_vs_fkv_low"], fkv["hits_vs_fkv_high"]) == (1.0, 1.0)
+    assert paper["hits_vs_fkv"] == pytest.approx(0.5)
+    assert paper["hits_vs_fkv_low"] <= 0.5 <= paper["hits_vs_fkv_high"] < 1
+    md = br.format_markdown(table, 2048).splitlines()
+    assert "| hits / FKV, 95% |" in md[0] and "| 0.33 | [" in md[3]
+    rows = list(csv.DictReader(io.StringIO(br.format_csv(table))))
+    assert float(rows[1]["hits_vs_fkv_low"]) == pytest.approx(paper["hits_vs_fkv_low"], abs=1e-4)
+
+
 def test_interleaved_timings_give_median_speed_and_ratio():
     samples, runs = _fake_runs()
     paper, other = (r for r in runs if r.evicts)

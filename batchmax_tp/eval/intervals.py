@@ -32,14 +32,21 @@ def suite_mean(cells: dict[str, list[float]]) -> float:
 
 
 def share_interval(
-    method: dict[str, list[float]], fkv: dict[str, list[float]], iters: int = ITERS, level: float = LEVEL, seed: int = 0
+    method: dict[str, list[float]],
+    fkv: dict[str, list[float]],
+    iters: int = ITERS,
+    level: float = LEVEL,
+    seed: int = 0,
+    totals: bool = False,
 ) -> Share:
     """``method``'s suite mean over ``fkv``'s, each a dict cell -> per-document scores (the same documents in the
     same order), and the ``level`` percentile interval of ``iters`` paired, stratified bootstrap resamples; a
-    resample where FKV's mean is 0 is left out (its share is undefined)."""
+    resample where FKV's mean is 0 is left out (its share is undefined). ``totals``: the statistic is the sum of
+    every document's score instead (a needle set's answers found, each prompt holding its count)."""
     if method.keys() != fkv.keys() or any(len(method[c]) != len(fkv[c]) for c in fkv):
         raise ValueError("the shares pair documents: both need the same cells and documents")
-    base = suite_mean(fkv)
+    statistic = _total if totals else suite_mean
+    base = statistic(fkv)
     if base == 0:
         return Share(None, None, None)
     rng = np.random.default_rng(seed)
@@ -47,13 +54,18 @@ def share_interval(
     for cell, scores in fkv.items():
         a, b = np.asarray(method[cell], dtype=float), np.asarray(scores, dtype=float)
         pick = rng.integers(0, len(b), size=(iters, len(b)))  # [iters, n]: each resample's documents
-        ours += a[pick].mean(axis=1)
-        theirs += b[pick].mean(axis=1)
+        ours += a[pick].sum(axis=1) if totals else a[pick].mean(axis=1)
+        theirs += b[pick].sum(axis=1) if totals else b[pick].mean(axis=1)
     defined = theirs > 0
     shares = ours[defined] / theirs[defined]
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(shares, [tail, 100 - tail])
-    return Share(suite_mean(method) / base, float(low), float(high))
+    return Share(statistic(method) / base, float(low), float(high))
+
+
+def _total(cells: dict[str, list[float]]) -> float:
+    """The sum of every document's score."""
+    return float(sum(sum(scores) for scores in cells.values()))
 
 
 def separate(a: Share, b: Share) -> bool:
