@@ -54,7 +54,7 @@ from transformers import AutoTokenizer
 from . import models, parallel
 from .config import EMBEDDED_MODEL
 from .core.engine import Engine
-from .core.method import METHODS, Method, serving_kv_max
+from .core.method import METHODS, Method, ranks_by_attention, serving_kv_max
 from .core.serve import Batching, Request, RequestOutput, Sampling
 from .eval import replicas
 from .plan.planner import DTYPE_BYTES, ModelShape, max_slots, parse_bytes
@@ -136,7 +136,7 @@ class Settings:
         m = self.method_()
         model = self.pretrained.strip("/").replace("/", "__").replace(":", "-")
         parts = [model, m.slug()] + ([] if m.held_kv_max is None else [f"kv{m.kv_max}"])  # slug: snap's window...
-        parts += [f"p{m.p}"] if m.evicts and not m.keeps_newest else []  # BM's blocks, snap's decode eviction
+        parts += [f"p{m.p}"] if ranks_by_attention(m) else []  # BM's blocks, snap's decode eviction
         parts += [m.rule] if m.takes_rule else []
         return "batchmax-" + "-".join(parts + [self.dtype, f"len{self.max_length or 'model'}"])
 

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from ..core.method import Method
+from ..core.method import Method, ranks_by_attention
 
 
 def _sync(device: torch.device) -> None:
@@ -61,7 +61,7 @@ def hf_reference_generate(
 def has_hf_reference(method: Method) -> bool:
     """Whether plain HF runs ``method`` (:func:`hf_reference_generate`): the full cache, and ED (a cache cut to its
     newest pair); neither Batch-Max nor snap."""
-    return not method.evicts or method.keeps_newest
+    return not ranks_by_attention(method)
 
 
 def _full_cache(

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..core.engine import Engine, generate
-from ..core.method import METHODS, Method, takes_rule
+from ..core.method import METHODS, Method, has, takes_rule
 from ..core.rules import get_rule
 from ..core.serve import Batching, Request, Sampling
 from ..core.step import COMPILE_MODES
@@ -325,14 +325,8 @@ def row_line(m: Method, row: dict) -> str:
 # ---------------------------------------------------------------------- ratios and memory
 def fastest(rows: list[dict], kind: Callable[[type[Method]], bool], rule: str | None = None) -> dict | None:
     """The fastest finished row of a method ``kind`` picks by its facts (BM: of ``rule``), or None."""
-    ok = [r for r in rows if _is(r, kind) and r["status"] == "ok" and (rule is None or r.get("rule") == rule)]
+    ok = [r for r in rows if has(r["method"], kind) and r["status"] == "ok" and (rule is None or r.get("rule") == rule)]
     return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
-
-
-def _is(row: dict, kind: Callable[[type[Method]], bool]) -> bool:
-    """Whether ``row``'s method is one ``kind`` picks (a name this version does not know: no)."""
-    cls = METHODS.get(row["method"])
-    return cls is not None and kind(cls)
 
 
 def ratios(rows: list[dict], rule: str | None) -> dict:
@@ -374,7 +368,7 @@ def measure_memory(
 
 def peak_growth(memory: list[dict], lengths: list[int]) -> float | None:
     """BM's measured peak at the longest length over its peak at 1024 (None without both)."""
-    bm_at = {r["prompt_len"]: r["measured_kv_plus_workspace"] for r in memory if _is(r, lambda m: m.evicts)}
+    bm_at = {r["prompt_len"]: r["measured_kv_plus_workspace"] for r in memory if has(r["method"], lambda m: m.evicts)}
     return bm_at[max(lengths)] / bm_at[1024] if 1024 in bm_at and max(lengths) in bm_at else None
 
 

@@ -12,6 +12,7 @@ head.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import TYPE_CHECKING, ClassVar
@@ -432,3 +433,16 @@ def serving_kv_max(method: str | Method) -> int | None:
     ``batchmax`` model, the serving bench): its ``serving_kv_max``, else its ``default_kv_max`` (None: FKV)."""
     kind = method if isinstance(method, Method) else method_type(method)
     return kind.default_kv_max if kind.serving_kv_max is None else kind.serving_kv_max
+
+
+def ranks_by_attention(kind: Method | type[Method]) -> bool:
+    """Whether the method (an instance or its class) evicts pairs ranked by the attention they received, ``p`` at a
+    time, from a bounded slot that keeps part of the prompt (BM, snap); FKV never evicts, ED keeps its newest pair."""
+    return kind.evicts and not kind.keeps_newest
+
+
+def has(name: str, fact: Callable[[type[Method]], bool]) -> bool:
+    """Whether the method a run's record names has ``fact`` (a predicate on its class); a name this version does
+    not know: no."""
+    kind = METHODS.get(name)
+    return kind is not None and fact(kind)

@@ -26,7 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from ..core.method import METHODS, Method
+from ..core.method import METHODS, Method, has, ranks_by_attention
 from .files import atomic_write_text
 from .metrics import METRIC_LABELS
 
@@ -131,10 +131,8 @@ def _is_oom(s: dict[str, Any]) -> bool:
 
 
 def _is(s: dict[str, Any], kind: Callable[[type[Method]], bool]) -> bool:
-    """Whether summary ``s`` is a run of a method that ``kind`` picks by its class's facts (its name parsed by the
-    registry; a name this version does not know: no)."""
-    cls = METHODS.get(s["method"])
-    return cls is not None and kind(cls)
+    """Whether summary ``s`` is a run of a method that ``kind`` picks by its class's facts (``core.method.has``)."""
+    return has(s["method"], kind)
 
 
 def _full_cache(kind: type[Method]) -> bool:
@@ -150,11 +148,6 @@ def _decoding_only(kind: type[Method]) -> bool:
 def _with_rules(kind: type[Method]) -> bool:
     """BM: has eviction rules to choose among."""
     return kind.takes_rule
-
-
-def _bounded(kind: type[Method]) -> bool:
-    """BM and snap: a slot of at most kv_max pairs that keeps part of the prompt."""
-    return kind.evicts and not kind.keeps_newest
 
 
 def _short(method: str) -> str:
@@ -342,7 +335,7 @@ def _same_memory_ratios(summaries: Sequence[dict[str, Any]], label: str) -> list
     ok = [s for s in summaries if not _is_oom(s) and s.get("tokens_per_s")]
     # BM (the paper's rule first), then snap
     bm = sorted(
-        (s for s in summaries if _is(s, _bounded)),
+        (s for s in summaries if _is(s, ranks_by_attention)),
         key=lambda s: (_order(s["method"]), s.get("rule", "paper") != "paper"),
     )
     fkv = next((s for s in ok if _is(s, _full_cache)), None)
