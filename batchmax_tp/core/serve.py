@@ -477,7 +477,7 @@ class _Run:
         if kind == "decode" and self.compiles:  # the first compiled pass: its time is the compilation's
             kind, self.compiles = "compile", False
         self.times[kind] += time.perf_counter() - t0
-        if pool.allocated and kind == "prefill":  # a decode pass never changes what is allocated
+        if kind == "prefill":  # a decode pass never changes what is allocated
             kv = pool.kv_bytes()
             self.kv_low = min(kv, self.kv_low if self.kv_low is not None else kv)
             self.kv_high = max(self.kv_high, kv)
