@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config.tasks import PAPER_TASKS, TASK_NAMES  # noqa: F401 (TASK_NAMES: the names a run can give, re-exported)
+from ..config.tasks import PAPER_TASKS, TASK_NAMES, Task  # noqa: F401 (TASK_NAMES: the names a run can give, re-exported)
 from .metrics import normalise_text
 
 if TYPE_CHECKING:
@@ -200,25 +200,16 @@ def _gsm8k_turn(record: dict[str, Any]) -> Turn:
 
 
 @dataclass(frozen=True)
-class TaskDef:
-    """A paper task: where its data lives, how many shots, which metric, how a record becomes a :class:`Turn`."""
+class TaskDef(Task):
+    """A paper task (``config.tasks.Task``: where its data lives, how many shots, which metric) and how a record
+    becomes a :class:`Turn`."""
 
-    name: str
-    hub_id: str  #: the dataset the paper used
-    hub_config: str | None
-    shots: int
-    metric: str
-    to_turn: Callable[[dict[str, Any]], Turn] = field(repr=False)
-    test_split: str = "test"
-    shot_split: str = "train"
+    to_turn: Callable[[dict[str, Any]], Turn] = field(repr=False, kw_only=True)
 
 
 _TURNS = {"cnn_dailymail": _cnn_dailymail_turn, "narrativeqa": _narrativeqa_turn, "gsm8k": _gsm8k_turn}
 #: The paper's tasks (``config.tasks.PAPER_TASKS``, each with how its records become turns).
-TASKS: dict[str, TaskDef] = {
-    name: TaskDef(t.name, t.hub_id, t.hub_config, t.shots, t.metric, _TURNS[name], t.test_split, t.shot_split)
-    for name, t in PAPER_TASKS.items()
-}
+TASKS: dict[str, TaskDef] = {name: TaskDef(**vars(t), to_turn=_TURNS[name]) for name, t in PAPER_TASKS.items()}
 
 
 def fixture_dir(task: str) -> Path:
