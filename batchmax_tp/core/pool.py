@@ -190,7 +190,7 @@ class _Pool:
         self.layers.clear()
 
     def note_decode(self, query_group: int, hi: int) -> None:
-        """Note a decode pass's workspace from the host (a compiled pass does not: ``attention._decode_attention``);
+        """Note a decode pass's workspace from the host (a compiled pass does not: ``attention.decode_attention``);
         ``query_group``: query heads per KV head; ``hi``: the pass's columns (``RowsPass.hi``)."""
         keys = self.layers[0].keys  # [S, Hs, T + 1, D]
         H, D, G = keys.shape[1], keys.shape[-1], self.share
