@@ -187,28 +187,36 @@ def test_attention_calls_hold_what_they_report(monkeypatch, key):
     CPU equal the workspace it reports (a look-ahead probe's report is an upper bound, as in a static run)."""
     from memtrack import AllocationTracker
 
-    from batchmax_tp.core import attention, hf_cache, pool
+    from batchmax_tp.core import attention, pool
 
     label, reported, notes, kinds = "pool-attention", [], [], []
-    for cls in (hf_cache.BatchMaxCache, pool._Pool):
 
-        def recording(self, nbytes, _note=cls.note_workspace):
-            notes.append(nbytes)
-            _note(self, nbytes)
+    def recording(self, nbytes, _note=pool._Pool.note_workspace):
+        notes.append(nbytes)
+        _note(self, nbytes)
 
-        monkeypatch.setattr(cls, "note_workspace", recording)
+    monkeypatch.setattr(pool._Pool, "note_workspace", recording)
 
     # The attention proper of each pass (after the pass's evictions and writes, whose few [rows, H, C] temporaries
-    # are not workspace the planner counts, as in a static run's cache update).
-    for name, kind in (("_rows_block", "prefill"), ("_rows_probe", "probe"), ("decode_attention", "decode")):
+    # are not workspace the planner counts, as in a static run's cache update). The pool counts each pass's
+    # workspace on the host before the pass (``pass_workspace``): a chunk's or a probe's own count is the pool's
+    # for that part of the pass; a decode step's is the pass's.
+    def chunks(layer, step, *args):
+        return step.pool.pass_workspace(dataclasses.replace(step, probe=None))
+
+    def probes(layer, step, *args):
+        return step.pool.pass_workspace(step)
+
+    parts = (("_rows_block", "prefill", chunks), ("_rows_probe", "probe", probes), ("decode_attention", "decode", None))
+    for name, kind, count in parts:
         original = getattr(attention, name)
 
-        def labelled(*args, _fn=original, _kind=kind, **kwargs):
-            start = len(notes)
+        def labelled(*args, _fn=original, _kind=kind, _count=count, **kwargs):
             kinds.append(_kind)
+            said = notes[-1] if _count is None else _count(*args)
             with torch.profiler.record_function(label):
                 out = _fn(*args, **kwargs)
-            reported.append(max(notes[start:], default=0))
+            reported.append(said)
             return out
 
         monkeypatch.setattr(attention, name, labelled)
@@ -738,10 +746,11 @@ def test_the_pool_is_allocated_from_the_models_shape_before_its_first_pass(monke
     original = attention._rows_attention
 
     def looking(module, step, query, key, value, scaling):
-        seen.append((step.pool.allocated, key.shape[1], key.shape[-1], value.shape[-1], key.dtype))
+        seen.append((step.pool.allocated, key.shape[1], key.shape[-1], value.shape[-1], key.dtype, query.shape[1]))
         return original(module, step, query, key, value, scaling)
 
     monkeypatch.setattr(attention, "_rows_attention", looking)
     Engine(model, METHODS["bm"], 2).run([Request(p, 3) for p in prompts()[:2]], Sampling(ignore_eos=True))
-    heads, k_dim, v_dim, dtype, _ = kv_layout(model)
-    assert seen and all(s == (True, heads, k_dim, v_dim, dtype) for s in seen), (seen[:2], kv_layout(model))
+    lay = kv_layout(model)
+    want = (True, lay.kv_heads, lay.k_dim, lay.v_dim, lay.dtype, lay.query_heads)
+    assert seen and all(s == want for s in seen), (seen[:2], lay)

@@ -8,13 +8,13 @@ the eviction rule reads. GQA: queries are grouped per KV head, so one KV head's 
 whole query group, and no ``repeat_kv`` copy is made. The baselines' prompts run on the model's SDPA over their own
 pairs (``_dense_prefill``).
 
-Memory: long blocks run in query chunks (``workspace.SCORE_CHUNK_BYTES``), one chunk's tensors alive at a time;
-each call reports its peak allocation, counted by ``workspace.workspace_bytes`` (what the planner predicts, checked
-against measured allocations in ``tests/test_memory.py``).
+Memory: long blocks run in query chunks (``workspace.SCORE_CHUNK_BYTES``), one chunk's tensors alive at a time.
+Nothing is noted or allocated here: the pool counts each pass's peak on the host from its description
+(``pool.*.pass_workspace``, with ``core.workspace``'s counts: what the planner predicts, checked against measured
+allocations in ``tests/test_memory.py``) and allocates what a pass writes before it runs.
 
 A decode step (one query per row) is one fused product: ``baddbmm`` adds the additive slot mask (``bias``) to the
-scaled logits, then softmax, the score sums and ``probs @ V``; its workspace comes from
-``workspace.decode_workspace_bytes``.
+scaled logits, then softmax, the score sums and ``probs @ V`` (``workspace.decode_workspace_bytes``).
 
 Look-ahead probe (rules ``probe``, ``snapkv``, ``question``): a probe (its keys/values never stored; its queries the
 first columns of the prefill pass of the chunk it follows, ``_folded``) attends from the probe's queries to every valid
@@ -39,9 +39,9 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import probe, snap, workspace
-from .pool import DensePoolLayer, PoolLayer
+from .pool import PoolLayer
 from .step import RowsPass
-from .workspace import SDPA, SDPA_REPEAT
+from .workspace import SDPA_REPEAT
 
 NAME = "batchmax"
 
@@ -90,9 +90,6 @@ def decode_attention(
     Hkv = key.shape[1]
     g = Hq // Hkv
     G = layer.cache.share
-    if not torch.compiler.is_compiling():  # a compiled pass's pool notes it (``_Pool.note_decode``): no guard on it
-        ws = workspace.decode_workspace_bytes(B, Hq, Hkv, hi, D, query.element_size(), G)
-        layer.cache.note_workspace(ws)
     q = query.reshape(B * Hkv, g, D)  # [B*Hkv, g, D]: query heads grouped by their KV head (a view)
     keys_t = key[:, :, :hi].transpose(2, 3).reshape(B * Hkv, D, hi)  # [B*Hkv, D, hi] (a view)
     if bias is not None:
@@ -142,7 +139,7 @@ def _rows_attention(
         return _paged_decode(layer, query, step, scaling)
     if step.kind == "decode":
         return decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias)
-    return _dense_prefill(module, layer, query, key, value, scaling)  # a baseline's prompt: over its own pairs
+    return _dense_prefill(module, query, key, value, scaling)  # a baseline's prompt: over its own pairs
 
 
 def _folded(layer: PoolLayer, step: RowsPass, query, key, value, scaling: float, hi: int) -> torch.Tensor:
@@ -172,9 +169,6 @@ def _paged_decode(layer, query: torch.Tensor, step: RowsPass, scaling: float) ->
     S, Hq, _, D = query.shape
     n, Hkv, Bs = step.hi, layer.keys.shape[1], layer.keys.shape[2]
     g = Hq // Hkv
-    if not torch.compiler.is_compiling():  # a compiled pass's pool notes it (``PagedPool.note_decode``)
-        ws = workspace.paged_decode_workspace_bytes(S, Hq, Hkv, n, Bs, D, query.element_size())
-        layer.cache.note_workspace(ws)
     owner = step.owner  # [n]
     q = query.view(S, Hkv, g, D).index_select(0, owner).view(n * Hkv, g, D)  # [n*Hkv, g, D]: each block's row's
     keys_t = layer.keys[:n].view(n * Hkv, Bs, D).transpose(1, 2)  # [n*Hkv, D, Bs] (a view)
@@ -195,20 +189,13 @@ def _paged_decode(layer, query: torch.Tensor, step: RowsPass, scaling: float) ->
     return out.to(query.dtype).view(S, 1, Hq, D)  # [S, 1, Hq, D]: (Hkv, g) are the query heads in order
 
 
-def _dense_prefill(module, layer: DensePoolLayer, query, key, value, scaling: float) -> torch.Tensor:
+def _dense_prefill(module, query, key, value, scaling: float) -> torch.Tensor:
     """FKV's or ED's prompt [R, Hq, s, D]: the model's SDPA, causal, over the pass's own pairs [R, Hkv, s, D] (K/V
     copied per query head first for GQA in a half dtype on a card below compute capability 8.0, where SDPA's
     memory-efficient kernel rejects ``enable_gqa`` and the math kernel would hold every score). Returns
     [R, s, Hq, D]."""
-    R, Hq, s, D = query.shape
-    Hkv = key.shape[1]
-    cuda = query.device.type == "cuda"
-    old_card = cuda and torch.cuda.get_device_capability(query.device) < (8, 0)
-    impl = SDPA_REPEAT if Hq != Hkv and query.element_size() == 2 and old_card else SDPA
-    layer.cache.note_workspace(
-        workspace.dense_workspace_bytes(R, Hq, Hkv, D, s, s, query.element_size(), padded=False, impl=impl, align=cuda)
-    )
-    if impl == SDPA_REPEAT:
+    Hq, Hkv = query.shape[1], key.shape[1]
+    if workspace.dense_impl(Hq, Hkv, query.element_size(), query.device) == SDPA_REPEAT:
         key, value = repeat_kv(key, Hq // Hkv), repeat_kv(value, Hq // Hkv)  # [R, Hq, s, D] each
         module = _OneGroup(module)
     return sdpa_attention_forward(module, query, key, value, None, scaling=scaling)[0]
@@ -219,12 +206,7 @@ def _compress(module, layer: PoolLayer, step: RowsPass, query, key, value, scali
     (row, KV head) keeps the pairs its observation window chooses (``core.snap``), their sums the window's
     attention. Returns [R, s, Hq, D]."""
     method = layer.cache.method
-    R, Hq, s, D = query.shape
-    Hkv = key.shape[1]
-    out = _dense_prefill(module, layer, query, key, value, scaling)  # [R, s, Hq, D]
-    layer.cache.note_workspace(
-        workspace.snap_workspace_bytes(R, Hq, Hkv, D, s, method.window, min(s, method.kv_max), query.element_size())
-    )
+    out = _dense_prefill(module, query, key, value, scaling)  # [R, s, Hq, D]
     scores = snap.window_scores(query, key, scaling, method.window)  # [R, Hkv, s] float32
     kept = snap.choose(scores, method.kv_max, method.window, method.kernel)  # [R, Hkv, K]
     layer.keep(step, key, value, kept, scores.gather(2, kept))
@@ -270,13 +252,6 @@ def _rows_block(
             other[..., :hi], torch.finfo(torch.float32).min
         )[:, :, :, None, None, :]
     qg = query.view(R, Hs, g, n, D)  # [R, Hs, g, n, D]: query heads grouped by their storage head (a view)
-    gathered = 0 if step.span is not None else R * Hs * hi * (2 * D * query.element_size() + 4 + query.element_size())
-    layer.cache.note_workspace(
-        gathered
-        + workspace.rows_workspace_bytes(
-            R, Hq, Hs, n, hi, D, padded=step.real is not None, elem=query.element_size(), share=G
-        )
-    )
     out = None  # [R, n, Hs, g, D]: allocated once when the block takes more than one chunk
     for a, b, _ in workspace.query_chunks(R, Hq, n, hi, False):
         m = b - a
@@ -327,7 +302,6 @@ def _rows_probe(
     R, Hq, w, D = query.shape
     Hkv, Hs, G = pk.shape[1], layer.keys.shape[1], layer.cache.share
     g = Hq // Hkv
-    layer.cache.note_workspace(workspace.probe_workspace_bytes(R, Hq, Hs, w, hi, D, query.element_size(), G))
     q = (query * scaling).reshape(R, Hkv, g * w, D)  # [R, Hkv, g*w, D]
     weights = probe.query_weights(step.real, R, w, q.device)  # [R, w]
     own, own_hidden = probe.own_logits(q, pk, weights)  # [R, Hkv, g*w, w], [R, 1, 1, w, w]

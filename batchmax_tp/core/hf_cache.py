@@ -73,6 +73,9 @@ def drop_in_attention(
     layer = take_updated_layer(key)
     if query.shape[2] == 1 and attention_mask is None:
         layer.new_slots = None
+        B, Hq, _, D = query.shape
+        ws = workspace.decode_workspace_bytes(B, Hq, key.shape[1], layer.high, D, query.element_size())
+        layer.cache.note_workspace(ws)  # (the engine's pools count theirs from the pass's description)
         return decode_attention(layer, query, key, value, scaling, layer.high), None
     return _block_attention(layer, query, key, value, attention_mask, scaling), None
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -41,7 +42,29 @@ from .method import BatchMax, ExtremeDecoding, FullCache, Method, Snap
 from .rules import MAX_SHARE
 from .schedule import Phase
 from .step import Eviction, RowsPass, SlotWork
-from .workspace import decode_workspace_bytes, eviction_layers, paged_decode_workspace_bytes
+from .workspace import (
+    decode_workspace_bytes,
+    dense_impl,
+    dense_workspace_bytes,
+    eviction_layers,
+    paged_decode_workspace_bytes,
+    probe_workspace_bytes,
+    rows_workspace_bytes,
+    snap_workspace_bytes,
+)
+
+
+class KVLayout(NamedTuple):
+    """The model's attention as this rank holds it (``serve.kv_layout``): what a pool is allocated from and what
+    its passes' workspace is counted with. ``kv_heads``/``query_heads``: this rank's (AutoTP's share, which may differ
+    between ranks); ``k_dim``/``v_dim``: a key's and a value's size."""
+
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    query_heads: int
 
 
 def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int, head: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,16 +145,20 @@ class _Pool:
         self.stacks: dict[str, torch.Tensor] = {}
         self.rows = [RowState() for _ in range(slots)]
         self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
+        self.layout: KVLayout | None = None  # the model's attention shapes on this rank (``allocate``)
+        self.dense_impl = None  # how a prompt runs on SDPA here (``workspace.dense_impl``; ``allocate``)
 
-    def allocate(self, kv_heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate the pool, once, before its first pass, from the model's local shapes (``kv_heads`` this rank's KV
-        heads under tensor parallelism; ``k_dim``, ``v_dim`` a key's and a value's size). What an eviction reads is
-        stacked over the layers [L, S, ...] (``stacks``: one call frees slots in every layer), each layer holding its
-        views [S, ...]: BM's slot state, ED's few slots of K/V. BM's and FKV's K/V are one tensor per layer: a
+    def allocate(self, layout: KVLayout) -> None:
+        """Allocate the pool, once, before its first pass, from the model's local shapes (``KVLayout``). What an
+        eviction reads is stacked over the layers [L, S, ...] (``stacks``: one call frees slots in every layer), each
+        layer holding its views [S, ...]: BM's slot state, ED's few slots of K/V. BM's and FKV's K/V are one tensor per layer: a
         compiled pass writes those in place only when they are not views into a larger buffer (inductor copied each
         layer's whole K/V every pass otherwise, 138 against 100 ms a BM pass on the CPU)."""
         if self.allocated:
             return
+        kv_heads, k_dim, v_dim, dtype, device, q_heads = layout
+        self.layout = layout
+        self.dense_impl = dense_impl(q_heads, kv_heads, dtype.itemsize, torch.device(device))
         H, C1 = self.storage(kv_heads)
         L = len(self.layers)
         kv = {"keys": (L, *self.kv_dims(H, C1), k_dim), "values": (L, *self.kv_dims(H, C1), v_dim)}
@@ -189,13 +216,15 @@ class _Pool:
         self.stacks = {}
         self.layers.clear()
 
-    def note_decode(self, query_group: int, hi: int) -> None:
-        """Note a decode pass's workspace from the host (a compiled pass does not: ``attention.decode_attention``);
-        ``query_group``: query heads per KV head; ``hi``: the pass's columns (``RowsPass.hi``)."""
+    def pass_workspace(self, step: RowsPass) -> int:
+        """The most one attention call of ``step`` allocates (``core.workspace``; each layer's call the same),
+        counted on the host from the description: here a decode pass's fused product (``attention.decode_attention``);
+        the pools' other passes in theirs."""
         keys = self.layers[0].keys  # [S, Hs, T + 1, D]
         H, D, G = keys.shape[1], keys.shape[-1], self.share
-        ws = decode_workspace_bytes(self.slots, H * G * query_group, H, hi * G, D, keys.element_size(), G)
-        self.note_workspace(ws)
+        return decode_workspace_bytes(
+            step.qpos.shape[0], self.layout.query_heads, H, step.hi * G, D, keys.element_size(), G
+        )
 
     def _decode_pass(
         self,
@@ -255,11 +284,13 @@ class _Pool:
 
     def ready(self, step: RowsPass) -> RowsPass:
         """Execute a described pass's host part: its rows' new states (``RowsPass.after``), then its evictions (every
-        layer at once); returns what the model call reads (``RowsPass.for_model``)."""
+        layer at once), and note the workspace its attention calls will take (``pass_workspace``: counted here, on
+        the host, so the attention notes nothing); returns what the model call reads (``RowsPass.for_model``)."""
         for row, st in step.after:
             self.rows[row] = st
         for eviction in step.evictions:
             self.evict(eviction)
+        self.note_workspace(self.pass_workspace(step))
         return step.for_model()
 
     def fork(self, rows: range) -> None:
@@ -292,7 +323,8 @@ class _PoolLayer:
 class PoolLayer(_PoolLayer):
     """One decoder layer of the BM pool: keys/values [S, H, C + 1, D]; pos, score, bias, free [S, H, C + 1]; for a
     rule with a look-ahead probe, ``probe`` [S, H, C + 1] and (a rule probing every few blocks) the last probe's
-    stored queries of every row (``probe_q``, ``probe_lse``, ``probe_w``), allocated by the first probe pass."""
+    stored queries of every row (``probe_q``, ``probe_lse``, ``probe_w``), allocated by the pool before the first probe
+    pass (``BoundedPool.ready``)."""
 
     def __init__(self, cache: BoundedPool, layer_idx: int):
         super().__init__(cache, layer_idx)
@@ -387,11 +419,9 @@ class PoolLayer(_PoolLayer):
         self.bias[:, :, :K].index_fill_(0, step.rows, 0.0)
 
     def store_probe(self, rows: torch.Tensor, q: torch.Tensor, own_lse: torch.Tensor, weights: torch.Tensor) -> None:
-        """Keep the rows' probe queries [R, Hkv, g*w, D], log-sum-exp [R, Hkv, g*w, 1] and weights [R, w] for
-        re-scoring (``probe.ProbeState``); every row's are allocated by the first probe pass."""
-        if self.probe_q is None:
-            S = self.cache.slots
-            self.probe_q, self.probe_lse, self.probe_w = (t.new_zeros((S, *t.shape[1:])) for t in (q, own_lse, weights))
+        """Keep the rows' probe queries [R, Hs, G*g*w, D], log-sum-exp [R, Hs, G*g*w, 1] and weights [R, w] for
+        re-scoring (``probe.ProbeState``) in the layer's store (``BoundedPool.ready`` allocates it before the first
+        probe pass)."""
         for dst, src in ((self.probe_q, q), (self.probe_lse, own_lse), (self.probe_w, weights)):
             dst.index_copy_(0, rows, src)
 
@@ -435,6 +465,39 @@ class BoundedPool(_Pool):
 
     def meta_bytes(self) -> int:
         return sum(_bytes(*layer.meta_tensors()) for layer in self.layers)
+
+    def pass_workspace(self, step: RowsPass) -> int:
+        """A prefill pass's chunks (``attention._rows_block``: gathered first when the rows are not adjacent) or, when
+        it carries look-ahead probes, the larger of that and theirs; a probe pass's (``attention._rows_probe``); a
+        decode pass's fused product (``_Pool``)."""
+        if step.kind == "decode":
+            return super().pass_workspace(step)
+        keys = self.layers[0].keys  # [S, Hs, T + 1, D]
+        Hs, D, e, G, Hq = keys.shape[1], keys.shape[-1], keys.element_size(), self.share, self.layout.query_heads
+        (R, n), hi = step.qpos.shape, step.hi * G  # a probe pass: n is the rule's window
+        if step.kind == "probe":
+            return probe_workspace_bytes(R, Hq, Hs, n, hi, D, e, G)
+        gathered = 0 if step.span is not None else R * Hs * hi * (2 * D * e + 4 + e)
+        ws = gathered + rows_workspace_bytes(R, Hq, Hs, n, hi, D, padded=step.real is not None, elem=e, share=G)
+        return ws if step.probe is None else max(ws, self.pass_workspace(step.probe))
+
+    def _allocate_probe_store(self) -> None:
+        """Every layer's and row's stored probe (a rule probing every few blocks re-scores with it), allocated on the
+        host before the first probe pass: scaled queries [L, S, Hs, Hq/Hs*w, D] (model dtype), their log-sum-exp
+        [L, S, Hs, Hq/Hs*w, 1] and query weights [L, S, w] (float32); each layer holds its views."""
+        keys = self.layers[0].keys  # [S, Hs, T + 1, D]
+        L, S, Hs, D, w = len(self.layers), self.slots, keys.shape[1], keys.shape[-1], self.method.lookahead
+        rows = self.layout.query_heads // Hs * w  # each storage head's query rows (G*g, w)
+        kw = dict(dtype=torch.float32, device=keys.device)
+        store = {
+            "probe_q": torch.zeros(L, S, Hs, rows, D, dtype=keys.dtype, device=keys.device),
+            "probe_lse": torch.zeros(L, S, Hs, rows, 1, **kw),
+            "probe_w": torch.zeros(L, S, w, **kw),
+        }
+        self.stacks.update(store)
+        for i, layer in enumerate(self.layers):
+            for name, t in store.items():
+                setattr(layer, name, t[i])
 
     def evict(self, ev: Eviction) -> None:
         """Free ``ev.count`` slots in each of the rows ``ev.rows``, in as many layers at once as
@@ -601,7 +664,10 @@ class BoundedPool(_Pool):
         """Run a described pass's evictions (every layer at once); a decode pass then records each row's new slot in
         every layer at once (the head of its free list, as ``PoolLayer.write`` takes it): its position, a zero sum,
         an open mask (and in a shared budget its head), and hands the model call where each layer's pairs go
-        (``RowsPass.written``), so that inside the model call a layer only copies its pairs."""
+        (``RowsPass.written``), so that inside the model call a layer only copies its pairs. The first pass that
+        probes, under a rule probing every few blocks, allocates the stored probes first."""
+        if step.probe is not None and self.method.probe_every > 1 and self.layers[0].probe_q is None:
+            self._allocate_probe_store()
         model_step = super().ready(step)
         if step.kind != "decode":
             return model_step
@@ -660,6 +726,34 @@ class SnapPool(BoundedPool):
         for _, st in step.after:
             st.filled, st.ptr, st.high = kept, kept, kept
         return step, ids
+
+    def pass_workspace(self, step: RowsPass) -> int:
+        """A compress pass: the larger of the prompts' SDPA (``_prompt_workspace``) and the window's choice
+        (``attention._compress``); a decode pass as BM's."""
+        if step.kind != "compress":
+            return super().pass_workspace(step)
+        (R, s), lay, m = step.qpos.shape, self.layout, self.method
+        choice = snap_workspace_bytes(
+            R, lay.query_heads, lay.kv_heads, lay.k_dim, s, m.window, min(s, m.kv_max), lay.dtype.itemsize
+        )
+        return max(_prompt_workspace(self, R, s), choice)
+
+
+def _prompt_workspace(pool: _Pool, R: int, s: int) -> int:
+    """R prompts of s tokens on the model's SDPA over their own pairs (``attention._dense_prefill``)."""
+    lay = pool.layout
+    return dense_workspace_bytes(
+        R,
+        lay.query_heads,
+        lay.kv_heads,
+        lay.k_dim,
+        s,
+        s,
+        lay.dtype.itemsize,
+        padded=False,
+        impl=pool.dense_impl,
+        align=torch.device(lay.device).type == "cuda",
+    )
 
 
 def _group_pass(pool: _Pool, work, prompts, device, kind: str, slots=None) -> tuple[RowsPass, torch.Tensor]:
@@ -762,6 +856,12 @@ class DensePool(_Pool):
         ``kept_slots`` says. A padded batch's rows hold no pad: their positions are the padded batch's, their tokens
         their own."""
         return _group_pass(self, work, prompts, device, "prefill", self.kept_slots)
+
+    def pass_workspace(self, step: RowsPass) -> int:
+        """A group's prompts on SDPA (``_prompt_workspace``); a decode pass's fused product (``_Pool``)."""
+        if step.kind == "decode":
+            return super().pass_workspace(step)
+        return _prompt_workspace(self, *step.qpos.shape)
 
     def graduate(self, rows: range, decodes: list[bool]) -> None:
         """The group's prompt is held; a shared group's first row, the one its prefill ran on, becomes every row."""
@@ -932,12 +1032,13 @@ class PagedPool(DensePool):
                 self.fill[self.tables[row][(st.length - 1) // self.block]] += 1
         return model_step
 
-    def note_decode(self, query_group: int, hi: int) -> None:
+    def pass_workspace(self, step: RowsPass) -> int:
+        """A decode pass block by block (``attention._paged_decode``); a prompt as ``DensePool``'s."""
+        if step.kind != "decode":
+            return super().pass_workspace(step)
         keys = self.layers[0].keys  # [N + 1, H, Bs, D]
-        H, D = keys.shape[1], keys.shape[-1]
-        self.note_workspace(
-            paged_decode_workspace_bytes(self.slots, H * query_group, H, hi, self.block, D, keys.element_size())
-        )
+        H, D, Hq = keys.shape[1], keys.shape[-1], self.layout.query_heads
+        return paged_decode_workspace_bytes(step.qpos.shape[0], Hq, H, step.hi, self.block, D, keys.element_size())
 
 
 def make_pool(method: Method, num_layers: int, slots: int, capacity: int, static: bool, blocks: int = 0) -> _Pool:

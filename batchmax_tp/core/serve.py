@@ -42,7 +42,7 @@ from transformers.generation.logits_process import (
 from . import replay
 from .attention import use_batchmax_attention
 from .method import Method
-from .pool import make_pool, to_device
+from .pool import KVLayout, make_pool, to_device
 from .replay import forward_pass
 from .scheduler import Scheduler, Step
 
@@ -218,19 +218,20 @@ def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int]
     return make_pool(method, layers, max(slots, rows), cap, static, blocks), need
 
 
-def kv_layout(model: torch.nn.Module) -> tuple[int, int, int, torch.dtype, torch.device]:
-    """(KV heads, key size, value size, dtype, device) of the model's attention as this rank holds it, read from its
-    first attention module's projections (under AutoTP a rank holds its share of the KV heads, and the ranks' shares
-    may differ): what the pool is allocated from before the first pass."""
+def kv_layout(model: torch.nn.Module) -> KVLayout:
+    """The model's attention as this rank holds it (KV heads, key and value sizes, dtype, device, query heads), read
+    from its first attention module's projections (under AutoTP a rank holds its share of the heads, and the ranks'
+    shares may differ): what the pool is allocated from before the first pass."""
     attn = next(m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "head_dim"))
     D = attn.head_dim
+    q_heads = attn.o_proj.weight.shape[1] // D  # o_proj [hidden, q_heads x D] on this rank
     if hasattr(attn, "k_proj"):  # llama, mistral, qwen2: [kv_heads x D, hidden] on this rank
         weight = attn.k_proj.weight
         heads = weight.shape[0] // D
-    else:  # phi3's fused projection [(q_heads + 2 kv_heads) x D, hidden]; o_proj [hidden, q_heads x D]
+    else:  # phi3's fused projection [(q_heads + 2 kv_heads) x D, hidden]
         weight = attn.qkv_proj.weight
-        heads = (weight.shape[0] // D - attn.o_proj.weight.shape[1] // D) // 2
-    return heads, D, D, weight.dtype, weight.device
+        heads = (weight.shape[0] // D - q_heads) // 2
+    return KVLayout(heads, D, D, weight.dtype, weight.device, q_heads)
 
 
 def _to_host(tokens: torch.Tensor):
@@ -320,8 +321,6 @@ class _Run:
         self.decode_forward = replay.eager_decode  # or compiled, or captured (serve's ``compile``)
         self.times = {"prefill": 0.0, "decode": 0.0, "compile": 0.0}  # seconds spent in each kind of pass so far
         self.compiles = False  # True until the first decode pass compiles or captures (timed as "compile")
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.query_group = config.num_attention_heads // (config.num_key_value_heads or config.num_attention_heads)
         self.kv_low: int | None = None  # smallest and largest K/V bytes held after any pass
         self.kv_high = 0
         self.start = time.perf_counter()
@@ -462,8 +461,6 @@ class _Run:
         rows = [w.row for w in step.work]
         described = pool.decode_pass(step.work, self.device)
         model_step = pool.ready(described)  # its evictions and its slots' bookkeeping, in every layer at once
-        if self.compiles:  # a compiled pass notes no workspace itself; a static pool's is the same every pass
-            pool.note_decode(self.query_group, described.hi)
         out = self.decode_forward(self.model, model_step, self.next_ids[:, None], self.all_true)
         index = described.decoding  # [k] the decoding rows
         return self.emit(rows, index, out.logits[:, -1].index_select(0, index), first=False)  # [k, V]
@@ -552,7 +549,7 @@ def serve(
     pool, need = _pool(model, method, slots, lengths, max_new, static=mode != "none")
     rows = pool.slots  # FKV paged: more rows than ``slots`` where the requests are shorter than the longest
     if requests:  # (none: a replica whose share is done; its pool is never written)
-        pool.allocate(*kv_layout(model))
+        pool.allocate(kv_layout(model))
     run = _Run(model, requests, method, rows, warpers, eos, pad, sampling.stop, record.logits, tp_group)
     run.decode_forward, run.compiles = replay.decode_runner(mode), mode != "none"
     share = batching.share_prompts

@@ -273,6 +273,19 @@ def probe_workspace_bytes(
     )
 
 
+def dense_impl(q_heads: int, kv_heads: int, elem: int, device) -> str:
+    """How a baseline's prompt runs on SDPA (``attention._dense_prefill``) on ``device`` (a ``torch.device``):
+    ``SDPA_REPEAT`` (K/V copied per query head first) for GQA in a half dtype on a card below compute capability
+    8.0, where SDPA's memory-efficient kernel rejects ``enable_gqa`` and the math kernel would hold every score;
+    else ``SDPA``."""
+    if device.type != "cuda":
+        return SDPA
+    import torch  # (only a CUDA device asks: this module stays importable without torch)
+
+    old_card = torch.cuda.get_device_capability(device) < (8, 0)
+    return SDPA_REPEAT if q_heads != kv_heads and elem == 2 and old_card else SDPA
+
+
 #: SDPA's memory-efficient CUDA kernel wants every stride of an additive mask but the last to be a multiple of this
 #: many elements; torch copies any other mask into rows padded to the next multiple (``preprocess_mask``). The CPU
 #: kernel reads the mask as it is.
