@@ -246,3 +246,28 @@ def test_every_name_the_docs_give_exists():
         else:
             missing.append(name)
     assert names and not missing, missing
+
+
+def test_the_public_api_gives_each_name_from_its_module():
+    """``from batchmax_tp import Engine, Request, Sampling, ...``: every name of ``__all__`` resolves, to the object
+    its module defines (the torch-bound ones on first use); an unknown name raises AttributeError."""
+    import batchmax_tp
+    from batchmax_tp.api import run_prompts
+    from batchmax_tp.core import engine, hf_cache, serve
+
+    want = {
+        "Engine": engine.Engine,
+        "generate": engine.generate,
+        "BatchMaxCache": hf_cache.BatchMaxCache,
+        "Batching": serve.Batching,
+        "Record": serve.Record,
+        "Request": serve.Request,
+        "Sampling": serve.Sampling,
+        "run_prompts": run_prompts,
+        "Method": batchmax_tp.core.method.Method,
+        "plan": batchmax_tp.plan,
+    }
+    assert sorted(batchmax_tp.__all__) == sorted(want)
+    assert all(getattr(batchmax_tp, name) is obj for name, obj in want.items())
+    with pytest.raises(AttributeError, match="no attribute 'Pool'"):
+        batchmax_tp.Pool  # noqa: B018
