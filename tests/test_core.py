@@ -184,6 +184,13 @@ def test_hf_generate_drop_in(arch):
     assert_tokens_equal(got, want, what=f"{arch}: drop-in BM (no eviction) vs HF generate")
     assert_logits_close(got_logits, want_logits, ATOL, what=f"{arch}: drop-in BM (no eviction) logits")
     assert model.config._attn_implementation == "sdpa"  # restored
+    # the full cache, its pool grown as HF's generate feeds it (the prompt, then twice its size)
+    cache = BatchMaxCache(Method("fkv"))
+    got, got_logits = hf_generate(model, ids, mask, n, cache)
+    assert_tokens_equal(got, want, what=f"{arch}: drop-in FKV vs HF generate")
+    assert_logits_close(got_logits, want_logits, ATOL, what=f"{arch}: drop-in FKV logits")
+    held = [len(h) for h in cache.kept_positions()[0][0]]  # sample 0: its 20 tokens, then n - 1 fed
+    assert cache.pool.capacity == 2 * s and held == [20 + n - 1] * COMMON["num_key_value_heads"]
     # small kv_max with chunked prefill: runs, evicts, stays bounded
     kv_max, p = 16, 4
     cache = BatchMaxCache(Method("bm", kv_max=kv_max, p=p))
@@ -221,6 +228,20 @@ def test_hf_generate_drop_in_ed_keeps_what_algorithm_3_keeps(kv_max):
     assert_logits_close(got_logits, ref.logits, ATOL, what="drop-in ED vs reference")
     assert_tokens_equal(got, ref.tokens, what="drop-in ED vs reference")
     assert_kept_equal(cache.kept_positions(), ref.kept, what="drop-in ED kept vs reference")
+
+
+def test_the_drop_in_refuses_to_run_outside_its_context_or_on_a_right_padded_batch():
+    """Outside ``use_drop_in`` the cache would hand each block's pairs to another attention unseen: a one-line
+    error; so is a batch padded on the right."""
+    model = tiny_arch("llama")
+    ids, mask = left_padded_batch([20, 33], seed=0)
+    with pytest.raises(RuntimeError, match="use_drop_in") as err, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=BatchMaxCache(Method("fkv")), use_cache=True)
+    assert "\n" not in str(err.value)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="LEFT-padded") as err:
+        hf_generate(model, ids.flip(1), mask.flip(1), 2, BatchMaxCache(Method("fkv")))
+    assert "\n" not in str(err.value)
 
 
 def test_right_padded_batch_is_rejected_in_one_line():

@@ -27,7 +27,7 @@ def rows_block(layer, step, query: torch.Tensor, scaling: float, hi: int, own: t
     other = layer.other_heads(step.take)  # [R, Hkv, G, T + 1] or None
     qg = query.view(R, Hkv, g, n, D)
     out = None
-    for a, b, _ in workspace.query_chunks(R, Hq, n, hi, False):
+    for a, b in workspace.query_chunks(R, Hq, n, hi):
         m = b - a
         if out is None and m < n:
             out = torch.empty(R, n, Hkv, g, D, dtype=values.dtype, device=values.device)

@@ -4,5 +4,5 @@
 pass, described) -> ``pool`` (the bounded slots; evicts) -> ``attention`` (the "batchmax" attention: reads the
 description, writes the pool, feeds the scores; ``probe``, ``snap``, ``workspace`` beside it) -> ``scheduler`` and
 ``replay`` -> ``serve`` (the pass loop) -> ``engine`` (``Engine``, ``generate``); ``hf_cache`` (HF generate's
-drop-in) on top of ``attention``.
+drop-in: each of HF's forwards described as a pass over a pool and run by ``attention``) on top.
 """

@@ -23,8 +23,8 @@ through the layer, its attention to the slots, summed over the query group and a
 queries, becomes the slots' ``probe`` values (overwritten each probe pass); the paper's sums get nothing from it. The
 math is ``core.probe``'s, shared with the re-scoring of rules that probe only every few blocks.
 
-HF's ``model.generate`` drop-in (``core.hf_cache``) sits on top: its own attention function runs its layers with
-this module's decode step (``decode_attention``) and score sums (``add_received``).
+HF's ``model.generate`` drop-in (``core.hf_cache``) sits on top: it describes each forward HF's generate runs as
+a pass over a pool of its own and runs it through ``batchmax_attention``.
 
 Nothing is registered at import time: call ``register()`` (or use ``use_batchmax_attention``).
 """
@@ -253,7 +253,7 @@ def _rows_block(
         )[:, :, :, None, None, :]
     qg = query.view(R, Hs, g, n, D)  # [R, Hs, g, n, D]: query heads grouped by their storage head (a view)
     out = None  # [R, n, Hs, g, D]: allocated once when the block takes more than one chunk
-    for a, b, _ in workspace.query_chunks(R, Hq, n, hi, False):
+    for a, b in workspace.query_chunks(R, Hq, n, hi):
         m = b - a
         if out is None and m < n:
             out = torch.empty(R, n, Hs, g, D, dtype=values.dtype, device=values.device)

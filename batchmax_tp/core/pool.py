@@ -151,9 +151,9 @@ class _Pool:
     def allocate(self, layout: KVLayout) -> None:
         """Allocate the pool, once, before its first pass, from the model's local shapes (``KVLayout``). What an
         eviction reads is stacked over the layers [L, S, ...] (``stacks``: one call frees slots in every layer), each
-        layer holding its views [S, ...]: BM's slot state, ED's few slots of K/V. BM's and FKV's K/V are one tensor per layer: a
-        compiled pass writes those in place only when they are not views into a larger buffer (inductor copied each
-        layer's whole K/V every pass otherwise, 138 against 100 ms a BM pass on the CPU)."""
+        layer holding its views [S, ...]: BM's slot state, ED's few slots of K/V. BM's and FKV's K/V are one tensor
+        per layer: a compiled pass writes those in place only when they are not views into a larger buffer (inductor
+        copied each layer's whole K/V every pass otherwise, 138 against 100 ms a BM pass on the CPU)."""
         if self.allocated:
             return
         kv_heads, k_dim, v_dim, dtype, device, q_heads = layout
@@ -571,20 +571,21 @@ class BoundedPool(_Pool):
         return row, count, st.seen - 1, probe
 
     def prefill_pass(
-        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
-    ) -> tuple[RowsPass, torch.Tensor]:
+        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor] | None, device
+    ) -> tuple[RowsPass, torch.Tensor | None]:
         """The pass of ``work`` (each row's prefill chunk, and the look-ahead probes some chunks take along) and its
         input ids [R, w + n]: a probe's columns first (the rule's window ``w``, when some row probes; masked for a
         row that does not), then the chunk's; each part's real tokens right-aligned, masked columns in front (a
-        padded row's pads among them: counted as held, never written)."""
+        padded row's pads among them: counted as held, never written). ``prompts`` None (the HF drop-in, whose
+        caller feeds the ids): the pass alone."""
         n = max(w.phase.size for w in work)
         window = self.method.lookahead if any(w.probe is not None for w in work) else 0
         rows = [w.row for w in work]
         qpos, rope, write, evicting, ids, among, probe_qpos, probe_rope = [], [], [], [], [], [], [], []
         blind = False  # a row whose pass is pads alone and that holds nothing yet: its queries see no slot
         after = {w.row: self.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
-        for j, (w, prompt) in enumerate(zip(work, prompts)):
-            ph, st = w.phase, after[w.row]
+        for j, w in enumerate(work):
+            ph, st, prompt = w.phase, after[w.row], None if prompts is None else prompts[j]
             q, r, i = _columns(ph, st, prompt, n)
             blind |= q[-1] < 0 and st.high == 0  # (real tokens are right-aligned)
             if window:
@@ -642,7 +643,7 @@ class BoundedPool(_Pool):
                 hi=hi,
             )
             step = replace(step, probe=probe, among=None if len(among) == R else to_device(among, device))
-        return step, torch.stack(ids)
+        return step, None if prompts is None else torch.stack(ids)
 
     def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
         """A decode pass over every row: each decoding row's eviction (its own step's count) and write slot."""
@@ -800,13 +801,18 @@ def _evictions(evicting: list[tuple[int, int, int, str | None]], device) -> tupl
     return tuple(out)
 
 
-def _columns(phase: Phase, st: RowState, prompt: torch.Tensor, n: int) -> tuple[list[int], list[int], torch.Tensor]:
+def _columns(
+    phase: Phase, st: RowState, prompt: torch.Tensor | None, n: int
+) -> tuple[list[int], list[int], torch.Tensor | None]:
     """A row's ``n`` columns of ``phase`` (a prefill chunk or a look-ahead probe): each column's position (-1:
-    masked), RoPE position and token id, real tokens right-aligned (a padded row's pads are masked columns)."""
+    masked), RoPE position and token id (None without a prompt), real tokens right-aligned (a padded row's pads are
+    masked columns)."""
     a = min(max(phase.start, st.offset), phase.end)  # the phase's first real position (end: all pads)
     pad = n - (phase.end - a)
     qpos = [-1] * pad + list(range(a, phase.end))
     rope = [0] * pad + list(range(a - st.offset, phase.end - st.offset))
+    if prompt is None:
+        return qpos, rope, None
     return qpos, rope, torch.nn.functional.pad(prompt[a - st.offset : phase.end - st.offset], (pad, 0))
 
 

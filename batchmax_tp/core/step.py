@@ -4,8 +4,8 @@ The engine (``core.serve``) builds one ``RowsPass`` per model call and passes it
 keyword; transformers forwards unknown keywords through the decoder layers to the attention function (every
 supported family, under DeepSpeed AutoTP too, which replaces linear layers only). The attention function finds its
 pool layer as ``batchmax.pool.layers[module.layer_idx]``: no thread-local state, no global, nothing set on a pool or
-layer between passes. (HF's ``model.generate`` drop-in, ``core.hf_cache``, passes no description: its cache hands
-its layer over to its own attention function instead.)
+layer between passes. (HF's ``model.generate`` drop-in, ``core.hf_cache``, describes each of HF's forwards as such
+a pass over its own pool, and its attention function hands it to the same attention.)
 
 Describe, then execute: a pool's ``prefill_pass``/``decode_pass`` describes a pass from its rows' host state and
 changes nothing (the rows' states after the pass ride in the description, ``RowsPass.after``); the pool's ``ready``

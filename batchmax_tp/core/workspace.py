@@ -2,8 +2,8 @@
 
 The attention kernels (``attention.batchmax_attention`` and the baselines' SDPA) own these
 numbers and the planner (``batchmax_tp.plan.planner``) predicts with them, so they live here, importable without
-torch or transformers. ``workspace_bytes`` and ``dense_workspace_bytes`` are checked against measured allocations
-in ``tests/test_memory.py``.
+torch or transformers. They are checked against measured allocations in ``tests/test_memory.py`` and
+``tests/test_continuous.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from pathlib import Path
 #: Largest attention-probability block materialised at once (bytes of float32 scores); longer query blocks are
 #: processed in chunks of queries so prefill never builds an attention matrix over the whole prompt.
 SCORE_CHUNK_BYTES = 64 * 2**20
-#: Query chunk of an in-order (not yet evicted) block: smaller chunks skip more of the causal upper triangle.
-CAUSAL_CHUNK = 128
 #: The baselines' prompt attention: HF's SDPA, or SDPA with K/V copied per query head.
 SDPA = "sdpa"
 #: HF's SDPA with K/V copied per query head first (``core.attention._dense_prefill``): a GQA model on a card of
@@ -27,49 +25,13 @@ SDPA_REPEAT = "batchmax_sdpa_repeat"
 
 
 def query_chunks(
-    batch: int, q_heads: int, queries: int, slots: int, ordered: bool, chunk_bytes: int | None = None
-) -> Iterator[tuple[int, int, int]]:
-    """(start, end, visible slots) of each query chunk of a block of ``queries`` over ``slots`` written slots.
-
-    A chunk holds as many queries as keep its float32 score block within ``SCORE_CHUNK_BYTES``. ``ordered``
-    (no eviction yet): slots hold positions in order and the block sits in [slots - queries, slots), so a chunk
-    ending at block index b sees only slots [0, slots - queries + b) and chunks of ``CAUSAL_CHUNK`` skip more of
-    the causal upper triangle; otherwise every chunk sees all slots.
-    """
+    batch: int, q_heads: int, queries: int, slots: int, chunk_bytes: int | None = None
+) -> Iterator[tuple[int, int]]:
+    """(start, end) of each query chunk of a block of ``queries`` over ``slots`` slots: as many queries as keep its
+    float32 score block within ``SCORE_CHUNK_BYTES``."""
     chunk = max(1, (SCORE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (4 * batch * q_heads * slots))
-    if ordered and queries > 1:
-        chunk = min(chunk, CAUSAL_CHUNK)
     for a in range(0, queries, chunk):
-        b = min(queries, a + chunk)
-        yield a, b, (slots - queries + b if ordered else slots)
-
-
-def workspace_bytes(
-    batch: int,
-    q_heads: int,
-    kv_heads: int,
-    queries: int,
-    slots: int,
-    head_dim: int,
-    *,
-    ordered: bool,
-    padded: bool,
-    elem: int = 4,
-    share: int = 1,
-) -> int:
-    """Peak bytes one block call of ``attention.batchmax_attention`` (a prefill block, or a decode step with a mask)
-    allocates above what it was given: every tensor it (and the kernels it calls) holds at the worst moment, the
-    returned output included.
-
-    ``queries`` x ``slots``: the block and the cache's high-water mark; ``padded``: a token mask came with the
-    block (the engine's prefill passes one, decode steps none); ``elem``: bytes per element of the model dtype;
-    ``share``: KV heads sharing one budget (``kv_heads`` are then the storage heads): their head mask is added.
-    Checked against measured allocations in ``tests/test_memory.py``.
-    """
-    held = _workspace_bytes(
-        batch, q_heads, kv_heads, queries, slots, head_dim, ordered, padded, elem, SCORE_CHUNK_BYTES
-    )
-    return held + head_mask_bytes(batch, kv_heads, slots, share)
+        yield a, min(queries, a + chunk)
 
 
 def rows_workspace_bytes(
@@ -104,7 +66,7 @@ def _rows_workspace_bytes(
     g = Hq // Hs
     held = 8 * R * Hq // g * n  # the own slots, clamped [R, Hs, n] (int64)
     peak = 0
-    for a, b, _ in query_chunks(R, Hq, n, hi, False, chunk_bytes):
+    for a, b in query_chunks(R, Hq, n, hi, chunk_bytes):
         m = b - a
         if m < n and a == 0:
             held += e * R * n * Hq * D  # the [R, n, Hq, D] result
@@ -130,48 +92,6 @@ def head_mask_bytes(batch: int, kv_heads: int, slots: int, share: int) -> int:
     """What a pass over a budget shared by ``share`` heads holds to hide each head's slots from the others' queries
     (``pool.PoolLayer.other_heads``: the rows' head tags gathered and compared, bool [B, Hs, G, T + 1]); 0 unshared."""
     return 0 if share == 1 else batch * kv_heads * (share + 1) * (slots + 1)
-
-
-@functools.lru_cache(maxsize=4096)  # called by every attention call: the shapes repeat, the arithmetic need not
-def _workspace_bytes(
-    batch: int,
-    q_heads: int,
-    kv_heads: int,
-    queries: int,
-    slots: int,
-    head_dim: int,
-    ordered: bool,
-    padded: bool,
-    elem: int,
-    chunk_bytes: int,
-) -> int:
-    B, Hq, Hkv, n, D, e = batch, q_heads, kv_heads, queries, head_dim, elem
-    g = Hq // Hkv
-    # Held through the loop: the slot positions with empty slots pushed last (int64; a prefill block), or the
-    # hidden-slot mask (bool; a decode step), plus the result buffer when the block takes several chunks.
-    held = 8 * B * Hkv * slots if n > 1 else B * Hkv * slots
-    peak = 0
-    for a, b, lim in query_chunks(B, Hq, n, slots, ordered, chunk_bytes):
-        m = b - a
-        if m < n and a == 0:
-            held += e * B * n * Hq * D  # the [B, n, Hq, D] result
-        q = e * B * Hq * m * D  # the chunk's scaled queries (and later its output)
-        logits = e * B * Hq * m * lim  # q @ k^T in the model dtype
-        p = 4 * B * Hq * m * lim  # float32 logits, and the probabilities
-        mask = B * Hkv * m * lim if n > 1 else 0  # the visibility mask
-        if padded:  # per-query weights [B, g*m], broadcast copy inside matmul, its [B, Hkv, lim] result
-            score = 4 * B * g * m + max(B * g * m, 4 * B * Hkv * g * m + 4 * B * Hkv * lim)
-        else:
-            score = 4 * B * Hkv * lim  # the probabilities summed over the query rows
-        steps = [
-            q + logits + (p if e != 4 else 0),  # q @ k^T and its float32 copy
-            p + mask + p,  # masked logits, mask and probabilities
-            p + score,  # score accumulation
-            p + (logits if e != 4 else 0) + q,  # probabilities (cast back) @ V
-            q + (q if m == n > 1 else 0),  # the output, and its [B, n, Hq, D] copy when one chunk did all
-        ]
-        peak = max(peak, held + max(steps))
-    return peak
 
 
 #: Largest slot state one eviction call gathers (bytes): the pool evicts in every layer at once (one call, few
