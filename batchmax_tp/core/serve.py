@@ -273,11 +273,83 @@ def _agree(group, value: int, device: torch.device) -> None:
         )
 
 
+class _Sampler:
+    """How each row's next token is chosen: greedy (no ``warpers``), or sampled through the warpers with the row's own
+    generator, seeded when its request is admitted."""
+
+    def __init__(self, warpers: LogitsProcessorList | None, slots: int, device: torch.device):
+        self.warpers, self.device = warpers, device
+        self.gens: list[torch.Generator | None] = [None] * slots
+
+    def seed(self, row: int, seed: int | None) -> None:
+        if self.warpers is not None:
+            self.gens[row] = torch.Generator(device=self.device)
+            self.gens[row].manual_seed(0 if seed is None else seed)
+
+    def choose(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Tokens [k] from logits [k, V] of ``rows``."""
+        if self.warpers is None:
+            return logits.argmax(dim=-1)
+        picks = [
+            torch.multinomial(
+                torch.softmax(self.warpers(None, logits[j : j + 1].float()), dim=-1), 1, generator=self.gens[r]
+            ).view(1)
+            for j, r in enumerate(rows)
+        ]
+        return torch.cat(picks)
+
+
+class _Agreement:
+    """What tensor-parallel ranks agree on (nothing without a group of several ranks): the tokens every rank feeds
+    (the group's first rank's, when finishing depends on them) and, every few passes, that all ran one schedule."""
+
+    def __init__(self, tp_group, token_bound: bool, device: torch.device):
+        """``token_bound``: whether a request's end depends on its tokens (EOS or stops)."""
+        self.group, self.token_bound, self.device = _tensor_parallel(tp_group), token_bound, device
+
+    def tokens(self, tokens: torch.Tensor) -> list[int]:
+        """Host tokens; under TP, when finishing depends on them, the group's first rank's."""
+        if self.group is not None and self.token_bound:
+            dist.broadcast(tokens, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return tokens.tolist()
+
+    def schedule(self, sched: Scheduler, every: int = 1) -> None:
+        """Once every ``every`` passes: raise unless all ranks ran the same schedule."""
+        if self.group is not None and sched.passes % every == 0:
+            _agree(self.group, _digest(sched.log, sched.passes), self.device)
+
+
+class _Metrics:
+    """A run's clock and memory: seconds spent in each kind of pass (prefill, decode, and the first compiled or
+    captured decode pass's compilation) and the smallest and largest K/V held after a prefill pass."""
+
+    def __init__(self, compiles: bool):
+        self.times = {"prefill": 0.0, "decode": 0.0, "compile": 0.0}
+        self.compiles = compiles  # True until the first decode pass compiles or captures (timed as "compile")
+        self.kv_low: int | None = None
+        self.kv_high = 0
+        self.start = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def passed(self, kind: str, seconds: float, pool) -> None:
+        """A pass of ``kind`` ("prefill" or "decode") took ``seconds``; a prefill pass may change what is allocated."""
+        if kind == "decode" and self.compiles:  # the first compiled pass: its time is the compilation's
+            kind, self.compiles = "compile", False
+        self.times[kind] += seconds
+        if kind == "prefill":
+            kv = pool.kv_bytes()
+            self.kv_low = min(kv, self.kv_low if self.kv_low is not None else kv)
+            self.kv_high = max(self.kv_high, kv)
+
+
 class _Run:
     """One ``serve`` call's state between passes: which request each slot holds, the next input of every row, the
-    outputs, the seconds and K/V bytes so far, and the named steps of a pass: admit a group, run the pass (a prefill
-    block or probe, or a decode step), emit its tokens (chosen, agreed across tensor-parallel ranks, teacher-forced),
-    retire the requests that ended, hand them on once their tokens are read (``lag``: a pass late)."""
+    outputs, and the named steps of a pass: admit a group, run the pass (a prefill block or probe, or a decode step),
+    emit its tokens (chosen by ``sampler``, agreed across tensor-parallel ranks by ``agreement``, teacher-forced),
+    retire the requests that ended, hand them on once their tokens are read (``lag``: a pass late); ``metrics``
+    keeps the clock and the K/V held."""
 
     def __init__(
         self,
@@ -285,12 +357,13 @@ class _Run:
         requests: Sequence[Request],
         method: Method,
         slots: int,
-        sampling,
+        sampler: _Sampler,
         eos: set[int],
         pad: int,
         stop,
         return_logits: bool,
-        tp_group,
+        agreement: _Agreement,
+        metrics: _Metrics,
     ):
         self.model, self.requests, self.method, self.slots = model, requests, method, slots
         self.device = next(model.parameters()).device
@@ -300,16 +373,15 @@ class _Run:
         self.lengths = [int(p.numel()) for p in self.prompts]
         self.ends = list(self.lengths)  # where each prompt ends: its length, plus its pads in a padded batch
         self.max_new = [r.max_new_tokens for r in requests]
-        self.warpers, self.eos, self.stop, self.return_logits = sampling, eos, stop, return_logits
-        self.tp_group = _tensor_parallel(tp_group)
-        self.token_bound = bool(eos) or stop is not None  # whether finishing depends on the tokens
+        self.sampler, self.agreement, self.metrics = sampler, agreement, metrics
+        self.eos, self.stop, self.return_logits = eos, stop, return_logits
+        self.token_bound = agreement.token_bound
         self.forcing = any(r.continuation is not None for r in requests)
         # read each pass's tokens one pass late (after the next pass is launched) when nothing needs them sooner
         self.lag = not self.token_bound and not self.forcing
         self.pending: list[tuple[list[int], torch.Tensor, object]] = []  # lag: (requests, host tokens, event) unread
         self.unread = [0] * len(requests)  # per request: its tokens chosen but not read yet
         self.ended: list[tuple[int, RequestOutput]] = []  # retired, waiting for their last tokens
-        self.gens: list[torch.Generator | None] = [None] * slots
         self.outputs: list[RequestOutput | None] = [None] * len(requests)
         self.request_of: list[int] = [-1] * slots
         self.shared: set[int] = set()  # first slot of each group prefilled once for all its rows
@@ -319,11 +391,6 @@ class _Run:
         # HF's mask builder looks for packed sequences in the position ids, a host sync in every pass
         self.all_true = torch.ones(slots, 1, dtype=torch.bool, device=self.device)
         self.decode_forward = replay.eager_decode  # or compiled, or captured (serve's ``compile``)
-        self.times = {"prefill": 0.0, "decode": 0.0, "compile": 0.0}  # seconds spent in each kind of pass so far
-        self.compiles = False  # True until the first decode pass compiles or captures (timed as "compile")
-        self.kv_low: int | None = None  # smallest and largest K/V bytes held after any pass
-        self.kv_high = 0
-        self.start = time.perf_counter()
 
     def admit(self, pool, rows: range, group: tuple[int, ...], passes: int, shared: bool, pads: list[int]) -> None:
         pool.admit(rows, [pads[i] for i in group])
@@ -343,21 +410,7 @@ class _Run:
                 logits=[] if self.return_logits else None,
                 logprobs=[] if self.requests[i].continuation is not None else None,
             )
-            if self.warpers is not None:
-                self.gens[row] = torch.Generator(device=self.device)
-                self.gens[row].manual_seed(0 if self.requests[i].seed is None else self.requests[i].seed)
-
-    def choose(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Tokens [k] from logits [k, V] of ``rows``: greedy, or sampled with each row's own generator."""
-        if self.warpers is None:
-            return logits.argmax(dim=-1)
-        picks = [
-            torch.multinomial(
-                torch.softmax(self.warpers(None, logits[j : j + 1].float()), dim=-1), 1, generator=self.gens[r]
-            ).view(1)
-            for j, r in enumerate(rows)
-        ]
-        return torch.cat(picks)
+            self.sampler.seed(row, self.requests[i].seed)
 
     def teach(self, rows: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The next inputs [k] of ``rows``: the chosen ``tokens``, or, for a request with a continuation, its next
@@ -377,21 +430,15 @@ class _Run:
                 out.logprobs.append(logprob[j])
         return torch.where(target >= 0, target, tokens)
 
-    def agreed(self, tokens: torch.Tensor) -> list[int]:
-        """Host tokens; under TP, when finishing depends on them, the group's first rank's."""
-        if self.tp_group is not None and self.token_bound:
-            dist.broadcast(tokens, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-        return tokens.tolist()
-
     def emit(self, rows: list[int], index: torch.Tensor, logits: torch.Tensor, first: bool) -> set[int]:
         """Choose, record and feed the next token of each of ``rows`` (``index``: the same rows on the device) from
         their logits [k, V] (``first``: the rows' first tokens, a prefill pass's); returns the rows whose request
         ended early (EOS or a stop). Under ``lag`` the tokens are read at the next emit (this pass is launched by
         then) or at ``read_all``, and nothing ends early."""
-        tokens = self.choose(logits, rows)  # [k]
+        tokens = self.sampler.choose(logits, rows)  # [k]
         feed = self.teach(rows, logits, tokens)  # [k]
         self.next_ids.index_copy_(0, index, feed)
-        now, requests = time.perf_counter() - self.start, [self.request_of[row] for row in rows]
+        now, requests = self.metrics.now(), [self.request_of[row] for row in rows]
         for j, i in enumerate(requests):
             out = self.outputs[i]
             if first:
@@ -403,7 +450,7 @@ class _Run:
             self.read_all()  # the earlier passes' tokens: their copies are done or nearly, this pass runs on
             self.pending.append((requests, *_to_host(tokens)))
             return set()
-        self.land(requests, self.agreed(tokens))
+        self.land(requests, self.agreement.tokens(tokens))
         ended = set()
         for row, i in zip(rows, requests):
             tokens = self.outputs[i].tokens
@@ -471,22 +518,16 @@ class _Run:
         kind = "decode" if step.kind == "decode" else "prefill"
         t0 = time.perf_counter()
         finished = self.decode(pool, step) if kind == "decode" else self.prefill(pool, step)
-        if kind == "decode" and self.compiles:  # the first compiled pass: its time is the compilation's
-            kind, self.compiles = "compile", False
-        self.times[kind] += time.perf_counter() - t0
-        if kind == "prefill":  # a decode pass never changes what is allocated
-            kv = pool.kv_bytes()
-            self.kv_low = min(kv, self.kv_low if self.kv_low is not None else kv)
-            self.kv_high = max(self.kv_high, kv)
+        self.metrics.passed(kind, time.perf_counter() - t0, pool)
         return finished
 
     def retire(self, pool, row: int, i: int, keep_positions: bool) -> None:
         """Close request ``i``, which ended in ``row``: its timings, the run's memory so far, host log-probabilities
         and (``keep_positions``) the positions its slot held; it is handed on once its tokens are read
         (``hand_on``)."""
-        out = self.outputs[i]
-        out.finished_s = time.perf_counter() - self.start
-        out.run_prefill_s, out.run_decode_s, out.kv_bytes = self.times["prefill"], self.times["decode"], self.kv_high
+        out, m = self.outputs[i], self.metrics
+        out.finished_s = m.now()
+        out.run_prefill_s, out.run_decode_s, out.kv_bytes = m.times["prefill"], m.times["decode"], m.kv_high
         out.workspace_bytes = pool.peak_workspace_bytes
         if out.logprobs is not None:
             out.logprobs = torch.stack(out.logprobs).tolist() if out.logprobs else []
@@ -494,24 +535,20 @@ class _Run:
             out.kept_positions = pool.kept_positions(row)
         self.ended.append((i, out))
 
-    def agree(self, sched: Scheduler, every: int = 1) -> None:
-        """Under tensor parallelism, once every ``every`` passes: raise unless all ranks ran the same schedule."""
-        if self.tp_group is not None and sched.passes % every == 0:
-            _agree(self.tp_group, _digest(sched.log, sched.passes), self.device)
-
     def served(self, pool, sched: Scheduler) -> ServeOutput:
         """The run's outputs, schedule and measurements once every request has ended."""
+        m = self.metrics
         return ServeOutput(
             self.outputs,
             list(sched.log),
             sched.passes,
-            self.times["prefill"],
-            self.times["decode"],
+            m.times["prefill"],
+            m.times["decode"],
             pool.peak_kv_bytes,
-            (self.kv_low or 0, self.kv_high),
+            (m.kv_low or 0, m.kv_high),
             pool.peak_meta_bytes,
             pool.peak_workspace_bytes,
-            self.times["compile"],
+            m.times["compile"],
         )
 
 
@@ -550,8 +587,10 @@ def serve(
     rows = pool.slots  # FKV paged: more rows than ``slots`` where the requests are shorter than the longest
     if requests:  # (none: a replica whose share is done; its pool is never written)
         pool.allocate(kv_layout(model))
-    run = _Run(model, requests, method, rows, warpers, eos, pad, sampling.stop, record.logits, tp_group)
-    run.decode_forward, run.compiles = replay.decode_runner(mode), mode != "none"
+    sampler, metrics = _Sampler(warpers, rows, device), _Metrics(compiles=mode != "none")
+    agreement = _Agreement(tp_group, bool(eos) or sampling.stop is not None, device)  # finishing hangs on tokens?
+    run = _Run(model, requests, method, rows, sampler, eos, pad, sampling.stop, record.logits, agreement, metrics)
+    run.decode_forward = replay.decode_runner(mode)
     share = batching.share_prompts
     keys = _prompt_keys(requests) if share else None
     sched = Scheduler(
@@ -577,10 +616,10 @@ def serve(
                     run.retire(pool, row, i, record.positions)
                     pool.finish(row)
                 run.hand_on(on_finish)
-                run.agree(sched, every=AGREE_EVERY)
+                run.agreement.schedule(sched, every=AGREE_EVERY)
         run.read_all()
         run.hand_on(on_finish)
-        run.agree(sched)
+        run.agreement.schedule(sched)
         pool.note()
         logger.debug("%s: %d requests in %d slots, %d passes", method.label(), len(requests), slots, sched.passes)
         return run.served(pool, sched)
