@@ -238,13 +238,7 @@ class BatchMaxLM(TemplateLM):
             raise ModelArgsError(f"model_args: pretrained: {err}") from None
 
     def _load(self, s: Settings, config) -> None:
-        tp = self.layout.tp
-        model, tokenizer = models.load_model(
-            s.pretrained, dtype=self.dtype, device="cpu" if tp > 1 else str(self._device)
-        )
-        self._model = parallel.apply_tensor_parallel(
-            model, self.layout, getattr(torch, self.dtype), device=str(self._device)
-        )
+        self._model, tokenizer = models.load_on_ranks(s.pretrained, self.layout, self.dtype, str(self._device))
         if s.tokenizer is not None:
             tokenizer = AutoTokenizer.from_pretrained(models.model_path(s.tokenizer))
         tokenizer.padding_side = "left"

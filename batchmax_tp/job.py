@@ -413,13 +413,9 @@ def _load(job: Job, layout: parallel.Layout, comm: Collectives, bound: replicas.
     cfg = job.cfg
     torch.manual_seed(cfg.generation.seed)
     with _setup_stdout(layout.is_main):
-        # Under tensor parallelism the checkpoint is read on the host and AutoTP moves only this rank's shard to
-        # the accelerator; a single process loads straight onto its device.
-        device = "cpu" if layout.tp > 1 else job.device
-        with bound.step(f"loading the model {cfg.model.name} onto {device}"):
-            model, tokenizer = models.load_model(cfg.model.name, dtype=cfg.model.dtype, device=device)
-        with bound.step(f"splitting the model over {layout.tp} ranks (DeepSpeed AutoTP)"):
-            model = parallel.apply_tensor_parallel(model, layout, getattr(torch, cfg.model.dtype), device=job.device)
+        step = f"loading the model {cfg.model.name} and splitting it over {layout.tp} ranks (DeepSpeed AutoTP)"
+        with bound.step(step):
+            model, tokenizer = models.load_on_ranks(cfg.model.name, layout, cfg.model.dtype, job.device)
     if layout.world > 1:
         with bound.step("waiting for every rank to load the model (a barrier of the default group)"):
             dist.barrier()  # every rank has loaded (default group: the long set-up timeout) before generation starts

@@ -40,6 +40,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from . import parallel
 from .core.attention import SUPPORTED_FAMILIES, unsupported
 from .embedded import EMBEDDED_MODEL
 from .parted import PARTED, PartedModel, PartsError, cache_root, gguf_path
@@ -344,6 +345,16 @@ def load_model(
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     logger.info("loaded %s (%s, %s) in %.1f s", model_id, dtype, device, time.perf_counter() - start)
     return model, tokenizer
+
+
+def load_on_ranks(
+    model_id: str, layout: parallel.Layout, dtype: str, device: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """The model split over ``layout``'s tensor-parallel ranks (DeepSpeed AutoTP) and its tokenizer, as the job and
+    the lm-eval model start it: under tensor parallelism the checkpoint is read on the host and AutoTP moves only
+    this rank's shard to ``device``; a single process loads straight onto it (``dtype`` resolved already)."""
+    model, tokenizer = load_model(model_id, dtype=dtype, device="cpu" if layout.tp > 1 else device)
+    return parallel.apply_tensor_parallel(model, layout, getattr(torch, dtype), device=device), tokenizer
 
 
 def architecture_config(spec: str, **overrides: Any):
