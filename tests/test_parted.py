@@ -16,6 +16,8 @@ import pytest
 from batchmax_tp import parted
 from batchmax_tp.parted import Part, PartedModel, PartsError
 
+FETCH = "bash scripts/accuracy_model.sh"
+
 
 def _string(text: str) -> bytes:
     data = text.encode()
@@ -94,9 +96,11 @@ def test_a_header_that_is_not_the_recorded_model_fails(tmp_path, field, value, k
     _fails(model, tmp_path, key)
 
 
-def test_the_requirements_pin_every_wheel_hash():
-    lines = parted.QWEN_05B.requirements().splitlines()
-    assert len(lines) == 6 and all("==0.9.0 --hash=sha256:" in line for line in lines)
+@pytest.mark.parametrize("model, parts, version", [(parted.QWEN_05B, 6, "0.9.0"), (parted.QWEN_15B, 22, "0.2.0")])
+def test_the_requirements_pin_every_wheel_hash(model, parts, version):
+    lines = model.requirements().splitlines()
+    assert len(lines) == parts and all(f"=={version} --hash=sha256:" in line for line in lines)
+    assert len({line.split("sha256:")[1] for line in lines}) == parts  # a hash per wheel, none repeated
 
 
 def test_an_unfetched_model_is_one_line_before_any_load(tmp_path, monkeypatch):
@@ -108,15 +112,23 @@ def test_an_unfetched_model_is_one_line_before_any_load(tmp_path, monkeypatch):
     assert "\n" not in str(err.value)
 
 
-def _fetched() -> bool:
+def _fetched(model: parted.PartedModel) -> bool:
     from batchmax_tp.models import cache_root
 
-    return parted.gguf_path(parted.QWEN_05B, cache_root()).is_file()
+    return parted.gguf_path(model, cache_root()).is_file()
 
 
-@pytest.mark.skipif(not _fetched(), reason="Qwen2.5-Coder-0.5B is not fetched (scripts/accuracy_model.sh)")
-def test_fkv_on_qwen_equals_hf_generate():
-    """The larger model through the project's GGUF path; FKV on the engine gives HF ``generate``'s greedy tokens."""
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(m, marks=pytest.mark.skipif(not _fetched(m), reason=f"{m.title} not fetched: {FETCH} {m.name}"))
+        for m in parted.PARTED.values()
+    ],
+    ids=lambda m: m.name,
+)
+def test_fkv_on_qwen_equals_hf_generate(model):
+    """A model for accuracy through the project's GGUF path; FKV on the engine gives HF ``generate``'s greedy
+    tokens."""
     import torch
 
     from batchmax_tp.core.engine import Engine
@@ -124,8 +136,12 @@ def test_fkv_on_qwen_equals_hf_generate():
     from batchmax_tp.core.serve import Request, Sampling
     from batchmax_tp.models import load_model
 
-    model, tokenizer = load_model("qwen2.5-coder-0.5b")
-    assert (model.config.num_hidden_layers, model.config.num_key_value_heads) == (24, 2)
+    hf, tokenizer = load_model(model.name)
+    assert (hf.config.num_hidden_layers, hf.config.num_attention_heads, hf.config.num_key_value_heads) == (
+        model.layers,
+        model.heads,
+        model.kv_heads,
+    )
     questions = ["What is the capital of France?", "Write a Python function that adds two numbers."]
     prompts = [
         tokenizer.encode(
@@ -134,9 +150,9 @@ def test_fkv_on_qwen_equals_hf_generate():
         )
         for q in questions
     ]
-    eos = model.generation_config.eos_token_id
-    out = Engine(model, Method("fkv"), 2).run([Request(p, 16) for p in prompts], Sampling(eos_token_id=eos))
+    eos = hf.generation_config.eos_token_id
+    out = Engine(hf, Method("fkv"), 2).run([Request(p, 16) for p in prompts], Sampling(eos_token_id=eos))
     for prompt, got in zip(prompts, out.outputs):
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) :].tolist()
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt) :].tolist()
         assert got.tokens == want  # through the first EOS (HF stops there too)
     assert "Paris" in tokenizer.decode(out.outputs[0].tokens)
