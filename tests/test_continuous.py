@@ -736,6 +736,48 @@ def test_describing_a_pass_changes_nothing_until_the_pool_runs_it(monkeypatch, k
     assert all(advanced > 0 for _, advanced in described)  # every pass carries its rows' new states
 
 
+def _attributes(pool) -> list:
+    """Every attribute of a pool and of its layers, tensors by identity (their contents may change in place)."""
+
+    def value(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", id(v))
+        if isinstance(v, dict):
+            return tuple(sorted((k, value(x)) for k, x in v.items()))
+        if isinstance(v, (list, tuple)):
+            return tuple(value(x) for x in v)
+        return repr(v)
+
+    return [(type(o).__name__, sorted((k, value(v)) for k, v in vars(o).items())) for o in (pool, *pool.layers)]
+
+
+@pytest.mark.parametrize("key", [*METHODS, "snap"])
+def test_the_attention_assigns_nothing_on_a_pool_or_its_layers(monkeypatch, key):
+    """Inside the attention function a pass only writes storage tensors in place: no attribute of the pool or of
+    its layers is assigned (no tensor allocated or replaced, no peak noted, no row state advanced), in any pass of
+    any method; the tokens are unchanged."""
+    from batchmax_tp.core import attention
+
+    original, calls, changed = attention.batchmax_attention, [0], []
+
+    def watched(module, query, key, value, attention_mask, scaling=None, dropout=0.0, batchmax=None, **kwargs):
+        before = _attributes(batchmax.pool)
+        out = original(module, query, key, value, attention_mask, scaling, dropout, batchmax=batchmax, **kwargs)
+        calls[0] += 1
+        if _attributes(batchmax.pool) != before:
+            changed.append(batchmax.kind)
+        return out
+
+    model = model_of("llama")
+    method = Method("snap", KV, P, window=16, kernel=5) if key == "snap" else METHODS[key]
+    requests = [Request(p, n) for p, n in zip(prompts()[:6], NEW[:6])]
+    want = Engine(model, method, 3).run(requests, Sampling(ignore_eos=True))
+    monkeypatch.setattr(attention, "batchmax_attention", watched)  # (registered anew by the engine's context)
+    got = Engine(model, method, 3).run(requests, Sampling(ignore_eos=True))
+    assert calls[0] > 0 and changed == []
+    assert [o.tokens for o in got.outputs] == [o.tokens for o in want.outputs]
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_pool_is_allocated_from_the_models_shape_before_its_first_pass(monkeypatch, family):
     """``kv_layout`` (read from the model's projections) is the shape of the keys and values the model hands the
