@@ -1,4 +1,5 @@
-"""Continuous batching (``core.serve``) against static batches (``core.engine.generate``) at one memory budget.
+"""Continuous batching against static batches at one memory budget: the engine's two policies (``Engine(...,
+batching=Batching(policy=...))``).
 
     python launch/bench_serving.py                        # 12 mixed-length requests, EOS honoured, up to 512 new
     python launch/bench_serving.py --equal                # the guard: equal prompts, EOS ignored, BM only
@@ -18,10 +19,11 @@ Budget: --memory-budget, or the planner's static FKV peak at --fkv-batch for the
 at ``planner.max_slots`` slots, static rows at ``planner.max_batch`` for the longest prompt (batches cut in request
 order, each LEFT-padded to its own longest); both are capped at the number of requests (a decode pass computes every
 slot, idle or not) and at --max-batch. tokens/s = generated tokens (through EOS) / wall seconds of the whole row.
-Latency: a request's end since t = 0 (continuous: ``finished_s``; static: the end of its batch); TTFT: its first
-token (continuous: ``first_token_s``; static: the end of its batch's prefill). Peak K/V is measured, the predicted
-total is the planner's (``predict_pool`` / ``predict``) at the size run. Markdown tables on stdout, JSON in --out.
-Time on 2 CPU cores (embedded model, fp32): --requests 6 about 31 minutes (12: roughly twice that); --equal about 10.
+Latency: a request's end since t = 0 (``finished_s``: under the static policy a request that ends early is done
+then, though its slot waits for its batch); TTFT: its first token (``first_token_s``; static: its batch's prefill).
+Peak K/V is measured, the predicted total is the planner's (``predict_pool`` / ``predict``) at the size run.
+Markdown tables on stdout, JSON in --out. Time on 2 CPU cores (embedded model, fp32): --requests 6 about 31
+minutes (12: roughly twice that); --equal about 10.
 """
 
 from __future__ import annotations

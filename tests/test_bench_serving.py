@@ -1,5 +1,5 @@
 """batchmax_tp.bench.serving (launch/bench_serving.py's library): the workload's prompt lengths, the percentile
-helper and row methods (no model runs)."""
+helper, row methods, and a row's run on both of the engine's policies (a tiny model)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,21 @@ def test_rows_make_their_methods():
         assert m.name == key.split("-")[1]
     assert bs.make_method("cont-bm-question", 512, 64).rule == "question"
     assert bs.make_method("static-ed", 512, 64).kv_max == 65
+
+
+@pytest.mark.parametrize("policy", ["static", "continuous"])
+def test_a_row_runs_on_the_engine_under_its_policy(policy):
+    """Both kinds of row run on one ``Engine`` (static: the paper's padded batches of ``slots`` prompts in order),
+    each request with its own latency and first token."""
+    import torch
+    from tiny import tiny_llama
+
+    from batchmax_tp.core.method import Method
+
+    model, method = tiny_llama(0), Method("bm", kv_max=24, p=8)
+    prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (20, 33, 9)]
+    row = bs.run_engine(model, prompts, method, 2, 5, True, None, 0, policy)
+    assert row["generated"] == 15 and row["num_generated"] == [5, 5, 5] and row["peak_kv_bytes"] > 0
+    assert all(0 < t <= end <= row["wall_s"] for t, end in zip(row["ttft_s"], row["latency_s"]))
+    if policy == "static":  # the second batch starts once the first has ended
+        assert min(row["ttft_s"][2:]) >= max(row["latency_s"][:2])

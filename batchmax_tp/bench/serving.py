@@ -15,10 +15,10 @@ from collections.abc import Iterator
 
 import torch
 
-from ..core.engine import Engine, generate
+from ..core.engine import Engine
 from ..core.method import Method, serving_kv_max
 from ..core.rules import get_rule
-from ..core.serve import Request, Sampling
+from ..core.serve import Batching, Request, Sampling
 from ..embedded import EMBEDDED_MODEL
 from ..eval.results import percentile
 from ..eval.tasks import default_fixture_path, load_jsonl
@@ -166,22 +166,25 @@ def num_requests(a: argparse.Namespace, budget: int, shape: ModelShape, longest:
 
 # ---------------------------------------------------------------------- running
 def warm_up(model, methods: list[Method], eos, pad) -> None:
-    """One tiny untimed generate and serve per method; BM as a small cache that evicts, with its rule."""
+    """One tiny untimed run per method and policy; BM as a small cache that evicts, with its rule."""
     for m in methods:
         n = 16
         if m.takes_rule:  # a prompt twice its kv_max, so that its prefill evicts with its rule
             m = Method(m.name, kv_max=max(64, 64 + get_rule(m.rule).protected()), p=32, rule=m.rule)
             n = 2 * m.kv_max
         ids = torch.randint(100, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-        generate(model, ids.to(model.device), None, m, 4, ignore_eos=True, eos_token_id=eos, pad_token_id=pad)
         sampling = Sampling(eos_token_id=eos, ignore_eos=True, pad_token_id=pad)
-        Engine(model, m, 1).run([Request(ids[0].tolist(), 4)], sampling)
+        for policy in ("static", "continuous"):
+            Engine(model, m, 1, batching=Batching(policy=policy)).run([Request(ids[0].tolist(), 4)], sampling)
 
 
-def run_continuous(model, prompts, method: Method, slots: int, new: int, ignore_eos: bool, eos, pad) -> dict:
+def run_engine(model, prompts, method: Method, slots: int, new: int, ignore_eos: bool, eos, pad, policy: str) -> dict:
+    """The prompts on one engine of ``slots`` slots under ``policy`` (``continuous``, or ``static``: the paper's
+    padded batches of ``slots`` prompts, in order): its timings, each request's latency and first token."""
     reqs = [Request(p, new) for p in prompts]
+    sampling = Sampling(eos_token_id=eos, ignore_eos=ignore_eos, pad_token_id=pad)
     t = time.perf_counter()
-    out = Engine(model, method, slots).run(reqs, Sampling(eos_token_id=eos, ignore_eos=ignore_eos, pad_token_id=pad))
+    out = Engine(model, method, slots, batching=Batching(policy=policy)).run(reqs, sampling)
     wall = time.perf_counter() - t
     return {
         "wall_s": wall,
@@ -195,54 +198,10 @@ def run_continuous(model, prompts, method: Method, slots: int, new: int, ignore_
     }
 
 
-def left_padded(chunk: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask) [B, s], LEFT-padded to the chunk's longest prompt."""
-    s = max(len(p) for p in chunk)
-    ids = torch.full((len(chunk), s), pad, dtype=torch.long)  # [B, s]
-    mask = torch.zeros((len(chunk), s), dtype=torch.long)  # [B, s]
-    for j, p in enumerate(chunk):
-        ids[j, s - len(p) :], mask[j, s - len(p) :] = torch.tensor(p), 1
-    return ids, mask
-
-
-def run_static(model, prompts, method: Method, batch: int, new: int, ignore_eos: bool, eos, pad) -> dict:
-    lat, ttft, gen, peak, pre, dec = [], [], [], 0, 0.0, 0.0
-    start = time.perf_counter()
-    for a in range(0, len(prompts), batch):
-        chunk = prompts[a : a + batch]
-        ids, mask = left_padded(chunk, pad)
-        t = time.perf_counter() - start
-        out = generate(
-            model,
-            ids.to(model.device),
-            mask.to(model.device),
-            method,
-            new,
-            ignore_eos=ignore_eos,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
-        end = time.perf_counter() - start
-        lat += [end] * len(chunk)
-        ttft += [t + out.prefill_s] * len(chunk)
-        gen += [int(n) for n in out.num_generated.tolist()]
-        peak, pre, dec = max(peak, out.peak_kv_bytes), pre + out.prefill_s, dec + out.decode_s
-    return {
-        "wall_s": time.perf_counter() - start,
-        "generated": sum(gen),
-        "prefill_s": pre,
-        "decode_s": dec,
-        "latency_s": lat,
-        "ttft_s": ttft,
-        "num_generated": gen,
-        "peak_kv_bytes": peak,
-    }
-
-
 def run_row(model, shape, key: str, m: Method, size: int, prompts, longest: int, a, eos, pad) -> dict:
     """One row at ``size`` slots (continuous) or batch (static): its timings, latencies and the planner's total."""
-    run = run_continuous if continuous(key) else run_static
-    row = run(model, prompts, m, size, a.new, a.equal, eos, pad)
+    policy = "continuous" if continuous(key) else "static"
+    row = run_engine(model, prompts, m, size, a.new, a.equal, eos, pad, policy)
     est = predict_pool(shape, m, size, longest, a.new, dtype=a.dtype)
     row.update(
         tokens_per_s=row["generated"] / row["wall_s"],
