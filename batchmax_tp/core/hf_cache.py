@@ -7,12 +7,13 @@ batch's positions; its eviction inferred from the block by ``Method.num_to_evict
 schedule), which the engine's attention runs in every layer (``attention.batchmax_attention``). One storage, one
 eviction path, one attention: this module adds the hand-over alone.
 
-The hand-over (transformers builds the mask once per forward, then calls, per layer, ``past_key_values.update`` and
-the attention function): the mask builder ("batchmax_hf", registered here) leaves the batch's padding mask for the
-cache; the first layer's ``update`` allocates the pool (first forward), describes the pass and executes its host part
-(``pool.ready``: evictions, bookkeeping, the workspace count); each ``update`` hands its layer to the attention call
-that follows in the same module (a thread-local: this module is the only place one exists), which runs the pass.
-The block's pairs go through ``update`` untouched: the attention writes them into the pool's slots.
+The hand-over (transformers asks the cache for the mask's sizes, builds the mask once per forward, then calls, per
+layer, ``past_key_values.update`` and the attention function with that mask): the cache's ``get_mask_sizes`` hands
+the cache to the mask builder ("batchmax_hf", registered here, through a thread-local: this module is the only
+place one exists), which allocates the pool (first forward), describes the pass from the batch's padding mask and
+executes its host part (``pool.ready``: evictions, bookkeeping, the workspace count), and returns the pass as the
+forward's mask: transformers hands it to every layer's attention call, which runs it. The block's pairs go
+through ``update`` untouched: the attention writes them into the pool's slots.
 
 Every method runs on the bounded pool. HF's generate gives no length up front, so FKV's and ED's pool (never
 evicted from during the prompt) grows by doubling (``reserve``: the exact size, when known). HF's generate runs no
@@ -33,31 +34,18 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from . import attention
 from .method import Method
-from .pool import BoundedPool, KVLayout, RowState
+from .pool import BoundedPool, RowState
 from .schedule import Phase
 from .serve import kv_layout
-from .step import SlotWork
+from .step import RowsPass, SlotWork
 
 logger = logging.getLogger(__name__)
 
 NAME = "batchmax_hf"  # the drop-in's attention implementation (the engine's is "batchmax")
 
-# Per thread: the model the drop-in runs (``use_drop_in``: its KV layout and layers), the padding mask of the forward
-# running now (the mask builder's), and the layer whose ``update`` ran last, handed to the attention call that
-# follows it in the same attention module.
+# Per thread: the model the drop-in runs (``use_drop_in``: its KV layout and layers), and the cache whose mask sizes
+# transformers asked for last, whose pass the mask builder that follows describes.
 _handoff = threading.local()
-
-
-def take_updated_layer(key: torch.Tensor) -> DropInLayer:
-    layer = getattr(_handoff, "layer", None)
-    _handoff.layer = None
-    if layer is None or layer.key is not key:
-        raise RuntimeError(
-            "the 'batchmax_hf' attention needs past_key_values=BatchMaxCache(...) and a model that passes the "
-            "cache's keys straight to its attention function"
-        )
-    layer.key = None
-    return layer
 
 
 def drop_in_attention(
@@ -65,21 +53,25 @@ def drop_in_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask,
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The drop-in's attention: query [B, Hq, n, D]; key/value the block's pairs [B, Hkv, n, D], handed through by
-    the cache's ``update``; the pass its first layer described (the mask is in it). Returns [B, n, Hq, D]."""
-    layer = take_updated_layer(key)
-    return attention.batchmax_attention(module, query, key, value, None, scaling, batchmax=layer.cache.step)
+    the cache's ``update``; ``attention_mask`` the forward's pass (``drop_in_mask``). Returns [B, n, Hq, D]."""
+    if not isinstance(attention_mask, RowsPass):
+        raise RuntimeError("the 'batchmax_hf' attention needs past_key_values=BatchMaxCache(...) (use_drop_in)")
+    return attention.batchmax_attention(module, query, key, value, None, scaling, batchmax=attention_mask)
 
 
-def drop_in_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> None:
-    """Mask builder for "batchmax_hf": leaves the batch's padding mask (bool [B, seen + n], True for real tokens; or
-    None) for the cache's next pass, whose description states what each query sees."""
-    _handoff.mask = attention_mask
+def drop_in_mask(attention_mask: torch.Tensor | None = None, batch_size: int = 0, q_length: int = 0, **kwargs):
+    """Mask builder for "batchmax_hf": the forward's pass over the cache's pool (``BatchMaxCache.describe``), from
+    the batch's padding mask (bool [B, seen + n], True for real tokens; or None), in place of a mask."""
+    cache, _handoff.cache = getattr(_handoff, "cache", None), None
+    if cache is None:
+        raise RuntimeError("the 'batchmax_hf' attention needs past_key_values=BatchMaxCache(...)")
+    return cache.describe(attention_mask, batch_size, q_length)
 
 
 def register() -> None:
@@ -143,7 +135,7 @@ class DropInPool(BoundedPool):
 
 class DropInLayer(CacheLayerMixin):
     """One decoder layer as HF's generate sees it: it holds nothing (the pool holds every layer's slots); its
-    ``update`` hands the block's pairs through to the attention (the first layer's describes the forward's pass)."""
+    ``update`` hands the block's pairs through to the attention, which writes them as the forward's pass says."""
 
     is_sliding = False
     is_compileable = False
@@ -152,7 +144,6 @@ class DropInLayer(CacheLayerMixin):
     def __init__(self, cache: BatchMaxCache, layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        self.key: torch.Tensor | None = None  # the block's keys, until the attention call takes them
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -165,15 +156,6 @@ class DropInLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if getattr(_handoff, "model", None) is None:
             raise RuntimeError("BatchMaxCache runs inside batchmax_tp.core.hf_cache.use_drop_in(model)")
-        if self.key is not None:
-            raise RuntimeError(
-                "BatchMaxCache was updated twice without its attention in between: run the model inside "
-                "batchmax_tp.core.hf_cache.use_drop_in(model)"
-            )
-        if self.layer_idx == 0:
-            self.cache.begin(key_states, value_states)
-        self.key = key_states
-        _handoff.layer = self
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -188,7 +170,7 @@ class DropInLayer(CacheLayerMixin):
         return -1 if kv_max is None else kv_max
 
     def reset(self) -> None:
-        self.key, self.is_initialized = None, False
+        self.is_initialized = False
         if self.layer_idx == 0:
             self.cache.release()
 
@@ -215,7 +197,6 @@ class BatchMaxCache(Cache):
         self.method = method
         self.reserve = reserve
         self.pool: DropInPool | None = None
-        self.step = None  # the pass of the forward running now (``core.step.RowsPass``), its host part executed
         self.seen = 0  # tokens fed so far = padded position of the next token
         self.decoding = False
         if num_layers is None:
@@ -226,31 +207,39 @@ class BatchMaxCache(Cache):
     def _new_layer(self) -> DropInLayer:
         return DropInLayer(self, len(self.layers))
 
-    def begin(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The forward's pass (the first layer's ``update``; key/value [B, H, n, D]): allocate or grow the pool as the
-        block needs, describe the pass every row runs and execute its host part."""
-        mask, _handoff.mask = getattr(_handoff, "mask", None), None
-        B, n = key.shape[0], key.shape[2]
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """The mask's sizes; transformers builds the forward's mask next, whose builder describes this cache's pass
+        (handed over here: the layers may not exist yet at the first forward)."""
+        if getattr(_handoff, "model", None) is None:
+            raise RuntimeError("BatchMaxCache runs inside batchmax_tp.core.hf_cache.use_drop_in(model)")
+        _handoff.cache = self
+        return self.seen + query_length, 0
+
+    def describe(self, mask: torch.Tensor | None, batch: int, n: int):
+        """The forward's pass of ``n`` tokens per row of a batch of ``batch``: allocate or grow the pool as the block
+        needs, describe the pass every row runs (its eviction inferred from the block) and execute its host part.
+        ``mask``: the batch's padding mask [B, seen + n] (or None)."""
         first_decode = n == 1 and self.seen > 0 and not self.decoding
         self.decoding = self.decoding or first_decode
         filled = 0 if self.pool is None else self.pool.rows[0].filled  # the same in every row (pads counted)
         evict = self.method.num_to_evict(filled, n, self.method.kv_max, first_decode)
-        self._make_room(key, value, filled + n - evict, n)
-        pool = self.pool
+        self._make_room(batch, filled + n - evict, n)
+        pool, device = self.pool, self.pool.layout.device
         phase = Phase("decode" if self.decoding else "prefill", self.seen, self.seen + n, evict)
-        work = tuple(SlotWork(row, phase) for row in range(B))
+        work = tuple(SlotWork(row, phase) for row in range(batch))
         if self.decoding:
-            described = pool.decode_pass(work, key.device)
+            described = pool.decode_pass(work, device)
         else:
-            for row, pads in enumerate(_left_pads(mask, B, self.seen + n)):
+            for row, pads in enumerate(_left_pads(mask, batch, self.seen + n)):
                 pool.rows[row].offset = pads  # the pads seen so far (a later block of the prompt may show more)
-            described, _ = pool.prefill_pass(work, None, key.device)
-        self.step = pool.ready(described)
+            described, _ = pool.prefill_pass(work, None, device)
         self.seen += n
+        return pool.ready(described)
 
-    def _make_room(self, key: torch.Tensor, value: torch.Tensor, needed: int, n: int) -> None:
+    def _make_room(self, batch: int, needed: int, n: int) -> None:
         """A pool whose rows hold ``needed`` pairs: allocated at the first forward (``method.capacity``: BM's
-        ``kv_max``; FKV/ED the block or ``reserve``), grown geometrically after (FKV/ED, nothing evicted yet)."""
+        ``kv_max``; FKV/ED the block or ``reserve``) from the model's layout on this rank (its share of the heads
+        under tensor parallelism), grown geometrically after (FKV/ED, nothing evicted yet)."""
         if self.pool is not None and needed <= self.pool.capacity:
             return
         if self.method.capacity(needed, 1) < needed:  # a bounded cache (BM)
@@ -258,16 +247,15 @@ class BatchMaxCache(Cache):
         if self.pool is not None:
             self.pool = self.pool.grown(max(needed, self.reserve, 2 * self.pool.capacity))
             return
-        layout, layers = _handoff.model  # the block's shapes are this rank's (its heads under tensor parallelism)
-        self.pool = DropInPool(self.method, layers, key.shape[0], self.method.capacity(max(needed, self.reserve), 1))
-        H, Dk, Dv = key.shape[1], key.shape[-1], value.shape[-1]
-        self.pool.allocate(KVLayout(H, Dk, Dv, key.dtype, key.device, layout.query_heads))
+        layout, layers = _handoff.model
+        self.pool = DropInPool(self.method, layers, batch, self.method.capacity(max(needed, self.reserve), 1))
+        self.pool.allocate(layout)
 
     def release(self) -> None:
         """Drop the pool (a new generation starts from nothing)."""
         if self.pool is not None:
             self.pool.release()
-        self.pool, self.step, self.seen, self.decoding = None, None, 0, False
+        self.pool, self.seen, self.decoding = None, 0, False
 
     @property
     def peak_kv_bytes(self) -> int:
