@@ -130,7 +130,15 @@ def generate(
     ]
     static = Batching(policy="static", pad_to=input_ids.shape[1])
     engine = Engine(model, method, B, tp_group=tp_group, compile=compile, batching=static)
-    sampling = Sampling(eos_token_id, ignore_eos, pad_token_id, None, do_sample, temperature, top_k, top_p)
+    sampling = Sampling(
+        eos_token_id=eos_token_id,
+        ignore_eos=ignore_eos,
+        pad_token_id=pad_token_id,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
     served = engine.run(requests, sampling, record=Record(logits=return_logits, positions=True))
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
