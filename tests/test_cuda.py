@@ -17,7 +17,13 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 METHODS = [Method("bm", kv_max=16, p=4), Method("ed", kv_max=2), Method("ed", kv_max=5), Method("fkv")]
 # The pool's methods at the continuous tests' sizes (a probe rule protects 64 pairs: kv_max >= p + 64).
-SERVED = [Method("bm", 96, 16), Method("bm", 96, 16, rule="question"), Method("ed", kv_max=2), Method("fkv")]
+SERVED = [
+    Method("bm", 96, 16),
+    Method("bm", 96, 16, rule="question"),
+    Method("snap", kv_max=96, p=16, window=8, kernel=5),
+    Method("ed", kv_max=2),
+    Method("fkv"),
+]
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.label())
