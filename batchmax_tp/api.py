@@ -22,8 +22,8 @@ import torch
 from .core.engine import Engine
 from .core.method import Method
 from .core.serve import Batching, Record, Request, RequestOutput, Sampling
-from .plan.budget import STORY_FKV_BATCH
-from .plan.planner import ModelShape, max_slots, predict
+from .plan.budget import fkv_budget
+from .plan.planner import ModelShape, max_slots
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -49,8 +49,7 @@ def same_memory_slots(
     shape = ModelShape.from_config(model.config)
     dtype = _DTYPES.get(next(model.parameters()).dtype, "float32")
     if memory_budget is None:
-        fkv = Method("fkv", p=method.p)
-        memory_budget = predict(shape, fkv, STORY_FKV_BATCH, prompt_len, max_new_tokens, dtype=dtype).total
+        memory_budget = fkv_budget(shape, prompt_len, max_new_tokens, dtype=dtype)
     return max(1, max_slots(memory_budget, shape, method, prompt_len, max_new_tokens, dtype=dtype))
 
 

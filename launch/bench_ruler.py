@@ -275,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     halves = list(HALVES) if args.pick else [args.half]
 
     from batchmax_tp.harness import BatchMaxLM, ModelArgsError, Settings
-    from batchmax_tp.plan.budget import fmt_bytes
-    from batchmax_tp.plan.planner import parse_bytes, predict_pool
+    from batchmax_tp.plan.budget import fkv_budget, fmt_bytes
+    from batchmax_tp.plan.planner import parse_bytes
 
     common = {
         k: v
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         if budget is None:  # FKV's pool for 4 slots of the longest chosen request (of every half run)
             names = [n for half in halves for n in task_names(half, tasks, lengths)]
             prompt, gen = longest_request(base.tokenizer, suite, names, args.limit)
-            budget = str(predict_pool(base.shape, base.method, 4, prompt, gen, dtype=base.dtype).total)
+            budget = str(fkv_budget(base.shape, prompt, gen, batch=4, dtype=base.dtype))
         batch["memory_budget"] = budget
     settings = {
         "suite": os.path.relpath(suite, ROOT),

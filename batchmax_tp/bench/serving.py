@@ -22,7 +22,8 @@ from ..core.serve import Batching, Request, Sampling
 from ..embedded import EMBEDDED_MODEL
 from ..eval.results import percentile
 from ..eval.tasks import default_fixture_path, load_jsonl
-from ..plan.planner import ModelShape, max_batch, max_slots, parse_bytes, predict, predict_pool
+from ..plan.budget import fkv_budget
+from ..plan.planner import ModelShape, max_batch, max_slots, parse_bytes, predict_pool
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def budget_bytes(a: argparse.Namespace, shape: ModelShape, longest: int) -> int:
     """--memory-budget, else the planner's static FKV peak at --fkv-batch for the longest prompt."""
     if a.memory_budget:
         return parse_bytes(a.memory_budget)
-    return predict(shape, Method("fkv"), a.fkv_batch, longest, a.new, dtype=a.dtype).total
+    return fkv_budget(shape, longest, a.new, batch=a.fkv_batch, dtype=a.dtype)
 
 
 def fits(budget: int, shape: ModelShape, methods: dict[str, Method], longest: int, a: argparse.Namespace) -> dict:

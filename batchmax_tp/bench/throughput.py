@@ -19,7 +19,7 @@ from ..core.serve import Batching, Request, Sampling
 from ..core.step import COMPILE_MODES
 from ..embedded import EMBEDDED_MODEL
 from ..eval.oom import free_memory
-from ..plan.budget import fmt_bytes
+from ..plan.budget import fkv_budget, fmt_bytes
 from ..plan.planner import DTYPE_BYTES, ModelShape, max_slots, parse_bytes, predict, predict_pool
 from .hf_reference import has_hf_reference, hf_reference_generate
 
@@ -151,7 +151,7 @@ def budget_bytes(a: argparse.Namespace, shape: ModelShape, free: int | None = No
         return parse_bytes(a.memory_budget)
     if free is not None:
         return int(CARD_FRACTION * free)
-    return predict(shape, Method("fkv"), a.fkv_batch, a.prompt_len, a.new, dtype=a.dtype).total
+    return fkv_budget(shape, a.prompt_len, a.new, batch=a.fkv_batch, dtype=a.dtype)
 
 
 def check_fits(shape: ModelShape, budget: int, a: argparse.Namespace, free: int | None = None) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "STORY_BEST_RULE",
     "STORY_FKV_BATCH",
     "STORY_MAX_PROMPTS",
+    "fkv_budget",
     "fmt_bytes",
     "over_budget_message",
     "paper_specs",
@@ -272,6 +273,21 @@ STORY_MAX_PROMPTS = 64
 STORY_FKV_BATCH = 4
 
 
+def fkv_budget(
+    shape: ModelShape,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    batch: int = STORY_FKV_BATCH,
+    tp: int = 1,
+    dtype: str = "float32",
+) -> int:
+    """The comparison's memory budget when none is given (the main job, ``run_prompts``, the benchmarks, the
+    RULER-style suite): the planner's peak per rank of FKV in ``batch`` slots for requests of ``prompt_len`` +
+    ``max_new_tokens`` tokens, so FKV fits exactly that many and every other method is sized into the same bytes."""
+    return predict_pool(shape, Method("fkv"), batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
+
+
 def story_methods(kv_max: dict[str, int | None], p: int, rule: str = "paper") -> list[Method]:
     """FKV, ED, the paper's BM, BM with ``rule`` (:data:`STORY_BEST_RULE` when ``rule`` is the paper's) and snap
     (SnapKV's compression once after an unchunked prefill: the peer users run instead), with ``kv_max`` per method
@@ -347,7 +363,7 @@ def same_memory_plan(
     """
     dtype = planned_dtype(dtype)
     if budget_bytes is None:
-        budget_bytes = predict(shape, Method("fkv"), fkv_batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
+        budget_bytes = fkv_budget(shape, prompt_len, max_new_tokens, batch=fkv_batch, tp=tp, dtype=dtype)
     # One pool either way: a padded batch of b prompts runs in b slots (planner.predict is predict_pool).
     fits = [max_slots(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
     # The prompts fill the largest batch of a method whose slots hold their prompts: ED's never do, and fit hundreds,
