@@ -141,19 +141,6 @@ class Settings:
         return "batchmax-" + "-".join(parts + [self.dtype, f"len{self.max_length or 'model'}"])
 
 
-def _device(requested: str | None, explicit: bool) -> str:
-    """The device to run on. lm-eval's command line passes ``cuda:0`` by default: without CUDA that means the CPU
-    (as lm-eval's ``hf`` model does), while ``device=cuda`` in ``model_args`` without CUDA is an error."""
-    if requested is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested.startswith("cuda") and not torch.cuda.is_available():
-        if explicit:
-            raise ModelArgsError(f"model_args: device {requested} requested but CUDA is not available")
-        logger.warning("device %s: CUDA is not available, running on the CPU", requested)
-        return "cpu"
-    return requested
-
-
 @register_model("batchmax")
 class BatchMaxLM(TemplateLM):
     """lm-eval model ``batchmax``: requests through Batch-Max's bounded cache (or FKV/ED), see the module doc."""
@@ -182,14 +169,17 @@ class BatchMaxLM(TemplateLM):
             parallel.check_tp_size(tp, world, int(heads), explicit=s.tp_size is not None)
         except ValueError as err:
             raise ModelArgsError(f"model_args: tp_size: {err}") from None
-        device = _device(s.device or lm_device, explicit=s.device is not None)
-        if world > 1 and device.startswith("cuda"):
-            device = "cuda"  # each rank takes its local GPU (lm-eval's default cuda:0 would stack them on one)
+        try:
+            device = parallel.resolve_device(s.device or lm_device, strict=s.device is not None)
+        except ValueError as err:
+            raise ModelArgsError(f"model_args: device: {err}") from None
+        # each rank takes its local GPU (lm-eval's default cuda:0 would stack them on one)
+        device = parallel.process_device(device, world, local_rank)
         if s.slots_wanted() is None and s.memory_budget is None and not device.startswith("cuda"):
             raise ModelArgsError("model_args: batch_size=auto on the CPU needs memory_budget (e.g. 8GiB)")
         with bound.step(parallel.rendezvous_step(device)):
             self.layout = parallel.init_distributed(tp, device)
-        self._device = torch.device(parallel.local_device(device, self.layout.local_rank) if world > 1 else device)
+        self._device = torch.device(device)
         try:
             self.dtype = models.resolve_dtype(s.dtype, str(self._device), config)
         except ValueError as err:

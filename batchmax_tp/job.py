@@ -44,10 +44,11 @@ from . import models, parallel
 from .config import DataConfig, RunConfig
 from .core.method import BLOCK, Method, min_kv_max, takes_rule
 from .eval import procedures, replicas, results, tasks
+from .eval.batches import warm_up
 from .eval.collectives import Collectives
 from .eval.context import RunContext
 from .eval.files import atomic_write_text
-from .eval.generation import fill_samples, longest_prompt, warm_up
+from .eval.generation import fill_samples, longest_prompt
 from .eval.oom import RankOutOfMemory, error_line
 from .eval.report import write_report
 from .eval.run import evaluate_run
@@ -66,7 +67,7 @@ from .plan.planner import ModelShape, predict
 
 logger = logging.getLogger("batchmax_tp.run")
 
-__all__ = ["fail", "resolve_device", "run"]
+__all__ = ["fail", "run"]
 
 
 class JobError(ValueError):
@@ -77,15 +78,6 @@ def fail(message: str) -> int:
     """One ``error:`` line on stderr; exit status 2."""
     print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     return 2
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` if available else ``cpu``; a cuda request without CUDA is a ValueError."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"{device} requested but torch.cuda.is_available() is False")
-    return device
 
 
 def _quiet_libraries() -> None:
@@ -123,7 +115,7 @@ def _resolve(cfg: RunConfig, world: int, local_rank: int) -> tuple[RunConfig, st
     records them), and this process's device. The model's configuration alone (no weights) is read here: an
     unreadable model is one line, and its KV heads and dtype settle the layout before anything heavy happens."""
     try:
-        cfg = cfg.replace(device=resolve_device(cfg.model.device))
+        cfg = cfg.replace(device=parallel.resolve_device(cfg.model.device))
     except ValueError as err:
         raise JobError(f"device: {err}") from None
     tp = parallel.resolve_tp_size(cfg.parallel.tp_size, world)
@@ -149,7 +141,7 @@ def _resolve(cfg: RunConfig, world: int, local_rank: int) -> tuple[RunConfig, st
     _check_methods(cfg, int(heads), tp)
     # dp_size is part of OUT/config.yaml: results are resumed only with the same replicas
     cfg = cfg.replace(tp_size=tp, dp_size=world // tp)
-    device = parallel.local_device(cfg.model.device, local_rank) if world > 1 else cfg.model.device
+    device = parallel.process_device(cfg.model.device, world, local_rank)
     try:
         cfg = cfg.replace(dtype=models.resolve_dtype(cfg.model.dtype, device, model_config))
     except ValueError as err:
@@ -445,7 +437,7 @@ def _run(job: Job, layout: parallel.Layout, comm: Collectives, bound: replicas.S
     plan = _plan(job, ctx, samples)
     if layout.is_main:
         write_config(cfg.output.dir, cfg)
-    warm_up(ctx.model, ctx.tokenizer, plan.samples, job.methods, cfg.generation.seed)
+    warm_up(ctx, plan.samples, job.methods, cfg.generation.seed)
     summaries = []
     for spec in plan.specs:
         run_cfg = cfg if spec.policy is None else cfg.replace(scheduler=spec.policy, compile="auto")
@@ -462,7 +454,7 @@ def _tune(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> int:
     cfg, is_main = job.cfg, ctx.layout.is_main
     if is_main:
         write_config(cfg.output.dir, cfg)
-    warm_up(ctx.model, ctx.tokenizer, samples, job.methods, cfg.generation.seed)
+    warm_up(ctx, samples, job.methods, cfg.generation.seed)
     try:
         info = procedures.run_tuner(ctx, samples, cfg)
     except ValueError as err:

@@ -104,6 +104,28 @@ def check_tp_size(tp: int, world: int, num_kv_heads: int, *, explicit: bool = Tr
         raise ValueError(f"tp_size {tp} exceeds the model's {num_kv_heads} KV heads: every rank needs one")
 
 
+def resolve_device(requested: str | None, *, strict: bool = True) -> str:
+    """The device to run on, one rule for the job and the lm-eval model: ``auto`` (or None) is CUDA where present,
+    else the CPU. A CUDA device without CUDA is a ValueError when ``strict`` (the user named it), else the CPU with a
+    warning (lm-eval's default ``cuda:0``, as lm-eval's own ``hf`` model does)."""
+    if requested is None or requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        if strict:
+            raise ValueError(f"{requested} requested but CUDA is not available")
+        logger.warning("device %s: CUDA is not available, running on the CPU", requested)
+        return "cpu"
+    return requested
+
+
+def process_device(device: str, world: int, local_rank: int) -> str:
+    """This process's device: one process runs on ``device`` as given; several take each its own GPU (the local
+    rank's, :func:`local_device`: a ``cuda:N`` that a default named is dropped, or every rank would stack on N)."""
+    if world == 1:
+        return device
+    return local_device("cuda" if device.startswith("cuda") else device, local_rank)
+
+
 def local_device(device: str, local_rank: int) -> str:
     """The device of this process: on CUDA the launcher's local rank picks the GPU, modulo the GPUs it can see
     (one task may see all of a node's GPUs, or only its own under ``srun --gpus-per-task=1``)."""

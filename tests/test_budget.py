@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from fakes import counting_engine
 
 from batchmax_tp import cli
 from batchmax_tp.config import ConfigError, parse_args
@@ -63,23 +64,22 @@ def tiny_model(tokenizer):
 def stack(monkeypatch, tokenizer, tiny_model):
     """The main job with the tiny model; records each timed generate call as (method, kv_max, batch) and can
     raise an error for the calls that ``stack.fail`` selects."""
-    import batchmax_tp.eval.generation as engine  # the run path looks its ``generate`` up here at call time
+    import batchmax_tp.eval.context as context  # the run path looks its ``Engine`` up here at call time
     import batchmax_tp.models as models
 
-    real = engine.generate
     state = type("Stack", (), {})()
     state.calls, state.fail = [], None
 
-    def counting(model, ids, mask, method, new, **kw):
-        if new > 2:  # timed (the warm-up makes 2 tokens)
-            state.calls.append((method.name, method.held_kv_max, ids.shape[0]))
-            if state.fail is not None and state.fail(method, ids.shape[0]):
+    def counting(engine, requests):
+        method, batch = engine.method, len(requests)
+        if requests[0].max_new_tokens > 2 and engine.batching.policy == "static":  # timed static batches
+            state.calls.append((method.name, method.held_kv_max, batch))
+            if state.fail is not None and state.fail(method, batch):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real(model, ids, mask, method, new, **kw)
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (tiny_model, tokenizer))
     monkeypatch.setattr(models, "read_config", lambda *a, **k: tiny_model.config)  # what the job plans with
-    monkeypatch.setattr(engine, "generate", counting)
+    monkeypatch.setattr(context, "Engine", counting_engine(counting))
     return state
 
 
@@ -420,19 +420,18 @@ def test_tune_with_a_rule_sizes_and_names_its_trials_by_it(tmp_path, stack, toke
 
 
 def test_tune_on_the_embedded_model_writes_a_usable_tuned_config(tmp_path, monkeypatch, capsys):
-    import batchmax_tp.eval.generation as engine  # the run path looks its ``generate`` up here at call time
+    import batchmax_tp.eval.context as context  # the run path looks its ``Engine`` up here at call time
     import batchmax_tp.models as models
 
     loaded = models.load_model()
     monkeypatch.setattr(models, "load_model", lambda *a, **k: loaded)
-    real, timed = engine.generate, []
+    timed = []
 
-    def counting(model, ids, mask, method, new, **kw):
-        if new > 2:
-            timed.append((method.name, ids.shape[0]))
-        return real(model, ids, mask, method, new, **kw)
+    def counting(engine, requests):
+        if requests[0].max_new_tokens > 2 and engine.batching.policy == "static":  # timed static batches
+            timed.append((engine.method.name, len(requests)))
 
-    monkeypatch.setattr(engine, "generate", counting)
+    monkeypatch.setattr(context, "Engine", counting_engine(counting))
     data = tmp_path / "d.jsonl"
     data.write_text(
         json.dumps(

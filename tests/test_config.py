@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from fakes import FakeTokenizer, fake_encode, make_fake_generate
+from fakes import FakeTokenizer, fake_encode, make_fake_engine
 
 from batchmax_tp import cli
 from batchmax_tp.config import EMBEDDED_MODEL, ConfigError, RunConfig, parse_args
 from batchmax_tp.core.method import Method, method_type
-from batchmax_tp.eval import generation, results
+from batchmax_tp.eval import context, generation, results
 from batchmax_tp.eval.context import RunContext
 from batchmax_tp.eval.files import atomic_write_text
 from batchmax_tp.eval.run import evaluate_run
@@ -336,7 +336,8 @@ def test_summary_with_fake_batches():
         }
         for (k, (o, r)), n in zip(outputs.items(), [8, 8, 8, 5, 2])
     ]
-    agg = results.summarise(samples, batches, "contains")
+    samples = [results.SampleRecord.from_json(r) for r in samples]
+    agg = results.summarise(samples, [results.BatchRecord.from_json(b) for b in batches], "contains")
     assert agg["generated_tokens"] == 31
     assert agg["prefill_s"] == pytest.approx(1.75) and agg["decode_s"] == pytest.approx(5.25)
     assert agg["tokens_per_s"] == pytest.approx(31 / 7.0)
@@ -361,7 +362,7 @@ def test_evaluate_run_with_fake_engine(tmp_path):
     )
     calls = []
     spec = cfg.sweep.run_specs()[0]
-    engine = dict(generate_fn=make_fake_generate(calls), encode_fn=fake_encode, progress=False)
+    engine = dict(engine_fn=make_fake_engine(calls), encode_fn=fake_encode, progress=False)
     summary = evaluate_run(RunContext(SimpleNamespace(), FakeTokenizer(), **engine), samples, spec, cfg)
     assert [c["batch"] for c in calls] == [2, 1]
     assert [c["seed"] for c in calls] == [5, 6]
@@ -389,7 +390,7 @@ def test_evaluate_run_with_fake_engine(tmp_path):
 
 def test_a_static_run_gives_its_engine_the_runs_compile_and_tensor_parallel_group(tmp_path):
     """The paper's padded batches run on the same engine as a continuous run, with the same settings: each batch's
-    generate gets the run's ``compile`` and the model's tensor-parallel group (without them, on CUDA under tensor
+    engine gets the run's ``compile`` and the model's tensor-parallel group (without them, on CUDA under tensor
     parallelism, ``auto`` would capture CUDA graphs and no rank would take the first rank's tokens)."""
     samples = [SimpleNamespace(id=str(i), prompt="a " * (i + 1), reference=None, tokens_cut=0) for i in range(3)]
     cfg = RunConfig(
@@ -397,7 +398,7 @@ def test_a_static_run_gives_its_engine_the_runs_compile_and_tensor_parallel_grou
         compile="none",
     )  # fmt: skip
     calls, group = [], object()
-    engine = dict(generate_fn=make_fake_generate(calls), encode_fn=fake_encode, progress=False)
+    engine = dict(engine_fn=make_fake_engine(calls), encode_fn=fake_encode, progress=False)
     model = SimpleNamespace(batchmax_tp_group=group)
     evaluate_run(RunContext(model, FakeTokenizer(), **engine), samples, cfg.sweep.run_specs()[0], cfg)
     assert [c["batch"] for c in calls] == [2, 1]
@@ -428,14 +429,14 @@ def fake_stack(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (SimpleNamespace(), FakeTokenizer()))
     # The run path looks its engine and encoder up at call time.
     monkeypatch.setattr(generation, "encode_prompts", fake_encode)
-    monkeypatch.setattr(generation, "generate", make_fake_generate(calls))
+    monkeypatch.setattr(context, "Engine", make_fake_engine(calls))
     return SimpleNamespace(data=str(data), calls=calls)
 
 
 def test_run_py_several_methods_layout(tmp_path, capsys, fake_stack):
     out = tmp_path / "res"
     argv = ["--data", fake_stack.data, "--out", str(out), "--batch-size", "2", "--max-new-tokens", "3"]
-    argv += ["--device", "cpu", "--log-level", "WARNING", "--scheduler", "static"]  # the fake engine's generate
+    argv += ["--device", "cpu", "--log-level", "WARNING", "--scheduler", "static"]  # the fake engine's batches
     assert cli.main(argv) == 0
     runs = ["fkv-b2", "ed-b2-kv2", "bm-b2-kv512"]
     assert sorted(os.listdir(out)) == sorted(
@@ -502,7 +503,7 @@ def test_run_py_single_method_layout(tmp_path, capsys, fake_stack):
             "--log-level",
             "WARNING",
             "--scheduler",
-            "static",  # the fake engine's generate
+            "static",  # the fake engine's batches
         ]
     )
     assert rc == 0

@@ -6,6 +6,7 @@ random Llama with the tokenizer's vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fakes import counting_engine
 
 from batchmax_tp import cli
 from batchmax_tp.config import ConfigError, RunConfig, parse_args
@@ -212,23 +214,12 @@ def test_exact_and_contains():
 
 # ---------------------------------------------------------------------- crash-safe run log
 def _samples(ids):
-    return [
-        {"id": i, "prompt_tokens": 5, "output": f"out {i}", "reference": "out", "correct": True, "generated_tokens": 3}
-        for i in ids
-    ]
+    return [results.SampleRecord(i, 5, f"out {i}", "out", True, 3) for i in ids]
 
 
 def _batch(index, ids, decode_s=0.2):
-    return {
-        "batch": index,
-        "replica": 0,
-        "ids": list(ids),
-        "tokens_cut": [0] * len(ids),
-        "generated_tokens": 3 * len(ids),
-        "prefill_s": 0.1,
-        "decode_s": decode_s,
-        "peak_kv_bytes": 64,
-    }
+    n = len(ids)
+    return results.BatchRecord(index, 0, list(ids), [0] * n, 3 * n, 0.1, decode_s, 64, [64])
 
 
 def test_run_log_drops_a_torn_line_and_an_incomplete_batch(tmp_path):
@@ -240,14 +231,14 @@ def test_run_log_drops_a_torn_line_and_an_incomplete_batch(tmp_path):
     with open(log.samples_path, "a", encoding="utf-8") as fh:
         fh.write('{"id": "3", "outp')  # ...and its last line torn by a SIGKILL
     samples, done = log.load(batches)
-    assert [r["id"] for r in samples] == ["0", "1"] and [b["batch"] for b in done] == [0]
+    assert [r.id for r in samples] == ["0", "1"] and [b.batch for b in done] == [0]
     assert log.samples_path.read_text().count("\n") == 2  # the file was repaired: appends continue cleanly
     log.append(_samples(["2", "3"]), [_batch(1, ["2", "3"])])
-    assert [r["id"] for r in log.load(batches)[0]] == ["0", "1", "2", "3"]
+    assert [r.id for r in log.load(batches)[0]] == ["0", "1", "2", "3"]
     # A batch line whose samples never made it (not possible in order, but a foreign edit) does not count.
     with open(log.batches_path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(_batch(2, ["4"])) + "\n")
-    assert [b["batch"] for b in log.load(batches)[1]] == [0, 1]
+        fh.write(json.dumps(_batch(2, ["4"]).to_json()) + "\n")
+    assert [b.batch for b in log.load(batches)[1]] == [0, 1]
     assert not list(tmp_path.glob(".*tmp"))
 
 
@@ -263,7 +254,7 @@ def test_run_log_rejects_a_foreign_file(tmp_path):
 
 def test_summarise_counts_batches_once():
     samples = _samples(["0", "1", "2"])
-    samples[2]["reference"] = None
+    samples[2] = dataclasses.replace(samples[2], reference=None)
     s = results.summarise(samples, [_batch(0, ["0", "1"]), _batch(1, ["2"])], "contains")
     assert s["num_samples"] == 3 and s["num_batches"] == 2 and s["generated_tokens"] == 9
     assert s["prefill_s"] == pytest.approx(0.2) and s["decode_s"] == pytest.approx(0.4)
@@ -587,23 +578,24 @@ def tiny_stack(monkeypatch, tokenizer):
     """launch/run.py with a tiny random Llama (the embedded tokenizer's vocabulary) and a counting engine."""
     from tiny import tiny_llama
 
-    import batchmax_tp.eval.generation as engine  # the run path looks its ``generate`` up here at call time
+    import batchmax_tp.eval.context as context  # the run path looks its ``Engine`` up here at call time
     import batchmax_tp.models as models
 
     model = tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=2048)
     calls = []
-    real_generate = engine.generate
 
-    def counting_generate(*args, **kwargs):
-        calls.append(args[1].shape[0] if args[4] > 2 else 0)  # batch size of timed calls, 0 = warm-up
-        if stack.fail_at is not None and len([c for c in calls if c]) == stack.fail_at:
-            raise stack.error
-        return real_generate(*args, **kwargs)
+    def counting(engine, requests):
+        if requests[0].max_new_tokens <= 2:
+            calls.append(0)  # the warm-up
+        elif engine.batching.policy == "static":
+            calls.append(len(requests))  # a timed batch's size
+            if stack.fail_at is not None and len([c for c in calls if c]) == stack.fail_at:
+                raise stack.error
 
     stack = type("Stack", (), {})()
     stack.calls, stack.fail_at, stack.error = calls, None, None
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, tokenizer))
-    monkeypatch.setattr(engine, "generate", counting_generate)
+    monkeypatch.setattr(context, "Engine", counting_engine(counting))
     return stack
 
 

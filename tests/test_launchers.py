@@ -468,20 +468,22 @@ def test_oom_inside_a_tp_forward_ends_the_job_and_the_rerun_records_it(tmp_path,
 
 # ---------------------------------------------------------------------- data-parallel bookkeeping (no processes)
 def test_per_replica_uses_each_replicas_batches_and_ranks():
-    from batchmax_tp.eval.results import per_replica, summarise
+    from batchmax_tp.eval.results import BatchRecord, SampleRecord, per_replica, summarise
 
     def batch(index, replica, ids, tokens, prefill, decode, ranks):
-        return {
-            "batch": index,
-            "replica": replica,
-            "ids": ids,
-            "tokens_cut": [0] * len(ids),
-            "generated_tokens": tokens,
-            "prefill_s": prefill,
-            "decode_s": decode,
-            "peak_kv_bytes": sum(ranks),
-            "peak_kv_bytes_per_rank": ranks,
-        }
+        return BatchRecord.from_json(
+            {
+                "batch": index,
+                "replica": replica,
+                "ids": ids,
+                "tokens_cut": [0] * len(ids),
+                "generated_tokens": tokens,
+                "prefill_s": prefill,
+                "decode_s": decode,
+                "peak_kv_bytes": sum(ranks),
+                "peak_kv_bytes_per_rank": ranks,
+            }
+        )
 
     batches = [
         batch(0, 0, ["s0", "s1"], 8, 0.5, 1.0, [300, 200]),
@@ -494,7 +496,10 @@ def test_per_replica_uses_each_replicas_batches_and_ranks():
     assert reps[0]["peak_kv_bytes_per_rank"] == [300, 200] and reps[0]["peak_kv_bytes"] == 500
     assert reps[0]["tokens_per_s"] == pytest.approx(12 / 3.0) and reps[2]["tokens_per_s"] is None
     samples = [
-        {"id": f"s{i}", "output": "x", "reference": None, "correct": None, "generated_tokens": 4} for i in range(5)
+        SampleRecord.from_json(
+            {"id": f"s{i}", "output": "x", "reference": None, "correct": None, "generated_tokens": 4}
+        )
+        for i in range(5)
     ]
     s = summarise(samples, batches, "contains")
     assert (s["prefill_s"], s["decode_s"]) == (3.0, 1.5)  # replica 1 took longest (4.5 s)

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch.distributed as dist
-from fakes import FakeTokenizer, fake_encode, make_fake_generate
+from fakes import FakeTokenizer, fake_encode, make_fake_engine
 from multiproc import CHILDREN_PY, RUN_PY, free_port, lose_node_1, tool, torchrun_nodes
 
 from batchmax_tp.config import RunConfig
@@ -188,7 +188,7 @@ def test_an_oom_marker_becomes_the_row_once_and_a_later_success_stands(tmp_path)
     folder = tmp_path / spec.name
     results.write_oom_marker(folder, 1, "CUDA out of memory (injected)", 0)
     calls = []
-    run = dict(generate_fn=make_fake_generate(calls), encode_fn=fake_encode, progress=False)
+    run = dict(engine_fn=make_fake_engine(calls), encode_fn=fake_encode, progress=False)
     first = evaluate_run(RunContext(SimpleNamespace(), FakeTokenizer(), **run), samples, spec, cfg)
     assert first["status"] == "oom" and first["oom_cause"] == "runtime" and "injected" in first["error"]
     assert calls == [] and not list(folder.glob("oom-rank*.json"))
@@ -217,34 +217,9 @@ def _shard(folder: Path, replica: int, batches: list[int], ids: list[list[str]],
     shard.mkdir(parents=True)
     (shard / results.HEAD_FILE).write_text(json.dumps(head))
     for b in batches:
-        log.append(
-            [
-                {
-                    "id": i,
-                    "prompt_tokens": 3,
-                    "output": "w10",
-                    "reference": "w10",
-                    "correct": True,
-                    "generated_tokens": 4,
-                }
-                for i in ids[b]
-            ],
-            [
-                {
-                    "batch": b,
-                    "replica": replica,
-                    "ids": ids[b],
-                    "tokens_cut": [0] * len(ids[b]),
-                    "generated_tokens": 4 * len(ids[b]),
-                    "prefill_s": 1.0,
-                    "decode_s": 1.0,
-                    "peak_kv_bytes": 8,
-                    "peak_kv_bytes_per_rank": [8],
-                    "peak_workspace_bytes": 0,
-                    "cuda_max_memory_allocated": None,
-                }
-            ],
-        )
+        n = len(ids[b])
+        samples = [results.SampleRecord(i, 3, "w10", "w10", True, 4) for i in ids[b]]
+        log.append(samples, [results.BatchRecord(b, replica, ids[b], [0] * n, 4 * n, 1.0, 1.0, 8, [8], 0, None)])
     if done:
         (shard / results.DONE_FILE).write_text(json.dumps({"started_at": "2026-01-01T00:00:00Z", "wall_s": 2.0}))
 

@@ -414,11 +414,11 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
     import json
     from types import SimpleNamespace
 
-    import torch
+    from fakes import make_fake_engine
 
     import batchmax_tp.models as models
     from batchmax_tp import cli
-    from batchmax_tp.eval import generation
+    from batchmax_tp.eval import context
 
     class Tok:
         eos_token_id = pad_token_id = 2
@@ -433,15 +433,7 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
         def decode(self, ids, skip_special_tokens=True):
             return "answer"
 
-    def fake_generate(model, input_ids, attention_mask, method, max_new_tokens, **kw):
-        b = input_ids.shape[0]
-        return SimpleNamespace(
-            tokens=torch.full((b, max_new_tokens), 5),
-            num_generated=torch.full((b,), max_new_tokens),
-            prefill_s=0.1,
-            decode_s=0.2,
-            peak_kv_bytes=100 * b,
-        )
+    fake_engine = make_fake_engine([], tokens=lambda j: [5] * 4096, prefill_s=0.1, decode_s=0.2, kv_bytes=100)
 
     data = tmp_path / "d.jsonl"
     data.write_text(
@@ -462,7 +454,7 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
         )
     )
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, Tok()))
-    monkeypatch.setattr(generation, "generate", fake_generate)
+    monkeypatch.setattr(context, "Engine", fake_engine)
     out = tmp_path / "out"
     rc = cli.main(
         [
@@ -482,7 +474,7 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
             "--log-level",
             "WARNING",
             "--scheduler",
-            "static",  # the fake engine's generate
+            "static",  # the fake engine's batches
         ]
     )
     assert rc == 0

@@ -1,25 +1,33 @@
-"""This replica's share of a run: static batches generated one at a time (:func:`run_batches`, :func:`run_batch`)
-or its samples served by continuous batching (:func:`serve_replica`, ``core.serve``). Each batch's (or request's)
+"""This replica's share of a run, on the engine (``RunContext.engine``): static batches generated one at a time
+(:func:`run_batches`, :func:`run_batch`: the paper's padded batches) or its samples served by continuous batching
+(:func:`serve_replica`); and the untimed warm-up a job makes first (:func:`warm_up`). Each batch's (or request's)
 records are appended to the replica's shard as it ends. Out of memory ends the share with a message (one process)
 or, in a multi-process run, leaves the marker and ends the job (``oom.RankOutOfMemory``).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import replace
+from typing import TypeVar
 
-from ..core.engine import Engine
+import torch
+
+from ..core.method import Method
 from ..core.serve import Batching, Request, RequestOutput, Sampling
 from . import results
 from .context import OpenRun, RunContext
-from .generation import cut_at_eos, generate_batch, special_ids
+from .generation import cut_at_eos, special_ids
 from .metrics import score as metric_score
 from .oom import RankOutOfMemory, error_line, free_memory, is_oom
+from .results import BatchRecord, SampleRecord
 from .tasks import Sample
 
-__all__ = ["run_batch", "run_batches", "serve_replica"]
+__all__ = ["run_batch", "run_batches", "serve_replica", "warm_up"]
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -56,72 +64,88 @@ def run_batches(ctx: RunContext, run: OpenRun, mine: list[int], bar) -> str | No
     0, with the K/V peak of every rank). Returns an out-of-memory message (one process) or None."""
     tokens, seconds = 0, 0.0
     for index in mine:
-        message, error = _oom_error(ctx, run, lambda index=index: run_batch(ctx, run, index), index)
+        done, error = _oom_error(ctx, run, lambda index=index: run_batch(ctx, run, index), index)
         if error is not None:
             free_memory(getattr(ctx.model, "device", None))
             return error
-        record = message["batch"]
-        peaks = ctx.comm.replica_gather(int(record["peak_kv_bytes"]))
+        samples, record = done
+        peaks = ctx.comm.replica_gather(record.peak_kv_bytes)
         if peaks is None:
             continue  # the replica's tensor-parallel rank 0 writes its (identical) records
-        record["peak_kv_bytes"], record["peak_kv_bytes_per_rank"] = sum(peaks), peaks
-        run.shard.append(message["samples"], [record])
-        tokens += record["generated_tokens"]
-        seconds += record["prefill_s"] + record["decode_s"]
-        bar.update(len(record["ids"]))
+        record = replace(record, peak_kv_bytes=sum(peaks), peak_kv_bytes_per_rank=peaks)
+        run.shard.append(samples, [record])
+        tokens += record.generated_tokens
+        seconds += record.seconds
+        bar.update(len(record.ids))
         if seconds > 0:
             bar.set_postfix_str(f"{tokens / seconds:.1f} tokens/s", refresh=False)
     return None
 
 
-def run_batch(ctx: RunContext, run: OpenRun, index: int) -> dict[str, Any]:
-    """Generate one batch: its per-sample records (``results.SAMPLE_KEYS``) and its batch record."""
-    batch, cfg = run.batches[index], run.cfg
-    out = generate_batch(
-        ctx.model,
-        ctx.tokenizer,
-        [s.prompt for s in batch],
-        run.spec.method,
-        cfg.generation,
-        cfg.generation.seed + index,
-        generate_fn=ctx.generate,
-        encode_fn=ctx.encode,
-        compile=cfg.sweep.compile,
-        tp_group=getattr(ctx.model, "batchmax_tp_group", None),
+def run_batch(ctx: RunContext, run: OpenRun, index: int) -> tuple[list[SampleRecord], BatchRecord]:
+    """Generate one batch as the paper's padded batch (the engine's ``static`` policy, one slot per sample, padded
+    to its longest prompt; sample ``b`` seeded ``seed + index + b``): its samples' records and its own."""
+    batch, cfg, tokenizer = run.batches[index], run.cfg, ctx.tokenizer
+    eos, pad = special_ids(tokenizer)
+    seed, new_tokens = cfg.generation.seed + index, cfg.generation.max_new_tokens
+    requests = [Request(_prompt_ids(ctx, s), new_tokens, seed=seed + b) for b, s in enumerate(batch)]
+    engine = ctx.engine(run.spec.method, len(batch), cfg.sweep.compile, Batching(policy="static"))
+    device = getattr(ctx.model, "device", None)
+    cuda = getattr(device, "type", None) == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    served = engine.run(requests, Sampling(eos_token_id=eos, pad_token_id=pad, **cfg.generation.sampling()))
+    cuda_peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
+    metric = cfg.data.metric_for_task()
+    samples = []
+    for s, request, out in zip(batch, requests, served.outputs):
+        text = tokenizer.decode(cut_at_eos(out.tokens, out.num_generated, eos), skip_special_tokens=True)
+        samples.append(_sample_record(s, len(request.input_ids), text, out.num_generated, metric))
+    record = BatchRecord(
+        batch=index,
+        replica=ctx.replica,
+        ids=[s.id for s in batch],
+        tokens_cut=[int(s.tokens_cut) for s in batch],
+        generated_tokens=sum(out.num_generated for out in served.outputs),
+        prefill_s=float(served.prefill_s),
+        decode_s=float(served.decode_s + served.compile_s),  # a captured or compiled pass's set-up included
+        peak_kv_bytes=int(served.peak_kv_bytes),
+        peak_kv_bytes_per_rank=[int(served.peak_kv_bytes)],  # this rank's; rank 0 lists the replica's ranks
+        peak_workspace_bytes=int(served.peak_workspace_bytes),
+        cuda_max_memory_allocated=cuda_peak,
     )
-    result, metric = out.result, cfg.data.metric_for_task()
-    samples = [
-        _sample_record(s, out.prompt_tokens[i], out.outputs[i], out.num_generated[i], metric)
-        for i, s in enumerate(batch)
-    ]
-    record = {
-        "batch": index,
-        "replica": ctx.replica,
-        "ids": [s.id for s in batch],
-        "tokens_cut": [int(s.tokens_cut) for s in batch],
-        "generated_tokens": sum(out.num_generated),
-        "prefill_s": float(result.prefill_s),
-        "decode_s": float(result.decode_s),
-        "peak_kv_bytes": int(result.peak_kv_bytes),
-        "peak_kv_bytes_per_rank": [int(result.peak_kv_bytes)],  # this rank's; rank 0 lists the replica's ranks
-        "peak_workspace_bytes": int(getattr(result, "peak_workspace_bytes", 0) or 0),
-        "cuda_max_memory_allocated": out.cuda_max_memory_allocated,
-    }
-    return {"samples": samples, "batch": record}
+    return samples, record
 
 
-def _sample_record(sample: Sample, prompt_tokens: int, output: str, generated: int, metric: str) -> dict[str, Any]:
-    """One line of ``samples.jsonl`` (``results.SAMPLE_KEYS``), scored with ``metric``."""
+def _prompt_ids(ctx: RunContext, sample: Sample) -> list[int]:
+    """A sample's prompt as token ids (the chat template applied; no pads)."""
+    return ctx.encode(ctx.tokenizer, [sample.prompt])[0][0].tolist()
+
+
+def warm_up(
+    ctx: RunContext, samples: Sequence[Sample], methods: Sequence[Method], seed: int, *, prompt_tokens: int = 8
+) -> float:
+    """One tiny untimed run per method (the last ``prompt_tokens`` tokens of the first prompt, 2 new tokens, one
+    slot), so that the first timed run does not pay one-time costs (lazy imports, allocator and kernel warm-up).
+    Every rank runs it on the same input, through the run's engine with its tensor-parallel group, so collectives
+    stay in lock-step. Returns the seconds it took."""
+    start = time.perf_counter()
+    ids = _prompt_ids(ctx, samples[0])[-prompt_tokens:]
+    eos, pad = special_ids(ctx.tokenizer)
+    for method in methods:
+        request = Request(ids, 2, seed=seed)
+        ctx.engine(method, 1, "auto").run([request], Sampling(ignore_eos=True, eos_token_id=eos, pad_token_id=pad))
+    elapsed = time.perf_counter() - start
+    logger.info("warm-up (%d methods, %d prompt tokens, 2 new tokens): %.2f s", len(methods), len(ids), elapsed)
+    return elapsed
+
+
+def _sample_record(sample: Sample, prompt_tokens: int, output: str, generated: int, metric: str) -> SampleRecord:
+    """A sample's line of ``samples.jsonl``, scored with ``metric``."""
     reference = list(sample.reference) if isinstance(sample.reference, tuple) else sample.reference
     score = metric_score(metric, output, reference)
-    return {
-        "id": sample.id,
-        "prompt_tokens": prompt_tokens,
-        "output": output,
-        "reference": reference,
-        "correct": None if score is None or metric == "rouge2" else score == 1.0,
-        "generated_tokens": generated,
-    }
+    correct = None if score is None or metric == "rouge2" else score == 1.0
+    return SampleRecord(sample.id, prompt_tokens, output, reference, correct, generated)
 
 
 def serve_replica(ctx: RunContext, run: OpenRun, samples: Sequence[Sample], mine: list[int], bar) -> str | None:
@@ -134,9 +158,7 @@ def serve_replica(ctx: RunContext, run: OpenRun, samples: Sequence[Sample], mine
     cfg, tokenizer = run.cfg, ctx.tokenizer
     eos, pad = special_ids(tokenizer)
     new_tokens, seed = cfg.generation.max_new_tokens, cfg.generation.seed
-    requests = [
-        Request(ctx.encode(tokenizer, [samples[i].prompt])[0][0].tolist(), new_tokens, seed=seed + i) for i in mine
-    ]
+    requests = [Request(_prompt_ids(ctx, samples[i]), new_tokens, seed=seed + i) for i in mine]
     metric, clock = cfg.data.metric_for_task(), [0.0, 0.0]
 
     def finished(j: int, out: RequestOutput) -> None:
@@ -149,18 +171,13 @@ def serve_replica(ctx: RunContext, run: OpenRun, samples: Sequence[Sample], mine
         # may give the ranks different numbers of KV heads), as a static batch's record does.
         peaks = ctx.comm.replica_gather(int(out.kv_bytes))
         if peaks is not None:
-            batch["peak_kv_bytes"], batch["peak_kv_bytes_per_rank"] = sum(peaks), peaks
+            batch = replace(batch, peak_kv_bytes=sum(peaks), peak_kv_bytes_per_rank=peaks)
             run.shard.append([record], [batch])
             bar.update(1)
 
     def serve_all() -> None:
-        engine = Engine(
-            ctx.model,
-            run.spec.method,
-            run.spec.batch_size,
-            tp_group=getattr(ctx.model, "batchmax_tp_group", None),
-            compile=cfg.sweep.compile,
-            batching=Batching(prefill_budget=cfg.sweep.prefill_budget),
+        engine = ctx.engine(
+            run.spec.method, run.spec.batch_size, cfg.sweep.compile, Batching(prefill_budget=cfg.sweep.prefill_budget)
         )
         sampling = Sampling(eos_token_id=eos, pad_token_id=pad, **cfg.generation.sampling())
         engine.run(requests, sampling, on_finish=finished)
@@ -170,22 +187,21 @@ def serve_replica(ctx: RunContext, run: OpenRun, samples: Sequence[Sample], mine
 
 def _served_batch_record(
     index: int, sample: Sample, out: RequestOutput, clock: list[float], replica: int
-) -> dict[str, Any]:
-    """One line of ``batches.jsonl`` for a request the continuous scheduler finished (``clock``: the run's prefill
+) -> BatchRecord:
+    """The line of ``batches.jsonl`` for a request the continuous scheduler finished (``clock``: the run's prefill
     and decode seconds when the previous request finished)."""
-    return {
-        "batch": index,
-        "replica": replica,
-        "ids": [sample.id],
-        "tokens_cut": [int(sample.tokens_cut)],
-        "generated_tokens": out.num_generated,
-        "prefill_s": out.run_prefill_s - clock[0],
-        "decode_s": out.run_decode_s - clock[1],
-        "peak_kv_bytes": out.kv_bytes,
-        "peak_kv_bytes_per_rank": [out.kv_bytes],
-        "peak_workspace_bytes": out.workspace_bytes,
-        "cuda_max_memory_allocated": None,
-        "slot": out.slot,
-        "first_token_s": out.first_token_s,
-        "latency_s": out.finished_s,
-    }
+    return BatchRecord(
+        batch=index,
+        replica=replica,
+        ids=[sample.id],
+        tokens_cut=[int(sample.tokens_cut)],
+        generated_tokens=out.num_generated,
+        prefill_s=out.run_prefill_s - clock[0],
+        decode_s=out.run_decode_s - clock[1],
+        peak_kv_bytes=out.kv_bytes,
+        peak_kv_bytes_per_rank=[out.kv_bytes],
+        peak_workspace_bytes=out.workspace_bytes,
+        slot=out.slot,
+        first_token_s=out.first_token_s,
+        latency_s=out.finished_s,
+    )

@@ -1,23 +1,27 @@
 """What a run is given and what it holds: :class:`RunContext` (what every run of a job shares: the model, where
-this process sits, the collectives, the engine's functions, the planning inputs) and :class:`OpenRun` (one run in
+this process sits, the collectives, the engine, the planning inputs) and :class:`OpenRun` (one run in
 progress: its spec, its folder and this replica's shard, its batches, the planner's peak)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.engine import Engine
+from ..core.method import Method
+from ..core.serve import Batching
 from ..parallel import Layout
 from ..plan.budget import RunSpec
 from ..plan.planner import MemoryEstimate, ModelShape
 from . import generation, results
 from .collectives import Collectives
-from .generation import EncodeFn, GenerateFn
+from .generation import EncodeFn
 from .summary import budget_fields, run_settings
 from .tasks import Sample
 
-if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
+if TYPE_CHECKING:  # only the configuration's type is named here (config/ sits below eval/)
     from ..config import RunConfig
 
 __all__ = ["OpenRun", "RunContext"]
@@ -26,9 +30,9 @@ __all__ = ["OpenRun", "RunContext"]
 @dataclass
 class RunContext:
     """What every run of a job shares: the model and its tokenizer; where this process sits (``layout``; None: one
-    process) and the job's collectives (``comm``; default: those of ``layout`` alone); the engine's functions
-    (``generate_fn``, ``encode_fn``: ``generation.generate`` and ``generation.encode_prompts`` unless given,
-    looked up at call time); the planning inputs (``prompt_len``: the longest encoded prompt of the samples,
+    process) and the job's collectives (``comm``; default: those of ``layout`` alone); the engine and the encoder
+    (``engine_fn``, ``encode_fn``: ``core.engine.Engine`` and ``generation.encode_prompts`` unless given, e.g. test
+    doubles; looked up at call time); the planning inputs (``prompt_len``: the longest encoded prompt of the samples,
     ``shape``: the model's ``planner.ModelShape``; found per run when None); ``progress``: show a bar (default: on
     rank 0)."""
 
@@ -36,7 +40,7 @@ class RunContext:
     tokenizer: Any
     layout: Layout | None = None
     comm: Collectives | None = None
-    generate_fn: GenerateFn | None = None
+    engine_fn: Callable[..., Engine] | None = None
     encode_fn: EncodeFn | None = None
     prompt_len: int | None = None
     shape: ModelShape | None = None
@@ -46,9 +50,13 @@ class RunContext:
         if self.comm is None:
             self.comm = Collectives(self.layout)
 
-    @property
-    def generate(self) -> GenerateFn:
-        return self.generate_fn or generation.generate
+    def engine(self, method: Method, slots: int, compile: str, batching: Batching = Batching()) -> Engine:
+        """The engine every pass of a run goes through (both policies, and the warm-up): ``slots`` slots of
+        ``method`` over the model, with its tensor-parallel group (so that ``auto`` never captures a
+        tensor-parallel pass and every rank takes the first rank's tokens)."""
+        make = self.engine_fn or Engine
+        group = getattr(self.model, "batchmax_tp_group", None)
+        return make(self.model, method, slots, tp_group=group, compile=compile, batching=batching)
 
     @property
     def encode(self) -> EncodeFn:

@@ -32,7 +32,7 @@ def _merge_one(folder: Path) -> str | None:
     if not heads:
         return f"{folder.name}: no replica shard with its {results.HEAD_FILE}"
     head = heads[0]
-    done = {int(b["batch"]) for p in parts for b in p["batches"]}
+    done = {b.batch for p in parts for b in p["batches"]}
     total = len(head["batch_ids"])
     if len(done) < total:
         return (

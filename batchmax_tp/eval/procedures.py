@@ -26,7 +26,7 @@ from .report import write_report
 from .run import evaluate_run
 from .tasks import Sample
 
-if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
+if TYPE_CHECKING:  # only the configuration's type is named here (config/ sits below eval/)
     from ..config import RunConfig
 
 logger = logging.getLogger(__name__)

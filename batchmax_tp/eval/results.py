@@ -36,6 +36,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ __all__ = [
     "BATCH_KEYS",
     "SAMPLES_FILE",
     "SAMPLE_KEYS",
+    "BatchRecord",
+    "SampleRecord",
     "SUMMARY_FILE",
     "TIMING_KEYS",
     "RunLog",
@@ -73,11 +76,77 @@ SUMMARY_FILE = "summary.json"
 HEAD_FILE = "run.json"  #: in a replica's shard: the run's settings, batch ids, layout and memory fields
 DONE_FILE = "done.json"  #: in a replica's shard: written when the replica has finished its share of the run
 
-#: The fields of one ``samples.jsonl`` line; ``reference`` is a string, a list of strings (several references) or
-#: null; ``correct`` is null for ROUGE (no yes/no verdict) and samples without a reference.
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One line of ``samples.jsonl``: only what the model produced. ``reference``: a string, a list of strings
+    (several references) or None; ``correct``: None for ROUGE (no yes/no verdict) and samples without a
+    reference."""
+
+    id: str
+    prompt_tokens: int | None
+    output: str
+    reference: str | list[str] | None
+    correct: bool | None
+    generated_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in SAMPLE_KEYS}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> SampleRecord:
+        """A line read back (a field it lacks is None)."""
+        return cls(**{f: obj.get(f) for f in SAMPLE_KEYS})
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One line of ``batches.jsonl``: a finished batch (static) or request (continuous). ``peak_kv_bytes`` is summed
+    over the replica's tensor-parallel ranks (each rank's in ``peak_kv_bytes_per_rank``); ``peak_workspace_bytes``
+    and ``cuda_max_memory_allocated`` (None off CUDA) are its tensor-parallel rank 0's. A request the continuous
+    scheduler finished also has its ``slot``, ``first_token_s`` and ``latency_s`` (seconds from the run's start);
+    a static batch's line has none of them."""
+
+    batch: int
+    replica: int
+    ids: list[str]
+    tokens_cut: list[int]
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+    peak_kv_bytes: int
+    peak_kv_bytes_per_rank: list[int]
+    peak_workspace_bytes: int | None = None
+    cuda_max_memory_allocated: int | None = None
+    slot: int | None = None
+    first_token_s: float | None = None
+    latency_s: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def to_json(self) -> dict[str, Any]:
+        line = {f: getattr(self, f) for f in BATCH_KEYS}
+        line.update({f: getattr(self, f) for f in _SERVED_KEYS if getattr(self, f) is not None})
+        return line
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> BatchRecord:
+        """A line read back (``replica`` 0, ``tokens_cut`` none and ``peak_kv_bytes_per_rank`` the total where the
+        line lacks them; other missing fields None)."""
+        fields = {f: obj.get(f) for f in (*BATCH_KEYS, *_SERVED_KEYS)}
+        fields["replica"] = int(fields["replica"] or 0)
+        fields["tokens_cut"] = list(fields["tokens_cut"] or [])
+        fields["peak_kv_bytes"] = int(fields["peak_kv_bytes"] or 0)
+        fields["peak_kv_bytes_per_rank"] = fields["peak_kv_bytes_per_rank"] or [fields["peak_kv_bytes"]]
+        return cls(**fields)
+
+
+#: The fields of one ``samples.jsonl`` line (:class:`SampleRecord`), in file order.
 SAMPLE_KEYS = ("id", "prompt_tokens", "output", "reference", "correct", "generated_tokens")
-#: The fields of one ``batches.jsonl`` line (``peak_kv_bytes`` summed over the replica's tensor-parallel ranks;
-#: ``peak_workspace_bytes`` and ``cuda_max_memory_allocated`` of its tensor-parallel rank 0).
+#: The fields of every ``batches.jsonl`` line (:class:`BatchRecord`), in file order; a continuous request's line
+#: adds ``_SERVED_KEYS``.
 BATCH_KEYS = (
     "batch",
     "replica",
@@ -91,6 +160,7 @@ BATCH_KEYS = (
     "peak_workspace_bytes",
     "cuda_max_memory_allocated",
 )
+_SERVED_KEYS = ("slot", "first_token_s", "latency_s")
 
 #: Wall-clock (and process-memory) fields: they differ between two runs of the same configuration, and are all
 #: that may differ between a resumed run's files and an uninterrupted run's (:func:`comparable`). Under the
@@ -144,8 +214,8 @@ def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], bool]:
     return out, False
 
 
-def _lines(objs: Sequence[Mapping[str, Any]]) -> str:
-    return "".join(json.dumps(dict(o), ensure_ascii=False) + "\n" for o in objs)
+def _lines(records: Sequence[SampleRecord | BatchRecord]) -> str:
+    return "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records)
 
 
 class RunLog:
@@ -156,7 +226,7 @@ class RunLog:
         self.samples_path = self.folder / SAMPLES_FILE
         self.batches_path = self.folder / BATCHES_FILE
 
-    def load(self, batches: Sequence[Sequence[str]] | None = None) -> tuple[list[dict], list[dict]]:
+    def load(self, batches: Sequence[Sequence[str]] | None = None) -> tuple[list[SampleRecord], list[BatchRecord]]:
         """(samples, batches) of the batches that are complete, in file order.
 
         ``batches``: the ids of each batch of the run (batch ``i`` = ``batches[i]``); a batch counts as done when
@@ -167,30 +237,30 @@ class RunLog:
         """
         samples, torn_s = _read_jsonl(self.samples_path)
         lines, torn_b = _read_jsonl(self.batches_path)
-        by_id: dict[str, dict] = {}
-        for record in samples:
-            if "id" not in record:
+        by_id: dict[str, SampleRecord] = {}
+        for obj in samples:
+            if "id" not in obj:
                 raise ValueError(
                     f"{self.samples_path}: not a batchmax_tp sample log (line without id); "
                     "delete it or choose another out"
                 )
-            by_id.setdefault(str(record["id"]), record)
+            by_id.setdefault(str(obj["id"]), SampleRecord.from_json(obj))
         kept_batches, seen = [], set()
-        for line in lines:
-            index = line.get("batch")
-            if not isinstance(index, int) or not isinstance(line.get("ids"), list):
+        for obj in lines:
+            index = obj.get("batch")
+            if not isinstance(index, int) or not isinstance(obj.get("ids"), list):
                 raise ValueError(
                     f"{self.batches_path}: not a batchmax_tp batch log (a line without batch/ids); "
                     "delete it or choose another out"
                 )
-            ids = [str(i) for i in line["ids"]]
+            line = BatchRecord.from_json(obj)
+            ids = [str(i) for i in line.ids]
             wanted = None if batches is None or not 0 <= index < len(batches) else [str(i) for i in batches[index]]
             if index in seen or (batches is not None and ids != wanted) or not all(i in by_id for i in ids):
                 continue
             seen.add(index)
             kept_batches.append(line)
-        kept_ids = [i for line in kept_batches for i in line["ids"]]
-        kept_samples = [by_id[str(i)] for i in kept_ids]
+        kept_samples = [by_id[str(i)] for line in kept_batches for i in line.ids]
         if torn_s or torn_b or len(kept_samples) != len(samples) or len(kept_batches) != len(lines):
             logger.warning(
                 "%s: dropping %d incomplete sample line(s) and %d batch line(s); resuming after %d complete batch(es)",
@@ -203,7 +273,7 @@ class RunLog:
             atomic_write_text(self.batches_path, _lines(kept_batches))
         return kept_samples, kept_batches
 
-    def append(self, samples: Sequence[Mapping[str, Any]], batches: Sequence[Mapping[str, Any]]) -> None:
+    def append(self, samples: Sequence[SampleRecord], batches: Sequence[BatchRecord]) -> None:
         """Append finished batches: their samples first, then their batch lines (each one write, flushed, fsynced)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         for path, objs in ((self.samples_path, samples), (self.batches_path, batches)):
@@ -217,9 +287,7 @@ class RunLog:
 
 
 # ---------------------------------------------------------------------- summaries
-def summarise(
-    samples: Sequence[Mapping[str, Any]], batches: Sequence[Mapping[str, Any]], metric: str
-) -> dict[str, Any]:
+def summarise(samples: Sequence[SampleRecord], batches: Sequence[BatchRecord], metric: str) -> dict[str, Any]:
     """Throughput and metric numbers of a run from its sample and batch records.
 
     ``prefill_s`` and ``decode_s`` are summed over the batches of a data-parallel replica (``replica``; 0 in a
@@ -233,18 +301,18 @@ def summarise(
     """
     prefill_s, decode_s = _slowest_replica(batches)
     total_s = prefill_s + decode_s
-    generated = sum(int(r["generated_tokens"]) for r in samples)
-    scores = [x for x in (metric_score(metric, r["output"], r.get("reference")) for r in samples) if x is not None]
-    checked = [bool(r["correct"]) for r in samples if r.get("correct") is not None]
-    peak = max((int(b.get("peak_kv_bytes") or 0) for b in batches), default=0)
-    workspace = max((int(b.get("peak_workspace_bytes") or 0) for b in batches), default=0)
-    cuda = [int(b["cuda_max_memory_allocated"]) for b in batches if b.get("cuda_max_memory_allocated") is not None]
-    cut = [int(n) for b in batches for n in b.get("tokens_cut", [])]
+    generated = sum(r.generated_tokens for r in samples)
+    scores = [x for x in (metric_score(metric, r.output, r.reference) for r in samples) if x is not None]
+    checked = [bool(r.correct) for r in samples if r.correct is not None]
+    peak = max((b.peak_kv_bytes for b in batches), default=0)
+    workspace = max((b.peak_workspace_bytes or 0 for b in batches), default=0)
+    cuda = [b.cuda_max_memory_allocated for b in batches if b.cuda_max_memory_allocated is not None]
+    cut = [n for b in batches for n in b.tokens_cut]
     return {
         "num_samples": len(samples),
         "num_batches": len(batches),
         "generated_tokens": generated,
-        "prompt_tokens": sum(int(r.get("prompt_tokens") or 0) for r in samples),
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in samples),
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "total_s": total_s,
@@ -264,24 +332,20 @@ def summarise(
     }
 
 
-def _slowest_replica(batches: Sequence[Mapping[str, Any]]) -> list[float]:
+def _slowest_replica(batches: Sequence[BatchRecord]) -> list[float]:
     """[prefill_s, decode_s] summed over the batches of the replica whose sum is the largest."""
     per_replica: dict[int, list[float]] = {}
     for batch in batches:
-        times = per_replica.setdefault(int(batch.get("replica") or 0), [0.0, 0.0])
-        times[0] += float(batch["prefill_s"])
-        times[1] += float(batch["decode_s"])
+        times = per_replica.setdefault(batch.replica, [0.0, 0.0])
+        times[0] += batch.prefill_s
+        times[1] += batch.decode_s
     return max(per_replica.values(), key=sum, default=[0.0, 0.0])
 
 
-def _speed_spread(batches: Sequence[Mapping[str, Any]]) -> float | None:
+def _speed_spread(batches: Sequence[BatchRecord]) -> float | None:
     """Half the range of the full batches' own tokens/s, as a fraction of their mean (None below two)."""
-    full = max((len(b["ids"]) for b in batches), default=0)
-    speeds = [
-        b["generated_tokens"] / (b["prefill_s"] + b["decode_s"])
-        for b in batches
-        if len(b["ids"]) == full and b["prefill_s"] + b["decode_s"] > 0
-    ]
+    full = max((len(b.ids) for b in batches), default=0)
+    speeds = [b.generated_tokens / b.seconds for b in batches if len(b.ids) == full and b.seconds > 0]
     return (max(speeds) - min(speeds)) / 2 / (sum(speeds) / len(speeds)) if len(speeds) > 1 else None
 
 
@@ -295,11 +359,11 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (at - lo)
 
 
-def latency_fields(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def latency_fields(batches: Sequence[BatchRecord]) -> dict[str, Any]:
     """A continuous run's per-request latency (seconds from the run's start to the request's end, every request
     queued at the start) and time to first token: p50 and p99 over its samples (``percentile``)."""
-    latency = [float(b["latency_s"]) for b in batches if b.get("latency_s") is not None]
-    first = [float(b["first_token_s"]) for b in batches if b.get("first_token_s") is not None]
+    latency = [b.latency_s for b in batches if b.latency_s is not None]
+    first = [b.first_token_s for b in batches if b.first_token_s is not None]
     return {
         "scheduler": "continuous",
         "tokens_per_s_spread": None,
@@ -309,20 +373,20 @@ def latency_fields(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def per_replica(batches: Sequence[Mapping[str, Any]], dp: int, tp: int) -> list[dict[str, Any]]:
+def per_replica(batches: Sequence[BatchRecord], dp: int, tp: int) -> list[dict[str, Any]]:
     """A multi-process run's ``per_replica`` list: each data-parallel replica's ranks, samples, tokens, timings and
     tokens/s, and its K/V peak per tensor-parallel rank (each rank holds only its own KV heads)."""
     out = []
     for r in range(dp):
-        mine = [b for b in batches if int(b.get("replica") or 0) == r]
-        prefill, decode = sum(b["prefill_s"] for b in mine), sum(b["decode_s"] for b in mine)
-        tokens = sum(int(b["generated_tokens"]) for b in mine)
-        ranks = [max((b["peak_kv_bytes_per_rank"][t] for b in mine), default=0) for t in range(tp)]
+        mine = [b for b in batches if b.replica == r]
+        prefill, decode = sum(b.prefill_s for b in mine), sum(b.decode_s for b in mine)
+        tokens = sum(b.generated_tokens for b in mine)
+        ranks = [max((b.peak_kv_bytes_per_rank[t] for b in mine), default=0) for t in range(tp)]
         out.append(
             {
                 "replica": r,
                 "ranks": list(range(r * tp, (r + 1) * tp)),
-                "num_samples": sum(len(b["ids"]) for b in mine),
+                "num_samples": sum(len(b.ids) for b in mine),
                 "num_batches": len(mine),
                 "generated_tokens": tokens,
                 "prefill_s": prefill,
@@ -402,10 +466,10 @@ def merge_run(
     and ``wall_s`` (this session's seconds on its share)."""
     folder = Path(folder)
     dp, tp = int(head["dp"]), int(head["tp"])
-    by_index = {int(b["batch"]): b for part in parts for b in part["batches"]}
+    by_index = {b.batch: b for part in parts for b in part["batches"]}
     batches = [by_index[i] for i in sorted(by_index)]
-    by_id = {str(r["id"]): r for part in parts for r in part["samples"]}
-    samples = [by_id[str(i)] for b in batches for i in b["ids"]]
+    by_id = {str(r.id): r for part in parts for r in part["samples"]}
+    samples = [by_id[str(i)] for b in batches for i in b.ids]
     if dp > 1:
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(folder / SAMPLES_FILE, _lines(samples))

@@ -48,7 +48,7 @@ from .generation import batched
 from .summary import model_shape
 from .tasks import Sample
 
-if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
+if TYPE_CHECKING:  # only the configuration's type is named here (config/ sits below eval/)
     from ..config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def _generate_share(ctx: RunContext, run: OpenRun, samples: Sequence[Sample]) ->
     """This replica's unfinished batches, each appended to its shard as it ends. Returns the replica's part for
     the merge (on its lead rank; None elsewhere)."""
     shard, dp = run.shard, ctx.dp
-    done = ctx.comm.replica_share(sorted(b["batch"] for b in shard.load(run.batch_ids)[1]) if ctx.lead else None)
+    done = ctx.comm.replica_share(sorted(b.batch for b in shard.load(run.batch_ids)[1]) if ctx.lead else None)
     share = [i for i in range(len(run.batches)) if i % dp == ctx.replica]
     mine = [i for i in share if i not in done]
     if ctx.lead and dp > 1:

@@ -16,7 +16,7 @@ from ..plan.budget import RunSpec
 from ..plan.planner import MemoryEstimate, ModelShape
 from .files import atomic_write_text, utc_now
 
-if TYPE_CHECKING:  # the configuration sits above the evaluation layer; only its type is named here
+if TYPE_CHECKING:  # only the configuration's type is named here (config/ sits below eval/)
     from ..config import RunConfig
 
 __all__ = ["budget_fields", "model_shape", "peak_host_bytes", "run_settings", "weights_bytes", "write_config"]
