@@ -162,15 +162,24 @@ class Watchdog:
 
     def until_exit(self) -> Watchdog:
         """Watch until this process ends (a library's process, such as lm-eval's, whose end is not ours): a normal
-        exit leaves (``leave``), an uncaught exception fails (``fail``: the peers end at once)."""
+        exit leaves (``leave``) and then destroys the process groups, before the interpreter tears down (a group
+        left to the interpreter's end may abort the process there: "terminate called without an active exception",
+        seen once in CI under load); an uncaught exception fails (``fail``: the peers end at once)."""
         previous = sys.excepthook
 
         def hook(kind, value, tb):
             self.fail(f"{kind.__name__}: {' '.join(str(value).split())}")
             previous(kind, value, tb)
 
+        def end() -> None:
+            if self._failed:
+                return
+            self.leave()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
         sys.excepthook = hook
-        atexit.register(lambda: None if self._failed else self.leave())
+        atexit.register(end)
         return self
 
     def silent_peers(self) -> list[int]:
@@ -196,6 +205,8 @@ class Watchdog:
         """A normal end, once every rank is done: stop beating and watching. Rank 0 leaves last (at most ``wait_s``
         after the others' turn), as its process may host the store."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=wait_s)  # no watch left inside a store call when the process ends
         try:
             self.store.add(f"left/{self.rank}", 1)
             deadline = time.monotonic() + wait_s
