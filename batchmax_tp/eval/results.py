@@ -36,7 +36,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -135,32 +135,21 @@ class BatchRecord:
     def from_json(cls, obj: Mapping[str, Any]) -> BatchRecord:
         """A line read back (``replica`` 0, ``tokens_cut`` none and ``peak_kv_bytes_per_rank`` the total where the
         line lacks them; other missing fields None)."""
-        fields = {f: obj.get(f) for f in (*BATCH_KEYS, *_SERVED_KEYS)}
-        fields["replica"] = int(fields["replica"] or 0)
-        fields["tokens_cut"] = list(fields["tokens_cut"] or [])
-        fields["peak_kv_bytes"] = int(fields["peak_kv_bytes"] or 0)
-        fields["peak_kv_bytes_per_rank"] = fields["peak_kv_bytes_per_rank"] or [fields["peak_kv_bytes"]]
-        return cls(**fields)
+        line = {f: obj.get(f) for f in (*BATCH_KEYS, *_SERVED_KEYS)}
+        line["replica"] = int(line["replica"] or 0)
+        line["tokens_cut"] = list(line["tokens_cut"] or [])
+        line["peak_kv_bytes"] = int(line["peak_kv_bytes"] or 0)
+        line["peak_kv_bytes_per_rank"] = line["peak_kv_bytes_per_rank"] or [line["peak_kv_bytes"]]
+        return cls(**line)
 
 
 #: The fields of one ``samples.jsonl`` line (:class:`SampleRecord`), in file order.
-SAMPLE_KEYS = ("id", "prompt_tokens", "output", "reference", "correct", "generated_tokens")
+SAMPLE_KEYS = tuple(f.name for f in fields(SampleRecord))
+#: A continuous request's own fields (:class:`BatchRecord`), written only where set.
+_SERVED_KEYS = ("slot", "first_token_s", "latency_s")
 #: The fields of every ``batches.jsonl`` line (:class:`BatchRecord`), in file order; a continuous request's line
 #: adds ``_SERVED_KEYS``.
-BATCH_KEYS = (
-    "batch",
-    "replica",
-    "ids",
-    "tokens_cut",
-    "generated_tokens",
-    "prefill_s",
-    "decode_s",
-    "peak_kv_bytes",
-    "peak_kv_bytes_per_rank",
-    "peak_workspace_bytes",
-    "cuda_max_memory_allocated",
-)
-_SERVED_KEYS = ("slot", "first_token_s", "latency_s")
+BATCH_KEYS = tuple(f.name for f in fields(BatchRecord) if f.name not in _SERVED_KEYS)
 
 #: Wall-clock (and process-memory) fields: they differ between two runs of the same configuration, and are all
 #: that may differ between a resumed run's files and an uninterrupted run's (:func:`comparable`). Under the
