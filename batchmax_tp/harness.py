@@ -153,15 +153,12 @@ class BatchMaxLM(TemplateLM):
         s = Settings.parse(model_args)
         self.settings, self.method = s, s.method_()
         rank, world, local_rank = parallel.world_from_env()
-        # several ranks: a watchdog from the first moment to this process's end, so that no replica waits for a lost
-        # one, in our set-up or in lm-eval's own collectives (eval.replicas)
-        # the set-up under one bound, each step named (eval.replicas.SetupBound)
-        bound = replicas.SetupBound(rank, parallel.SETUP_TIMEOUT_S, active=world > 1)
-        with bound.step("connecting to the job's store (the launcher's MASTER_ADDR:MASTER_PORT)"):
-            early = replicas.watch_from_start(rank, world)
-        if early is not None:
-            early[1].until_exit()
-            bound.tell = early[1].fail
+        # several ranks: the set-up under one bound, each step named, and a watchdog from the first moment to this
+        # process's end, so that no replica waits for a lost one, in our set-up or in lm-eval's own collectives
+        # (eval.replicas.Setup, as the main job starts)
+        setup = replicas.Setup(rank, world, parallel.SETUP_TIMEOUT_S)
+        if setup.early is not None:
+            setup.early[1].until_exit()
         config = self._read_config(s)
         tp = parallel.resolve_tp_size(s.tp_size, world)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -177,16 +174,15 @@ class BatchMaxLM(TemplateLM):
         device = parallel.process_device(device, world, local_rank)
         if s.slots_wanted() is None and s.memory_budget is None and not device.startswith("cuda"):
             raise ModelArgsError("model_args: batch_size=auto on the CPU needs memory_budget (e.g. 8GiB)")
-        with bound.step(parallel.rendezvous_step(device)):
-            self.layout = parallel.init_distributed(tp, device)
+        self.layout = setup.join(tp, device)
         self._device = torch.device(device)
         try:
             self.dtype = models.resolve_dtype(s.dtype, str(self._device), config)
         except ValueError as err:
             raise ModelArgsError(f"model_args: dtype: {err}") from None
-        with bound.step(f"loading the model {s.pretrained} and splitting it over {tp} ranks"):
+        with setup.step(f"loading the model {s.pretrained} and splitting it over {tp} ranks"):
             self._load(s, config)
-        bound.done()
+        setup.done()
         self._rank, self._world_size = self.layout.replica, self.layout.dp
         self._dp_group = self._data_parallel_group()
         if self.layout.tp_rank > 0 and os.environ.get("LOCAL_RANK", "0") == "0":

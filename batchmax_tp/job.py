@@ -298,64 +298,46 @@ def run(cfg: RunConfig, argv: Sequence[str] | None = None) -> int:
         level=cfg.output.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     rank, world, local_rank = parallel.world_from_env()
-    # several ranks: the set-up under one bound, each step named (eval.replicas.SetupBound), and a watchdog from the
-    # first moment, so no rank ever waits for a lost one or in a step that never ends
-    bound = replicas.SetupBound(rank, cfg.parallel.setup_timeout, active=world > 1)
+    # several ranks: the set-up under one bound, each step named, and a watchdog from the first moment, so no rank
+    # ever waits for a lost one or in a step that never ends (eval.replicas.Setup, as the lm-eval model starts)
     try:
-        with bound.step("connecting to the job's store (the launcher's MASTER_ADDR:MASTER_PORT)"):
-            early = replicas.watch_from_start(rank, world)
+        setup = replicas.Setup(rank, world, cfg.parallel.setup_timeout)
     except (RuntimeError, ValueError) as err:
         return fail(str(err))
-    if early is not None:
-        bound.tell = early[1].fail
     try:
-        with bound.step("reading the model's configuration and the data"):
+        with setup.step("reading the model's configuration and the data"):
             job = _prepare(cfg, world, local_rank)
     except JobError as err:
-        _tell(early, str(err))
+        setup.tell(str(err))
         return fail(str(err))
     if isinstance(job, list):
-        if early is not None:
-            early[1].leave()
+        if setup.early is not None:
+            setup.early[1].leave()
         return _report(cfg.output.dir, job, [])
     if rank != 0:
         _quiet_libraries()
     try:
-        with _setup_stdout(rank == 0), bound.step(parallel.rendezvous_step(job.device)):
-            # DeepSpeed prints while it initialises: keep stdout for the report
-            layout = parallel.init_distributed(
-                job.cfg.parallel.tp_size, job.device, timeout_s=job.cfg.parallel.setup_timeout
-            )
+        with _setup_stdout(rank == 0):  # DeepSpeed prints while it initialises: keep stdout for the report
+            layout = setup.join(job.cfg.parallel.tp_size, job.device, timeout_s=job.cfg.parallel.setup_timeout)
     except BaseException as err:  # tell every rank at once (they wait in the same set-up), then fail here
-        _tell(early, error_line(err))
+        setup.tell(error_line(err))
         raise
     if layout.world == 1:  # plain python (or an MPI world of one: then a group of one exists)
-        rc = _run(job, layout, Collectives(), bound)
+        rc = _run(job, layout, Collectives(), setup)
         if dist.is_initialized():
             dist.destroy_process_group()
         return rc
-    return _run_ranks(job, layout, early, bound)
+    return _run_ranks(job, layout, setup)
 
 
-def _tell(early: tuple[dist.Store, replicas.Watchdog] | None, why: str) -> None:
-    """This rank is ending with an error before the job started: every other rank's watchdog ends it too."""
-    if early is not None:
-        early[1].fail(why)
-
-
-def _run_ranks(
-    job: Job,
-    layout: parallel.Layout,
-    early: tuple[dist.Store, replicas.Watchdog] | None,
-    bound: replicas.SetupBound,
-) -> int:
+def _run_ranks(job: Job, layout: parallel.Layout, setup: replicas.Setup) -> int:
     """A multi-process job: every rank is done (or failed the same check) before any leaves -- rank 0's process
     may host the store; a rank that fails tells every other and leaves at once."""
-    with bound.step("connecting to the job's store"):
-        comm = _meet(layout, early)
-    bound.tell = comm.watchdog.fail
+    with setup.step("connecting to the job's store"):
+        comm = _meet(layout, setup.early)
+    setup.bound.tell = comm.watchdog.fail
     try:
-        rc = _run(job, layout, comm, bound)
+        rc = _run(job, layout, comm, setup)
         comm.barrier()
     except BaseException as err:  # noqa: BLE001 - any failure: tell every rank, then leave at once
         # a collective broken by a lost peer (a closed connection): name it, its beat stopped
@@ -392,33 +374,33 @@ def _meet(layout: parallel.Layout, early: tuple[dist.Store, replicas.Watchdog] |
     return Collectives(layout, store, watchdog)
 
 
-def _report(out: str, summaries: list[dict], notes: list[str]) -> int:
+def _report(out: str, summaries: list[results.RunSummary], notes: list[str]) -> int:
     """Rank 0 after the runs: OUT/report.md, results.csv and the plots; the report goes to stdout too."""
     paths = write_report(out, summaries, notes=notes)
     print(paths["report.md"].read_text(encoding="utf-8"), end="", flush=True)
     return 0
 
 
-def _load(job: Job, layout: parallel.Layout, comm: Collectives, bound: replicas.SetupBound) -> RunContext:
+def _load(job: Job, layout: parallel.Layout, comm: Collectives, setup: replicas.Setup) -> RunContext:
     """The model (split with AutoTP) and its tokenizer, with the job's layout and collectives; the planning inputs
-    are filled in once the samples are known. The end of the set-up (``bound``)."""
+    are filled in once the samples are known. The end of the set-up (``setup``)."""
     cfg = job.cfg
     torch.manual_seed(cfg.generation.seed)
     with _setup_stdout(layout.is_main):
         step = f"loading the model {cfg.model.name} and splitting it over {layout.tp} ranks (DeepSpeed AutoTP)"
-        with bound.step(step):
+        with setup.step(step):
             model, tokenizer = models.load_on_ranks(cfg.model.name, layout, cfg.model.dtype, job.device)
     if layout.world > 1:
-        with bound.step("waiting for every rank to load the model (a barrier of the default group)"):
+        with setup.step("waiting for every rank to load the model (a barrier of the default group)"):
             dist.barrier()  # every rank has loaded (default group: the long set-up timeout) before generation starts
         logger.info("world %d = dp_size %d x tp_size %d", layout.world, layout.dp, layout.tp)
-    bound.done()
+    setup.done()
     return RunContext(model, tokenizer, layout=layout, comm=comm)
 
 
-def _run(job: Job, layout: parallel.Layout, comm: Collectives, bound: replicas.SetupBound) -> int:
+def _run(job: Job, layout: parallel.Layout, comm: Collectives, setup: replicas.Setup) -> int:
     cfg = job.cfg
-    ctx = _load(job, layout, comm, bound)
+    ctx = _load(job, layout, comm, setup)
     samples = job.samples
     if job.task_data is not None:
         try:

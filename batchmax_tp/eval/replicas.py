@@ -19,6 +19,9 @@ client connection of its own:
 Keys live under ``batchmax/<nonce>/``, the nonce broadcast by rank 0 at start, so a restarted job never reads
 an earlier one's keys.
 
+- :class:`Setup`: the first steps every process of a job takes, the main job's and the lm-eval model's alike: the
+  bound below, the store and a watchdog from the first moment (``watch_from_start``), then the process groups'
+  rendezvous (``parallel.init_distributed``), each step named.
 - :class:`SetupBound`: the set-up of a multi-process job (the store, the configuration and data, the process
   group's rendezvous and DeepSpeed's set-up, the model's load, AutoTP, the meeting after it) under one bound,
   ``setup_timeout``. A rank still in set-up when the bound passes prints one line naming the step it waits in (and,
@@ -52,6 +55,7 @@ __all__ = [
     "DEAD_AFTER_S",
     "START_GRACE_S",
     "Channel",
+    "Setup",
     "SetupBound",
     "Watchdog",
     "connect",
@@ -381,3 +385,37 @@ class SetupBound:
                     self.tell(why)
                 self.on_expire(f"rank {self.rank}: {why}")
                 return
+
+
+class Setup:
+    """How every process of a job starts, in one place (the main job, ``job.run``, and the lm-eval model,
+    ``harness.BatchMaxLM``): the set-up bound (:class:`SetupBound`, ``bound_s``), then the job's store and a watchdog
+    from the first moment (``watch_from_start``: None in a world of one and under MPI), which from then on is how
+    the peers learn that this rank ends; :meth:`join` is the process groups' rendezvous, a named step.
+
+    ``RuntimeError``/``ValueError``: the store did not answer, or a multi-node SLURM job lacks its address."""
+
+    def __init__(self, rank: int, world: int, bound_s: float):
+        self.bound = SetupBound(rank, bound_s, active=world > 1)
+        with self.bound.step("connecting to the job's store (the launcher's MASTER_ADDR:MASTER_PORT)"):
+            self.early = watch_from_start(rank, world)
+        if self.early is not None:
+            self.bound.tell = self.early[1].fail
+
+    def step(self, what: str):
+        """``with setup.step("what"):`` names what this rank does now (:meth:`SetupBound.step`)."""
+        return self.bound.step(what)
+
+    def join(self, tp: int, device: str, timeout_s: int = parallel.SETUP_TIMEOUT_S) -> parallel.Layout:
+        """The process groups' rendezvous and DeepSpeed's set-up (``parallel.init_distributed``), a named step."""
+        with self.bound.step(parallel.rendezvous_step(device)):
+            return parallel.init_distributed(tp, device, timeout_s=timeout_s)
+
+    def tell(self, why: str) -> None:
+        """This rank ends with an error during the set-up: every other rank's watchdog ends it too."""
+        if self.early is not None:
+            self.early[1].fail(why)
+
+    def done(self) -> None:
+        """The set-up is over (:meth:`SetupBound.done`)."""
+        self.bound.done()
