@@ -53,6 +53,7 @@ def _needles(length: int, path: Path) -> int:
 
 def measure(out: Path, lengths: list[int], outputs: list[int]) -> list[dict]:
     """The CPU map: the main job per cell (a child process each, one at a time), its summaries read back."""
+    from batchmax_tp.eval.results import read_summary
     from batchmax_tp.models import EMBEDDED_MODEL, load_model
     from batchmax_tp.plan.planner import ModelShape
 
@@ -72,13 +73,13 @@ def measure(out: Path, lengths: list[int], outputs: list[int]) -> list[dict]:
                     subprocess.run([*cmd, "--log-level", "WARNING"], check=True, stdout=subprocess.DEVNULL)
                 runs = {}
                 for summary in sorted(cell_out.glob("*/summary.json")):
-                    s = json.loads(summary.read_text())
-                    name = regimes.run_label(s["method"], s.get("rule", "paper"))
-                    ok = s.get("status") == "done"
+                    s = read_summary(summary.parent)
+                    name = regimes.run_label(s.method, s.rule)
+                    ok = s.status == "done"
                     runs[name] = {
-                        "batch": s["batch_size"],
-                        "tokens_per_s": s.get("tokens_per_s") if ok else None,
-                        "answers": s.get("score") if ok else None,
+                        "batch": s.batch_size,
+                        "tokens_per_s": s.tokens_per_s if ok else None,
+                        "answers": s.score if ok else None,
                     }
                 best, why = regimes.winner(runs)
                 cells.append(

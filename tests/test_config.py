@@ -382,10 +382,10 @@ def test_evaluate_run_with_fake_engine(tmp_path):
     assert [r["generated_tokens"] for r in records] == [4, 4, 4]
     batches = [json.loads(line) for line in (folder / "batches.jsonl").read_text().splitlines()]
     assert [(b["batch"], b["ids"], b["peak_kv_bytes"]) for b in batches] == [(0, ["0", "1"], 2048), (1, ["2"], 1024)]
-    assert summary == json.loads((folder / "summary.json").read_text())
-    assert summary["generated_tokens"] == 12 and summary["tokens_per_s"] == pytest.approx(12 / 4.0)
-    assert summary["peak_kv_bytes"] == 2048 and summary["kv_max"] == 128 and summary["tp_size"] == 1
-    assert summary["accuracy"] == pytest.approx(0.5) and summary["status"] == "done"
+    assert summary.to_json() == json.loads((folder / "summary.json").read_text())
+    assert summary.generated_tokens == 12 and summary.tokens_per_s == pytest.approx(12 / 4.0)
+    assert summary.peak_kv_bytes == 2048 and summary.kv_max == 128 and summary.tp_size == 1
+    assert summary.accuracy == pytest.approx(0.5) and summary.status == "done"
 
 
 def test_a_static_run_gives_its_engine_the_runs_compile_and_tensor_parallel_group(tmp_path):

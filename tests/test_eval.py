@@ -262,6 +262,18 @@ def test_summarise_counts_batches_once():
     assert s["num_scored"] == 2 and s["peak_kv_bytes"] == 64
 
 
+def test_a_summary_reads_back_typed_and_gives_back_the_object_it_read():
+    """``summary.json`` as a ``RunSummary``: a key the object holds keeps its value (None too), a missing one takes
+    its default, and a key no reader names is kept, so ``to_json`` is the object read."""
+    obj = {"run": "bm-b2-kv128", "method": "bm", "rule": None, "batch_size": 2, "kv_max": 128, "status": "oom"}
+    obj |= {"error": "CUDA out of memory", "tokens_per_s": None, "largest_fitting_batch": 9}
+    s = results.RunSummary.from_json(obj)
+    assert (s.method, s.batch_size, s.kv_max, s.rule, s.oom, s.error) == ("bm", 2, 128, None, True, obj["error"])
+    assert (s.tp_size, s.samples_cut, s.oom_cause, s.paper_setting) == (1, 0, None, False)  # defaults
+    assert s.to_json() == obj and results.RunSummary.from_json(s) is s
+    assert results.RunSummary.from_json({"method": "fkv"}).rule == "paper"  # written before rules existed
+
+
 def test_run_dir_names():
     assert run_dir_name("fkv", 4, None) == "fkv-b4"
     assert run_dir_name("fkv", 4, 512) == "fkv-b4"

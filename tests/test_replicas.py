@@ -190,11 +190,11 @@ def test_an_oom_marker_becomes_the_row_once_and_a_later_success_stands(tmp_path)
     calls = []
     run = dict(engine_fn=make_fake_engine(calls), encode_fn=fake_encode, progress=False)
     first = evaluate_run(RunContext(SimpleNamespace(), FakeTokenizer(), **run), samples, spec, cfg)
-    assert first["status"] == "oom" and first["oom_cause"] == "runtime" and "injected" in first["error"]
+    assert first.status == "oom" and first.oom_cause == "runtime" and "injected" in first.error
     assert calls == [] and not list(folder.glob("oom-rank*.json"))
     (folder / results.SUMMARY_FILE).unlink()
     second = evaluate_run(RunContext(SimpleNamespace(), FakeTokenizer(), **run), samples, spec, cfg)
-    assert second["status"] == "done" and second["num_samples"] == 3 and len(calls) == 2
+    assert second.status == "done" and second.num_samples == 3 and len(calls) == 2
 
 
 def test_resuming_with_another_dp_size_is_refused(tmp_path):

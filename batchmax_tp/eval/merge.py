@@ -56,7 +56,7 @@ def merge_out(out: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
             problems.append(problem)
     for path in sorted(out.glob(f"*/{results.SUMMARY_FILE}")):
         summaries.append(results.read_summary(path.parent))
-    summaries.sort(key=lambda s: s.get("started_at") or "")
+    summaries.sort(key=lambda s: s.started_at or "")
     return summaries, problems
 
 

@@ -22,6 +22,7 @@ from ..plan.budget import RunSpec, fmt_bytes, planned_dtype, predict_spec
 from ..plan.tuner import Trial, divisor_batches, kv_grid, tune
 from .context import RunContext
 from .files import atomic_write_text, utc_now
+from .records import RunSummary
 from .report import write_report
 from .run import evaluate_run
 from .tasks import Sample
@@ -59,7 +60,7 @@ class _TunerTrials:
     ctx: RunContext
     samples: Sequence[Sample]
     cfg: RunConfig  #: the job's, with out = OUT/tune
-    summaries: dict[str, dict] = field(default_factory=dict)
+    summaries: dict[str, RunSummary] = field(default_factory=dict)
     names: dict[tuple, str] = field(default_factory=dict)  #: (method, kv_max, batch) -> the run's folder name
 
     def __call__(self, method: Method, batch: int) -> Trial:
@@ -68,16 +69,16 @@ class _TunerTrials:
         self.summaries[spec.name] = summary
         self.names[method.name, spec.kv_max, batch] = spec.name
         baseline = is_full_cache(method)  # FKV: the metric every BM trial is held to
-        if summary.get("status") != "done":
+        if summary.status != "done":
             if baseline:
                 raise ValueError(
                     f"memory_budget: FKV at b={batch} fits the budget on paper but ran out of memory "
-                    f"({summary.get('error')}); the target metric cannot be measured"
+                    f"({summary.error}); the target metric cannot be measured"
                 )
             return Trial(method.name, spec.kv_max, batch, None, None)
-        if baseline and summary.get("score") is None:
+        if baseline and summary.score is None:
             raise ValueError("metric: FKV's run has no metric (no sample with a reference was scored)")
-        return Trial(method.name, spec.kv_max, batch, summary.get("tokens_per_s"), summary.get("score"))
+        return Trial(method.name, spec.kv_max, batch, summary.tokens_per_s, summary.score)
 
 
 def tune_methods(cfg: RunConfig) -> list[str]:
@@ -133,7 +134,7 @@ def run_tuner(ctx: RunContext, samples: Sequence[Sample], cfg: RunConfig) -> dic
     for trial in info["trials"]:
         name = trials.names[trial["method"], trial["kv_max"], trial["batch"]]
         trial["run"] = name
-        trial["predicted_peak_bytes"] = trials.summaries[name].get("predicted_peak_bytes")
+        trial["predicted_peak_bytes"] = trials.summaries[name].predicted_peak_bytes
     info["summaries"] = list(trials.summaries.values())
     return info
 

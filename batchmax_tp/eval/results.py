@@ -36,7 +36,6 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ import yaml
 
 from .files import atomic_write_text, utc_now
 from .metrics import score as metric_score
+from .records import BATCH_KEYS, SAMPLE_KEYS, BatchRecord, RunSummary, SampleRecord
 from .report import mask_timings
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ __all__ = [
     "SUMMARY_FILE",
     "TIMING_KEYS",
     "RunLog",
+    "RunSummary",
     "check_same_config",
     "merge_run",
     "read_parts",
@@ -76,80 +77,6 @@ SUMMARY_FILE = "summary.json"
 HEAD_FILE = "run.json"  #: in a replica's shard: the run's settings, batch ids, layout and memory fields
 DONE_FILE = "done.json"  #: in a replica's shard: written when the replica has finished its share of the run
 
-
-@dataclass(frozen=True)
-class SampleRecord:
-    """One line of ``samples.jsonl``: only what the model produced. ``reference``: a string, a list of strings
-    (several references) or None; ``correct``: None for ROUGE (no yes/no verdict) and samples without a
-    reference."""
-
-    id: str
-    prompt_tokens: int | None
-    output: str
-    reference: str | list[str] | None
-    correct: bool | None
-    generated_tokens: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in SAMPLE_KEYS}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> SampleRecord:
-        """A line read back (a field it lacks is None)."""
-        return cls(**{f: obj.get(f) for f in SAMPLE_KEYS})
-
-
-@dataclass(frozen=True)
-class BatchRecord:
-    """One line of ``batches.jsonl``: a finished batch (static) or request (continuous). ``peak_kv_bytes`` is summed
-    over the replica's tensor-parallel ranks (each rank's in ``peak_kv_bytes_per_rank``); ``peak_workspace_bytes``
-    and ``cuda_max_memory_allocated`` (None off CUDA) are its tensor-parallel rank 0's. A request the continuous
-    scheduler finished also has its ``slot``, ``first_token_s`` and ``latency_s`` (seconds from the run's start);
-    a static batch's line has none of them."""
-
-    batch: int
-    replica: int
-    ids: list[str]
-    tokens_cut: list[int]
-    generated_tokens: int
-    prefill_s: float
-    decode_s: float
-    peak_kv_bytes: int
-    peak_kv_bytes_per_rank: list[int]
-    peak_workspace_bytes: int | None = None
-    cuda_max_memory_allocated: int | None = None
-    slot: int | None = None
-    first_token_s: float | None = None
-    latency_s: float | None = None
-
-    @property
-    def seconds(self) -> float:
-        return self.prefill_s + self.decode_s
-
-    def to_json(self) -> dict[str, Any]:
-        line = {f: getattr(self, f) for f in BATCH_KEYS}
-        line.update({f: getattr(self, f) for f in _SERVED_KEYS if getattr(self, f) is not None})
-        return line
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> BatchRecord:
-        """A line read back (``replica`` 0, ``tokens_cut`` none and ``peak_kv_bytes_per_rank`` the total where the
-        line lacks them; other missing fields None)."""
-        line = {f: obj.get(f) for f in (*BATCH_KEYS, *_SERVED_KEYS)}
-        line["replica"] = int(line["replica"] or 0)
-        line["tokens_cut"] = list(line["tokens_cut"] or [])
-        line["peak_kv_bytes"] = int(line["peak_kv_bytes"] or 0)
-        line["peak_kv_bytes_per_rank"] = line["peak_kv_bytes_per_rank"] or [line["peak_kv_bytes"]]
-        return cls(**line)
-
-
-#: The fields of one ``samples.jsonl`` line (:class:`SampleRecord`), in file order.
-SAMPLE_KEYS = tuple(f.name for f in fields(SampleRecord))
-#: A continuous request's own fields (:class:`BatchRecord`), written only where set.
-_SERVED_KEYS = ("slot", "first_token_s", "latency_s")
-#: The fields of every ``batches.jsonl`` line (:class:`BatchRecord`), in file order; a continuous request's line
-#: adds ``_SERVED_KEYS``.
-BATCH_KEYS = tuple(f.name for f in fields(BatchRecord) if f.name not in _SERVED_KEYS)
 
 #: Wall-clock (and process-memory) fields: they differ between two runs of the same configuration, and are all
 #: that may differ between a resumed run's files and an uninterrupted run's (:func:`comparable`). Under the
@@ -444,7 +371,7 @@ def merge_run(
     *,
     error: str | None = None,
     cause: str = "runtime",
-) -> dict[str, Any]:
+) -> RunSummary:
     """Merge the replicas' ``parts`` of a run into its folder: ``samples.jsonl`` and ``batches.jsonl`` in batch order
     (rewritten atomically when there are shards) and ``summary.json`` (``status`` done, or oom with ``error`` and
     ``oom_cause`` ``cause``). Any out-of-memory marker of the run is then cleared: it has become this row, or the
@@ -479,7 +406,7 @@ def merge_run(
     atomic_write_text(folder / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     for marker in folder.glob("oom-rank*.json"):
         marker.unlink(missing_ok=True)
-    return summary
+    return RunSummary.from_json(summary)
 
 
 def _session_times(parts: Sequence[Mapping[str, Any]], walls: dict[int, float]) -> dict[str, Any]:
@@ -492,12 +419,12 @@ def _session_times(parts: Sequence[Mapping[str, Any]], walls: dict[int, float]) 
     }
 
 
-def read_summary(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+def read_summary(folder: str | os.PathLike[str]) -> RunSummary | None:
     """A finished run's ``summary.json``, or None when the run has not finished."""
     path = Path(folder) / SUMMARY_FILE
     if not path.is_file():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    return RunSummary.from_json(json.loads(path.read_text(encoding="utf-8")))
 
 
 def write_oom_marker(folder: str | os.PathLike[str], rank: int, error: str, batch: int) -> Path:

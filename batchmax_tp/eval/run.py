@@ -58,20 +58,20 @@ __all__ = ["evaluate_run"]
 
 def evaluate_run(
     ctx: RunContext, samples: Sequence[Sample], spec: RunSpec, cfg: RunConfig, *, extra: dict[str, Any] | None = None
-) -> dict[str, Any] | None:
+) -> results.RunSummary | None:
     """Run (or finish, or skip) one run into ``OUT/<spec.name>``; its summary on rank 0.
 
     Collective when ``ctx.layout.world > 1``: every rank calls it with the same arguments and the job's
     :class:`Collectives`. Each replica writes its own shard as its batches finish; the last replica to finish
-    merges the shards into the run's files and summary (``results.merge_run``). Returns the ``summary.json``
-    object on rank 0, None elsewhere. A model without a config gets no prediction (and no budget check).
-    ``extra``: more fields for the summary (the same-memory run's budget).
+    merges the shards into the run's files and summary (``results.merge_run``). Returns the run's summary
+    (``summary.json``, typed: ``results.RunSummary``) on rank 0, None elsewhere. A model without a config gets no
+    prediction (and no budget check). ``extra``: more fields for the summary (the same-memory run's budget).
     """
     run = _open_run(ctx, samples, spec, cfg, extra)
     state = ctx.comm.broadcast(_run_state(run.folder) if ctx.is_main else None)  # rank 0 reads what is finished
     if "finished" in state:
         if ctx.is_main:
-            logger.info("%s: finished earlier (%s), skipped", spec.name, state["finished"].get("status"))
+            logger.info("%s: finished earlier (%s), skipped", spec.name, state["finished"].status)
         return state["finished"] if ctx.is_main else None
     run.estimate = _predict(ctx, run)
     refusal = _refusal(spec, run.estimate, cfg.memory.budget_bytes(), state)  # the same verdict on every rank
@@ -117,7 +117,7 @@ def _refusal(
     return None
 
 
-def _record_refusal(ctx: RunContext, run: OpenRun, message: str, cause: str) -> dict[str, Any]:
+def _record_refusal(ctx: RunContext, run: OpenRun, message: str, cause: str) -> results.RunSummary:
     """Rank 0: the OOM row of a run that does not run (with the batches a runtime OOM left, if any)."""
     logger.warning("%s: %s", run.spec.name, message)
     parts = results.read_parts(run.folder) if cause == "runtime" else []
@@ -173,7 +173,7 @@ def _progress_bar(ctx: RunContext, run: OpenRun, share: list[int], done: list[in
     )
 
 
-def _merge(folder: Path, parts: list[dict[str, Any] | None], cfg: RunConfig) -> dict[str, Any]:
+def _merge(folder: Path, parts: list[dict[str, Any] | None], cfg: RunConfig) -> results.RunSummary:
     """The last rank to finish a run: the replicas' shards into the run's files and summary."""
     parts = [p for p in parts if p is not None]
     stops = [p["stop"] for p in parts if p.get("stop")]
@@ -181,16 +181,16 @@ def _merge(folder: Path, parts: list[dict[str, Any] | None], cfg: RunConfig) -> 
     summary = results.merge_run(
         folder, parts[0]["head"], parts, metric, error=stops[0] if stops else None, cause="runtime"
     )
-    if summary["status"] == "oom":
-        logger.warning("%s: out of memory (%s); run marked OOM", summary["run"], stops[0])
+    if summary.oom:
+        logger.warning("%s: out of memory (%s); run marked OOM", summary.run, stops[0])
     else:
         logger.info(
             "%s: %d samples, %s %.4f, %.2f tokens/s",
-            summary["run"],
-            summary["num_samples"],
-            summary["metric"],
-            summary["score"] or 0.0,
-            summary["tokens_per_s"] or 0.0,
+            summary.run,
+            summary.num_samples,
+            summary.metric,
+            summary.score or 0.0,
+            summary.tokens_per_s or 0.0,
         )
     return summary
 
