@@ -19,6 +19,11 @@ task per task and length (``batchmax_ruler_<task>_<2k|4k>_<half>``; greedy, plai
 ``--batch-size N`` slots, or ``auto`` (default): the most slots the planner fits in ``--memory-budget`` (default:
 FKV's pool for 4 slots of the longest chosen request, measured with the model's tokenizer).
 
+``--fkv-from DIR/table.json``: FKV's row (its scores and each document's) from an earlier run of the same half,
+suite, tasks, lengths, limit, model and dtype, checked against this run's before the model loads; FKV does not run
+again (greedy: its texts do not change; ~12 minutes per half at 4k on the 0.5B, ~20 at 2k on the 1.5B). Its speed
+columns are that run's, and the table says so. Not with ``--pick``.
+
 ``--pick``: choose on one half, report on the other. The configurations run on the tuning half; at each kv_max the
 one with the highest share of FKV there is picked; FKV and the picks then run on the held-out half, and ``pick.md``
 gives each pick's held-out share with its interval (never the best held-out configuration's). Every share carries
@@ -171,6 +176,12 @@ def format_table(rows: list[dict], tasks: list[str], lengths: list[str], about: 
     tokens/s, slots, peak K/V, wall seconds."""
     num = lambda x, f=".3f": "-" if x is None else format(x, f)  # noqa: E731
     line = lambda name, cells: f"| {name} | " + " | ".join(cells) + " |\n"  # noqa: E731
+    reused = [
+        f"{r['label']}'s row is from {r['reused_from']} (its tokens/s, slots and seconds are that run's)"
+        for r in rows
+        if r.get("reused_from")
+    ]
+    about = " ".join([about, *(f"{x}." for x in reused)])
     text = about + "\n\n" + line("task", [r["label"] for r in rows]) + line("---", ["---:"] * len(rows))
     for n in lengths:
         for t in tasks:
@@ -251,6 +262,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--suite", type=Path, default=SUITE, help="task folder (default configs/lm_eval/ruler)")
     ap.add_argument("--log-samples", action="store_true", help="keep lm-eval's samples in results.json")
     ap.add_argument("--pick", action="store_true", help="choose on the tuning half, report on the held-out half")
+    ap.add_argument(
+        "--fkv-from", type=Path, default=None, help="FKV's row from an earlier run's table.json (see above)"
+    )
     ap.add_argument("--out", type=Path, default=None, help="output folder (default results/ruler_<half>)")
     return ap
 
@@ -273,6 +287,19 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or ROOT / "results" / ("ruler_pick" if args.pick else f"ruler_{args.half}")).resolve()
     suite = args.suite.resolve()
     halves = list(HALVES) if args.pick else [args.half]
+    model = args.pretrained or "embedded SmolLM2-135M-Instruct"
+    reused = None
+    if args.fkv_from is not None:
+        if args.pick:
+            ap.error("--fkv-from: not with --pick (it is one half's FKV row)")
+        same = {"half": args.half, "suite": os.path.relpath(suite, ROOT), "tasks": tasks, "lengths": lengths}
+        same |= {"limit": args.limit, "model": model} | (
+            {"dtype": args.dtype} if args.dtype not in (None, "auto") else {}
+        )
+        try:
+            reused = earlier_fkv(args.fkv_from, same)
+        except ValueError as err:
+            ap.error(f"--fkv-from: {err}")
 
     from batchmax_tp.harness import BatchMaxLM, ModelArgsError, Settings
     from batchmax_tp.plan.budget import fkv_budget, fmt_bytes
@@ -305,15 +332,20 @@ def main(argv: list[str] | None = None) -> int:
         "tasks": tasks,
         "lengths": lengths,
         "limit": args.limit,
-        "model": args.pretrained or "embedded SmolLM2-135M-Instruct",
+        "model": model,
         "dtype": base.dtype,
         "p": args.p,
         "batch_size": batch["batch_size"],
         "memory_budget": fmt_bytes(parse_bytes(batch["memory_budget"])) if "memory_budget" in batch else None,
     }
     run = Half(base, tasks, lengths, {**common, **batch}, suite, args.limit, args.log_samples, settings)
+    if reused is not None and reused["dtype"] != base.dtype:
+        log(f"error: --fkv-from: {args.fkv_from} has dtype {reused['dtype']!r}, this run {base.dtype!r}")
+        return 2
     if not args.pick:
-        table = write_tables(out, run(configs, args.half, out), tasks, lengths, {**settings, "half": args.half})
+        first = [] if reused is None else [reused["row"]]
+        rows = run(configs[len(first) :], args.half, out, first)
+        table = write_tables(out, rows, tasks, lengths, {**settings, "half": args.half})
         print(table, end="")
         return 0
     tuned = summarize(run(configs, "tune", out / "tune"), tasks, lengths)
@@ -331,6 +363,26 @@ def main(argv: list[str] | None = None) -> int:
     (out / "pick.json").write_text(json.dumps({**settings, "tuned": tuned, "heldout": held}, indent=2), "utf-8")
     print(text, end="")
     return 0
+
+
+def earlier_fkv(path: Path, same: dict) -> dict:
+    """``--fkv-from``: {"row": FKV's row of the earlier run's ``table.json`` at ``path`` (its scores, each document's
+    score, its speed; ``reused_from`` names the file), "dtype": that run's}. ValueError (one line) when the file
+    cannot be read, holds no FKV row with its documents' scores, or differs from ``same`` (half, suite, tasks,
+    lengths, limit, model and, when given, dtype)."""
+    try:
+        table = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read {path}: {' '.join(str(err).split())}") from None
+    for key, want in same.items():
+        if table.get(key) != want:
+            raise ValueError(f"{path} was run with {key} {table.get(key)!r}, this run has {want!r}")
+    row = (table.get("configs") or [{}])[0]
+    if row.get("label") != "fkv" or "documents" not in row:
+        raise ValueError(f"{path} holds no FKV row with each document's score")
+    keep = ("label", "model_args", "scores", "documents", "tokens_per_s", "slots", "peak_kv_bytes", "wall_s")
+    results = str(path.resolve().parent / row["results"])
+    return {"row": {k: row[k] for k in keep} | {"results": results, "reused_from": str(path)}, "dtype": table["dtype"]}
 
 
 def log(msg: str) -> None:
@@ -351,16 +403,18 @@ class Half:
     keep_samples: bool
     settings: dict
 
-    def __call__(self, configs: list[Config], half: str, out: Path) -> list[dict]:
+    def __call__(self, configs: list[Config], half: str, out: Path, first: list[dict] | None = None) -> list[dict]:
+        """The configurations' rows after ``first`` (FKV's, read from an earlier run)."""
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
         names = task_names(half, self.tasks, self.lengths)
         manager = TaskManager(include_path=str(self.suite), include_defaults=False)
         out.mkdir(parents=True, exist_ok=True)
-        rows: list[dict] = []
-        for k, config in enumerate(configs):
-            log(f"[{half} {k + 1}/{len(configs)}] {config.label}: {len(names)} tasks ...")
+        rows: list[dict] = list(first or [])
+        for i, config in enumerate(configs):
+            k = len(rows)  # the folder's number: the configuration's place in the table
+            log(f"[{half} {i + 1}/{len(configs)}] {config.label}: {len(names)} tasks ...")
             lm = configured(self.base, {**self.model_args, **config.args})
             start = time.perf_counter()
             res = simple_evaluate(
@@ -401,7 +455,7 @@ class Half:
             row = summarize(rows, self.tasks, self.lengths)[-1]
             share = "-" if row["share_of_fkv"] is None else f"{row['share_of_fkv']:.3f}"
             log(
-                f"[{half} {k + 1}/{len(configs)}] {config.label}: mean {row['mean']:.3f}, share of FKV {share}, "
+                f"[{half} {i + 1}/{len(configs)}] {config.label}: mean {row['mean']:.3f}, share of FKV {share}, "
                 f"{row['tokens_per_s']:.0f} tok/s, {row['slots']} slots, {wall:.0f} s"
             )
         return rows

@@ -220,6 +220,30 @@ def test_cli_batchmax_fkv_equals_hf_and_the_bench_tabulates(tiny_dir, tmp_path):
     assert bm["peak_kv_bytes"] < table["configs"][0]["peak_kv_bytes"]  # kv_max 128 of a ~2k prompt
     assert "| niah_multivalue 2k |" in (out / "table.md").read_text()
 
+    again = tmp_path / "again"  # FKV's row read back from that run: only BM runs
+    argv = [
+        "--pretrained",
+        tiny_dir,
+        "--tasks",
+        "niah_multivalue",
+        "--lengths",
+        "2k",
+        "--limit",
+        "1",
+        "--out",
+        str(again),
+    ]
+    argv += ["--configs", "bm:128:question", "--p", "32", "--batch-size", "2", "--fkv-from", str(out / "table.json")]
+    assert bench_ruler.main(argv) == 0
+    rows = json.loads((again / "table.json").read_text())["configs"]
+    assert [r["label"] for r in rows] == ["fkv", "bm 128 question"] and rows[0]["reused_from"]
+    assert (rows[0]["scores"], rows[0]["documents"]) == (
+        table["configs"][0]["scores"],
+        table["configs"][0]["documents"],
+    )
+    assert sorted(p.name for p in again.iterdir() if p.is_dir()) == ["01_bm_128_question"]  # FKV did not run
+    assert "fkv's row is from" in (again / "table.md").read_text()
+
     picked = tmp_path / "pick"
     argv = ["--pretrained", tiny_dir, "--tasks", "niah_multivalue", "--lengths", "2k", "--limit", "2", "--pick"]
     argv += ["--configs", "bm:128:paper", "bm:128:question", "--p", "32", "--batch-size", "2", "--out", str(picked)]
@@ -246,6 +270,33 @@ def test_the_pick_is_the_best_tuning_share_at_each_budget_and_reports_held_out()
     text = bench_ruler.format_pick(picks, held, "about")
     assert "| 512 | b 512 | 0.900 | **0.950** [0.90, 1.02] | not beyond its interval |" in text
     assert "| 256 | a 256 | 0.700 | **0.600** [0.50, 0.70] | yes |" in text
+
+
+def test_fkv_from_reads_an_earlier_fkv_row_and_refuses_another_run(tmp_path, capsys):
+    """``--fkv-from``: FKV's row of an earlier ``table.json`` with the same half, suite, tasks, lengths, limit and
+    model; anything else is one line and exit 2 before a model loads (the model named here does not exist)."""
+    fkv = {"label": "fkv", "model_args": {"method": "fkv"}, "results": "00_fkv/results.json", "scores": {"vt 2k": 0.5}}
+    fkv |= {"documents": {"vt 2k": [1.0, 0.0]}, "tokens_per_s": 9.0, "slots": 4, "peak_kv_bytes": 8, "wall_s": 3.0}
+    same = {"half": "tune", "suite": "configs/lm_eval/ruler", "tasks": ["vt"], "lengths": ["2k"], "limit": None}
+    same |= {"model": "no-such-model"}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({**same, "dtype": "float32", "configs": [fkv]}))
+    got = bench_ruler.earlier_fkv(path, same)
+    assert got["dtype"] == "float32" and got["row"]["reused_from"] == str(path)
+    assert {k: got["row"][k] for k in ("scores", "documents", "slots")} == {
+        k: fkv[k] for k in ("scores", "documents", "slots")
+    }
+    with pytest.raises(ValueError, match="was run with lengths \\['2k'\\], this run has \\['4k'\\]"):
+        bench_ruler.earlier_fkv(path, {**same, "lengths": ["4k"]})
+    (tmp_path / "bm.json").write_text(json.dumps({**same, "dtype": "float32", "configs": [{**fkv, "label": "bm"}]}))
+    with pytest.raises(ValueError, match="holds no FKV row"):
+        bench_ruler.earlier_fkv(tmp_path / "bm.json", same)
+    base = ["--pretrained", "no-such-model", "--tasks", "vt", "--lengths", "2k", "--out", str(tmp_path / "o")]
+    for extra, said in ((["--half", "heldout"], "was run with half 'tune'"), (["--pick"], "not with --pick")):
+        with pytest.raises(SystemExit) as stop:
+            bench_ruler.main([*base, "--fkv-from", str(path), *extra])
+        assert stop.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything was written
 
 
 def test_bench_shares_of_fkv_and_configurations():
