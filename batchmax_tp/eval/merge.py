@@ -13,7 +13,6 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from . import results
 from .report import write_report
@@ -45,7 +44,7 @@ def _merge_one(folder: Path) -> str | None:
     return None
 
 
-def merge_out(out: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+def merge_out(out: str | Path) -> tuple[list[results.RunSummary], list[str]]:
     """Merge every run folder of ``out`` that has shards; the summaries of its finished runs (oldest first) and
     what could not be merged."""
     out = Path(out)

@@ -98,7 +98,7 @@ class RunSummary:
 
     run: str = ""
     method: str = ""
-    rule: str | None = "paper"
+    rule: str | None = "paper"  #: summaries written before rules existed ran the paper's
     batch_size: int = 0
     kv_max: int | None = None
     p: int | None = None

@@ -532,8 +532,6 @@ def format_csv(summaries: Sequence[RunSummary | Mapping[str, Any]]) -> str:
         row = {key: getattr(s, key) for key in CSV_COLUMNS if key not in _MIB_OF}
         for column, key in _MIB_OF.items():
             row[column] = None if getattr(s, key) is None else getattr(s, key) / 2**20
-        row["status"] = s.status
-        row["rule"] = s.rule  # summaries written before rules existed ran the paper's
         if s.oom:
             row.update({key: None for key in _MEASURED})
         writer.writerow({k: "" if v is None else v for k, v in row.items()})
