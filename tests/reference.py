@@ -59,6 +59,11 @@ Heads sharing one budget (``groups``, BM; the rule parameter ``share``): a group
 removes ``len(group) * p`` of them, those with the smallest ``(priority, position, head)``, each entry's priority
 computed within its own head as above.
 
+Budgets across layers (``layer_kv_max``, BM; the rule parameter ``taper``): layer l holds at most ``layer_kv_max[l]``
+entries per head. The first block is ``min(s, min(layer_kv_max))`` tokens, then blocks of p; before each later block,
+and before each decode step, every layer whose entries and the incoming tokens exceed its own budget evicts p of
+them as above (the other layers evict nothing then).
+
 Positions (``kept`` and ``curr_id``) are indices in the padded sequence: prompt 0..s-1, the token fed at
 decode step t is s+t-1.  RoPE uses the sample's real position ids (cumsum(mask)-1), like HF ``generate``.
 """
@@ -212,9 +217,11 @@ class _SampleState:
         return kept, rows
 
     # ------------------------------------------------------------------ evictions
-    def size(self) -> int:
-        """Entries per head: with heads sharing a budget (``groups``), a group's entries over its heads."""
-        sizes = {sum(len(layer[h]) for h in group) / len(group) for layer in self.kv for group in self.groups}
+    def size(self, layers=None) -> int:
+        """Entries per head of ``layers`` (default all): with heads sharing a budget (``groups``), a group's entries
+        over its heads."""
+        kv = self.kv if layers is None else [self.kv[i] for i in layers]
+        sizes = {sum(len(layer[h]) for h in group) / len(group) for layer in kv for group in self.groups}
         assert len(sizes) == 1, sizes
         return int(sizes.pop())
 
@@ -227,11 +234,13 @@ class _SampleState:
         rule: str = "paper",
         params: dict | None = None,
         prefill: bool = False,
+        layers=None,
     ):
-        """Each (layer, group of heads sharing a budget) evicts len(group) * p entries, the lowest
-        ``(priority, position, head)`` over the group's heads (each entry's priority computed within its own head)."""
+        """Each (layer of ``layers``, default all; group of heads sharing a budget) evicts len(group) * p entries, the
+        lowest ``(priority, position, head)`` over the group's heads (each entry's priority computed within its own
+        head)."""
         params = params or {}
-        for layer in range(self.n_layers):
+        for layer in range(self.n_layers) if layers is None else layers:
             ranked = {}  # head -> [(priority, position, head, entry)]
             for h in range(self.n_kv):
                 if prefill and not self.probed and self.probe_qk[layer] is not None:  # re-score: stored probe
@@ -360,6 +369,7 @@ def reference_generate(
     force_tokens=None,
     groups=None,
     snap=None,
+    layer_kv_max=None,
 ):
     """Greedy generation with the paper's cache policy (or one of the rules above, BM only), naively.
 
@@ -369,6 +379,8 @@ def reference_generate(
     default every head alone (the paper).
 
     ``snap`` (method "snap"): ``{"window": w, "kernel": k}``.
+
+    ``layer_kv_max`` (BM): each layer's own budget per head (``kv_max`` is then not read).
 
     ``force_tokens`` ``[B, >= max_new_tokens - 1]``: teacher forcing -- decode step t feeds ``force_tokens[:, t-1]``
     instead of the previous argmax (``tokens`` still records the argmaxes).
@@ -403,6 +415,13 @@ def reference_generate(
     attention_mask = attention_mask.cpu()
     bsz, s = input_ids.shape
     n_layers = model.config.num_hidden_layers
+    budgets = list(layer_kv_max) if layer_kv_max is not None else [kv_max] * n_layers
+    assert len(budgets) == n_layers and (layer_kv_max is None or policy.blocks)
+    first = min(budgets) if policy.blocks else None  # the first block fits every layer
+
+    def full(incoming):  # the layers whose entries and ``incoming`` new ones exceed their own budget
+        return [i for i in range(n_layers) if st.size([i]) + incoming > budgets[i]]
+
     result = RefResult(logits=[], kept=[], tokens=torch.zeros(bsz, max_new_tokens, dtype=torch.long))
     per_sample_logits, per_sample_history = [], []
     for j in range(bsz):
@@ -414,18 +433,20 @@ def reference_generate(
         logits = []
 
         def block(t0, t1):
-            index = 0 if t0 == 0 else 1 + (t0 - min(s, kv_max)) // p  # Algorithm 1's block number
+            index = 0 if t0 == 0 else 1 + (t0 - min(s, first)) // p  # Algorithm 1's block number
             probed = window and t1 < s and index % every == 0
             probe = range(max(t1, s - window), s) if probed else ()
             return st.process([(pos, ids[pos]) for pos in range(t0, t1)], [(pos, ids[pos]) for pos in probe])
 
         # ---------------- prefill
         if policy.blocks:
-            t1 = min(s, kv_max)
+            t1 = min(s, first)
             last = block(0, t1)
             while t1 < s:
-                st.evict_bm(p, curr_id=t1 - 1, result=result, sample=j, rule=rule, params=rule_params, prefill=True)
                 t0, t1 = t1, min(s, t1 + p)
+                layers = full(t1 - t0)
+                if layers:
+                    st.evict_bm(p, t0 - 1, result, j, rule=rule, params=rule_params, prefill=True, layers=layers)
                 last = block(t0, t1)
         elif policy.compresses:
             last = st.process([(pos, ids[pos]) for pos in range(s)], window=snap["window"])
@@ -440,13 +461,15 @@ def reference_generate(
         # ---------------- decoding
         for t in range(1, max_new_tokens):
             pos = s + t - 1
-            if (policy.blocks or policy.compresses) and st.size() == kv_max:
+            if policy.blocks and (layers := full(1)):
+                st.evict_bm(p, curr_id=pos - 1, result=result, sample=j, rule=rule, params=rule_params, layers=layers)
+            if policy.compresses and st.size() == kv_max:
                 st.evict_bm(p, curr_id=pos - 1, result=result, sample=j, rule=rule, params=rule_params)
             if policy.keeps_newest and (t == 1 or st.size() == kv_max):
                 # Algorithm 3 removes all but the most recent pair right after the prompt and after a step
                 # that fills the cache; doing it just before the next step is the same computation.
                 st.keep_newest(result, j, curr_id=pos - 1)
-            assert not policy.bounded or st.size() < kv_max
+            assert not policy.bounded or all(st.size([i]) < b for i, b in enumerate(budgets))
             fed = tok if force_tokens is None else int(force_tokens[j, t - 1])
             out = st.process([(pos, fed)])
             logits.append(out)

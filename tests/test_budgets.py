@@ -160,3 +160,152 @@ def test_bad_shares_are_one_line_errors():
 
     with pytest.raises(ValueError, match="heads sharing a budget run in batchmax_tp's engine"):
         BatchMaxCache(Method("bm", kv_max=128, p=16, rule="question:share=0"))
+
+
+# -- budgets across layers (a rule's taper) -------------------------------------------------------------------------
+def four_layers():
+    """A tiny Llama of 4 layers (4 query / 2 KV heads): at kv_max 16, p 4, taper 50 its budgets are 24, 20, 12, 8."""
+    return tiny_llama(0, num_hidden_layers=4, **PEAKED)
+
+
+# (rule, its parameters, taper, share, the reference's head groups, the prompts' seed: no near tie)
+TAPERS = [
+    ("paper", {}, 50, 1, None, 3),
+    ("question", QUESTION, 50, 1, None, 1),
+    ("question", QUESTION, -50, 1, None, 1),
+    ("question", QUESTION, 50, 0, [[0, 1]], 1),  # with a budget shared by the heads too
+]
+
+
+def tapered(rule: str, params: dict, taper: int, share: int = 1) -> str:
+    return rule_string(rule, {**params, "taper": taper, **({"share": share} if share != 1 else {})})
+
+
+@pytest.mark.parametrize("layers", [1, 2, 4, 24, 28, 30, 32])
+@pytest.mark.parametrize("kv_max, p", [(16, 4), (256, 64), (512, 64), (1024, 64), (96, 16)])
+@pytest.mark.parametrize("taper", [25, 50, -50, 75])
+def test_layer_budgets_add_up_to_the_papers_and_follow_a_line(layers, kv_max, p, taper):
+    """Every layer's budget is the smallest's plus whole blocks of p, within p of PyramidKV's line from (1 + t) x
+    kv_max at the first layer to (1 - t) x kv_max at the last (reversed for a negative taper), in order, and all of
+    them together hold exactly ``layers x kv_max`` slots: what the paper's per-layer ``kv_max`` holds."""
+    try:
+        method = Method("bm", kv_max=kv_max, p=p, rule=f"paper:taper={taper}")
+    except ValueError as err:
+        assert "taper" in str(err)
+        return
+    caps = method.layer_capacities(layers)
+    m = method.taper_steps
+    assert m >= 1 and method.least_kv_max_of_layers == kv_max - m * p
+    assert len(caps) == layers and sum(caps) == layers * kv_max
+    assert all((c - method.least_kv_max_of_layers) % p == 0 for c in caps)
+    assert list(caps) == sorted(caps, reverse=taper > 0)
+    for i, c in enumerate(caps):
+        slope = 1 - 2 * i / (layers - 1) if layers > 1 else 0
+        assert abs(c - (kv_max + m * p * (slope if taper > 0 else -slope))) < p, (i, c)
+    if layers > 1:
+        assert min(caps) == kv_max - m * p and max(caps) == kv_max + m * p
+    assert Method("bm", kv_max=kv_max, p=p).layer_capacities(layers) is None
+
+
+def test_bad_tapers_are_one_line_errors():
+    with pytest.raises(ValueError, match="taper must be <= 99"):
+        Method("bm", kv_max=512, rule="question:taper=100")
+    with pytest.raises(ValueError, match="taper must be an integer >= -99"):
+        Method("bm", kv_max=512, rule="question:taper=-100")
+    with pytest.raises(ValueError, match=r"taper=80 leaves its smallest layer 64 slots, below p \+ the pairs it prot"):
+        Method("bm", kv_max=256, rule="question:taper=80")
+    with pytest.raises(ValueError, match=r"taper=5 moves no layer's budget by a whole p=64 at kv_max=512 \(\|taper\| "):
+        Method("bm", kv_max=512, rule="paper:taper=5")
+    with pytest.raises(ValueError, match="applies to method 'bm' only"):
+        Method("snap", kv_max=512, rule="paper:taper=50")
+    from batchmax_tp.core.hf_cache import BatchMaxCache
+
+    with pytest.raises(ValueError, match=r"budgets across layers \(taper\) run in batchmax_tp's engine"):
+        BatchMaxCache(Method("bm", kv_max=128, p=16, rule="paper:taper=50"))
+
+
+@pytest.mark.parametrize("case", TAPERS, ids=lambda c: f"{c[0]}-taper{c[2]}-share{c[3]}")
+def test_budgets_across_layers_match_the_reference_left_padded(case):
+    """Each layer evicts p when its own budget is full (the first block is the smallest layer's): kept positions per
+    layer and head, logits and tokens equal the reference's (``layer_kv_max``), right after the prompt, after a
+    decode eviction and at the end (the paper's padded batch)."""
+    rule, params, taper, share, groups, seed = case
+    model = four_layers()
+    ids, mask = left_padded_batch([37, 52, 60], seed=seed)
+    kv_max, p, n = 16, 4, 14
+    method = Method("bm", kv_max=kv_max, p=p, rule=tapered(rule, params, taper, share))
+    caps = method.layer_capacities(4)
+    assert caps == ((24, 20, 12, 8) if taper > 0 else (8, 12, 20, 24))
+    kw = dict(rule=rule, rule_params=params, groups=groups)
+    ref = reference_generate(model, ids, mask, "bm", kv_max, p, n, layer_kv_max=caps, **kw)
+    assert ref.min_margin > 1e-4, f"near tie in the reference ranking ({ref.min_margin:.2g}); pick another seed"
+    out = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
+    assert_logits_close(out.logits, ref.logits, ATOL, what="logits")
+    assert_tokens_equal(out.tokens, ref.tokens)
+    assert_kept_equal(out.kept_positions(), ref.kept)
+    for steps in (1, 2 * p + 2):  # right after the prompt, and after a decode eviction
+        out_k = generate(model, ids, mask, method, steps, ignore_eos=True)
+        assert_kept_equal(out_k.kept_positions(), ref.kept_history[steps - 1], what=f"kept after {steps} tokens")
+    # Not vacuous: after the prompt each layer held its own budget's pairs (less the p its last block's eviction
+    # freed, plus that block), more than kv_max in the largest layers, and the kept sets differ from every layer at
+    # kv_max's.
+    held = [max(sum(len(h) for h in sample) // len(sample) for sample in layer) for layer in ref.kept_after_prefill]
+    assert [h > kv_max for h in held] == [c > kv_max for c in caps] and all(h <= c for h, c in zip(held, caps))
+    uniform = reference_generate(model, ids, mask, "bm", kv_max, p, n, **kw)
+    assert uniform.kept != ref.kept
+
+
+def test_budgets_across_layers_match_the_reference_continuous():
+    """Requests of several lengths through 2 slots, each at its own eviction steps per layer: each equals the
+    reference run on its own unpadded prompt."""
+    model = four_layers()
+    g = torch.Generator().manual_seed(3)
+    lengths, new = [9, 40, 61, 23], [6, 12, 3, 14]
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+    method = Method("bm", kv_max=16, p=4, rule=tapered("question", QUESTION, 50))
+    requests = [Request(pr, n) for pr, n in zip(prompts, new)]
+    out = Engine(model, method, 2).run(requests, Sampling(ignore_eos=True), record=Record(logits=True, positions=True))
+    for pr, n, o in zip(prompts, new, out.outputs):
+        ids = torch.tensor([pr])
+        ref = reference_generate(
+            model, ids, torch.ones_like(ids), "bm", 16, 4, n, rule="question", rule_params=QUESTION,
+            layer_kv_max=method.layer_capacities(4),
+        )  # fmt: skip
+        assert ref.min_margin > 1e-4, ref.min_margin
+        assert o.tokens == ref.tokens[0].tolist()
+        assert_logits_close([x[None] for x in o.logits], ref.logits, ATOL)
+        assert o.kept_positions == [layer[0] for layer in ref.kept]
+
+
+def test_budgets_across_layers_are_stored_in_the_papers_bytes():
+    """Each layer group's storage is sized to its own budget (+ the scratch slot); K/V and bookkeeping held are the
+    paper's per-layer kv_max pool's, byte for byte, and the planner's."""
+    from batchmax_tp.core.pool import KVLayout, LayeredPool, make_pool
+
+    method = Method("bm", kv_max=16, p=4, rule=tapered("question", QUESTION, 50))
+    layout = KVLayout(2, 16, 16, torch.float32, torch.device("cpu"), 4)
+    pool, paper = (
+        make_pool(method, 4, 3, 16, False),
+        make_pool(Method("bm", 16, 4, rule=rule_string("question", QUESTION)), 4, 3, 16, False),
+    )
+    assert isinstance(pool, LayeredPool) and [len(part.layers) for part in pool.parts] == [1, 1, 1, 1]
+    for each in (pool, paper):
+        each.allocate(layout)
+    assert [layer.keys.shape[2] for layer in pool.layers] == [25, 21, 13, 9]
+    assert pool.kv_bytes() == paper.kv_bytes() and pool.meta_bytes() == paper.meta_bytes()
+    model = four_layers()
+    ids = torch.randint(3, 128, (3, 70), generator=torch.Generator().manual_seed(0))
+    out = generate(model, ids, None, method, 12, ignore_eos=True)
+    shape = ModelShape.from_config(model.config)
+    assert out.peak_kv_bytes == predict(shape, method, 3, 70, 12).kv == pool.kv_bytes()
+    assert out.peak_meta_bytes == pool_bookkeeping_bytes(shape, method, 3, 70)
+
+
+def test_tp2_runs_budgets_across_layers_as_one_process(tmp_path):
+    """AutoTP (gloo, 2 ranks, heads split 2 + 1): every rank runs the same layer groups and evicts its own heads with
+    no communication; logits, tokens and each rank's kept sets equal one process's."""
+    from multiproc import assert_matches_single, single_process
+
+    method = Method("bm", kv_max=16, p=4, rule="paper:taper=50")
+    ranks = run_tp(tmp_path, 2, 2, [method])
+    assert_matches_single(ranks, single_process([method]), "bm", 2)

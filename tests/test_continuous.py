@@ -32,6 +32,7 @@ METHODS = {
     "ed": Method("ed", kv_max=65),
     "bm": Method("bm", KV, P),
     "bm-question": Method("bm", KV, P, rule="question"),
+    "bm-taper": Method("bm", KV, P, rule="paper:taper=50"),  # budgets across layers: 144 and 48 slots (2 layers)
 }
 
 
@@ -457,7 +458,7 @@ def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
 
         def described(work, device):
             d = real(work, device)
-            expected[0] += 1 + len(d.evictions)
+            expected[0] += sum(1 + len(part.evictions) for part in d.each())  # one copy per layer group's part
             return d
 
         pool.decode_pass, inside[0] = described, True
@@ -590,18 +591,24 @@ def test_the_idle_pass_a_capture_runs_changes_nothing_a_later_pass_reads(monkeyp
     checked = [0]
 
     def with_idle_first(model, step, ids, mask):
-        C = step.pool.capacity
-        before = {
-            k: v[..., :C, :].clone() if k in ("keys", "values") else v[..., :C].clone()
-            for k, v in step.pool.stacks.items()
-        }
-        N = getattr(step.pool, "num_blocks", None)  # FKV paged: blocks [0, N) (N: the scratch block)
-        layers = [t[:N] if N is not None else t[..., :C, :] for layer in step.pool.layers for t in layer.row_tensors()]
+        pools = [part.pool for part in step.each()]  # budgets across layers: every layer group's pool
+        before, layers = [], []
+        for pool in pools:
+            C = pool.capacity
+            before.append(
+                {
+                    k: v[..., :C, :].clone() if k in ("keys", "values") else v[..., :C].clone()
+                    for k, v in pool.stacks.items()
+                }
+            )
+            N = getattr(pool, "num_blocks", None)  # FKV paged: blocks [0, N) (N: the scratch block)
+            layers += [t[:N] if N is not None else t[..., :C, :] for layer in pool.layers for t in layer.row_tensors()]
         held = [t.clone() for t in layers]
         real(model, replay.idle_pass(step), torch.zeros_like(ids), mask)
-        for k, v in step.pool.stacks.items():
-            now = v[..., :C, :] if k in ("keys", "values") else v[..., :C]
-            assert torch.equal(now, before[k]), k
+        for pool, was in zip(pools, before):
+            for k, v in pool.stacks.items():
+                now = v[..., : pool.capacity, :] if k in ("keys", "values") else v[..., : pool.capacity]
+                assert torch.equal(now, was[k]), k
         assert all(torch.equal(t, h) for t, h in zip(layers, held)), "a layer's K/V changed"
         checked[0] += 1
         return real(model, step, ids, mask)

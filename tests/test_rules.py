@@ -77,17 +77,17 @@ def test_registry_names_and_defaults():
         ("pooled:kernel=4", "kernel must be odd"),
         ("pooled:kernel=0", "kernel must be an integer >= 1"),
         ("pooled:pool=min", "pool must be one of max, avg"),
-        ("pooled:size=3", "keys: share, kernel, pool"),
+        ("pooled:size=3", "keys: share, taper, kernel, pool"),
         ("probe:window=0", "window must be an integer >= 1"),
         ("probe:weight=-1", "weight must be a finite number >= 0"),
         ("sinks:recent=x", "recent must be int"),
-        ("paper:kernel=3", "keys: share$"),
+        ("paper:kernel=3", "keys: share, taper$"),
         ("question:recent=-1", "recent must be an integer >= 0"),
         ("question:sinks=1.5", "sinks must be int"),
         ("question:kernel=4", "kernel must be odd"),
         ("question:window=0", "window must be an integer >= 1"),
         ("question:pool=sum", "pool must be one of max, avg"),
-        ("question:weight=2", "keys: share, window, every, kernel, pool, sinks, recent"),
+        ("question:weight=2", "keys: share, taper, window, every, kernel, pool, sinks, recent"),
         ("paper:share=-1", "share must be an integer >= 0"),
         ("question:share=129", "share must be <= 128"),
         ("snapkv:every=0", "every must be an integer >= 1"),
@@ -389,9 +389,10 @@ def test_list_rules_prints_names_and_exits_0(capsys):
     assert done.value.code == 0
     lines = capsys.readouterr().out.split("\n")
     assert [line.split()[0] for line in lines[:-1]] == rule_names() and lines[-1] == ""
-    assert all(line.split()[1] == "share=1" for line in lines[:-1])  # the budget parameter every rule takes
+    assert all(line.split()[1:3] == ["share=1", "taper=0"] for line in lines[:-1])  # the budget parameters of all
     assert lines[rule_names().index("question")].split()[1:] == [
         "share=1",
+        "taper=0",
         "window=32",
         "every=4",
         "kernel=15",

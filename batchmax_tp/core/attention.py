@@ -125,6 +125,7 @@ def _rows_attention(
 ) -> torch.Tensor:
     """A pool's pass, as ``step`` states it (BM's prefill chunks, probes and decode steps; the dense pools' prefill
     and decode steps): write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
+    step = step.at(module.layer_idx)  # budgets across layers: the layer's group's own part of the pass
     layer = step.layer(module)
     hi = step.hi * layer.cache.share  # a shared budget's G heads hold G slots per column
     if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice

@@ -98,8 +98,8 @@ class DropInPool(BoundedPool):
     """The drop-in's pool: BM's bounded rows for every method, its prefill ranked without a look-ahead probe (HF's
     generate runs none), and, while nothing has been evicted, grown in place of a new one (``grown``)."""
 
-    def _evict_row(self, row: int, st: RowState, phase: Phase, prefill: bool) -> tuple[int, int, int, str | None]:
-        row, count, curr_id, _ = super()._evict_row(row, st, phase, prefill)
+    def _evict_row(self, row: int, st: RowState, evict: int, prefill: bool) -> tuple[int, int, int, str | None]:
+        row, count, curr_id, _ = super()._evict_row(row, st, evict, prefill)
         return row, count, curr_id, None
 
     def grown(self, capacity: int) -> DropInPool:
@@ -189,9 +189,10 @@ class BatchMaxCache(Cache):
     """
 
     def __init__(self, method: Method, num_layers: int | None = None, reserve: int = 0):
-        if method.scorer.share != 1:
+        if method.scorer.share != 1 or method.scorer.taper:
+            what = "heads sharing a budget" if method.scorer.share != 1 else "budgets across layers (taper)"
             raise ValueError(
-                f"rule {method.rule!r}: heads sharing a budget run in batchmax_tp's engine (serve, generate), "
+                f"rule {method.rule!r}: {what} run in batchmax_tp's engine (serve, generate), "
                 "not in HF generate's BatchMaxCache"
             )
         self.method = method

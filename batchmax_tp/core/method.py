@@ -12,6 +12,7 @@ head.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -138,6 +139,15 @@ class Method:
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         """Slots each (sample, KV head) needs at its largest."""
         raise NotImplementedError
+
+    def schedule_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The capacity the schedule's phases evict for (``schedule.plan``): ``capacity``, but with budgets across
+        layers (``BatchMax``, a rule's ``taper``) the smallest layer's, which evicts at every step any layer does."""
+        return self.capacity(prompt_len, max_new_tokens)
+
+    def layer_capacities(self, num_layers: int) -> tuple[int, ...] | None:
+        """Each layer's slots per (sample, KV head) when they differ (a rule's ``taper``), else None."""
+        return None
 
     def decode_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         """Slots each (sample, KV head) needs once its prompt is prefilled (a continuous-batching pool's row)."""
@@ -276,17 +286,58 @@ class BatchMax(Method):
                 f"rule {self.rule!r} protects {protected} pairs: kv_max must be >= p + "
                 f"{protected}, got kv_max={self.kv_max} p={self.p}"
             )
+        if self.scorer.taper and not self.taper_steps:
+            least = math.ceil(50 * self.p / self.kv_max)
+            raise ValueError(
+                f"rule {self.rule!r}: taper={self.scorer.taper} moves no layer's budget by a whole p={self.p} at "
+                f"kv_max={self.kv_max} (|taper| >= {least} does)"
+            )
+        if self.least_kv_max_of_layers < min_kv_max(self.p, self.rule):
+            least, need = self.least_kv_max_of_layers, min_kv_max(self.p, self.rule)
+            raise ValueError(
+                f"rule {self.rule!r}: taper={self.scorer.taper} leaves its smallest layer {least} slots, below p + "
+                f"the pairs it protects ({need}) at kv_max={self.kv_max} p={self.p}"
+            )
 
     @property
     def lookahead(self) -> int:
         return self.scorer.lookahead()
 
+    @property
+    def taper_steps(self) -> int:
+        """m: the smallest layer's budget is ``kv_max - m p`` and the mean layer's ``kv_max`` (the rule's ``taper``
+        percent of ``kv_max``, in whole blocks of ``p``; 0 without a taper)."""
+        return math.floor(self.kv_max * abs(self.scorer.taper) / 100 / self.p + 0.5)  # half up, never to even
+
+    @property
+    def least_kv_max_of_layers(self) -> int:
+        """The smallest layer's budget: its first prefill block, and the capacity the schedule evicts for."""
+        return self.kv_max - self.taper_steps * self.p
+
+    def layer_capacities(self, num_layers: int) -> tuple[int, ...] | None:
+        """PyramidKV's shape (``Rule.taper``): layer l holds ``kv_max - m p + k_l p`` slots, k_l the linear ramp
+        ``2 m (1 - l / (L - 1))`` rounded so that the k_l sum to ``L m`` exactly (then in order, reversed for a negative
+        taper): the layers hold ``L x kv_max`` slots in all, what every layer at ``kv_max`` holds. None without a
+        taper."""
+        m = self.taper_steps
+        if not m:
+            return None
+        L = num_layers
+        ramp = [2 * m * (1 - i / (L - 1)) if L > 1 else m for i in range(L)]  # the ideal k_l, summing to L m
+        cumulative = [round(sum(ramp[:i])) for i in range(L + 1)]  # rounded running sums: the total stays L m
+        steps = sorted((b - a for a, b in zip(cumulative, cumulative[1:])), reverse=self.scorer.taper > 0)
+        return tuple(self.least_kv_max_of_layers + k * self.p for k in steps)
+
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return self.kv_max
 
+    def schedule_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        return self.least_kv_max_of_layers
+
     def prefill_blocks(self, prompt_len: int) -> list[tuple[int, int]]:
-        """Algorithm 1: first block ``min(s, kv_max)`` tokens, then blocks of ``p``."""
-        t1 = min(prompt_len, self.kv_max)
+        """Algorithm 1: first block ``min(s, kv_max)`` tokens, then blocks of ``p`` (with budgets across layers the
+        first block is the smallest layer's budget: every layer runs the same blocks, each evicting for its own)."""
+        t1 = min(prompt_len, self.least_kv_max_of_layers)
         blocks = [(0, t1)]
         while t1 < prompt_len:
             t0, t1 = t1, min(prompt_len, t1 + self.p)

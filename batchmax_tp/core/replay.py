@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -70,7 +71,10 @@ def compiled_decode():
 def idle_pass(step: RowsPass) -> RowsPass:
     """A decode pass of ``step``'s shape in which every row is idle: it writes the scratch slot, adds to no sums and
     (the dense pools) sees finite slots, so running it changes nothing a later pass reads (its inputs are new
-    tensors: a capture's)."""
+    tensors: a capture's); with budgets across layers, every group's part."""
+    if step.parts:
+        parts = tuple(idle_pass(part) for part in step.parts)
+        return replace(parts[0], parts=parts)
     return RowsPass(
         kind="decode",
         pool=step.pool,
@@ -112,29 +116,13 @@ class CapturedDecode:
         if self.graph is None:
             self._capture(model, step, ids, mask)
         captured = self.inputs
-        if (step.hi, step.qpos.shape, step.active is None, step.bias is None, step.written is None) != (
-            captured.hi,
-            captured.qpos.shape,
-            captured.active is None,
-            captured.bias is None,
-            captured.written is None,
-        ):
+        if _shape(step) != _shape(captured):
             raise RuntimeError("a captured decode pass needs one shape for the whole run (a static pool)")
         self.ids.copy_(ids)
-        for mine, theirs in (
-            (captured.qpos, step.qpos),
-            (captured.positions, step.positions),
-            (captured.write, step.write),
-        ):
-            mine.copy_(theirs)
-        if step.active is not None:
-            captured.active.copy_(step.active)
-        if step.bias is not None:
-            captured.bias.copy_(step.bias)
-        if step.owner is not None:
-            captured.owner.copy_(step.owner)
-        if step.written is not None:
-            captured.written.copy_(step.written)
+        for mine, theirs in zip(captured.each(), step.each()):  # every layer group's part (budgets across layers)
+            for name in ("qpos", "positions", "write", "active", "bias", "owner", "written"):
+                if (value := getattr(theirs, name)) is not None:
+                    getattr(mine, name).copy_(value)
         self.graph.replay()
         return self.output
 
@@ -156,6 +144,13 @@ class CapturedDecode:
         logger.info(
             "decode pass captured as a CUDA graph in %.2fs (%d rows x %d slots)", self.capture_s, len(ids), step.hi
         )
+
+
+def _shape(step: RowsPass) -> tuple:
+    """What a captured pass fixes: each part's slots, columns and which optional inputs it has."""
+    return tuple(
+        (p.hi, p.qpos.shape, p.active is None, p.bias is None, p.written is None, p.owner is None) for p in step.each()
+    )
 
 
 @functools.cache

@@ -52,6 +52,11 @@ on a rank) each group of G heads of a layer holds one budget of ``G x kv_max`` p
 it (``core.pool``), and each eviction of Algorithm 1 frees the group's ``G x p`` pairs of lowest priority whichever
 head holds them (Ada-KV's allocation, decided at every prefill and decode eviction). Pooling and protection act
 within each head; ties order by position, then head. E.g. ``question:share=0``.
+
+Every rule takes ``taper`` (percent, default 0: every layer ``kv_max``): budgets across layers in PyramidKV's shape,
+about ``(1 + taper/100) x kv_max`` at the first layer down to ``(1 - taper/100) x kv_max`` at the last, all of them
+together the paper's ``layers x kv_max`` (``method.BatchMax.layer_capacities``), each layer evicting ``p`` when its own
+budget is full (``pool.LayeredPool``). E.g. ``question:taper=50``.
 """
 
 from __future__ import annotations
@@ -155,7 +160,9 @@ def protect(priority: Tensor, pos: Tensor, curr_id: int, sinks: int, recent: int
 
 
 #: Lowest value of each integer parameter; a parameter means the same in every rule that has it.
-_LOWEST = {"window": 1, "kernel": 1, "sinks": 0, "recent": 0, "every": 1, "share": 0}
+_LOWEST = {"window": 1, "kernel": 1, "sinks": 0, "recent": 0, "every": 1, "share": 0, "taper": -99}
+#: Highest value of the integer parameters that have one.
+_HIGHEST = {"share": MAX_SHARE, "taper": 99}
 
 
 def _check(rule: str, name: str, value: object) -> None:
@@ -165,8 +172,8 @@ def _check(rule: str, name: str, value: object) -> None:
             raise ValueError(f"rule {rule!r}: {name} must be an integer >= {_LOWEST[name]}, got {value!r}")
         if name == "kernel" and value % 2 == 0:
             raise ValueError(f"rule {rule!r}: kernel must be odd (centred on the slot), got {value}")
-        if name == "share" and value > MAX_SHARE:
-            raise ValueError(f"rule {rule!r}: share must be <= {MAX_SHARE} (0: all of a layer's heads), got {value}")
+        if name in _HIGHEST and value > _HIGHEST[name]:
+            raise ValueError(f"rule {rule!r}: {name} must be <= {_HIGHEST[name]}, got {value}")
     elif name == "pool" and value not in POOLS:
         raise ValueError(f"rule {rule!r}: pool must be one of {', '.join(POOLS)}, got {value!r}")
     elif name == "weight" and (
@@ -185,10 +192,17 @@ class Rule:
     ``share x p`` pairs of the group, the lowest priorities whichever head holds them, so a head whose attention is
     spread keeps more pairs than one whose attention is focused (Ada-KV's allocation, decided at every eviction of
     Algorithm 1, prefill and decoding); the priorities are compared as the rule computes them (every head's
-    attention sums to one per query). ``head`` [B, H, C]: each slot's head within its group (None: unshared)."""
+    attention sums to one per query). ``head`` [B, H, C]: each slot's head within its group (None: unshared).
+
+    ``taper`` (every rule; percent, -99..99, default 0: every layer ``kv_max``): budgets across layers, PyramidKV's
+    shape. The first layer holds about ``(1 + taper/100) x kv_max`` slots per head, the last about ``(1 - taper/100) x
+    kv_max``, linearly between, each a whole number of ``p`` from the smallest, and the layers together exactly
+    ``layers x kv_max`` (``taper_steps``); a negative taper gives the later layers more. Each layer evicts ``p`` pairs
+    before a block or decode step that does not fit its own budget (``method.BatchMax``)."""
 
     name: ClassVar[str] = ""
     share: int = 1
+    taper: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):

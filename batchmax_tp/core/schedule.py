@@ -50,7 +50,7 @@ def plan(method: Method, prompt_len: int, max_new_tokens: int, chunk: int | None
     """
     if prompt_len < 1:
         raise ValueError("prompt must have at least one token")
-    cap = method.capacity(prompt_len, max_new_tokens)
+    cap = method.schedule_capacity(prompt_len, max_new_tokens)  # with budgets across layers: the smallest's
     phases, filled = [], 0
     window = method.lookahead
     for i, (start, end) in enumerate(method.prefill_blocks(prompt_len)):

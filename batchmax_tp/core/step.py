@@ -110,14 +110,30 @@ class RowsPass:
     blind: bool = False  # BM's prefill passes: some row's queries see no slot (pads alone, nothing held yet)
     written: torch.Tensor | None = None  # [L, R*Hkv] BM's decode passes: each layer's K/V index of each row's pair
     after: tuple = ()  # (row, core.pool.RowState) per row the pass advances: its host state once the pass has run
+    parts: tuple[RowsPass, ...] = ()  # budgets across layers: the pass of each layer group's pool (the first's is it)
 
     def layer(self, module):
-        return self.pool.layers[module.layer_idx]
+        return self.pool.layers[module.layer_idx - self.pool.first_layer]
+
+    def at(self, layer_idx: int) -> RowsPass:
+        """The pass as the pool of layer ``layer_idx`` describes it: this one, or with budgets across layers
+        (``pool.LayeredPool``) its layer group's part (the same columns; its own writes, slots and evictions)."""
+        for part in self.parts:
+            if layer_idx < part.pool.first_layer + len(part.pool.layers):
+                return part
+        return self
+
+    def each(self) -> tuple[RowsPass, ...]:
+        """Every pool's pass: the layer groups' parts, or this one alone."""
+        return self.parts or (self,)
 
     def for_model(self) -> RowsPass:
         """What the model call reads: the pass less its host part (the rows' new states and the evictions, which the
         pool's ``ready`` executes first) and the caller's ``decoding`` rows, so that every decode pass of a static
         pool has one shape."""
+        if self.parts:
+            parts = tuple(part.for_model() for part in self.parts)
+            return replace(parts[0], parts=parts)
         return replace(self, evictions=(), decoding=None, after=())
 
     def take(self, t: torch.Tensor) -> torch.Tensor:

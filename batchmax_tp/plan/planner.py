@@ -19,6 +19,7 @@ the most, which is what a budget must fit).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass
 
@@ -150,10 +151,12 @@ def predict_pool(
     cap = method.decode_capacity(prompt_len, max_new_tokens)
     G = method.group(kv_heads)  # heads sharing one budget: Hs storage heads of T = G x cap slots
     Hs, T = kv_heads // G, G * cap
-    kv = _pool_kv_bytes(shape, slots, T, Hs, nbytes)
+    kv = _pool_kv_bytes(shape, slots, T, Hs, nbytes)  # budgets across layers: the same slots in all (their sum)
+    runs = _layer_runs(shape, method, cap)
+    widest = G * max(c for _, c in runs)  # the layer whose attention calls are the largest
     decode = (
         slots * per_token + slots * shape.vocab * 4,
-        decode_workspace_bytes(slots, q_heads, Hs, T, shape.head_dim, nbytes, G) if max_new_tokens > 1 else 0,
+        decode_workspace_bytes(slots, q_heads, Hs, widest, shape.head_dim, nbytes, G) if max_new_tokens > 1 else 0,
         0,
     )
     if method.paged:  # the memory of ``slots`` rows, in blocks, and the scratch block
@@ -169,9 +172,16 @@ def predict_pool(
         return MemoryEstimate(kv, max(workspace, compress) + decode[1], weights, activations + decode[0], meta)
     meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
     passes = _pool_prefill_passes(shape, method, slots, tokens, q_heads, kv_heads, nbytes, per_token, prompt_len)
-    evicting = (0, eviction_workspace_bytes(shape.layers, slots, Hs, T, nbytes, G))
+    evicting = (0, max(eviction_workspace_bytes(n, slots, Hs, G * c, nbytes, G) for n, c in runs))  # per group
     activations, workspace = max([*passes, evicting], key=sum)
     return MemoryEstimate(kv, workspace + decode[1], weights, activations + decode[0], meta)
+
+
+def _layer_runs(shape: ModelShape, method: Method, cap: int) -> list[tuple[int, int]]:
+    """(layers, slots per head) of each run of layers of one budget: one run of every layer at ``cap``, or with budgets
+    across layers (a rule's ``taper``) each of the pool's layer groups (``pool.LayeredPool``)."""
+    capacities = method.layer_capacities(shape.layers) or (cap,) * shape.layers
+    return [(len(list(run)), c) for c, run in itertools.groupby(capacities)]
 
 
 def _pool_prefill_passes(
@@ -192,7 +202,8 @@ def _pool_prefill_passes(
     after the chunk, the chunk's output held, then both outputs joined. A row prefilling alone runs its first block
     in one pass (R = 1, n = ``kv_max`` or the whole prompt when shorter)."""
     G = method.group(kv_heads)
-    C, D, V, H, w, e = G * method.kv_max, shape.head_dim, shape.vocab, kv_heads // G, method.lookahead, nbytes
+    widest = max(method.layer_capacities(shape.layers) or (method.kv_max,))  # budgets across layers: the largest
+    C, D, V, H, w, e = G * widest, shape.head_dim, shape.vocab, kv_heads // G, method.lookahead, nbytes
     passes = []
     for n in [*range(1, method.p + 1), min(method.kv_max, prompt_len)]:
         R = min(slots, max(1, tokens // (n + w))) if n <= method.p else 1
