@@ -28,11 +28,17 @@ def four_kv_heads():
     )
 
 
+def four_layers():
+    """A tiny Llama of 4 layers (4 query / 2 KV heads): at kv_max 16, p 4, taper 50 its budgets are 24, 20, 12, 8."""
+    return tiny_llama(0, num_hidden_layers=4, **PEAKED)
+
+
 MODELS = {
     "llama": lambda: tiny_llama(0, **PEAKED),  # 4 query / 2 KV heads
     "qwen2": lambda: tiny_random_model(seed=0, **FAMILIES["qwen2"]),
     "mistral": lambda: tiny_random_model(seed=0, **FAMILIES["mistral"]),
     "llama-4kv": four_kv_heads,
+    "llama-4-layers": four_layers,
 }
 # (model, rule, its parameters, share, the reference's head groups, the prompts' seed: no near tie)
 CASES = [
@@ -50,6 +56,22 @@ def shared(rule: str, params: dict, share: int) -> str:
     return rule_string(rule, {**params, "share": share})
 
 
+def tapered(rule: str, params: dict, taper: int, share: int = 1) -> str:
+    return rule_string(rule, {**params, "taper": taper, **({"share": share} if share != 1 else {})})
+
+
+def assert_padded_run_is_the_references(model, ids, mask, method: Method, n: int, ref) -> None:
+    """``generate`` on the padded batch: logits, tokens and kept positions equal ``ref``'s at the end, right after
+    the prompt, and after a decode eviction."""
+    out = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
+    assert_logits_close(out.logits, ref.logits, ATOL, what="logits")
+    assert_tokens_equal(out.tokens, ref.tokens)
+    assert_kept_equal(out.kept_positions(), ref.kept)
+    for steps in (1, 2 * method.p + 2):
+        out_k = generate(model, ids, mask, method, steps, ignore_eos=True)
+        assert_kept_equal(out_k.kept_positions(), ref.kept_history[steps - 1], what=f"kept after {steps} tokens")
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-share{c[3]}")
 def test_shared_budget_matches_the_reference_left_padded(case):
     family, rule, params, share, groups, seed = case
@@ -59,13 +81,7 @@ def test_shared_budget_matches_the_reference_left_padded(case):
     ref = reference_generate(model, ids, mask, "bm", kv_max, p, n, rule=rule, rule_params=params, groups=groups)
     assert ref.min_margin > 1e-4, f"near tie in the reference ranking ({ref.min_margin:.2g}); pick another seed"
     method = Method("bm", kv_max=kv_max, p=p, rule=shared(rule, params, share))
-    out = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
-    assert_logits_close(out.logits, ref.logits, ATOL, what="logits")
-    assert_tokens_equal(out.tokens, ref.tokens)
-    assert_kept_equal(out.kept_positions(), ref.kept)
-    for steps in (1, 2 * p + 2):  # right after the prompt, and after a decode eviction
-        out_k = generate(model, ids, mask, method, steps, ignore_eos=True)
-        assert_kept_equal(out_k.kept_positions(), ref.kept_history[steps - 1], what=f"kept after {steps} tokens")
+    assert_padded_run_is_the_references(model, ids, mask, method, n, ref)
     # Not vacuous: some head held more than kv_max pairs (the budget moved between heads), each group held at most
     # its heads' kv_max each, and the kept sets differ from the paper's per-head budgets.
     sizes = [[len(h) for h in sample] for state in ref.kept_history for layer in state for sample in layer]
@@ -75,20 +91,32 @@ def test_shared_budget_matches_the_reference_left_padded(case):
     assert alone.kept != ref.kept
 
 
-def test_shared_budget_matches_the_reference_continuous():
-    """Requests of several lengths through 2 slots: each equals the reference run on its own unpadded prompt."""
-    model = MODELS["llama"]()
+@pytest.mark.parametrize(
+    "budgets",
+    [
+        dict(rule=shared("question", QUESTION, 0), model="llama", reference=dict(groups=[[0, 1]])),
+        dict(
+            rule=tapered("question", QUESTION, 50), model="llama-4-layers", reference=dict(layer_kv_max=(24, 20, 12, 8))
+        ),
+    ],
+    ids=["share", "taper"],
+)
+def test_budgets_match_the_reference_continuous(budgets):
+    """Requests of several lengths through 2 slots, each at its own eviction steps (heads sharing a budget; budgets
+    across layers): each equals the reference run on its own unpadded prompt."""
+    model = MODELS[budgets["model"]]()
     g = torch.Generator().manual_seed(3)
     lengths, new = [9, 40, 61, 23], [6, 12, 3, 14]
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
-    method = Method("bm", kv_max=16, p=4, rule=shared("question", QUESTION, 0))
+    method = Method("bm", kv_max=16, p=4, rule=budgets["rule"])
     requests = [Request(pr, n) for pr, n in zip(prompts, new)]
     out = Engine(model, method, 2).run(requests, Sampling(ignore_eos=True), record=Record(logits=True, positions=True))
     for pr, n, o in zip(prompts, new, out.outputs):
         ids = torch.tensor([pr])
         ref = reference_generate(
-            model, ids, torch.ones_like(ids), "bm", 16, 4, n, rule="question", rule_params=QUESTION, groups=[[0, 1]]
-        )
+            model, ids, torch.ones_like(ids), "bm", 16, 4, n, rule="question", rule_params=QUESTION,
+            **budgets["reference"],
+        )  # fmt: skip
         assert ref.min_margin > 1e-4, ref.min_margin
         assert o.tokens == ref.tokens[0].tolist()
         assert_logits_close([x[None] for x in o.logits], ref.logits, ATOL)
@@ -163,11 +191,6 @@ def test_bad_shares_are_one_line_errors():
 
 
 # -- budgets across layers (a rule's taper) -------------------------------------------------------------------------
-def four_layers():
-    """A tiny Llama of 4 layers (4 query / 2 KV heads): at kv_max 16, p 4, taper 50 its budgets are 24, 20, 12, 8."""
-    return tiny_llama(0, num_hidden_layers=4, **PEAKED)
-
-
 # (rule, its parameters, taper, share, the reference's head groups, the prompts' seed: no near tie)
 TAPERS = [
     ("paper", {}, 50, 1, None, 3),
@@ -175,10 +198,6 @@ TAPERS = [
     ("question", QUESTION, -50, 1, None, 1),
     ("question", QUESTION, 50, 0, [[0, 1]], 1),  # with a budget shared by the heads too
 ]
-
-
-def tapered(rule: str, params: dict, taper: int, share: int = 1) -> str:
-    return rule_string(rule, {**params, "taper": taper, **({"share": share} if share != 1 else {})})
 
 
 @pytest.mark.parametrize("layers", [1, 2, 4, 24, 28, 30, 32])
@@ -239,13 +258,7 @@ def test_budgets_across_layers_match_the_reference_left_padded(case):
     kw = dict(rule=rule, rule_params=params, groups=groups)
     ref = reference_generate(model, ids, mask, "bm", kv_max, p, n, layer_kv_max=caps, **kw)
     assert ref.min_margin > 1e-4, f"near tie in the reference ranking ({ref.min_margin:.2g}); pick another seed"
-    out = generate(model, ids, mask, method, n, ignore_eos=True, return_logits=True)
-    assert_logits_close(out.logits, ref.logits, ATOL, what="logits")
-    assert_tokens_equal(out.tokens, ref.tokens)
-    assert_kept_equal(out.kept_positions(), ref.kept)
-    for steps in (1, 2 * p + 2):  # right after the prompt, and after a decode eviction
-        out_k = generate(model, ids, mask, method, steps, ignore_eos=True)
-        assert_kept_equal(out_k.kept_positions(), ref.kept_history[steps - 1], what=f"kept after {steps} tokens")
+    assert_padded_run_is_the_references(model, ids, mask, method, n, ref)
     # Not vacuous: after the prompt each layer held its own budget's pairs (less the p its last block's eviction
     # freed, plus that block), more than kv_max in the largest layers, and the kept sets differ from every layer at
     # kv_max's.
@@ -253,28 +266,6 @@ def test_budgets_across_layers_match_the_reference_left_padded(case):
     assert [h > kv_max for h in held] == [c > kv_max for c in caps] and all(h <= c for h, c in zip(held, caps))
     uniform = reference_generate(model, ids, mask, "bm", kv_max, p, n, **kw)
     assert uniform.kept != ref.kept
-
-
-def test_budgets_across_layers_match_the_reference_continuous():
-    """Requests of several lengths through 2 slots, each at its own eviction steps per layer: each equals the
-    reference run on its own unpadded prompt."""
-    model = four_layers()
-    g = torch.Generator().manual_seed(3)
-    lengths, new = [9, 40, 61, 23], [6, 12, 3, 14]
-    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
-    method = Method("bm", kv_max=16, p=4, rule=tapered("question", QUESTION, 50))
-    requests = [Request(pr, n) for pr, n in zip(prompts, new)]
-    out = Engine(model, method, 2).run(requests, Sampling(ignore_eos=True), record=Record(logits=True, positions=True))
-    for pr, n, o in zip(prompts, new, out.outputs):
-        ids = torch.tensor([pr])
-        ref = reference_generate(
-            model, ids, torch.ones_like(ids), "bm", 16, 4, n, rule="question", rule_params=QUESTION,
-            layer_kv_max=method.layer_capacities(4),
-        )  # fmt: skip
-        assert ref.min_margin > 1e-4, ref.min_margin
-        assert o.tokens == ref.tokens[0].tolist()
-        assert_logits_close([x[None] for x in o.logits], ref.logits, ATOL)
-        assert o.kept_positions == [layer[0] for layer in ref.kept]
 
 
 def test_budgets_across_layers_are_stored_in_the_papers_bytes():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -187,9 +188,12 @@ def methods(a: argparse.Namespace) -> list[Method]:
 
 
 def warm_method(rule: str) -> Method:
-    """A small BM that evicts with ``rule`` (p 32, room for the pairs the rule protects) for the warm-up."""
-    p = 32
-    return Method("bm", kv_max=max(64, 2 * p + get_rule(rule).protected()), p=p, rule=rule)
+    """A small BM that evicts with ``rule`` (p 32, room for the pairs the rule protects, in its smallest layer too
+    under a taper) for the warm-up."""
+    p, scorer = 32, get_rule(rule)
+    least = max(64, 2 * p + scorer.protected())
+    kv_max = math.ceil(least / (1 - abs(scorer.taper) / 100) / p + 1) * p  # the smallest layer: at least ``least``
+    return Method("bm", kv_max=kv_max if scorer.taper else least, p=p, rule=rule)
 
 
 def warm_up(model, rules: list[str], device: str, hf: bool) -> None:
