@@ -202,7 +202,7 @@ def _pool_prefill_passes(
     after the chunk, the chunk's output held, then both outputs joined. A row prefilling alone runs its first block
     in one pass (R = 1, n = ``kv_max`` or the whole prompt when shorter)."""
     G = method.group(kv_heads)
-    widest = max(method.layer_capacities(shape.layers) or (method.kv_max,))  # budgets across layers: the largest
+    widest = max(c for _, c in _layer_runs(shape, method, method.kv_max))  # budgets across layers: the largest
     C, D, V, H, w, e = G * widest, shape.head_dim, shape.vocab, kv_heads // G, method.lookahead, nbytes
     passes = []
     for n in [*range(1, method.p + 1), min(method.kv_max, prompt_len)]:
