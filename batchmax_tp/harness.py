@@ -160,12 +160,15 @@ class BatchMaxLM(TemplateLM):
         if setup.early is not None:
             setup.early[1].until_exit()
         config = self._read_config(s)
-        tp = parallel.resolve_tp_size(s.tp_size, world)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        tp = parallel.resolve_tp_size(s.tp_size, world, heads)
         try:
-            parallel.check_tp_size(tp, world, int(heads), explicit=s.tp_size is not None)
+            parallel.check_tp_size(tp, world, heads)
         except ValueError as err:
             raise ModelArgsError(f"model_args: tp_size: {err}") from None
+        note = parallel.layout_note(s.tp_size, world, heads)
+        if note is not None and rank == 0:
+            logger.warning("%s", note)
         try:
             device = parallel.resolve_device(s.device or lm_device, strict=s.device is not None)
         except ValueError as err:
@@ -612,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.argv = [sys.argv[0], *_rewrite_use_cache(args)]
         cli_evaluate()
     except ModelArgsError as err:
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        if parallel.world_from_env()[0] == 0:  # every rank finds it: said once
+            print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -110,7 +110,7 @@ class Job:
 
 
 # ---------------------------------------------------------------------- set-up (no weights)
-def _resolve(cfg: RunConfig, world: int, local_rank: int) -> tuple[RunConfig, str]:
+def _resolve(cfg: RunConfig, rank: int, world: int, local_rank: int) -> tuple[RunConfig, str]:
     """The configuration with ``device``, ``tp_size``, ``dp_size`` and ``dtype`` resolved (as ``OUT/config.yaml``
     records them), and this process's device. The model's configuration alone (no weights) is read here: an
     unreadable model is one line, and its KV heads and dtype settle the layout before anything heavy happens."""
@@ -118,7 +118,12 @@ def _resolve(cfg: RunConfig, world: int, local_rank: int) -> tuple[RunConfig, st
         cfg = cfg.replace(device=parallel.resolve_device(cfg.model.device))
     except ValueError as err:
         raise JobError(f"device: {err}") from None
-    tp = parallel.resolve_tp_size(cfg.parallel.tp_size, world)
+    try:
+        model_config = models.read_config(cfg.model.name)
+    except ValueError as err:
+        raise JobError(f"model: {err}") from None
+    heads = int(getattr(model_config, "num_key_value_heads", None) or getattr(model_config, "num_attention_heads", 1))
+    tp = parallel.resolve_tp_size(cfg.parallel.tp_size, world, heads)
     if world % tp:
         raise JobError(
             f"tp_size: world size {world} is not a multiple of tp_size {tp}; start dp_size x tp_size "
@@ -130,15 +135,13 @@ def _resolve(cfg: RunConfig, world: int, local_rank: int) -> tuple[RunConfig, st
             f"{world // tp} data-parallel replicas"
         )
     try:
-        model_config = models.read_config(cfg.model.name)
-    except ValueError as err:
-        raise JobError(f"model: {err}") from None
-    heads = getattr(model_config, "num_key_value_heads", None) or getattr(model_config, "num_attention_heads", 1)
-    try:
-        parallel.check_tp_size(tp, world, int(heads), explicit=cfg.parallel.tp_size is not None)
+        parallel.check_tp_size(tp, world, heads)
     except ValueError as err:
         raise JobError(f"tp_size: {err} ({cfg.model.name})") from None
-    _check_methods(cfg, int(heads), tp)
+    note = parallel.layout_note(cfg.parallel.tp_size, world, heads)
+    if note is not None and rank == 0:
+        logger.warning("%s (%s)", note, cfg.model.name)
+    _check_methods(cfg, heads, tp)
     # dp_size is part of OUT/config.yaml: results are resumed only with the same replicas
     cfg = cfg.replace(tp_size=tp, dp_size=world // tp)
     device = parallel.process_device(cfg.model.device, world, local_rank)
@@ -263,21 +266,21 @@ def _warm_up_methods(cfg: RunConfig) -> list[Method]:
     return list({s.method: None for s in sweep.run_specs()})
 
 
-def _prepare(cfg: RunConfig, world: int, local_rank: int) -> Job | list[dict]:
+def _prepare(cfg: RunConfig, rank: int, world: int, local_rank: int) -> Job | list[dict]:
     """The job, or the summaries of its runs when every one has finished earlier (a single process resumes a
     listed sweep by writing the report only). The output folder exists from the start (a folder that cannot be made
     is one line before any model is read); a set-up that fails removes what it made."""
     made = _make_out(cfg.output.dir)
     try:
-        return _prepare_job(cfg, world, local_rank)
+        return _prepare_job(cfg, rank, world, local_rank)
     except JobError:
         _unmake_out(made)
         raise
 
 
-def _prepare_job(cfg: RunConfig, world: int, local_rank: int) -> Job | list[dict]:
+def _prepare_job(cfg: RunConfig, rank: int, world: int, local_rank: int) -> Job | list[dict]:
     samples, task_data = _load_data(cfg.data, cfg.generation.seed)  # first: a bad data file costs no model read
-    cfg, device = _resolve(cfg, world, local_rank)
+    cfg, device = _resolve(cfg, rank, world, local_rank)
     try:
         resuming = results.check_same_config(cfg.output.dir, cfg.to_dict())
     except ValueError as err:
@@ -306,10 +309,12 @@ def run(cfg: RunConfig, argv: Sequence[str] | None = None) -> int:
         return fail(str(err))
     try:
         with setup.step("reading the model's configuration and the data"):
-            job = _prepare(cfg, world, local_rank)
+            job = _prepare(cfg, rank, world, local_rank)
     except JobError as err:
+        # every rank finds the same set-up error: rank 0 says it, once (a rank alone in its error tells rank 0,
+        # whose watchdog says it)
         setup.tell(str(err))
-        return fail(str(err))
+        return fail(str(err)) if rank == 0 else 2
     if isinstance(job, list):
         if setup.early is not None:
             setup.early[1].leave()

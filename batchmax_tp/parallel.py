@@ -82,26 +82,40 @@ def world_from_env() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
-def resolve_tp_size(tp_size: int | None, world: int) -> int:
-    """``tp_size`` null means every rank of the world splits one model (DeepSpeed inference's convention): heads
-    are divided over the processes ``deepspeed --num_gpus N`` or ``torchrun --nproc_per_node N`` starts."""
-    return world if tp_size is None else tp_size
+def resolve_tp_size(tp_size: int | None, world: int, num_kv_heads: int) -> int:
+    """``tp_size`` null: every rank of the world splits one model (DeepSpeed inference's convention), heads divided
+    over the processes ``deepspeed --num_gpus N`` or ``torchrun --nproc_per_node N`` starts, where the model's KV
+    heads allow it (every rank needs one); otherwise the largest size that divides the world and does not exceed
+    the KV heads, the rest of the world as data-parallel replicas (:func:`layout_note` says so). A given
+    ``tp_size`` is returned as it is (:func:`check_tp_size` judges it)."""
+    if tp_size is not None:
+        return tp_size
+    return max(k for k in range(1, min(world, max(num_kv_heads, 1)) + 1) if world % k == 0)
 
 
-def check_tp_size(tp: int, world: int, num_kv_heads: int, *, explicit: bool = True) -> None:
-    """Reject layouts AutoTP cannot serve, before any weight is loaded (``explicit``: tp_size was given)."""
+def layout_note(tp_size: int | None, world: int, num_kv_heads: int) -> str | None:
+    """The one line rank 0 logs when a null ``tp_size`` could not split the model over the whole world (None
+    otherwise)."""
+    tp = resolve_tp_size(tp_size, world, num_kv_heads)
+    if tp_size is not None or tp == world:
+        return None
+    return (
+        f"tp_size: {world} processes cannot split the model's {num_kv_heads} KV heads (every rank needs one): "
+        f"running {world // tp} data-parallel replicas of tp_size {tp} (--tp-size K chooses)"
+    )
+
+
+def check_tp_size(tp: int, world: int, num_kv_heads: int) -> None:
+    """Reject layouts AutoTP cannot serve, before any weight is loaded."""
     if tp < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp}")
     if world % tp:
         raise ValueError(f"world size {world} is not a multiple of tp_size {tp}")
     if tp > num_kv_heads:
-        if not explicit:
-            raise ValueError(
-                f"{world} processes would split the model's {num_kv_heads} KV heads (tp_size defaults to the world "
-                f"size) but every rank needs one: pass --tp-size K with K <= {num_kv_heads} dividing {world} to run "
-                f"{world}/K data-parallel replicas of K ranks"
-            )
-        raise ValueError(f"tp_size {tp} exceeds the model's {num_kv_heads} KV heads: every rank needs one")
+        raise ValueError(
+            f"tp_size {tp} exceeds the model's {num_kv_heads} KV heads: every rank needs one (without --tp-size "
+            f"the largest size that fits runs, the rest as data-parallel replicas)"
+        )
 
 
 def resolve_device(requested: str | None, *, strict: bool = True) -> str:

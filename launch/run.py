@@ -4,7 +4,8 @@
     python launch/run.py                                  # FKV, ED, BM, BM (best rule), snap at the same memory
     python launch/run.py --config configs/default.yaml    # a listed sweep; --help lists every flag
     torchrun --nproc_per_node 4 launch/run.py --tp-size 2 [flags]     # 2 replicas x 2 tensor-parallel ranks
-    deepspeed --num_gpus 4 launch/run.py --config configs/X.yaml      # heads split over the 4 GPUs
+    deepspeed --num_gpus 4 launch/run.py --config configs/X.yaml      # heads split over the 4 GPUs (where the
+                                                                      # KV heads allow; else replicas: run.py logs it)
 
 = ``batchmax_tp.cli.main`` (the job: ``batchmax_tp.job``; docs/architecture.md: The run path and the layers).
 """

@@ -6,6 +6,7 @@ cannot pass. Elsewhere (the GPU machine's package set has no lm-eval) such skips
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -13,11 +14,31 @@ import pytest
 REQUIRED_DEPS = ("deepspeed", "lm_eval", "torchrun", "mpiexec", "mpi4py", "bash", "/proc")
 _missing: list[str] = []
 
+#: The forms in which a skip reason names the dependency it lacks: ``needs NAME ...``, ``NAME is not installed``
+#: and pytest.importorskip's ``could not import 'NAME'``. Only a whole name in one of them counts: a reason that
+#: merely contains a dependency's name ("... not fetched: bash scripts/accuracy_model.sh") is another skip.
+_FORMS = (
+    re.compile(r"^needs (?P<dep>[^\s(:,;]+)"),
+    re.compile(r"^(?P<dep>\S+) is not installed\b"),
+    re.compile(r"^could not import '(?P<dep>[^']+)'"),
+)
+
+
+def missing_dependency(reason: str) -> str | None:
+    """The required dependency a skip reason says is missing (one of ``REQUIRED_DEPS``, by its whole name), or
+    None. pytest writes skip-mark reasons behind "Skipped: "."""
+    reason = reason.strip().removeprefix("Skipped: ")
+    for form in _FORMS:
+        found = form.match(reason)
+        if found is not None and found["dep"] in REQUIRED_DEPS:
+            return found["dep"]
+    return None
+
 
 def _note(report) -> None:
     if report.skipped and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[-1])
-        if any(dep in reason for dep in REQUIRED_DEPS):
+        if missing_dependency(reason) is not None:
             _missing.append(f"{report.nodeid}: {reason}")
 
 

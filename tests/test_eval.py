@@ -527,7 +527,7 @@ def test_default_yaml_is_the_builtin_defaults_plus_the_default_sweep():
     assert set(yaml.safe_load(path.read_text())) == set(SETTINGS)  # it says it spells out every key
     cfg = RunConfig.from_yaml(path)
     # ... and its own out: the plain run (results/main) and this sweep never write into one folder.
-    assert cfg == RunConfig().replace(max_new_tokens=24, device="cpu", runs=cfg.sweep.runs, out="results/default")
+    assert cfg == RunConfig().replace(max_new_tokens=24, runs=cfg.sweep.runs, out="results/default")
     assert not cfg.main_job and cfg.listed_by == ["methods", "batch_size", "runs"]  # a listed sweep
     assert RunConfig().output.dir != cfg.output.dir and [s.name for s in cfg.sweep.run_specs()] == [
         "fkv-b3",

@@ -327,13 +327,117 @@ def test_check_tp_size():
 
 
 def test_tp_size_config_key():
-    assert parse_args([]).parallel.tp_size is None  # null: the world size (DeepSpeed inference's convention)
+    assert parse_args([]).parallel.tp_size is None  # null: the world size where the model's KV heads allow it
     assert parse_args(["--tp-size", "2"]).parallel.tp_size == 2
     assert parse_args(["--tp-size", "null"]).parallel.tp_size is None
-    assert tp.resolve_tp_size(None, 4) == 4 and tp.resolve_tp_size(2, 4) == 2 and tp.resolve_tp_size(None, 1) == 1
     for bad in (["--tp-size", "0"], ["--tp-size", "-1"]):
         with pytest.raises(ConfigError, match="^tp_size:"):
             parse_args(bad)
+
+
+@pytest.mark.parametrize(
+    "world, heads, want",
+    [(1, 3, 1), (2, 3, 2), (3, 3, 3), (4, 3, 2), (6, 3, 3), (8, 3, 2), (5, 3, 1), (4, 2, 2), (8, 32, 8), (4, 1, 1)],
+)
+def test_a_null_tp_size_takes_the_largest_that_splits_the_kv_heads(world, heads, want):
+    """No --tp-size: the whole world splits one model where every rank gets a KV head, else the largest size
+    dividing the world within the heads, the rest as replicas, and rank 0's one line says so; a given size is kept
+    (and judged by check_tp_size)."""
+    tp_size = tp.resolve_tp_size(None, world, heads)
+    assert tp_size == want
+    tp.check_tp_size(tp_size, world, heads)  # always a layout AutoTP can serve
+    note = tp.layout_note(None, world, heads)
+    if want == world:
+        assert note is None
+    else:
+        assert note == (
+            f"tp_size: {world} processes cannot split the model's {heads} KV heads (every rank needs one): running "
+            f"{world // want} data-parallel replicas of tp_size {want} (--tp-size K chooses)"
+        )
+    assert tp.resolve_tp_size(4, world, heads) == 4 and tp.layout_note(4, world, heads) is None
+
+
+#: The hub models the launch examples name, and their architectures shipped in configs/models (read offline).
+HUB_ARCH = {
+    "meta-llama/Llama-2-13b-chat-hf": "arch:llama-2-13b",
+    "meta-llama/Llama-2-7b-chat-hf": "arch:llama-2-7b",
+    "microsoft/Phi-3.5-mini-instruct": "arch:phi-3.5-mini",
+}
+
+
+def _sbatch_defaults() -> tuple[int, dict[str, str]]:
+    """launch/slurm_tp.sbatch: its world (nodes x tasks per node) and its variables' defaults."""
+    text = (Path(ROOT) / "launch" / "slurm_tp.sbatch").read_text()
+    nodes = int(re.search(r"#SBATCH --nodes=(\d+)", text)[1])
+    tasks = int(re.search(r"#SBATCH --ntasks-per-node=(\d+)", text)[1])
+    return nodes * tasks, dict(re.findall(r'^(\w+)="\$\{\w+:-([^}]+)\}"', text, re.M))
+
+
+def _launch_examples() -> list[tuple[str, int, list[str]]]:
+    """Every launch of launch/run.py in README's and docs/tensor-parallel.md's bash blocks: (the line, its world,
+    the flags run.py gets)."""
+    examples = []
+    for doc in (Path(ROOT) / "README.md", Path(ROOT) / "docs" / "tensor-parallel.md"):
+        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = line.split(" #")[0].split()
+                if not words or words[0].startswith("#"):
+                    continue
+                env = {}
+                while words and "=" in words[0]:
+                    key, value = words.pop(0).split("=", 1)
+                    env[key] = value
+                if words[0] == "sbatch":
+                    world, defaults = _sbatch_defaults()
+                    config, tp_size = env.get("CONFIG", defaults["CONFIG"]), env.get("TP_SIZE", defaults["TP_SIZE"])
+                    examples.append((line, world, ["--config", config, "--tp-size", tp_size, *words[2:]]))
+                    continue
+                if "launch/run.py" not in words:
+                    continue
+                at = words.index("launch/run.py")
+                head, flags = words[:at], words[at + 1 :]
+                if "&&" in head:  # `bash scripts/setup.sh && python launch/run.py`: the launch after the set-up
+                    head = head[len(head) - head[::-1].index("&&") :]
+
+                def value(name, default=None, head=head):
+                    return int(head[head.index(name) + 1]) if name in head else default
+
+                if head[0] == "deepspeed" and "--hostfile" in head:
+                    hostfile = (Path(ROOT) / "launch" / "hostfile.example").read_text()
+                    world = sum(int(n) for n in re.findall(r"^\S+ slots=(\d+)", hostfile, re.M))
+                elif head[0] == "deepspeed":
+                    world = value("--num_gpus")
+                elif head[0] == "torchrun":
+                    world = value("--nproc_per_node") * value("--nnodes", 1)
+                elif head[0] in ("mpirun", "mpiexec"):
+                    world = value("-n")
+                else:
+                    assert head == ["python"], line
+                    world = 1
+                examples.append((line, world, flags))
+    return examples
+
+
+def test_every_launch_example_is_a_layout_its_model_can_run(monkeypatch):
+    """README's and docs/tensor-parallel.md's launch lines, as written: each settles a layout AutoTP can serve on
+    the model it names (KV heads from the model's configuration: the embedded model's, or the shipped architecture
+    of the hub model a paper configuration names) and its configuration is valid; the mission's own command is
+    among them."""
+    from batchmax_tp.models import read_config
+
+    monkeypatch.chdir(ROOT)
+    examples = _launch_examples()
+    assert any(f == ["--device", "cpu"] and w == 4 and line.startswith("deepspeed") for line, w, f in examples)
+    assert len(examples) >= 15, [line for line, _, _ in examples]
+    for line, world, flags in examples:
+        cfg = parse_args(flags)
+        config = read_config(HUB_ARCH.get(cfg.model.name, cfg.model.name))
+        heads = config.num_key_value_heads
+        size = tp.resolve_tp_size(cfg.parallel.tp_size, world, heads)
+        try:
+            tp.check_tp_size(size, world, heads)
+        except ValueError as err:
+            pytest.fail(f"{line!r}: {err} ({cfg.model.name})")
 
 
 def test_model_kv_heads_come_from_the_config():
@@ -343,11 +447,6 @@ def test_model_kv_heads_come_from_the_config():
     assert read_config("arch:llama-2-13b").num_key_value_heads == 40
     with pytest.raises(ValueError, match="cannot read the configuration of '/no/such/dir'"):
         read_config("/no/such/dir")
-
-
-def test_default_tp_larger_than_kv_heads_names_the_flag():
-    with pytest.raises(ValueError, match="--tp-size K with K <= 3 dividing 4"):
-        tp.check_tp_size(4, 4, 3, explicit=False)
 
 
 def test_single_process_tp4_fails_in_one_line(tmp_path, small):
@@ -361,30 +460,51 @@ def test_single_process_tp4_fails_in_one_line(tmp_path, small):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("explicit", [False])  # an explicit --tp-size 4: test_single_process_tp4_fails_in_one_line
-def test_tp_larger_than_kv_heads_fails_before_loading_weights(tmp_path, small, explicit):
-    """4 ranks, a model with 3 KV heads, tp_size defaulted to the world: every rank stops with one line before
-    loading weights, naming --tp-size."""
+def test_an_explicit_tp_larger_than_kv_heads_is_one_line_printed_once(tmp_path, small):
+    """4 ranks, a model with 3 KV heads, --tp-size 4: the job stops before loading weights with one line, said by
+    rank 0 alone (not once per rank), and writes nothing."""
     exe = tool("torchrun")
     if exe is None:
         pytest.skip("torchrun is not installed")
     out = tmp_path / "E2"
-    flags = ["--tp-size", "4"] if explicit else []
     res = run(
-        [exe, "--nproc_per_node", "4", "--master_port", str(free_port()), RUN_PY, *small, *flags, "--out", str(out)],
+        [exe, "--nproc_per_node", "4", "--master_port", str(free_port()), RUN_PY, *small]
+        + ["--tp-size", "4", "--out", str(out)],
         timeout=180,
     )
     assert res.returncode != 0
-    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
-    assert errors, res.stderr
-    want = (
-        "error: tp_size: tp_size 4 exceeds the model's 3 KV heads"
-        if explicit
-        else "error: tp_size: 4 processes would split the model's 3 KV heads"
-    )
-    assert all(line.startswith(want) for line in errors), errors
-    if not explicit:
-        assert all("--tp-size" in line for line in errors)
+    errors = [line for line in res.stderr.splitlines() if "error: " in line]
+    assert errors == [
+        "error: tp_size: tp_size 4 exceeds the model's 3 KV heads: every rank needs one (without --tp-size the "
+        "largest size that fits runs, the rest as data-parallel replicas) (embedded:smollm2-135m-instruct)"
+    ], res.stderr
+    assert not out.exists()
+
+
+def test_deepspeed_on_4_cpu_processes_runs_the_main_job_on_the_embedded_model(tmp_path, small):
+    """The mission's command, ``deepspeed --num_gpus 4 launch/run.py --device cpu``, on the embedded model (3 KV
+    heads): with no --tp-size it runs 2 replicas of 2 tensor-parallel ranks, says so once, and completes the main
+    job (here on two short prompts and 4 new tokens, flags that keep the main job)."""
+    exe = tool("deepspeed")
+    if exe is None:
+        pytest.skip("deepspeed is not installed")
+    out = tmp_path / "DS4"
+    data = small[small.index("--data") + 1]
+    flags = ["--data", data, "--num-samples", "2", "--max-new-tokens", "4", "--out", str(out)]
+    res = run([exe, "--num_gpus", "4", "--master_port", str(free_port()), RUN_PY, "--device", "cpu", *flags])
+    assert_ok(res)
+    notes = [line for line in res.stderr.splitlines() if "cannot split the model's 3 KV heads" in line]
+    assert len(notes) == 1 and "running 2 data-parallel replicas of tp_size 2" in notes[0], res.stderr[-4000:]
+    saved = parse_args(["--config", str(out / "config.yaml")]).parallel
+    assert (saved.tp_size, saved.dp_size) == (2, 2)
+    runs = sorted(d.name for d in out.iterdir() if (d / "summary.json").is_file())
+    assert len(runs) >= 5, runs  # the main job's runs (FKV, ED, BM, BM's best rule, snap, the paper's setting)
+    for name in runs:
+        s = json.loads((out / name / "summary.json").read_text())
+        assert (s["tp_size"], s["dp_size"]) == (2, 2), name
+        assert s["status"] == "done" and s["num_samples"] >= 2, name
+    # the report once on stdout (the launcher's own lines beside it), said by rank 0 alone
+    assert res.stdout.count("# Batch-Max results") == 1 and (out / "report.md").read_text() in res.stdout
 
 
 # ---------------------------------------------------------------------- a failing rank

@@ -170,6 +170,11 @@ def test_one():
         ("needs deepspeed (tensor parallelism across processes)", "1", True),
         ("torchrun is not installed", "1", True),
         ("needs a CUDA device", "1", False),  # CUDA tests skip on this machine kind: that is not a missing package
+        ("could not import 'lm_eval': No module named 'lm_eval'", "1", True),  # pytest.importorskip's words
+        ("needs /proc (Linux)", "1", True),
+        # an opt-in model not fetched: the reason names "bash" inside a command, not as a missing dependency
+        ("Qwen2.5-Coder-0.5B not fetched: bash scripts/accuracy_model.sh qwen2.5-coder-0.5b", "1", False),
+        ("needs bashful (a package the suite does not need)", "1", False),  # a whole name, not a prefix
         ("needs deepspeed (tensor parallelism across processes)", "", False),  # the GPU machine's package set
     ],
 )
@@ -193,3 +198,21 @@ def test_a_module_skipped_for_a_needed_dependency_fails_the_test_command(tmp_pat
         assert run.returncode == 1 and f"test_skipped.py::test_one: Skipped: {reason}" in run.stdout, run.stdout
     else:
         assert run.returncode == 0, run.stdout
+
+
+def test_the_opt_in_models_unfetched_pass_the_test_command(tmp_path):
+    """An empty model cache (a fresh machine: no opt-in model fetched): the tests that need the 0.5B/1.5B skip, for
+    that reason, and under the test command's settings (BATCHMAX_REQUIRE_DEPS=1) those skips do not fail the run."""
+    env = {**os.environ, "BATCHMAX_CACHE": str(tmp_path / "cache"), "BATCHMAX_REQUIRE_DEPS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist"]
+        + ["tests/test_parted.py::test_fkv_on_qwen_equals_hf_generate"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0 and "2 skipped" in run.stdout, run.stdout + run.stderr
+    assert run.stdout.count("not fetched: bash scripts/accuracy_model.sh") == 2, run.stdout

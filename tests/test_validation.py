@@ -176,7 +176,7 @@ def test_out_under_a_regular_file_is_refused_before_the_job(tmp_path, no_model_l
 
 
 # ---------------------------------------------------------------------- at the job's set-up, before any weight
-@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux)")
 def test_out_that_cannot_be_created_is_one_line_before_the_model(no_model_load):
     rc, stdout, stderr = _main(["--out", "/proc/batchmax-no-such/x", "--device", "cpu"])
     assert rc == 2 and stdout == "" and stderr.count("\n") == 1, stderr
@@ -368,7 +368,7 @@ def test_run_py_refuses_in_one_line_without_torch(tmp_path, args, key):
     assert sorted(os.listdir(tmp_path)) == ["cfg.yaml"]
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux)")
 def test_run_py_out_that_cannot_be_created(tmp_path):
     """Checked at set-up (torch is imported by then) but before the model: one line, no traceback, exit 2."""
     proc, lines, _ = _run_py(["--out", "/proc/batchmax-no-such/x", "--device", "cpu"], tmp_path, importtime=False)
