@@ -48,7 +48,7 @@ from .eval.batches import warm_up
 from .eval.collectives import Collectives
 from .eval.context import RunContext
 from .eval.files import atomic_write_text
-from .eval.generation import fill_samples, longest_prompt
+from .eval.generation import fill_samples, longest_prompt, whole_waves
 from .eval.oom import RankOutOfMemory, error_line
 from .eval.report import write_report
 from .eval.run import evaluate_run
@@ -428,7 +428,7 @@ def _run(job: Job, layout: parallel.Layout, comm: Collectives, setup: replicas.S
     summaries = []
     for spec in plan.specs:
         run_cfg = cfg if spec.policy is None else cfg.replace(scheduler=spec.policy, compile="auto")
-        summary = evaluate_run(ctx, plan.samples, spec, run_cfg, extra=plan.extra.get(spec))
+        summary = evaluate_run(ctx, plan.requests(spec), spec, run_cfg, extra=plan.extra.get(spec))
         if summary is not None:  # rank 0
             summaries.append(summary)
     if layout.is_main:
@@ -454,12 +454,18 @@ def _tune(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> int:
 # ---------------------------------------------------------------------- which runs
 @dataclass
 class Plan:
-    """The runs of a job, the samples they answer, notes for the report and extra summary fields per run."""
+    """The runs of a job, the samples they answer, notes for the report and extra summary fields per run;
+    ``workload``: a run's own requests where they are more than ``samples`` (the main job's whole waves)."""
 
     specs: list[RunSpec]
     samples: list[tasks.Sample]
     notes: list[str] = field(default_factory=list)
     extra: dict[RunSpec, dict] = field(default_factory=dict)
+    workload: dict[RunSpec, list[tasks.Sample]] = field(default_factory=dict)
+
+    def requests(self, spec: RunSpec) -> list[tasks.Sample]:
+        """What run ``spec`` serves: ``samples``, then its whole waves' unscored repeats if it has any."""
+        return self.workload.get(spec, self.samples)
 
 
 def _plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Plan:
@@ -518,13 +524,20 @@ def _main_job_plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Pl
         )  # fmt: skip
         specs += paper
         extra |= {s: {"same_memory_budget_bytes": budget, "paper_setting": True} for s in paper}
+    # Whole waves: each run serves the prompts, then unscored repeats of the first of them up to a whole number
+    # of waves of its slots, so no method's tokens/s depends on how empty its last wave is.
+    workload = {s: whole_waves(samples, s.batch_size) for s in specs if s.batch_size > 0}
+    fills = [f"{s.name} +{len(w) - len(samples)}" for s, w in workload.items() if len(w) > len(samples)]
     note = (
         f"Same memory: a budget of {fmt_bytes(budget)} per rank (the planner's peak of FKV at batch "
         f"{STORY_FKV_BATCH} unless memory_budget is set); every method runs at its largest batch within "
         f"it, bounded by the {len(samples)} prompts every method answers (the samples repeated up to the "
         f"largest fitting batch, at most {STORY_MAX_PROMPTS}): "
         + ", ".join(f"{s.name} (fits {r.largest_fitting})" for s, r in zip(specs, runs))
-        + "."
+        + ". Whole waves: a run whose slots do not divide the prompts also serves repeats of the first ones, "
+        "unscored, up to a whole number of waves of its slots (its tokens/s counts every request it served, its "
+        "answers each prompt once), so no method's tokens/s depends on how full its last wave is"
+        + (f" ({', '.join(fills)} requests)." if fills else ".")
     )
     logger.info("same-memory run: %s", note)
-    return Plan(specs, samples, [note], extra)
+    return Plan(specs, samples, [note], extra, workload)

@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -408,53 +409,59 @@ def test_same_memory_only_for_plain_runs():
     assert not RunConfig(same_memory=False).main_job
 
 
-def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
-    """A plain run (same memory) goes through the run path every run takes: run folders named by method, rule,
-    batch and kv_max, an OOM row for a method that does not fit, and the report (budget note included)."""
-    import json
+class _Tok:
+    """A tokenizer of words: every word one token; every output decodes to "answer"."""
+
+    eos_token_id = pad_token_id = 2
+    chat_template = "x"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3] * len(text.split())}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return messages[-1]["content"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "answer"
+
+
+def _fake_stack(tmp_path, monkeypatch, engine, samples: int = 3):
+    """The job's model and tokenizer replaced by a shape alone and ``_Tok``, its engine by ``engine``; returns a
+    data file of ``samples`` prompts of ~200 words whose reference every output contains."""
     from types import SimpleNamespace
 
-    from fakes import make_fake_engine
-
     import batchmax_tp.models as models
-    from batchmax_tp import cli
     from batchmax_tp.eval import context
-
-    class Tok:
-        eos_token_id = pad_token_id = 2
-        chat_template = "x"
-
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": [3] * len(text.split())}
-
-        def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-            return messages[-1]["content"]
-
-        def decode(self, ids, skip_special_tokens=True):
-            return "answer"
-
-    fake_engine = make_fake_engine([], tokens=lambda j: [5] * 4096, prefill_s=0.1, decode_s=0.2, kv_bytes=100)
 
     data = tmp_path / "d.jsonl"
     data.write_text(
-        "".join(json.dumps({"id": i, "prompt": "w " * (200 + i), "reference": "answer"}) + "\n" for i in range(3))
+        "".join(json.dumps({"id": i, "prompt": "w " * (200 + i), "reference": "answer"}) + "\n" for i in range(samples))
     )
-    model = SimpleNamespace(
-        config=SimpleNamespace(
-            get_text_config=lambda: SimpleNamespace(
-                num_hidden_layers=2,
-                hidden_size=64,
-                intermediate_size=128,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                vocab_size=100,
-                tie_word_embeddings=True,
-            )
-        )
+    shape = SimpleNamespace(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=100,
+        tie_word_embeddings=True,
     )
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, Tok()))
-    monkeypatch.setattr(context, "Engine", fake_engine)
+    model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: shape))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, _Tok()))
+    monkeypatch.setattr(context, "Engine", engine)
+    return data
+
+
+def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
+    """A plain run (same memory) goes through the run path every run takes: run folders named by method, rule,
+    batch and kv_max, an OOM row for a method that does not fit, and the report (budget note included)."""
+    from fakes import make_fake_engine
+
+    from batchmax_tp import cli
+
+    fake_engine = make_fake_engine([], tokens=lambda j: [5] * 4096, prefill_s=0.1, decode_s=0.2, kv_bytes=100)
+    data = _fake_stack(tmp_path, monkeypatch, fake_engine)
     out = tmp_path / "out"
     rc = cli.main(
         [
@@ -488,7 +495,10 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
     # the largest fitting batch of a method whose slots hold their prompts is one full batch (ED's fit more)
     prompts = max(s["largest_fitting_batch"] for s in summaries if s["method"] != "ed")
     assert prompts > 3 and all(s["batch_size"] == min(s["largest_fitting_batch"], prompts) for s in summaries)
-    assert all(s["num_samples"] == prompts for s in summaries if s["status"] == "done")
+    # every run answers the prompts, each in whole waves of its slots (the repeats that fill its last wave unscored)
+    done = [s for s in summaries if s["status"] == "done"]
+    assert all(s["num_samples"] == -(-prompts // s["batch_size"]) * s["batch_size"] for s in done)
+    assert all(s["num_checked"] == prompts for s in done)
     # the claim's ratios: BM with the paper's rule and with the best rule over FKV and the fastest ED run
     section = report[report.index("## Same memory: BM's tokens/s over FKV's and ED's") : report.index("## Memory")]
     rows = [line.split("|") for line in section.splitlines() if line.startswith("| BM (")]
@@ -496,3 +506,63 @@ def test_same_memory_run_writes_the_one_layout(tmp_path, capsys, monkeypatch):
     fkv = next(s for s in summaries if s["method"] == "fkv")
     for row, bm in zip(rows, [s for s in summaries if s["method"] == "bm"]):
         assert row[-3].strip() == f"{bm['tokens_per_s'] / fkv['tokens_per_s']:.2f}x"
+
+
+def _wave_engine(wave_s: float = 1.0):
+    """An engine whose time is its waves: ``slots`` requests at a time, each wave ``wave_s`` seconds (a tenth
+    prefill), every request 4 tokens; continuous runs hand each request on as its wave ends."""
+
+    class WaveEngine:
+        def __init__(self, model, method, slots, tp_group=None, compile="auto", batching=None):
+            self.method, self.slots = method, slots
+
+        def run(self, requests, sampling, on_finish=None, record=None):
+            outs = []
+            for j, r in enumerate(requests):
+                wave = j // self.slots + 1
+                new = r.max_new_tokens
+                out = SimpleNamespace(
+                    tokens=[5] * new, num_generated=new, kv_bytes=100, workspace_bytes=0, slot=j % self.slots,
+                    run_prefill_s=0.1 * wave_s * wave, run_decode_s=0.9 * wave_s * wave, first_token_s=0.0,
+                    finished_s=wave_s * wave,
+                )  # fmt: skip
+                outs.append(out)
+                if on_finish is not None:
+                    on_finish(j, out)
+            waves = -(-len(requests) // self.slots)
+            return SimpleNamespace(
+                outputs=outs, prefill_s=0.1 * wave_s * waves, decode_s=0.9 * wave_s * waves, compile_s=0.0,
+                peak_kv_bytes=100 * len(requests), peak_workspace_bytes=0, generated_tokens=4 * len(requests),
+            )  # fmt: skip
+
+    return WaveEngine
+
+
+def test_whole_waves_keep_a_one_slot_difference_a_one_slot_difference(tmp_path, monkeypatch):
+    """The main job's workload does not hinge on how full each method's last wave is. With every request costing
+    the same (an engine whose time is its waves), BM's paper rule at 6 slots, ``question`` at 5 (one fewer) and FKV
+    at 4: the report's tokens/s over FKV's are exactly the slot ratios (1.50x, 1.25x), the one-slot difference
+    stays ~17% and does not change sign, and each method's answers count the 6 prompts once. (Before whole
+    waves, 6 prompts made ``question`` run a second wave for one request: 1.00x FKV's, against BM's 1.50x.)"""
+    from batchmax_tp import cli, job
+    from batchmax_tp.plan import budget
+
+    slots = {"fkv": 4, "ed": 6, "bm": 6, "bm-question": 5, "snap": 6}
+    key = lambda m: "bm-question" if getattr(m, "rule", "paper") == "question" else m.name  # noqa: E731
+    monkeypatch.setattr(budget, "max_slots", lambda budget_bytes, shape, method, *a, **k: slots[key(method)])
+    monkeypatch.setattr(job, "paper_setting_specs", lambda *a, **k: [])  # the static setting: not this test's
+    data = _fake_stack(tmp_path, monkeypatch, _wave_engine())
+    out = tmp_path / "out"
+    flags = ["--same-memory", "--data", str(data), "--out", str(out), "--kv-max", "96", "--p", "32"]
+    assert cli.main([*flags, "--max-new-tokens", "4", "--device", "cpu", "--log-level", "WARNING"]) == 0
+    summaries = {s["run"]: s for s in (json.loads(f.read_text()) for f in out.glob("*/summary.json"))}
+    served = {name: s["num_samples"] for name, s in summaries.items()}
+    assert served == {
+        "fkv-b4": 8, "ed-b6-kv96": 6, "bm-b6-kv96": 6, "bm-question-b5-kv96": 10, "snap-b6-kv96": 6
+    }  # fmt: skip
+    assert all(s["num_checked"] == s["num_correct"] == 6 for s in summaries.values())  # the fills: unscored
+    report = (out / "report.md").read_text()
+    section = report[report.index("## Same memory: BM's tokens/s over FKV's and ED's") : report.index("## Memory")]
+    assert "| BM (paper) | 6 | 96 | 1.000 | 24.0 | 1.50x |" in section, section
+    assert "| BM (question) | 5 | 96 | 1.000 | 20.0 | 1.25x |" in section, section
+    assert "Whole waves:" in report and "bm-question-b5-kv96 +4" in report and "fkv-b4 +2" in report

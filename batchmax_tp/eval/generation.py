@@ -15,7 +15,16 @@ from .tasks import Prompt, Sample, prompt_ids
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["EncodeFn", "batched", "cut_at_eos", "encode_prompts", "fill_samples", "longest_prompt", "special_ids"]
+__all__ = [
+    "EncodeFn",
+    "batched",
+    "cut_at_eos",
+    "encode_prompts",
+    "fill_samples",
+    "longest_prompt",
+    "special_ids",
+    "whole_waves",
+]
 
 T = TypeVar("T")
 
@@ -40,6 +49,19 @@ def fill_samples(samples: Sequence[Sample], n: int) -> list[Sample]:
         s = samples[k % len(samples)]
         out.append(dataclasses.replace(s, id=f"{s.id}~{k // len(samples) + 2}"))
         k += 1
+    return out
+
+
+def whole_waves(samples: Sequence[Sample], slots: int) -> list[Sample]:
+    """``samples`` and then repeats of the first of them up to a whole number of waves of ``slots`` requests, so that
+    a run's last wave is as full as the others (a comparison of methods with different slot counts then does not
+    hinge on how empty each one's last wave is). The repeats carry no reference: they are timed, never scored
+    (ids ``<id>~fill1``, ``~fill2``, ...)."""
+    n, slots = len(samples), max(slots, 1)
+    out = list(samples)
+    for k in range(-(-n // slots) * slots - n):
+        s = samples[k % n]
+        out.append(dataclasses.replace(s, id=f"{s.id}~fill{k // n + 1}", reference=None))
     return out
 
 

@@ -195,7 +195,7 @@ def format_report(summaries: Sequence[RunSummary | Mapping[str, Any]], *, title:
     lines = [f"# {title or f'Batch-Max results: {task}'}", ""]
     lines.append(
         f"Model `{first.model}`, task `{task}` ({first.num_shots}-shot, metric {label}), "
-        f"{first.num_samples} samples, {first.max_new_tokens} new tokens"
+        f"{_prompts(summaries)} samples, {first.max_new_tokens} new tokens"
         f"{' (EOS ignored)' if first.ignore_eos else ''}, max_input_tokens {first.max_input_tokens}, "
         f"p = {first.p}, tp_size {first.tp_size} x dp_size {first.dp_size}, "
         f"{first.dtype} on {first.device}."
@@ -548,7 +548,14 @@ def _figure() -> tuple[Figure, Axes]:
 def _subtitle(summaries: Sequence[RunSummary]) -> str:
     first = _lead(summaries)
     model = str(first.model or "").split("/")[-1].replace("embedded:", "")
-    return f"{first.task or 'jsonl'}, {model}, {first.num_samples} samples, {first.max_new_tokens} new tokens"
+    return f"{first.task or 'jsonl'}, {model}, {_prompts(summaries)} samples, {first.max_new_tokens} new tokens"
+
+
+def _prompts(summaries: Sequence[RunSummary]) -> int:
+    """The samples every run answered: the fewest a run served (the main job's whole waves add unscored repeats to
+    some runs)."""
+    ran = [s.num_samples for s in summaries if not s.oom]
+    return min(ran) if ran else _lead(summaries).num_samples
 
 
 def _methods(summaries: Sequence[RunSummary]) -> list[str]:
