@@ -36,20 +36,31 @@ from batchmax_tp.plan.planner import ModelShape  # noqa: E402
 METHODS = ("fkv", "bm", "bm:rule=question", "snap")
 
 
-def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str, lengths: str, methods: tuple[str, ...], out: str) -> argparse.ArgumentParser:
+    """The flags of a prefill benchmark (this one's, ``launch/profile_prefill.py``'s): model, device, dtype, prompt
+    lengths, rows, methods and the output file, with these defaults."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=EMBEDDED_MODEL)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt lengths, comma-separated")
+    ap.add_argument("--lengths", default=lengths, help=f"prompt lengths, comma-separated (default {lengths})")
     ap.add_argument("--rows", type=int, default=4, help="prompts per length (served at once)")
-    ap.add_argument("--methods", default=",".join(METHODS), help="method specs, comma-separated (';' inside one)")
-    ap.add_argument("--out", default="results/bench_prefill.json")
+    ap.add_argument("--methods", default=",".join(methods), help="method specs, comma-separated (';' inside one)")
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def parsed(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``ap``'s flags, the lengths as ints (a one-line error for none, or for a length or ``--rows`` below 1)."""
     a = ap.parse_args(argv)
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
     if not a.lengths or min(a.lengths) < 1 or a.rows < 1:
         ap.error("--lengths must name positive lengths and --rows be at least 1")
     return a
+
+
+def parse(argv=None) -> argparse.Namespace:
+    return parsed(parser(__doc__, "1024,2048,4096,8192", METHODS, "results/bench_prefill.json"), argv)
 
 
 def method_of(spec: str) -> Method:

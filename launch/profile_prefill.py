@@ -36,33 +36,31 @@ from batchmax_tp.core import serve  # noqa: E402
 from batchmax_tp.core.engine import Engine  # noqa: E402
 from batchmax_tp.core.serve import Request, Sampling  # noqa: E402
 from batchmax_tp.eval.files import atomic_write_text  # noqa: E402
-from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
+from batchmax_tp.models import load_model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_prefill import method_of  # noqa: E402
+from bench_prefill import method_of, parsed, parser  # noqa: E402
 
 METHODS = ("fkv", "bm", "bm:rule=question")
 PACKAGE = os.sep + "batchmax_tp" + os.sep
 #: The project's functions that only pass a pass along (their ops belong to what they call, or to the model).
-PASS_THROUGH = {"batchmax_attention", "_rows_attention", "_folded", "run", "step", "forward", "_forward", "__call__"}
+PASS_THROUGH = {
+    "batchmax_attention",
+    "_rows_attention",
+    "_folded",
+    "forward_pass",
+    "run",
+    "step",
+    "forward",
+    "__call__",
+}
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=EMBEDDED_MODEL)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--lengths", default="1408,6144", help="prompt lengths, comma-separated (default ~1.4k, ~6k)")
-    ap.add_argument("--rows", type=int, default=4, help="prompts per length (served at once)")
-    ap.add_argument("--methods", default=",".join(METHODS), help="method specs, comma-separated (';' inside one)")
+    ap = parser(__doc__, "1408,6144", METHODS, "results/profile_prefill.json")
     ap.add_argument("--passes", type=int, default=8, help="the prefill's last passes profiled (default 8)")
     ap.add_argument("--top", type=int, default=8, help="ops listed per region (default 8)")
-    ap.add_argument("--out", default="results/profile_prefill.json")
-    a = ap.parse_args(argv)
-    a.lengths = [int(x) for x in a.lengths.split(",") if x]
-    if not a.lengths or min(a.lengths) < 1 or a.rows < 1:
-        ap.error("--lengths must name positive lengths and --rows be at least 1")
-    return a
+    return parsed(ap, argv)
 
 
 def region(event) -> str:

@@ -114,6 +114,7 @@ def pytest_configure(config):
 PROCESS_MODULES = ("test_launchers", "test_replicas", "test_harness", "test_tp", "test_scripts", "test_validation")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group from the marker (else: no group at all)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in PROCESS_MODULES:
