@@ -126,25 +126,21 @@ def pool_by_position(
     order = key.argsort(dim=-1)  # [B, H, C]
     spos, sx = key.gather(-1, order), x.gather(-1, order)  # [B, H, C] each, by position
     B, H, C = x.shape
+    padded_pos = key.new_full((B, H, C + 2 * r), far)  # [B, H, C + 2r]: r pads either side, never a neighbour
+    padded_pos[..., :r] = -(far >> 1)  # before every position (and no overflow against an invalid slot's far)
+    padded_pos[..., r : r + C] = spos
+    padded_x = x.new_full((B, H, C + 2 * r), float("-inf"))  # the pads' values are never read (never near)
+    padded_x[..., r : r + C] = sx
     if pool == "max":
         # One shifted slice per distance d (contiguous, [B, H, C] each; no [B, H, C, 2r + 1] window): positions are
         # unique and sorted in each row, so the slot d places on is a neighbour exactly when its position is within
-        # r of the slot's; the pads (-far before, far after) never are. The max is exact whatever the order.
-        padded_pos = key.new_full((B, H, C + 2 * r), far)  # [B, H, C + 2r]
-        padded_pos[..., :r] = -(far >> 1)  # before every position (and no overflow against an invalid slot's far)
-        padded_pos[..., r : r + C] = spos
-        padded_x = x.new_full((B, H, C + 2 * r), float("-inf"))
-        padded_x[..., r : r + C] = sx
+        # r of the slot's. The max is exact whatever the order.
         pooled = sx.clone()  # d = 0: the slot itself
         for d in range(1, r + 1):
             for side, lo in ((-1, r - d), (1, r + d)):  # the slot d places before it, then d places after
                 near = (padded_pos[..., lo : lo + C] - spos).mul_(side) <= r  # [B, H, C]
                 pooled = pooled.maximum(padded_x[..., lo : lo + C].masked_fill(~near, float("-inf")))
     else:
-        padded_pos = key.new_full((B, H, C + 2 * r), far)
-        padded_pos[..., r : r + C] = spos
-        padded_x = x.new_full((B, H, C + 2 * r), 0.0)
-        padded_x[..., r : r + C] = sx
         win_pos = padded_pos.unfold(-1, 2 * r + 1, 1)  # [B, H, C, 2r + 1]: each slot's r neighbours either side
         win_x = padded_x.unfold(-1, 2 * r + 1, 1)  # [B, H, C, 2r + 1]
         near = (win_pos - spos[..., None]).abs() <= r  # [B, H, C, 2r + 1]
