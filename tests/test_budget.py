@@ -391,7 +391,7 @@ def test_sweep_with_a_rule_runs_bm_at_the_batch_that_rule_fits(tmp_path, stack, 
 
 
 # ---------------------------------------------------------------------- the auto-tuner
-def test_tune_with_a_rule_sizes_and_names_its_trials_by_it(tmp_path, stack, tokenizer, tiny_model):
+def test_tune_with_a_rule_sizes_and_names_its_trials_by_it(tmp_path, stack, tokenizer, tiny_model, capsys):
     s = _prompt_len(tokenizer)
     paper, question = Method("bm", kv_max=128, p=32), Method("bm", kv_max=128, p=32, rule="question")
     limit = _predict(tiny_model, paper, 4, s)
@@ -414,9 +414,27 @@ def test_tune_with_a_rule_sizes_and_names_its_trials_by_it(tmp_path, stack, toke
     assert rc in (0, 1)  # the tiny random model's metric decides; the trials are what is checked
     info = json.loads((out / "tune.json").read_text())
     bm = [t for t in info["trials"] if t["method"] == "bm"]
-    assert info["rule"] == "question" and [(t["run"], t["batch"]) for t in bm] == [("bm-question-b2-kv128", 2)]
-    assert bm[0]["predicted_peak_bytes"] <= limit and ("bm", 128, 2) in stack.calls
-    assert json.loads((out / "tune" / "bm-question-b2-kv128" / "summary.json").read_text())["status"] == "done"
+    # the rule as given, then its cheaper settings as candidates of their own (core.rules.rule_candidates)
+    assert info["rule"] == "question" and [(t["run"], t["rule"], t["batch"]) for t in bm] == [
+        ("bm-question-b2-kv128", "question", 2),
+        ("bm-question-every8-b2-kv128", "question:every=8", 2),
+        ("bm-question-window16-b2-kv128", "question:window=16", 2),
+    ]
+    assert all(t["predicted_peak_bytes"] <= limit for t in bm) and ("bm", 128, 2) in stack.calls
+    for t in bm:
+        assert json.loads((out / "tune" / t["run"] / "summary.json").read_text())["status"] == "done"
+    printed = capsys.readouterr().out
+    assert "| bm-question-every8-b2-kv128 | BM | question:every=8 | 2 |" in printed
+
+
+def test_tune_with_no_cheaper_rules_tries_the_rule_as_given(tmp_path, stack, tokenizer, tiny_model):
+    limit = _predict(tiny_model, Method("bm", kv_max=128, p=32, rule="question"), 2, _prompt_len(tokenizer))
+    out = tmp_path / "res"
+    args = ["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit), "--kv-max", "128"]
+    rc = _load("tune").main([*args, "--rule", "question", "--target", "0.01", "--no-cheaper-rules"])
+    assert rc in (0, 1)
+    bm = [t for t in json.loads((out / "tune.json").read_text())["trials"] if t["method"] == "bm"]
+    assert [(t["run"], t["rule"]) for t in bm] == [("bm-question-b2-kv128", "question")]
 
 
 def test_tune_on_the_embedded_model_writes_a_usable_tuned_config(tmp_path, monkeypatch, capsys):

@@ -604,14 +604,18 @@ def test_saved_config_keeps_its_resume_key(tmp_path):
         *"num_shots max_input_tokens metric runs memory_budget procedure kv_values target scheduler".split(),
         "prefill_budget",
         "compile",
+        "cheaper_rules",
     }
     cfg = parse_args(["--out", str(tmp_path)]).replace(device="cpu", dtype="float32", tp_size=1, dp_size=1)
     assert cfg.main_job and cfg.to_dict()["same_memory"] is None  # as a plain run wrote it
     write_config(tmp_path, cfg)
     assert results.check_same_config(tmp_path, cfg.to_dict())
     saved = tmp_path / "config.yaml"  # written before `compile` existed: it changes no output, so it resumes
-    saved.write_text("".join(line for line in saved.read_text().splitlines(True) if not line.startswith("compile:")))
-    assert results.check_same_config(tmp_path, cfg.replace(compile="default").to_dict())
+    for key in ("compile: auto", "cheaper_rules: true"):  # the second: before the tuner had cheaper candidates
+        text = saved.read_text()
+        assert f" {key}," in text
+        saved.write_text(text.replace(f" {key},", ""))
+        assert results.check_same_config(tmp_path, cfg.replace(compile="default").to_dict())
 
 
 def test_help_names_the_flags_that_leave_the_main_job(capsys):

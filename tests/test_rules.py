@@ -22,7 +22,7 @@ from reference import reference_generate, rule_string
 
 from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
-from batchmax_tp.core.rules import RULES, get_rule, rule_names
+from batchmax_tp.core.rules import RULES, get_rule, rule_candidates, rule_names
 from batchmax_tp.core.schedule import plan
 from batchmax_tp.core.scheduler import Scheduler
 
@@ -96,6 +96,22 @@ def test_registry_names_and_defaults():
 def test_rule_validation(text, match):
     with pytest.raises(ValueError, match=match):
         get_rule(text)
+
+
+def test_rule_candidates_are_the_rule_then_its_cheaper_settings_on_top():
+    assert rule_candidates("paper") == ["paper"]
+    assert rule_candidates("question") == ["question", "question:every=8", "question:window=16"]
+    # a key the spec sets itself is left as given; every other setting of the spec is kept in each candidate
+    assert rule_candidates("question:every=8") == ["question:every=8", "question:every=8,window=16"]
+    assert rule_candidates("question:share=3") == [
+        "question:share=3",
+        "question:share=3,every=8",
+        "question:share=3,window=16",
+    ]
+    # a cheaper setting that is the spec's own value is no candidate of its own
+    assert rule_candidates("question:window=16,every=8") == ["question:window=16,every=8"]
+    for spec in rule_candidates("question:taper=20"):
+        assert get_rule(spec).taper == 20
 
 
 def test_method_rule_field():

@@ -217,3 +217,33 @@ def test_tune_picks_the_method_as_well_and_says_why():
     assert (none.best.method, none.best.batch) == ("fkv", res.fkv.batch)
     assert none.why.startswith("fkv b=")
     assert tune(toy, budget, SHAPE, S, T, target=1.0, kv_values=[128, 256]).why.startswith("no configuration")
+
+
+def test_tune_offers_the_rules_cheaper_settings_as_candidates_of_their_own():
+    """``--rule question``: question and each of its cheaper settings (every=8, window=16) are tuned as candidates
+    of their own (each at its own smallest kv_max that meets the goal); the fastest that meets it wins and keeps its
+    rule, and a cheaper setting that loses answers is passed over. Without ``cheaper``, question alone."""
+    budget = predict(SHAPE, Method("fkv"), 4, S, T).total
+    speed = {"question": 1.0, "question:every=8": 1.2, "question:window=16": 1.1}
+
+    def evaluate(every8_keeps):
+        def run(method, b):
+            t = toy(method, b)
+            if method.evicts:
+                t.rule, t.tokens_per_s = method.rule, t.tokens_per_s * speed[method.rule]
+                t.metric *= every8_keeps if method.rule == "question:every=8" else 1.0
+            return t
+
+        return run
+
+    common = dict(target=0.9, kv_values=[1024, 1280, 1536], rule="question")
+    res = tune(evaluate(1.0), budget, SHAPE, S, T, cheaper=True, **common)
+    assert {t.rule for t in res.trials if t.method == "bm"} == set(speed)
+    assert (res.best.rule, res.best.metric >= 0.9 * 0.30) == ("question:every=8", True)
+    assert res.why.startswith(f"bm rule=question:every=8 kv_max={res.best.kv_max} ")
+    assert "bm rule=question:window=16 kv_max=" in res.why and "bm rule=question kv_max=" in res.why
+    loses = tune(evaluate(0.5), budget, SHAPE, S, T, cheaper=True, **common)
+    assert loses.best.rule == "question:window=16"
+    alone = tune(evaluate(1.0), budget, SHAPE, S, T, **common)
+    assert {t.rule for t in alone.trials if t.method == "bm"} == {"question"} and alone.best.rule == "question"
+    assert res.best.tokens_per_s > alone.best.tokens_per_s

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..plan.planner import parse_bytes
-from .settings import BYTES, INT_LIST, MAX_TOKENS, NULL_OR_TEXT, NUMBER, ConfigError, Part, setting
+from .settings import BYTES, FLAG, INT_LIST, MAX_TOKENS, NULL_OR_TEXT, NUMBER, ConfigError, Part, setting
 
 #: ``procedure`` values: the paper's batch-size procedure (section 4.1) and the auto-tuner
 #: (``batchmax_tp.eval.procedures``).
@@ -42,6 +42,12 @@ class MemoryConfig(Part):
     )
     target: float = setting(
         0.95, NUMBER, "tune: BM's metric must reach T x FKV's, 0 < T <= 1 (default 0.95)", metavar="T", high=1.0
+    )
+    cheaper_rules: bool = setting(
+        True,
+        FLAG,
+        "tune: also try the rule's cheaper settings as candidates of their own (question: every=8, window=16; default)",
+        off="tune: try the rule as given only",
     )
 
     def normalise(self) -> None:

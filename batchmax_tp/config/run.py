@@ -146,6 +146,7 @@ class RunConfig:
             refuse(("kv_values",), "the BM kv_max values the procedures try: unused without procedure paper or tune")
         if procedure != "tune":
             refuse(("target",), "the goal of the tuner: unused without procedure tune")
+            refuse(("cheaper_rules",), "the tuner's candidates: unused without procedure tune")
 
     def _refuse_unused_by_runs(self, changed: set[str]) -> None:
         """``rule`` when no listed run is BM without its own rule; ``kv_max`` when no listed run evicts without its own

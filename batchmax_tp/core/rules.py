@@ -208,6 +208,9 @@ class Rule:
     before a block or decode step that does not fit its own budget (``method.BatchMax``)."""
 
     name: ClassVar[str] = ""
+    #: Settings of the rule that cost less than its defaults (``key=value`` each), measured as accuracy/cost points
+    #: and offered to the tuner as candidates of their own (:func:`rule_candidates`); never the default.
+    cheaper: ClassVar[tuple[str, ...]] = ()
     share: int = 1
     taper: int = 0
 
@@ -335,6 +338,7 @@ class QuestionRule(Rule):
     probe runs after every ``every``-th prefill block (the evictions between re-score with its stored queries)."""
 
     name: ClassVar[str] = "question"
+    cheaper: ClassVar[tuple[str, ...]] = ("every=8", "window=16")  # docs/retention.md: ~0.95x the time at 2k
     window: int = 32
     every: int = 4
     kernel: int = 15
@@ -356,6 +360,22 @@ RULES: dict[str, type] = {
 def rule_names() -> list[str]:
     """The registered rule names, the paper's first."""
     return list(RULES)
+
+
+def rule_candidates(spec: str) -> list[str]:
+    """``spec`` first, then each of its rule's ``cheaper`` settings set on top of it (a key ``spec`` sets itself is
+    left as given), each distinct rule once: what the tuner tries for a method that takes a rule."""
+    rule, (base, _, params) = get_rule(spec), spec.partition(":")
+    given = {item.partition("=")[0].strip() for item in params.split(",") if item.strip()}
+    found, out = [rule], [spec]
+    for setting in type(rule).cheaper:
+        if setting.partition("=")[0] in given:
+            continue
+        candidate = f"{spec},{setting}" if given else f"{base.strip()}:{setting}"
+        if get_rule(candidate) not in found:
+            found.append(get_rule(candidate))
+            out.append(candidate)
+    return out
 
 
 @functools.cache

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.method import Method, is_full_cache, method_type
+from ..core.method import Method, is_full_cache, method_type, takes_rule
 from ..plan.budget import RunSpec, fmt_bytes, planned_dtype, predict_spec
-from ..plan.tuner import Trial, divisor_batches, kv_grid, tune
+from ..plan.tuner import Trial, divisor_batches, kv_grid, trial_name, tune
 from .context import RunContext
 from .files import atomic_write_text, utc_now
 from .records import RunSummary
@@ -39,7 +39,9 @@ def tuned_config(cfg: RunConfig, best: Trial) -> RunConfig:
     """The configuration of the chosen run: one method (its spec as the tuner was given it) at one batch size, into
     ``OUT/tuned``, on the scheduler the trials ran (static batches: a procedure's)."""
     spec = next((m for m in tune_methods(cfg) if method_type(m).name == best.method), best.method)
+    rule = {} if best.rule is None else {"rule": best.rule}
     return cfg.replace(
+        **rule,
         scheduler=cfg.scheduler,
         methods=[spec],
         kv_max=None if is_full_cache(spec) else best.kv_max,
@@ -61,13 +63,14 @@ class _TunerTrials:
     samples: Sequence[Sample]
     cfg: RunConfig  #: the job's, with out = OUT/tune
     summaries: dict[str, RunSummary] = field(default_factory=dict)
-    names: dict[tuple, str] = field(default_factory=dict)  #: (method, kv_max, batch) -> the run's folder name
+    names: dict[tuple, str] = field(default_factory=dict)  #: (method, kv_max, rule, batch) -> the run's folder name
 
     def __call__(self, method: Method, batch: int) -> Trial:
-        spec = RunSpec(method, batch)  # the method the tuner sized the batch with (BM with the configured rule)
+        spec = RunSpec(method, batch)  # the method the tuner sized the batch with (BM with the rule it tries)
+        rule = method.rule if takes_rule(method) else None
         summary = self.ctx.comm.broadcast(evaluate_run(self.ctx, self.samples, spec, self.cfg))
         self.summaries[spec.name] = summary
-        self.names[method.name, spec.kv_max, batch] = spec.name
+        self.names[method.name, spec.kv_max, rule, batch] = spec.name
         baseline = is_full_cache(method)  # FKV: the metric every BM trial is held to
         if summary.status != "done":
             if baseline:
@@ -75,10 +78,10 @@ class _TunerTrials:
                     f"memory_budget: FKV at b={batch} fits the budget on paper but ran out of memory "
                     f"({summary.error}); the target metric cannot be measured"
                 )
-            return Trial(method.name, spec.kv_max, batch, None, None)
+            return Trial(method.name, spec.kv_max, batch, None, None, rule)
         if baseline and summary.score is None:
             raise ValueError("metric: FKV's run has no metric (no sample with a reference was scored)")
-        return Trial(method.name, spec.kv_max, batch, summary.tokens_per_s, summary.score)
+        return Trial(method.name, spec.kv_max, batch, summary.tokens_per_s, summary.score, rule)
 
 
 def tune_methods(cfg: RunConfig) -> list[str]:
@@ -116,6 +119,7 @@ def run_tuner(ctx: RunContext, samples: Sequence[Sample], cfg: RunConfig) -> dic
         batches=batches,
         rule=rule,
         methods=tune_methods(cfg),
+        cheaper=cfg.memory.cheaper_rules,
     )
     info = {
         "procedure": "tune",
@@ -132,7 +136,7 @@ def run_tuner(ctx: RunContext, samples: Sequence[Sample], cfg: RunConfig) -> dic
         **result.as_dict(),
     }
     for trial in info["trials"]:
-        name = trials.names[trial["method"], trial["kv_max"], trial["batch"]]
+        name = trials.names[trial["method"], trial["kv_max"], trial["rule"], trial["batch"]]
         trial["run"] = name
         trial["predicted_peak_bytes"] = trials.summaries[name].predicted_peak_bytes
     info["summaries"] = list(trials.summaries.values())
@@ -159,15 +163,15 @@ def write_tune_results(cfg: RunConfig, info: dict[str, Any]) -> str:
     if summaries:
         write_report(out / "tune", summaries)
     lines = [
-        "| trial | method | b | kv_max | metric | tokens/s | predicted peak |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| trial | method | rule | b | kv_max | metric | tokens/s | predicted peak |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for t in info["trials"]:
         metric = "OOM" if t["tokens_per_s"] is None else ("n/a" if t["metric"] is None else f"{t['metric']:.3f}")
         speed = "OOM" if t["tokens_per_s"] is None else f"{t['tokens_per_s']:.1f}"
         kv = "N/A" if t["kv_max"] is None or is_full_cache(t["method"]) else t["kv_max"]
         lines.append(
-            f"| {t['run']} | {t['method'].upper()} | {t['batch']} | {kv} | {metric} | {speed} | "
+            f"| {t['run']} | {t['method'].upper()} | {t['rule'] or '-'} | {t['batch']} | {kv} | {metric} | {speed} | "
             f"{fmt_bytes(t['predicted_peak_bytes'])} |"
         )
     best = info["best"]
@@ -184,17 +188,18 @@ def write_tune_results(cfg: RunConfig, info: dict[str, Any]) -> str:
             "tuned.yaml written."
         )
     else:
-        tuned = tuned_config(cfg, Trial(**best))
+        chosen = Trial(**best)
+        tuned = tuned_config(cfg, chosen)
         path = out / "tuned.yaml"
         header = (
-            f"# Chosen by the batchmax_tp auto-tuner (launch/tune.py) {utc_now()}: {best['method'].upper()} "
-            f"b={best['batch']} kv_max={best['kv_max']}, {best['tokens_per_s']:.2f} tokens/s, metric "
+            f"# Chosen by the batchmax_tp auto-tuner (launch/tune.py) {utc_now()}: {trial_name(chosen)} "
+            f"b={best['batch']}, {best['tokens_per_s']:.2f} tokens/s, metric "
             f"{best['metric']:.4f} >= {info['target_metric']:.4f}.\n# Run with: python launch/run.py --config {path}\n"
         )
         atomic_write_text(path, header + tuned.to_yaml())
         info["tuned_config"] = str(path)
         text += [
-            f"Chosen: {best['method'].upper()} b={best['batch']} kv_max={best['kv_max']} "
+            f"Chosen: {trial_name(chosen)} b={best['batch']} "
             f"({best['tokens_per_s']:.1f} tokens/s, metric {best['metric']:.3f}); {path}:",
             f"Why: {info['why']}.",
             "",

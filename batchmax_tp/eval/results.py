@@ -102,10 +102,12 @@ TIMING_KEYS = frozenset(
 )
 
 #: Configuration keys that do not change any output (and so never block resuming). Each run's folder is named
-#: after its method, rule, batch size and kv_max, so the list of runs does not matter either. ``target`` only
-#: steers which runs the tuner asks for.
+#: after its method, rule, batch size and kv_max, so the list of runs does not matter either. ``target`` and
+#: ``cheaper_rules`` only steer which runs the tuner asks for.
 #: ``compile`` changes no output (the compiled decode passes give the eager tokens: tests/test_continuous.py).
-_NEUTRAL_KEYS = frozenset({"out", "log_level", "target", "setup_timeout", "runs", "methods", "batch_size", "compile"})
+_NEUTRAL_KEYS = frozenset(
+    {"out", "log_level", "target", "cheaper_rules", "setup_timeout", "runs", "methods", "batch_size", "compile"}
+)
 
 
 # ---------------------------------------------------------------------- the run's log

@@ -13,7 +13,8 @@ is below target. Trials are cached: no (method, batch) runs twice.
 
 Every BM batch is sized with the eviction rule the run will use (``rule``): a rule with a look-ahead probe needs
 more memory than the paper's at the same batch (``planner.predict``), so a batch sized for the paper's rule can
-overflow the budget under another.
+overflow the budget under another. With ``cheaper`` the rule's cheaper settings (``core.rules.rule_candidates``:
+``question`` probing every 8th block, or with 16 probe tokens) are tuned as candidates of their own, beside it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ..core.method import Method, is_full_cache, make_method, min_kv_max, takes_rule
+from ..core.rules import rule_candidates
 from .planner import ModelShape, _largest, max_batch, paper_ed_bytes
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class Trial:
     batch: int
     tokens_per_s: float | None  # None: out of memory
     metric: float | None
+    rule: str | None = None  #: the eviction rule's spec, for a method that takes one (BM)
 
     @property
     def oom(self) -> bool:
@@ -201,11 +204,14 @@ def tune(
     neighbours: int = 2,
     rule: str = "paper",
     methods: Sequence[str] = ("bm",),
+    cheaper: bool = False,
 ) -> TuneResult:
     """Highest-throughput run whose metric is at least ``target`` x FKV's, under ``budget``, among ``methods``
     (specs, ``core.method.make_method``: ``bm`` with ``rule``, ``snap[:window=..]``, ``fkv`` itself; default BM
     alone). Each method that takes a kv_max is tuned as BM is (its batches sized with it; ``evaluate`` gets it);
-    FKV runs once, as the reference, at its largest batch. ``TuneResult.why`` says in one line why the pick won."""
+    a method that takes a rule is tuned once with ``rule`` and, with ``cheaper``, once more with each of the rule's
+    cheaper settings (``rule_candidates``). FKV runs once, as the reference, at its largest batch.
+    ``TuneResult.why`` says in one line why the pick won."""
     run = _Trials(evaluate)
     fkv_b = largest_batch(budget, shape, Method("fkv", p=p), prompt_len, new, dtype=dtype, tp=tp, batches=batches)
     if fkv_b == 0:
@@ -215,14 +221,16 @@ def tune(
     if not fkv.metric:
         logger.warning("FKV's metric is %s: every BM configuration meets the target; the fastest one wins", fkv.metric)
 
-    picks: list[Trial] = []  # each method's fastest run that meets the goal
-    for spec in methods:
+    rules = rule_candidates(rule) if cheaper else [rule]
+    candidates = [(spec, r) for spec in methods for r in (rules if takes_rule(spec) else [None])]
+    picks: list[Trial] = []  # each candidate's fastest run that meets the goal
+    for spec, spec_rule in candidates:
         if is_full_cache(spec):
             picks.append(fkv)
             continue
-        extra = {"rule": rule} if takes_rule(spec) else {}
+        extra = {} if spec_rule is None else {"rule": spec_rule}
         make = lambda k, spec=spec, extra=extra: make_method(spec, kv_max=k, p=p, **extra)  # noqa: E731
-        grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p, rule)) if _runs_with(make, k)]
+        grid = [k for k in (kv_values or kv_grid(prompt_len, 128, p, spec_rule or rule)) if _runs_with(make, k)]
         fitting = _fitting(budget, shape, prompt_len, new, [make(k) for k in grid], dtype=dtype, tp=tp, batches=batches)
         if not fitting:
             continue
@@ -231,8 +239,8 @@ def tune(
             return run(*fitting[i])
 
         lo = _first_meeting(probe, len(fitting), goal)
-        candidates = [probe(i) for i in range(lo, min(lo + 1 + neighbours, len(fitting)))]
-        best = max((t for t in candidates if _meets(t, goal)), key=lambda t: t.tokens_per_s, default=None)
+        tried = [probe(i) for i in range(lo, min(lo + 1 + neighbours, len(fitting)))]
+        best = max((t for t in tried if _meets(t, goal)), key=lambda t: t.tokens_per_s, default=None)
         if best is not None:
             picks.append(best)
     best = max(picks, key=lambda t: t.tokens_per_s, default=None)
@@ -247,19 +255,21 @@ def _runs_with(make: Callable[[int], Method], kv_max: int) -> bool:
     return True
 
 
+def trial_name(trial: Trial) -> str:
+    """A trial's method in one word: its name, its rule where it has one other than the paper's, and its kv_max
+    where it evicts (``bm rule=question:every=8 kv_max=512``)."""
+    rule = "" if trial.rule in (None, "paper") else f" rule={trial.rule}"
+    kv = "" if trial.kv_max is None or is_full_cache(trial.method) else f" kv_max={trial.kv_max}"
+    return f"{trial.method}{rule}{kv}"
+
+
 def _why(best: Trial | None, picks: list[Trial], goal: float, target: float) -> str:
-    """One line: the pick, its tokens/s and metric against the goal, and each other method's best that met it."""
+    """One line: the pick, its tokens/s and metric against the goal, and each other candidate's best that met it."""
     if best is None:
         return f"no configuration that fits the budget reaches {target} x FKV's metric ({goal:.3f})"
-    kv = "" if best.kv_max is None or is_full_cache(best.method) else f" kv_max={best.kv_max}"
-    others = ", ".join(
-        f"{t.method}{'' if t.kv_max is None or is_full_cache(t.method) else f' kv_max={t.kv_max}'} b={t.batch} "
-        f"{t.tokens_per_s:.1f}"
-        for t in picks
-        if t is not best
-    )
+    others = ", ".join(f"{trial_name(t)} b={t.batch} {t.tokens_per_s:.1f}" for t in picks if t is not best)
     return (
-        f"{best.method}{kv} b={best.batch}: {best.tokens_per_s:.1f} tokens/s at metric {best.metric:.3f} >= "
+        f"{trial_name(best)} b={best.batch}: {best.tokens_per_s:.1f} tokens/s at metric {best.metric:.3f} >= "
         f"{goal:.3f} ({target} x FKV's), the fastest of the methods that reach it"
         + (f" (the others' best: {others} tokens/s)" if others else "")
     )
@@ -273,7 +283,7 @@ class _Trials:
         self.done: dict[tuple, Trial] = {}
 
     def __call__(self, method: Method, batch: int) -> Trial:
-        key = (method.name, method.kv_max, batch)
+        key = (method.name, method.kv_max, method.rule, batch)
         if key not in self.done:
             self.done[key] = self.evaluate(method, batch)
             logger.info("trial %s b=%d -> %s", method.label(), batch, self.done[key])
