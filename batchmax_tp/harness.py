@@ -33,7 +33,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import lm_eval.models  # noqa: F401 - lm-eval's own models register first: registering ours must not hide them
@@ -390,14 +390,19 @@ class BatchMaxLM(TemplateLM):
         return int(torch.cuda.get_device_properties(self._device).total_memory * CUDA_BUDGET_FRACTION)
 
     def _serve(
-        self, requests: list[Request], slots: int, bar: tqdm, sampling: Sampling, batching: Batching
+        self,
+        requests: list[Request],
+        slots: int,
+        on_finish: Callable[[int, RequestOutput], None],
+        sampling: Sampling,
+        batching: Batching,
     ) -> list[RequestOutput]:
-        """``core.engine.Engine`` on this replica's model (the tokenizer's pad id in ``sampling``); the run's time
-        and tokens go into ``stats``."""
+        """``core.engine.Engine`` on this replica's model (the tokenizer's pad id in ``sampling``; ``on_finish(i,
+        output)`` as request i ends); the run's time and tokens go into ``stats``."""
         start = time.perf_counter()
         engine = Engine(self._model, self.method, slots, tp_group=self.tp_group, batching=batching)
         sampling = replace(sampling, pad_token_id=self.tokenizer.pad_token_id)
-        done = engine.run(requests, sampling, on_finish=lambda i, out: bar.update(1))
+        done = engine.run(requests, sampling, on_finish=on_finish)
         self.stats["wall_s"] += time.perf_counter() - start
         self.stats["prefill_s"] += done.prefill_s
         self.stats["decode_s"] += done.decode_s
@@ -437,7 +442,11 @@ class BatchMaxLM(TemplateLM):
         for wave in _waves(groups, slots):
             reqs = [Request(p, len(c), continuation=c) for p, c in wave]
             outs = self._serve(
-                reqs, min(slots, len(reqs)), bar, Sampling(ignore_eos=True), Batching(share_prompts=True)
+                reqs,
+                min(slots, len(reqs)),
+                lambda i, out: bar.update(1),
+                Sampling(ignore_eos=True),
+                Batching(share_prompts=True),
             )
             for (p, c), out in zip(wave, outs):
                 results[(p, c)] = (float(sum(out.logprobs)), list(out.tokens) == list(c))
@@ -476,15 +485,20 @@ class BatchMaxLM(TemplateLM):
         for i, req in enumerate(requests):
             by_kwargs[repr(sorted(req.args[1].items()))].append(i)
         bar = self._bar(len(requests), "batchmax generate_until", disable_tqdm)
+
+        def finished(i: int, text: str) -> None:  # each answer cached as it ends: a run resumes per request
+            results[i] = text
+            self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            bar.update(1)
+
         for indices in by_kwargs.values():
-            for i, text in zip(indices, self._generate(requests, indices, bar)):
-                results[i] = text
-                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            self._generate(requests, indices, finished)
         bar.close()
         return results
 
-    def _generate(self, requests, indices: list[int], bar: tqdm) -> list[str]:
-        """One engine run for requests that share their generation settings."""
+    def _generate(self, requests, indices: list[int], finished: Callable[[int, str], None]) -> None:
+        """One engine run for requests that share their generation settings; ``finished(index, text)`` hears each
+        request's text (``indices``' entry) as it ends."""
         kwargs = normalize_gen_kwargs(dict(requests[indices[0]].args[1]), self.max_gen_toks)
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
@@ -502,11 +516,12 @@ class BatchMaxLM(TemplateLM):
             return any(s and s in text for s in until)
 
         chosen = Sampling(eos_token_id=self.eot_token_id, stop=stop, **sampling)
-        outs = self._serve(reqs, self._slots(reqs), bar, chosen, Batching())
-        texts = [""] * len(indices)
-        for j, out in zip(order, outs):
-            texts[j] = postprocess_generated_text(self.tok_decode(out.tokens), stop=until, think_end_token=None)
-        return texts
+
+        def done(k: int, out: RequestOutput) -> None:  # request k of ``reqs`` is ``indices[order[k]]``
+            text = postprocess_generated_text(self.tok_decode(out.tokens), stop=until, think_end_token=None)
+            finished(indices[order[k]], text)
+
+        self._serve(reqs, self._slots(reqs), done, chosen, Batching())
 
 
 def _sampling(kwargs: dict) -> dict:

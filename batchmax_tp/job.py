@@ -35,6 +35,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,9 +59,12 @@ from .plan.budget import (
     STORY_MAX_PROMPTS,
     RunSpec,
     fmt_bytes,
+    largest_kv_max,
     paper_setting_specs,
     paper_specs,
     planned_dtype,
+    predict_spec,
+    prompts_held,
     same_memory_plan,
 )
 from .plan.planner import ModelShape, predict
@@ -110,10 +114,11 @@ class Job:
 
 
 # ---------------------------------------------------------------------- set-up (no weights)
-def _resolve(cfg: RunConfig, rank: int, world: int, local_rank: int) -> tuple[RunConfig, str]:
+def _resolve(cfg: RunConfig, rank: int, world: int, local_rank: int) -> tuple[RunConfig, str, Any]:
     """The configuration with ``device``, ``tp_size``, ``dp_size`` and ``dtype`` resolved (as ``OUT/config.yaml``
-    records them), and this process's device. The model's configuration alone (no weights) is read here: an
-    unreadable model is one line, and its KV heads and dtype settle the layout before anything heavy happens."""
+    records them), this process's device and the model's configuration. That configuration alone (no weights) is
+    read here: an unreadable model is one line, and its KV heads and dtype settle the layout before anything heavy
+    happens."""
     try:
         cfg = cfg.replace(device=parallel.resolve_device(cfg.model.device))
     except ValueError as err:
@@ -151,7 +156,7 @@ def _resolve(cfg: RunConfig, rank: int, world: int, local_rank: int) -> tuple[Ru
         raise JobError(f"dtype: {err}") from None
     _check_model_limits(cfg, model_config)
     _check_budget_holds_one_sample(cfg, model_config)
-    return cfg, device
+    return cfg, device, model_config
 
 
 def _check_methods(cfg: RunConfig, kv_heads: int, tp: int) -> None:
@@ -226,6 +231,56 @@ def _check_budget_holds_one_sample(cfg: RunConfig, model_config) -> None:
         )
 
 
+def _check_a_run_holds_the_prompts(
+    cfg: RunConfig, model_config, samples: list[tasks.Sample] | None, task_data: tasks.TaskData | None
+) -> None:
+    """JobError, before the model loads, when ``memory_budget`` holds none of the listed runs for the job's longest
+    prompt (its tokenizer read alone): one line with each run's bytes needed and the longest prompt its method fits
+    in the budget, and BM's need where a bounded prefill fits. A run that does not fit beside one that does is an
+    OOM row of the job (``eval.run``); a procedure and the main job plan their batches within the budget."""
+    budget = cfg.memory.budget_bytes()
+    if budget is None or cfg.main_job or cfg.memory.procedure is not None:
+        return
+    try:
+        shape = ModelShape.from_config(model_config)
+    except (AttributeError, TypeError):
+        return  # a configuration the planner cannot read: the runs' own checks apply
+    try:
+        tokenizer = models.load_tokenizer(cfg.model.name)
+    except (OSError, ValueError):
+        return  # no tokenizer to read before the load: loading the model says what is wrong
+    if tokenizer is None:
+        return
+    if task_data is not None:
+        try:
+            samples = tasks.build_samples(tokenizer, task_data, cfg.data.max_input_tokens)
+        except ValueError as err:
+            raise JobError(f"max_input_tokens: {err}") from None
+    prompt_len, new, dtype, tp = (
+        longest_prompt(tokenizer, samples),
+        cfg.generation.max_new_tokens,
+        cfg.model.dtype,
+        cfg.parallel.tp_size,
+    )
+    needs = []
+    for spec in cfg.sweep.run_specs():
+        slots = max(spec.batch_size, 1)
+        estimate = predict_spec(shape, spec.method, slots, prompt_len, new, dtype, tp)
+        if estimate.total <= budget:
+            return
+        held = prompts_held(shape, spec.method, budget, new, slots=slots, dtype=dtype, tp=tp)
+        needs.append(f"{spec.name} needs {fmt_bytes(estimate.total)} ({held})")
+    rule = cfg.sweep.rule_for("bm")
+    kv = largest_kv_max(shape, budget, prompt_len, new, p=cfg.sweep.p, rule=rule, dtype=dtype, tp=tp)
+    hint = (
+        f"; BM's prefill is bounded: it fits one slot with kv_max up to {kv} (--method bm --kv-max {kv})" if kv else ""
+    )
+    raise JobError(
+        f"memory_budget: {fmt_bytes(budget)} per rank holds none of the runs for the longest prompt "
+        f"({prompt_len:,} tokens): {'; '.join(needs)}{hint}"
+    )
+
+
 def _load_data(data: DataConfig, seed: int) -> tuple[list[tasks.Sample] | None, tasks.TaskData | None]:
     """(samples, None) of a JSONL file; (None, the task's data) of a paper task (prompts need the tokenizer)."""
     if data.task != "jsonl":
@@ -280,7 +335,8 @@ def _prepare(cfg: RunConfig, rank: int, world: int, local_rank: int) -> Job | li
 
 def _prepare_job(cfg: RunConfig, rank: int, world: int, local_rank: int) -> Job | list[dict]:
     samples, task_data = _load_data(cfg.data, cfg.generation.seed)  # first: a bad data file costs no model read
-    cfg, device = _resolve(cfg, rank, world, local_rank)
+    cfg, device, model_config = _resolve(cfg, rank, world, local_rank)
+    _check_a_run_holds_the_prompts(cfg, model_config, samples, task_data)
     try:
         resuming = results.check_same_config(cfg.output.dir, cfg.to_dict())
     except ValueError as err:

@@ -339,12 +339,21 @@ def load_model(
         path, dtype=_parse_dtype(dtype), attn_implementation="sdpa", **placement
     )
     model = model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    _prepare_tokenizer(tokenizer)
+    tokenizer = load_tokenizer(model_id)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     logger.info("loaded %s (%s, %s) in %.1f s", model_id, dtype, device, time.perf_counter() - start)
     return model, tokenizer
+
+
+def load_tokenizer(model_id: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase | None:
+    """The model's tokenizer alone (no weights read), padding on the left with a pad token, as :func:`load_model`
+    returns it; None for an architecture-only model (``arch:``), which has none."""
+    if model_id.startswith(ARCH_PREFIX):
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(model_path(model_id))
+    _prepare_tokenizer(tokenizer)
+    return tokenizer
 
 
 def load_on_ranks(

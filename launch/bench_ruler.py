@@ -4,6 +4,18 @@ configurations side by side, each scored as a share of FKV's.
     python launch/bench_ruler.py      # tuning half, 2k + 4k, 7 tasks: FKV, BM paper/question at kv_max 512/256/128
     python launch/bench_ruler.py --half heldout --kv-max 256,128 --rules 'question;question:share=0'
     python launch/bench_ruler.py --configs fkv bm:512:paper bm:256:question --tasks niah_single,vt --limit 2
+    python launch/bench_ruler.py --pretrained qwen2.5-coder-0.5b --lengths 8k,16k --half heldout \
+        --configs fkv bm:1024:question bm:2048:question snap:1024
+
+Lengths: 2k and 4k (every task, ``configs/lm_eval/ruler``), and 8k, 16k and 32k for a model with a 32k context (the
+needle tasks that ask one key and ``vt``; 4 documents per task and half at 8k and 16k, 2 at 32k), built on first use
+into ``--long-suite`` (default ``$BATCHMAX_CACHE/ruler-long``; deterministic, ~1 minute) by the suite's builder.
+Before each half runs, its predicted time is logged (each configuration's FLOPs per document, ``bench.regimes``,
+at a share of a matrix product's FLOP/s measured on the device), and after each configuration the time left,
+scaled by what the ones run so far took. Resumable per document: every configuration answers through lm-eval's
+response cache in its folder (each answer written as its request ends), so a run stopped part-way and started again
+with the same flags serves only the documents not yet answered, and a finished configuration (its ``row.json``) is
+read back; a resumed configuration's tokens/s are of the documents it served after the restart.
 
 Configurations: ``--configs`` takes one per argument: a method's name (``fkv``, ``ed``: the ``batchmax`` model's
 default kv_max, ED's 65), ``NAME:KV_MAX`` for a method that evicts (``ed:2``, ``snap:256``, ``bm:512``) or, for one
@@ -44,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import re
@@ -55,12 +68,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "configs" / "lm_eval" / "ruler"
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
-LENGTHS = ("2k", "4k")
-HALVES = ("tune", "heldout")
+
+
+def _builder():
+    """The suite's builder (``configs/lm_eval/ruler/build.py``): its lengths and the tasks at each."""
+    spec = importlib.util.spec_from_file_location("ruler_build", SUITE / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILD = _builder()
+TASKS = tuple(BUILD.TASKS)
+LENGTHS = tuple(BUILD.LENGTHS)  # 2k and 4k in the suite's folder; 8k, 16k, 32k built on demand (``long_suite``)
+HALVES = tuple(BUILD.HALVES)
 METRIC = "string_match_all,none"
 DOC_METRIC = "string_match_all"  # each lm-eval sample's own score
 DEFAULT_KV_MAX, DEFAULT_RULES = "512,256,128", "paper;question"
+#: The share of a measured matrix product's FLOP/s a configuration's time is predicted at (prefill on this CPU runs at
+#: ~0.7 of it on the 0.5B at 4k; the prediction is refined by the configurations already run).
+EFFICIENCY = 0.7
 
 
 @dataclass(frozen=True)
@@ -105,8 +132,14 @@ def configs_from_args(args: argparse.Namespace) -> list[Config]:
     return list(out.values())
 
 
+def at(length: str, tasks: list[str]) -> list[str]:
+    """Those of ``tasks`` the suite has at ``length`` (every task at 2k and 4k; ``LONG_TASKS`` beyond; a name the
+    suite does not know, as tests use, at every length)."""
+    return [t for t in tasks if t not in TASKS or t in BUILD.tasks_at(length)]
+
+
 def task_names(half: str, tasks: list[str], lengths: list[str]) -> list[str]:
-    return [f"batchmax_ruler_{t}_{n}_{half}" for n in lengths for t in tasks]
+    return [f"batchmax_ruler_{t}_{n}_{half}" for n in lengths for t in at(n, tasks)]
 
 
 # -- the tables -----------------------------------------------------------------------------------------------------
@@ -124,7 +157,7 @@ def summarize(rows: list[dict], tasks: list[str], lengths: list[str]) -> list[di
     share = lambda a, b: a / b if b else None  # noqa: E731
     out = []
     for row in rows:
-        by_length = {n: _mean([row["scores"][f"{t} {n}"] for t in tasks]) for n in lengths}
+        by_length = {n: _mean([row["scores"][f"{t} {n}"] for t in at(n, tasks)]) for n in lengths}
         out.append({**row, "mean": _mean(list(by_length.values())), "mean_by_length": by_length})
     fkv = out[0]
     for row in out:
@@ -181,10 +214,16 @@ def format_table(rows: list[dict], tasks: list[str], lengths: list[str], about: 
         for r in rows
         if r.get("reused_from")
     ]
+    reused += [
+        f"{r['label']} was resumed: {r['resumed_documents']} documents were answered before a restart (its tokens/s "
+        "are of the rest)"
+        for r in rows
+        if r.get("resumed_documents")
+    ]
     about = " ".join([about, *(f"{x}." for x in reused)])
     text = about + "\n\n" + line("task", [r["label"] for r in rows]) + line("---", ["---:"] * len(rows))
     for n in lengths:
-        for t in tasks:
+        for t in at(n, tasks):
             text += line(f"{t} {n}", [num(r["scores"][f"{t} {n}"], ".2f") for r in rows])
     for n in lengths:
         text += line(f"**mean {n}**", [num(r["mean_by_length"][n]) for r in rows])
@@ -233,21 +272,86 @@ def configured(base, model_args: dict):
     return lm
 
 
-def longest_request(tokenizer, suite: Path, names: list[str], limit: int | None) -> tuple[int, int]:
-    """(most prompt tokens, most max_gen_toks) of the chosen documents, with ``tokenizer``."""
-    prompt = gen = 0
+def data_file(suites: list[Path], name: str) -> Path:
+    """The documents of task ``name`` in the first of ``suites`` that holds them."""
+    stem = "data/" + name.removeprefix("batchmax_ruler_") + ".jsonl"
+    return next((folder / stem for folder in suites if (folder / stem).is_file()), suites[0] / stem)
+
+
+def requests(tokenizer, suites: list[Path], names: list[str], limit: int | None) -> list[tuple[int, int]]:
+    """(prompt tokens with ``tokenizer``, max_gen_toks) of each chosen document."""
+    out = []
     for name in names:
-        path = suite / "data" / (name.removeprefix("batchmax_ruler_") + ".jsonl")
-        for line in path.read_text(encoding="utf-8").splitlines()[:limit]:
+        for line in data_file(suites, name).read_text(encoding="utf-8").splitlines()[:limit]:
             doc = json.loads(line)
-            prompt, gen = max(prompt, len(tokenizer.encode(doc["input"]))), max(gen, doc["max_gen_toks"])
-    return prompt, gen
+            out.append((len(tokenizer.encode(doc["input"])), doc["max_gen_toks"]))
+    return out
+
+
+def longest_request(tokenizer, suites: list[Path], names: list[str], limit: int | None) -> tuple[int, int]:
+    """(most prompt tokens, most max_gen_toks) of the chosen documents, with ``tokenizer``."""
+    found = requests(tokenizer, suites, names, limit)
+    return max(p for p, _ in found), max(g for _, g in found)
+
+
+def long_suite(folder: Path, lengths: list[str]) -> Path:
+    """``folder`` holding the suite at the long ``lengths`` (``build.LONG``): built there first where a data file
+    is missing (deterministic; the 32k documents take the longest, ~1 min), each file logged as it is written."""
+    long = [n for n in lengths if n not in BUILD.SHORT]
+    missing = [
+        n
+        for n in long
+        for h in HALVES
+        for t in BUILD.tasks_at(n)
+        if not (folder / "data" / f"{t}_{n}_{h}.jsonl").is_file()
+        or len((folder / "data" / f"{t}_{n}_{h}.jsonl").read_text(encoding="utf-8").splitlines())
+        < BUILD.documents_at(n, BUILD.DEFAULT_PER_HALF)
+    ]
+    if missing:
+        log(f"building the suite at {', '.join(long)} into {folder} (once; deterministic) ...")
+        BUILD.build(folder, BUILD.embedded_counter(), lengths=tuple(long), progress=lambda text: log(f"  {text}"))
+    return folder
+
+
+def predicted_seconds(shape, method, found: list[tuple[int, int]], flops_per_s: float) -> float:
+    """A configuration's time from its FLOPs (``bench.regimes.prompt_token_flops``: linear layers and the keys each
+    prompt token attends to under ``method``; a generated token as a prompt token of its request) at
+    ``flops_per_s``."""
+    from batchmax_tp.bench.regimes import prompt_token_flops
+
+    work = sum((p + g) * prompt_token_flops(shape, method, p) for p, g in found)
+    return work / flops_per_s
+
+
+def measured_flops(device: str, dtype: str, hidden: int) -> float:
+    """FLOP/s of this device on a product like a prefill's (512 rows of ``hidden`` by 4 x ``hidden``), best of 3
+    after a warm-up: what a long run is predicted with."""
+    import torch
+
+    kind = getattr(torch, dtype)
+    a = torch.randn(512, hidden, dtype=kind, device=device)
+    b = torch.randn(hidden, 4 * hidden, dtype=kind, device=device)
+    best = float("inf")
+    for _ in range(4):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / 4)
+    return 2 * 512 * hidden * 4 * hidden / best
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--half", choices=HALVES, default="tune", help="which half of the suite (default tune)")
-    ap.add_argument("--lengths", default=",".join(LENGTHS), help="comma list of 2k, 4k (default both)")
+    ap.add_argument(
+        "--lengths",
+        default=",".join(BUILD.SHORT),
+        help=f"comma list of {', '.join(LENGTHS)} (default 2k,4k; 8k-32k: {', '.join(BUILD.LONG_TASKS)})",
+    )
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)} (default all)")
     ap.add_argument("--limit", type=int, default=None, help="documents per task (default all)")
     ap.add_argument("--configs", nargs="+", type=parse_config, default=None, metavar="CONFIG", help="see above")
@@ -260,6 +364,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", default="auto", help="slots, or auto (default): the planner's in the budget")
     ap.add_argument("--memory-budget", default=None, help="bytes for auto (default: FKV's pool for 4 slots)")
     ap.add_argument("--suite", type=Path, default=SUITE, help="task folder (default configs/lm_eval/ruler)")
+    ap.add_argument(
+        "--long-suite",
+        type=Path,
+        default=None,
+        help="where the 8k-32k documents are built on first use (default $BATCHMAX_CACHE/ruler-long)",
+    )
     ap.add_argument("--log-samples", action="store_true", help="keep lm-eval's samples in results.json")
     ap.add_argument("--pick", action="store_true", help="choose on the tuning half, report on the held-out half")
     ap.add_argument(
@@ -278,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         bad = [x for x in got if x not in known] or ([] if got else ["(none)"])
         if bad:
             ap.error(f"unknown {kind} {bad[0]!r}: choose from {', '.join(known)}")
+    for n in lengths:
+        if not at(n, tasks):
+            ap.error(f"no chosen task at {n}: the suite has {', '.join(BUILD.tasks_at(n))} there")
     try:
         configs = configs_from_args(args)
     except argparse.ArgumentTypeError as err:
@@ -286,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--batch-size must be an integer or auto, got {args.batch_size!r}")
     out = (args.out or ROOT / "results" / ("ruler_pick" if args.pick else f"ruler_{args.half}")).resolve()
     suite = args.suite.resolve()
+    suites = [suite]
+    if any(n not in BUILD.SHORT for n in lengths):
+        from batchmax_tp.parted import cache_root
+
+        suites.append(long_suite((args.long_suite or cache_root() / "ruler-long").resolve(), lengths))
     halves = list(HALVES) if args.pick else [args.half]
     model = args.pretrained or "embedded SmolLM2-135M-Instruct"
     reused = None
@@ -324,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.memory_budget
         if budget is None:  # FKV's pool for 4 slots of the longest chosen request (of every half run)
             names = [n for half in halves for n in task_names(half, tasks, lengths)]
-            prompt, gen = longest_request(base.tokenizer, suite, names, args.limit)
+            prompt, gen = longest_request(base.tokenizer, suites, names, args.limit)
             budget = str(fkv_budget(base.shape, prompt, gen, batch=4, dtype=base.dtype))
         batch["memory_budget"] = budget
     settings = {
@@ -338,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": batch["batch_size"],
         "memory_budget": fmt_bytes(parse_bytes(batch["memory_budget"])) if "memory_budget" in batch else None,
     }
-    run = Half(base, tasks, lengths, {**common, **batch}, suite, args.limit, args.log_samples, settings)
+    rate = None if base.shape is None else measured_flops(str(base._device), base.dtype, base.shape.hidden) * EFFICIENCY
+    run = Half(base, tasks, lengths, {**common, **batch}, suites, args.limit, args.log_samples, settings, rate)
     if reused is not None and reused["dtype"] != base.dtype:
         log(f"error: --fkv-from: {args.fkv_from} has dtype {reused['dtype']!r}, this run {base.dtype!r}")
         return 2
@@ -389,6 +508,13 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def atomic_json(path: Path, obj) -> None:
+    """``obj`` as JSON at ``path``, whole or not at all (a temporary file renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 @dataclass
 class Half:
     """Runs configurations on one half of the suite with the loaded model ``base``, each into its own folder,
@@ -398,22 +524,53 @@ class Half:
     tasks: list[str]
     lengths: list[str]
     model_args: dict  # common and batch settings
-    suite: Path
+    suites: list[Path]
     limit: int | None
     keep_samples: bool
     settings: dict
+    flops_per_s: float | None = None  #: the rate a configuration's time is predicted at (None: no prediction)
+
+    def predicted(self, configs: list[Config], half: str) -> list[float]:
+        """Each configuration's predicted seconds on this half (``predicted_seconds``), 0 without a rate."""
+        from batchmax_tp.harness import Settings
+
+        if self.flops_per_s is None:
+            return [0.0] * len(configs)
+        found = requests(self.base.tokenizer, self.suites, task_names(half, self.tasks, self.lengths), self.limit)
+        return [
+            predicted_seconds(
+                self.base.shape, Settings.parse({**self.model_args, **c.args}).method_(), found, self.flops_per_s
+            )
+            for c in configs
+        ]
 
     def __call__(self, configs: list[Config], half: str, out: Path, first: list[dict] | None = None) -> list[dict]:
-        """The configurations' rows after ``first`` (FKV's, read from an earlier run)."""
+        """The configurations' rows after ``first`` (FKV's, read from an earlier run). Resumable: a configuration
+        whose row was written (``<NN>_<config>/row.json``) is read back, and one that stopped part-way answers its
+        finished documents from its response cache (lm-eval's ``use_cache``: each answer is written as it ends)."""
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
         names = task_names(half, self.tasks, self.lengths)
-        manager = TaskManager(include_path=str(self.suite), include_defaults=False)
+        manager = TaskManager(include_path=[str(x) for x in self.suites], include_defaults=False)
         out.mkdir(parents=True, exist_ok=True)
         rows: list[dict] = list(first or [])
+        predicted = self.predicted(configs, half)
+        if any(predicted):
+            log(
+                f"[{half}] predicted: {sum(predicted) / 60:.1f} min for {len(configs)} configurations x "
+                f"{len(names)} tasks (FLOPs at {self.flops_per_s / 1e9:.0f} GFLOP/s: "
+                f"{EFFICIENCY} x a product measured here)"
+            )
+        spent = expected = 0.0  # the measured and predicted seconds of the configurations run so far
         for i, config in enumerate(configs):
             k = len(rows)  # the folder's number: the configuration's place in the table
+            folder = out / f"{k:02d}_{re.sub(r'[^A-Za-z0-9.=-]+', '_', config.label)}"
+            if (folder / "row.json").is_file():
+                rows.append(json.loads((folder / "row.json").read_text(encoding="utf-8")))
+                log(f"[{half} {i + 1}/{len(configs)}] {config.label}: done earlier ({folder.name}/row.json)")
+                continue
+            folder.mkdir(exist_ok=True)
             log(f"[{half} {i + 1}/{len(configs)}] {config.label}: {len(names)} tasks ...")
             lm = configured(self.base, {**self.model_args, **config.args})
             start = time.perf_counter()
@@ -423,40 +580,46 @@ class Half:
                 limit=self.limit,
                 task_manager=manager,
                 cache_requests=False,
+                use_cache=str(folder / f"answers-{lm.settings.fingerprint()}"),  # per document: resumable
                 bootstrap_iters=0,
                 log_samples=True,  # each document's score, for the intervals
             )
             wall = time.perf_counter() - start
-            cell = {f"batchmax_ruler_{t}_{n}_{half}": f"{t} {n}" for n in self.lengths for t in self.tasks}
+            cell = {f"batchmax_ruler_{t}_{n}_{half}": f"{t} {n}" for n in self.lengths for t in at(n, self.tasks)}
             documents = {
                 cell[name]: [s[DOC_METRIC] for s in sorted(res["samples"][name], key=lambda s: s["doc_id"])]
                 for name in names
             }
             if not self.keep_samples:
                 res.pop("samples", None)
-            folder = out / f"{k:02d}_{re.sub(r'[^A-Za-z0-9.=-]+', '_', config.label)}"
-            folder.mkdir(exist_ok=True)
             (folder / "results.json").write_text(json.dumps(res, indent=2, default=str), encoding="utf-8")
             info = res["config"]["batchmax"]
-            rows.append(
-                {
-                    "label": config.label,
-                    "model_args": config.args,
-                    "results": os.path.relpath(folder / "results.json", out),
-                    "scores": {cell[name]: res["results"][name][METRIC] for name in names},
-                    "documents": documents,
-                    "tokens_per_s": info["tokens_per_s"],
-                    "slots": int(info["slots"]),
-                    "peak_kv_bytes": int(info["peak_kv_bytes"]),
-                    "wall_s": wall,
-                }
-            )
+            served = int(info.get("requests", 0))  # the rest came from the response cache of an earlier, stopped run
+            row = {
+                "label": config.label,
+                "model_args": config.args,
+                "results": os.path.relpath(folder / "results.json", out),
+                "scores": {cell[name]: res["results"][name][METRIC] for name in names},
+                "documents": documents,
+                "tokens_per_s": info["tokens_per_s"],
+                "slots": int(info["slots"]),
+                "peak_kv_bytes": int(info["peak_kv_bytes"]),
+                "wall_s": wall,
+            }
+            cached = sum(len(d) for d in documents.values()) - served
+            if cached:
+                row["resumed_documents"] = cached  # its speed is of the documents served after the restart
+            atomic_json(folder / "row.json", row)
+            rows.append(row)
             write_tables(out, rows, self.tasks, self.lengths, {**self.settings, "half": half})
             row = summarize(rows, self.tasks, self.lengths)[-1]
             share = "-" if row["share_of_fkv"] is None else f"{row['share_of_fkv']:.3f}"
+            spent, expected = spent + wall, expected + predicted[i]
+            left = sum(predicted[i + 1 :]) * (spent / expected if expected and not cached else 1.0)
             log(
                 f"[{half} {i + 1}/{len(configs)}] {config.label}: mean {row['mean']:.3f}, share of FKV {share}, "
                 f"{row['tokens_per_s']:.0f} tok/s, {row['slots']} slots, {wall:.0f} s"
+                + (f" (predicted {predicted[i]:.0f} s); ~{left / 60:.1f} min left" if predicted[i] else "")
             )
         return rows
 

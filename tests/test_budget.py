@@ -27,7 +27,7 @@ from batchmax_tp.config import ConfigError, parse_args
 from batchmax_tp.core.method import BatchMax, ExtremeDecoding, Method
 from batchmax_tp.eval import batches, generation, oom, report, tasks
 from batchmax_tp.plan import budget
-from batchmax_tp.plan.planner import ModelShape, max_batch, paper_ed_bytes, predict
+from batchmax_tp.plan.planner import ModelShape, max_batch, max_prompt_len, paper_ed_bytes, predict
 from batchmax_tp.plan.tuner import paper_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,6 +179,8 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
     assert fkv["status"] == "oom" and fkv["oom_cause"] == "predicted" and fkv["num_samples"] == 0
     assert fkv["predicted_peak_bytes"] > fkv["memory_budget_bytes"] == limit
     assert "exceeds memory_budget" in fkv["error"] and not (out / "fkv-b4" / "samples.jsonl").exists()
+    held = max_prompt_len(limit, ModelShape.from_config(tiny_model.config), Method("fkv"), 3, slots=4)
+    assert 0 < held < s and f"fkv holds prompts of at most {held:,} tokens in it (4 slots)" in fkv["error"]
     for name in ("bm-b2-kv128", "bm-b4-kv128"):
         summary = json.loads((out / name / "summary.json").read_text())
         assert summary["status"] == "done" and summary["num_samples"] == 4
@@ -207,6 +209,69 @@ def test_run_over_budget_is_an_oom_row_and_the_sweep_goes_on(tmp_path, stack, to
     stack.calls.clear()
     assert _load("run").main(["--config", _yaml(tmp_path, _nqa(out, runs=runs, memory_budget=limit))]) == 0
     assert stack.calls == [] and "| FKV | 4 | N/A | OOM | - | OOM | OOM |" in (out / "report.md").read_text()
+
+
+def _long_prompt(tmp_path, tokenizer, tokens: int) -> tuple[Path, int]:
+    """A JSONL file of one prompt of about ``tokens`` tokens (the retention fixture's filler) and its length."""
+    import random
+
+    from batchmax_tp.bench.retention import load_fixture
+    from batchmax_tp.bench.retention.suite import filler_paragraph
+
+    rng, fx, text = random.Random(0), load_fixture(), ""
+    while len(tokenizer(text).input_ids) < tokens:
+        text += filler_paragraph(rng, fx) + " "
+    sample = {"id": "long", "prompt": text + "What is the first word of this text?", "reference": text.split()[0]}
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps(sample) + "\n")
+    return path, generation.longest_prompt(tokenizer, tasks.load_jsonl(path))
+
+
+def test_a_prompt_whose_full_cache_exceeds_the_budget_is_refused_before_load_and_answered_by_bm(
+    tmp_path, monkeypatch, tokenizer, tiny_model, capsys
+):
+    """FKV and snap alone are refused before any load (one line, exit 2, nothing written) when the budget is below
+    one prompt's full pairs and activations; BM answers the prompt in it, its measured peak within the planner's."""
+    from memtrack import AllocationTracker
+
+    import batchmax_tp.models as models
+
+    path, s = _long_prompt(tmp_path, tokenizer, 1500)
+    shape = ModelShape.from_config(tiny_model.config)
+    bm = Method("bm", kv_max=128, p=32)
+    limit = predict(shape, bm, 1, s, 3).total
+    for method in (Method("fkv"), Method("snap", kv_max=128, p=32)):
+        assert predict(shape, method, 1, s, 3).total > limit  # premise: one prompt does not fit either
+        assert 0 < max_prompt_len(limit, shape, method, 3) < s
+    assert max_prompt_len(limit, shape, bm, 3, limit=1 << 16) == 1 << 16  # BM holds every length in it
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    monkeypatch.setattr(models, "read_config", lambda *a, **k: tiny_model.config)
+    common = ["--data", str(path), "--max-new-tokens", "3", "--p", "32", "--device", "cpu", "--dtype", "float32"]
+    common += ["--memory-budget", str(limit), "--log-level", "WARNING", "--batch-size", "1"]
+    for method, name in (("fkv", "fkv-b1"), ("snap", "snap-b1-kv128")):
+        out = tmp_path / f"out-{method}"
+        kv = [] if method == "fkv" else ["--kv-max", "128"]
+        rc = _load("run").main([*common, "--method", method, *kv, "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and not out.exists(), (rc, err)
+        held = max_prompt_len(limit, shape, Method(method, **({} if method == "fkv" else {"kv_max": 128, "p": 32})), 3)
+        assert err[0].startswith(f"error: memory_budget: {budget.fmt_bytes(limit)} per rank holds none of the runs")
+        assert f"longest prompt ({s:,} tokens): {name} needs " in err[0]
+        assert f"{method} holds prompts of at most {held:,} tokens in it (1 slot)" in err[0]
+        assert err[0].endswith("it fits one slot with kv_max up to 128 (--method bm --kv-max 128)")
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (tiny_model, tokenizer))
+    out = tmp_path / "out-bm"
+    with AllocationTracker() as t:
+        rc = _load("run").main([*common, "--method", "bm", "--kv-max", "128", "--out", str(out)])
+    assert rc == 0
+    summary = json.loads((out / "bm-b1-kv128" / "summary.json").read_text())
+    assert summary["status"] == "done" and summary["num_samples"] == 1 and summary["predicted_peak_bytes"] <= limit
+    assert t.peak <= limit - summary["predicted"]["weights"], (t.peak, summary["predicted"])
 
 
 def test_a_real_out_of_memory_is_recorded_and_memory_is_freed_after_the_handler(tmp_path, stack, monkeypatch):

@@ -566,3 +566,26 @@ def test_whole_waves_keep_a_one_slot_difference_a_one_slot_difference(tmp_path, 
     assert "| BM (paper) | 6 | 96 | 1.000 | 24.0 | 1.50x |" in section, section
     assert "| BM (question) | 5 | 96 | 1.000 | 20.0 | 1.25x |" in section, section
     assert "Whole waves:" in report and "bm-question-b5-kv96 +4" in report and "fkv-b4 +2" in report
+
+
+@pytest.mark.parametrize("n, slots", [(48, 18), (48, 21), (6, 4), (6, 5), (14, 12), (5, 12), (3, 3)])
+def test_whole_waves_fill_with_prompts_spread_over_the_set(n, slots):
+    """The repeats fill the last wave with whole passes over the samples, then ones spread evenly over the list
+    (on a list ordered by length, their lengths are the set's, not its shortest), each once per pass, unscored."""
+    from batchmax_tp.eval.generation import whole_waves
+    from batchmax_tp.eval.tasks import Sample
+
+    samples = [Sample(id=f"s{i}", prompt=f"p{i}", reference="r") for i in range(n)]
+    out = whole_waves(samples, slots)
+    assert out[:n] == samples and len(out) % slots == 0 and len(out) - n < slots
+    fills = out[n:]
+    assert all(s.reference is None for s in fills) and len({s.id for s in out}) == len(out)
+    picked = [int(s.prompt[1:]) for s in fills]
+    whole, r = divmod(len(fills), n)
+    assert sorted(picked[: whole * n]) == sorted(list(range(n)) * whole)
+    spread = picked[whole * n :]
+    assert len(set(spread)) == r
+    for k, i in enumerate(spread):  # one in each of r equal stretches of the list
+        assert k * n <= i * r < (k + 1) * n
+    if r:
+        assert abs(sum(spread) / r - (n - 1) / 2) <= n / (2 * r)

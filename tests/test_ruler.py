@@ -33,16 +33,21 @@ def _script(path: Path):
 
 build = _script(SUITE / "build.py")
 scoring = _script(SUITE / "ruler_utils.py")
-NAMES = [build.task_name(t, n, h) for h in build.HALVES for n in build.LENGTHS for t in build.TASKS]
+NAMES = [build.task_name(t, n, h) for h in build.HALVES for n in build.SHORT for t in build.TASKS]
 
 
 def suite_docs() -> dict[tuple[str, str, str], list[dict]]:
     """The committed documents: (task, length, half) -> documents."""
+    return folder_docs(SUITE, build.SHORT)
+
+
+def folder_docs(folder: Path, lengths) -> dict[tuple[str, str, str], list[dict]]:
+    """A built suite's documents at ``lengths``: (task, length, half) -> documents."""
     return {
-        (t, n, h): [json.loads(x) for x in (SUITE / "data" / f"{t}_{n}_{h}.jsonl").read_text().splitlines()]
+        (t, n, h): [json.loads(x) for x in (folder / "data" / f"{t}_{n}_{h}.jsonl").read_text().splitlines()]
         for h in build.HALVES
-        for n in build.LENGTHS
-        for t in build.TASKS
+        for n in lengths
+        for t in build.tasks_at(n)
     }
 
 
@@ -95,41 +100,73 @@ def test_halves_share_no_key_value_or_word():
     assert not seen["tune"] & seen["heldout"]
 
 
-def test_every_prompt_holds_its_answers():
+def holds_its_answers(task: str, length: str, d: dict) -> None:
     """Needles stated once in the text; the variable chain in order; cwe's 10 words the only frequent ones; fwe's 3
     words strictly the most frequent coded words."""
+    text, out = d["input"], d["outputs"]
+    assert set(out) <= set(d["needles"])
+    if task.startswith("niah"):
+        stated = re.findall(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.", text)
+        assert sorted(v for _, v in stated) == sorted(v for v in d["needles"] if v.isdigit())
+        asked = text.rsplit("Question:", 1)[1]
+        assert sorted(v for k, v in stated if k in asked) == sorted(out)
+        assert len(out) == {"niah_multivalue": 4, "niah_multiquery": 4}.get(task, 1)
+    elif task == "vt":
+        chain = re.findall(r"VAR ([A-Z]{5}) = (?:VAR )?([A-Z]{5}|\d{5})\.", text)
+        assert [x for x, _ in chain] == out and [y for _, y in chain] == [d["needles"][-1], *out[:-1]]
+    elif task == "cwe":
+        counts = Counter(re.findall(r"\d+\. ([a-z]+)", text)).most_common()
+        top = 6 if length == "2k" else 30
+        assert sorted(w for w, _ in counts[:10]) == sorted(out) and counts[9][1] == top > counts[10][1]
+    else:
+        counts = Counter(text.split("\n\n")[1].split()).most_common(5)
+        assert [w for w, _ in counts[1:4]] == out and counts[0][0] == "..."
+        assert counts[1][1] > counts[2][1] > counts[3][1] > counts[4][1]
+
+
+def fills_its_length(task: str, length: str, d: dict, count) -> None:
+    """The prompt plus its max_gen_toks fits the length, the prompt within 2 % of it (the embedded tokenizer)."""
+    budget = build.LENGTHS[length] - build.TASKS[task]
+    assert d["max_gen_toks"] == build.TASKS[task] and d["length"] == build.LENGTHS[length]
+    assert count(d["input"]) == d["tokens"]
+    assert 0.98 * budget <= d["tokens"] <= budget, (task, length, d["id"], d["tokens"])
+
+
+def test_every_prompt_holds_its_answers():
     for (task, length, _), ds in suite_docs().items():
         assert len(ds) == build.DEFAULT_PER_HALF
         for d in ds:
-            text, out = d["input"], d["outputs"]
-            assert set(out) <= set(d["needles"])
-            if task.startswith("niah"):
-                stated = re.findall(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.", text)
-                assert sorted(v for _, v in stated) == sorted(v for v in d["needles"] if v.isdigit())
-                asked = text.rsplit("Question:", 1)[1]
-                assert sorted(v for k, v in stated if k in asked) == sorted(out)
-                assert len(out) == {"niah_multivalue": 4, "niah_multiquery": 4}.get(task, 1)
-            elif task == "vt":
-                chain = re.findall(r"VAR ([A-Z]{5}) = (?:VAR )?([A-Z]{5}|\d{5})\.", text)
-                assert [x for x, _ in chain] == out and [y for _, y in chain] == [d["needles"][-1], *out[:-1]]
-            elif task == "cwe":
-                counts = Counter(re.findall(r"\d+\. ([a-z]+)", text)).most_common()
-                top = 6 if length == "2k" else 30
-                assert sorted(w for w, _ in counts[:10]) == sorted(out) and counts[9][1] == top > counts[10][1]
-            else:
-                counts = Counter(text.split("\n\n")[1].split()).most_common(5)
-                assert [w for w, _ in counts[1:4]] == out and counts[0][0] == "..."
-                assert counts[1][1] > counts[2][1] > counts[3][1] > counts[4][1]
+            holds_its_answers(task, length, d)
 
 
 def test_prompts_fill_their_lengths_under_the_embedded_tokenizer(count):
-    """Each prompt plus its max_gen_toks fits the length (2048 or 4096 tokens), prompts within 2 % of it."""
     for (task, length, _), ds in suite_docs().items():
         for d in ds:
-            budget = build.LENGTHS[length] - build.TASKS[task]
-            assert d["max_gen_toks"] == build.TASKS[task] and d["length"] == build.LENGTHS[length]
-            assert count(d["input"]) == d["tokens"]
-            assert 0.98 * budget <= d["tokens"] <= budget, (task, length, d["id"], d["tokens"])
+            fills_its_length(task, length, d, count)
+
+
+def test_the_long_documents_are_built_alike_twice_and_hold_their_answers(tmp_path, count):
+    """8k, 16k and 32k: the needle tasks that ask one key and vt, in both halves, one document each here (the
+    default builds 4, 4 and 2: ``build.PER_HALF``); two builds write the same bytes, every answer is inside its
+    document, every prompt fills its length, and no key or value is in both halves."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    heard = []
+    build.build(a, count, per_half=1, lengths=build.LONG, progress=heard.append)
+    build.build(b, count, per_half=1, lengths=build.LONG)
+    names = sorted(p.name for p in (a / "data").iterdir())
+    assert len(names) == len(heard) == 2 * 3 * len(build.LONG_TASKS) == 24
+    for name in names:
+        assert (a / "data" / name).read_bytes() == (b / "data" / name).read_bytes(), name
+    seen = {h: set() for h in build.HALVES}
+    for (task, length, half), ds in folder_docs(a, build.LONG).items():
+        assert len(ds) == 1 and task in build.LONG_TASKS
+        for d in ds:
+            holds_its_answers(task, length, d)
+            fills_its_length(task, length, d, count)
+            seen[half] |= set(d["needles"])
+    assert not seen["tune"] & seen["heldout"]
+    assert [build.documents_at(n, 4) for n in build.LONG] == [4, 4, 2]
+    assert (a / "batchmax_ruler_tune_32k.yaml").is_file() and not (a / "batchmax_ruler_tune.yaml").exists()
 
 
 # -- scoring and lm-eval --------------------------------------------------------------------------------------------
@@ -254,6 +291,44 @@ def test_cli_batchmax_fkv_equals_hf_and_the_bench_tabulates(tiny_dir, tmp_path):
     assert [r["label"] for r in report["heldout"]] == ["fkv", choice]  # only the pick runs on the held-out half
     assert all(len(docs) == 2 for r in report["heldout"] for docs in r["documents"].values())
     assert f"| 128 | {choice} |" in (picked / "pick.md").read_text()
+
+
+def test_the_bench_resumes_per_document(tiny_dir, tmp_path, monkeypatch):
+    """A run stopped after BM's first answered document, started again with the same flags: FKV's row is read back,
+    BM answers that document from its response cache and serves only the other, and the table equals that of a run
+    never stopped (scores and each document's)."""
+    from batchmax_tp.harness import BatchMaxLM
+
+    argv = ["--pretrained", tiny_dir, "--tasks", "niah_multivalue", "--lengths", "2k", "--limit", "2"]
+    argv += ["--configs", "bm:128:paper", "--p", "32", "--batch-size", "1"]
+    whole = tmp_path / "whole"
+    assert bench_ruler.main([*argv, "--out", str(whole)]) == 0
+
+    class Stop(Exception):
+        pass
+
+    serve = BatchMaxLM._serve
+
+    def stopping(self, requests, slots, on_finish, *rest):
+        def first_then_stop(i, output):
+            on_finish(i, output)
+            if self.method.evicts:
+                raise Stop
+
+        return serve(self, requests, slots, first_then_stop, *rest)
+
+    out = tmp_path / "stopped"
+    monkeypatch.setattr(BatchMaxLM, "_serve", stopping)
+    with pytest.raises(Stop):
+        bench_ruler.main([*argv, "--out", str(out)])
+    monkeypatch.setattr(BatchMaxLM, "_serve", serve)
+    assert (out / "00_fkv" / "row.json").is_file() and not (out / "01_bm_128_paper" / "row.json").exists()
+    assert bench_ruler.main([*argv, "--out", str(out)]) == 0
+    rows = json.loads((out / "table.json").read_text())["configs"]
+    full = json.loads((whole / "table.json").read_text())["configs"]
+    assert [(r["scores"], r["documents"]) for r in rows] == [(r["scores"], r["documents"]) for r in full]
+    assert "resumed_documents" not in rows[0] and rows[1]["resumed_documents"] == 1
+    assert "bm 128 paper was resumed: 1 documents were answered before a restart" in (out / "table.md").read_text()
 
 
 def test_the_pick_is_the_best_tuning_share_at_each_budget_and_reports_held_out():

@@ -53,15 +53,23 @@ def fill_samples(samples: Sequence[Sample], n: int) -> list[Sample]:
 
 
 def whole_waves(samples: Sequence[Sample], slots: int) -> list[Sample]:
-    """``samples`` and then repeats of the first of them up to a whole number of waves of ``slots`` requests, so that
-    a run's last wave is as full as the others (a comparison of methods with different slot counts then does not
-    hinge on how empty each one's last wave is). The repeats carry no reference: they are timed, never scored
-    (ids ``<id>~fill1``, ``~fill2``, ...)."""
+    """``samples`` and then repeats of them up to a whole number of waves of ``slots`` requests, so that a run's last
+    wave is as full as the others (a comparison of methods with different slot counts then does not hinge on how
+    empty each one's last wave is). The repeats carry no reference: they are timed, never scored (ids ``<id>~fill1``,
+    ``~fill2``, ...). They are whole passes over the samples and then ``r`` of them spread evenly (the one nearest
+    the middle of each of ``r`` equal stretches of the list), so that their prompts are like the set's, not its
+    first ones (a list ordered by length would otherwise fill with its shortest prompts, and a method with more
+    repeats would gain)."""
     n, slots = len(samples), max(slots, 1)
+    fill = -(-n // slots) * slots - n
+    whole, r = divmod(fill, n)
+    picks = [(c + 1, k) for c in range(whole) for k in range(n)] + [
+        (whole + 1, ((2 * k + 1) * n + r) // (2 * r)) for k in range(r)
+    ]
     out = list(samples)
-    for k in range(-(-n // slots) * slots - n):
-        s = samples[k % n]
-        out.append(dataclasses.replace(s, id=f"{s.id}~fill{k // n + 1}", reference=None))
+    for cycle, k in picks:
+        s = samples[k]
+        out.append(dataclasses.replace(s, id=f"{s.id}~fill{cycle}", reference=None))
     return out
 
 

@@ -49,7 +49,8 @@ def tuned_config(cfg: RunConfig, best: Trial) -> RunConfig:
         runs=None,
         procedure=None,
         kv_values=None,
-        target=type(cfg.memory)().target,  # the tuner's goal, unused by the run it chose: the default
+        target=type(cfg.memory)().target,  # the tuner's goal and candidates, unused by the run it chose: defaults
+        cheaper_rules=type(cfg.memory)().cheaper_rules,
         out=str(Path(cfg.output.dir) / "tuned"),
     )
 

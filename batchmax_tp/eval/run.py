@@ -32,13 +32,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from ..plan.budget import RunSpec, over_budget_message, predict_spec
+from ..plan.budget import RunSpec, over_budget_message, predict_spec, prompts_held
 from ..plan.planner import MemoryEstimate
 from . import results
 from .batches import run_batches, serve_replica
@@ -74,7 +74,8 @@ def evaluate_run(
             logger.info("%s: finished earlier (%s), skipped", spec.name, state["finished"].status)
         return state["finished"] if ctx.is_main else None
     run.estimate = _predict(ctx, run)
-    refusal = _refusal(spec, run.estimate, cfg.memory.budget_bytes(), state)  # the same verdict on every rank
+    held = lambda budget: _held(ctx, run, budget)  # noqa: E731
+    refusal = _refusal(spec, run.estimate, cfg.memory.budget_bytes(), state, held)  # the same verdict on every rank
     if refusal is not None:
         return _record_refusal(ctx, run, *refusal) if ctx.is_main else None
     part = _generate_share(ctx, run, samples)
@@ -100,14 +101,20 @@ def _run_state(folder: Path) -> dict[str, Any]:
 
 
 def _refusal(
-    spec: RunSpec, estimate: MemoryEstimate | None, budget: int | None, state: dict[str, Any]
+    spec: RunSpec,
+    estimate: MemoryEstimate | None,
+    budget: int | None,
+    state: dict[str, Any],
+    held: Callable[[int], str | None] = lambda budget: None,
 ) -> tuple[str, str] | None:
     """(message, oom_cause) of a run that is recorded as an OOM row without running, or None: over the budget on
-    paper ("predicted"), or out of memory in the last run ("runtime": the marker it left)."""
+    paper ("predicted": the bytes needed and available, and ``held(budget)``: the longest prompt the method fits in
+    it), or out of memory in the last run ("runtime": the marker it left)."""
     if spec.batch_size < 1:
-        return "not even one sample fits the memory budget; not run", "predicted"
+        why = "" if budget is None or (text := held(budget)) is None else f" ({text})"
+        return f"not even one sample fits the memory budget{why}; not run", "predicted"
     if estimate is not None and budget is not None and estimate.total > budget:
-        return over_budget_message(estimate, budget), "predicted"
+        return over_budget_message(estimate, budget, held(budget)), "predicted"
     marker = state["oom"]
     if marker is not None:
         return (
@@ -207,6 +214,18 @@ def _predict(ctx: RunContext, run: OpenRun) -> MemoryEstimate | None:
     spec, cfg = run.spec, run.cfg
     new_tokens, batch = cfg.generation.max_new_tokens, max(spec.batch_size, 1)
     return predict_spec(shape, spec.method, batch, prompt_len, new_tokens, cfg.model.dtype, ctx.tp)
+
+
+def _held(ctx: RunContext, run: OpenRun, budget: int) -> str | None:
+    """The longest prompt this run's method fits in ``budget`` at the run's batch, in words (None without a shape)."""
+    shape = ctx.shape if ctx.shape is not None else model_shape(ctx.model)
+    if shape is None:
+        return None
+    cfg = run.cfg
+    slots = max(run.spec.batch_size, 1)
+    return prompts_held(
+        shape, run.spec.method, budget, cfg.generation.max_new_tokens, slots=slots, dtype=cfg.model.dtype, tp=ctx.tp
+    )
 
 
 def _json(obj: Any) -> str:

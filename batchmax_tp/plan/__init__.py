@@ -8,10 +8,20 @@ from .planner import (
     MemoryEstimate,
     ModelShape,
     max_batch,
+    max_prompt_len,
     max_slots,
     parse_bytes,
     predict,
     predict_pool,
 )
 
-__all__ = ["MemoryEstimate", "ModelShape", "max_batch", "max_slots", "parse_bytes", "predict", "predict_pool"]
+__all__ = [
+    "MemoryEstimate",
+    "ModelShape",
+    "max_batch",
+    "max_prompt_len",
+    "max_slots",
+    "parse_bytes",
+    "predict",
+    "predict_pool",
+]

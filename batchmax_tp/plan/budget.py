@@ -20,10 +20,12 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..core.method import Method, is_full_cache
+from ..core.method import Method, is_full_cache, min_kv_max
 from .planner import (
     MemoryEstimate,
     ModelShape,
+    _largest,
+    max_prompt_len,
     max_slots,
     predict,
     predict_pool,
@@ -41,6 +43,8 @@ __all__ = [
     "fkv_budget",
     "fmt_bytes",
     "over_budget_message",
+    "largest_kv_max",
+    "prompts_held",
     "paper_specs",
     "planned_dtype",
     "predict_spec",
@@ -113,14 +117,50 @@ def predict_spec(
     return predict(shape, method, batch_size, prompt_len, max_new_tokens, tp=tp, dtype=planned_dtype(dtype))
 
 
-def over_budget_message(estimate: MemoryEstimate, budget: int) -> str:
+#: The longest prompt the planner looks for (``prompts_held``): past it a method "holds any length".
+HELD_LIMIT = 1 << 20
+
+
+def prompts_held(
+    shape: ModelShape, method: Method, budget: int, max_new_tokens: int, *, slots: int = 1, dtype: str, tp: int = 1
+) -> str:
+    """What ``budget`` holds of ``method``'s prompts at ``slots`` slots, in words (``planner.max_prompt_len``):
+    "fkv holds prompts of at most 9,812 tokens in it (1 slot)"; BM: "... of any length ..."."""
+    n = max_prompt_len(
+        budget, shape, method, max_new_tokens, slots=slots, tp=tp, dtype=planned_dtype(dtype), limit=HELD_LIMIT
+    )
+    at = f"{slots} slot{'s' if slots != 1 else ''}"
+    if n == 0:
+        return f"{method.name} holds no prompt in it ({at})"
+    if n >= HELD_LIMIT:
+        return f"{method.name} holds prompts of any length in it ({at}: its prefill is bounded by kv_max)"
+    return f"{method.name} holds prompts of at most {n:,} tokens in it ({at})"
+
+
+def largest_kv_max(
+    shape: ModelShape, budget: int, prompt_len: int, max_new_tokens: int, *, p: int, rule: str, dtype: str, tp: int = 1
+) -> int:
+    """The largest kv_max (a multiple of ``p``, at most the prompt's length) with which BM under ``rule`` fits one
+    slot of a ``prompt_len``-token prompt in ``budget``; 0 when not even the smallest it runs with fits."""
+    least = -(-min_kv_max(p, rule) // p)
+    fits = lambda k: predict_pool(  # noqa: E731
+        shape, Method("bm", kv_max=(least + k - 1) * p, p=p, rule=rule), 1, prompt_len, max_new_tokens, tp=tp,
+        dtype=planned_dtype(dtype),
+    ).total <= budget  # fmt: skip
+    steps = _largest(fits, max(-(-prompt_len // p) - least + 1, 1))
+    return 0 if steps == 0 else (least + steps - 1) * p
+
+
+def over_budget_message(estimate: MemoryEstimate, budget: int, held: str | None = None) -> str:
+    """One line: the predicted peak against the budget, and (``held``, :func:`prompts_held`) the longest prompt the
+    method fits in it."""
     parts = (
         f"K/V {fmt_bytes(estimate.kv)}, score block {fmt_bytes(estimate.workspace)}, "
         f"weights {fmt_bytes(estimate.weights)}, activations {fmt_bytes(estimate.activations)}"
     )
     return (
         f"predicted peak {fmt_bytes(estimate.total)} per rank ({estimate.total} bytes: {parts}) exceeds "
-        f"memory_budget {fmt_bytes(budget)} ({budget} bytes); not run"
+        f"memory_budget {fmt_bytes(budget)} ({budget} bytes){'' if held is None else f': {held}'}; not run"
     )
 
 

@@ -291,6 +291,26 @@ def max_slots(
     )
 
 
+def max_prompt_len(
+    budget_bytes: int,
+    shape: ModelShape,
+    method: Method,
+    max_new_tokens: int,
+    *,
+    slots: int = 1,
+    tp: int = 1,
+    dtype: str = "float32",
+    limit: int = 1 << 24,
+) -> int:
+    """The longest prompt (tokens) whose pool of ``slots`` slots (``predict_pool``) fits ``budget_bytes``: 0 if not
+    even a one-token prompt does, ``limit`` when every length up to it does. FKV, ED and snap prefill a whole prompt
+    in one pass (its activations; FKV keeps its pairs, snap holds them while it compresses), so they hold prompts up
+    to a length; BM prefills in blocks over its ``kv_max`` slots, so its peak stops growing at ``kv_max`` tokens and
+    a budget that fits one of its slots holds every length."""
+    fits = lambda n: predict_pool(shape, method, slots, n, max_new_tokens, tp=tp, dtype=dtype).total <= budget_bytes  # noqa: E731
+    return _largest(fits, limit)
+
+
 def _largest(fits, limit: int) -> int:
     """The largest n in [1, limit] with ``fits(n)`` (0 if none), for a ``fits`` that stays false once false."""
     if not fits(1):

@@ -2,8 +2,13 @@
 
     python configs/lm_eval/ruler/build.py                  # deterministic: rewrites the same bytes
     python configs/lm_eval/ruler/build.py --per-half 2 --out /tmp/ruler   # a smaller suite elsewhere
+    python configs/lm_eval/ruler/build.py --lengths 8k,16k,32k --out /tmp/ruler-long   # the long documents
 
-Seven tasks, each at 2k and 4k tokens, each in a tuning half and a held-out half:
+Seven tasks, each at 2k and 4k tokens, each in a tuning half and a held-out half (this folder holds them). The long
+lengths, 8k, 16k and 32k (``LONG``: a model with a 32k context, Qwen2.5-Coder-0.5B), carry the tasks of
+``LONG_TASKS``: the three needle tasks that ask one key (single, multi-key, multi-value) and ``vt``, which needs five
+facts chained; ``PER_HALF`` documents of each (4 at 8k and 16k, 2 at 32k). They are built on demand into another
+folder (``launch/bench_ruler.py`` builds them into the model cache; ~5 MB of text, not kept in the repository):
 
 - ``niah_single``: one needle "One of the special magic numbers for {key} is: {value}." (a 7-digit value, a key
   of two words) hidden in filler; the question asks for the value;
@@ -33,12 +38,12 @@ names with A-M or N-Z, coded words with a-m or n-z. So no key, value, variable, 
 both halves. Every document has its own random stream ``ruler-SEED-HALF-TASK-LENGTH-INDEX``: a smaller
 ``--per-half`` builds the first documents of a larger one.
 
-Writes into ``--out`` (default: this folder): ``data/<task>_<2k|4k>_<half>.jsonl`` (fields ``input``,
+Writes into ``--out`` (default: this folder): ``data/<task>_<length>_<half>.jsonl`` (fields ``input``,
 ``outputs``: the expected strings, ``needles``: what was hidden, ``tokens``, ``max_gen_toks``, ...), one task
-yaml per (task, length, half) named ``batchmax_ruler_<task>_<2k|4k>_<half>``, and the groups
-``batchmax_ruler_<half>`` (both lengths) and ``batchmax_ruler_<half>_<2k|4k>``, which average their tasks'
-``string_match_all``. Another ``--out`` also gets the shared template and ``ruler_utils.py``: a complete task
-folder for ``--include_path``.
+yaml per (task, length, half) named ``batchmax_ruler_<task>_<length>_<half>``, and the groups
+``batchmax_ruler_<half>`` (both short lengths; a build of other lengths: ``batchmax_ruler_<half>_8k_16k_32k``) and
+``batchmax_ruler_<half>_<length>``, which average their tasks' ``string_match_all``. Another ``--out`` also gets the
+shared template and ``ruler_utils.py``: a complete task folder for ``--include_path``.
 """
 
 from __future__ import annotations
@@ -61,7 +66,9 @@ sys.path.insert(0, str(ROOT))
 from batchmax_tp.bench.retention import Fixture, load_fixture  # noqa: E402
 from batchmax_tp.bench.retention.suite import filler_paragraph  # noqa: E402
 
-LENGTHS = {"2k": 2048, "4k": 4096}
+LENGTHS = {"2k": 2048, "4k": 4096, "8k": 8192, "16k": 16384, "32k": 32768}
+SHORT = ("2k", "4k")  #: the lengths this folder holds (the default build)
+LONG = ("8k", "16k", "32k")  #: built on demand elsewhere (``--lengths``)
 HALVES = ("tune", "heldout")
 #: task -> max_gen_toks: just enough room for the answer.
 TASKS = {
@@ -83,8 +90,13 @@ NIAH = {
     "niah_multivalue": (1, 4, 1),
     "niah_multiquery": (4, 1, 4),
 }
+#: The tasks at the long lengths: the needles that ask one key, and variable tracking (five facts chained). The
+#: list answers of cwe and fwe and the four-key query are left to 2k and 4k.
+LONG_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt")
 SLACK = 0.02  # a prompt fills its budget to within this share
 DEFAULT_PER_HALF, DEFAULT_SEED = 4, 0
+#: Documents per (task, half) at each long length (``--per-half`` sets the short lengths').
+PER_HALF = {"8k": 4, "16k": 4, "32k": 2}
 VALUE_FIRST = {"tune": "1234", "heldout": "56789"}  # first digit of a value
 UPPER_FIRST = {"tune": string.ascii_uppercase[:13], "heldout": string.ascii_uppercase[13:]}  # variable names
 LOWER_FIRST = {"tune": string.ascii_lowercase[:13], "heldout": string.ascii_lowercase[13:]}  # coded words
@@ -172,10 +184,10 @@ class Haystack:
     ``text(n, inserts)``: the first ``n`` sentences with each insert (depth in [0, 1], sentence) placed before
     sentence ``round(depth * n)``, in its paragraph, inserts at one place in their given order."""
 
-    def __init__(self, rng: random.Random, fx: Fixture, count: Callable[[str], int], budget: int):
+    def __init__(self, rng: random.Random, fx: Fixture, count: Callable[[str], int], budget: int, spare: int = 64):
         self.sentences: list[tuple[int, str]] = []  # (paragraph, sentence)
         tokens, p = 0, 0
-        while tokens < budget + 64:
+        while tokens < budget + spare:
             for s in re.split(r"(?<=[.!?]) ", filler_paragraph(rng, fx)):
                 self.sentences.append((p, s))
                 tokens += count(s) + 1
@@ -293,10 +305,12 @@ def document(task: str, length: str, half: str, i: int, seed: int, fx: Fixture, 
     budget = target - max_gen
     stream = f"ruler-{seed}-{half}-{task}-{length}-{i}"
     rng = random.Random(stream)
+    # Sentences counted alone add up to more tokens than joined: 64 spare covers 2k and 4k, a tenth the long lengths.
+    spare = 64 if length in SHORT else budget // 10
     if task in NIAH:
-        render, hi, outputs, needles = niah(task, rng, half, words, Haystack(rng, fx, count, budget))
+        render, hi, outputs, needles = niah(task, rng, half, words, Haystack(rng, fx, count, budget, spare))
     elif task == "vt":
-        render, hi, outputs, needles = vt(rng, half, Haystack(rng, fx, count, budget))
+        render, hi, outputs, needles = vt(rng, half, Haystack(rng, fx, count, budget, spare))
     elif task == "cwe":
         render, hi, outputs, needles = cwe(rng, words, target, stream)
     else:
@@ -318,6 +332,17 @@ def document(task: str, length: str, half: str, i: int, seed: int, fx: Fixture, 
 
 
 # -- files -----------------------------------------------------------------------------------------------------------
+def tasks_at(length: str) -> tuple[str, ...]:
+    """The tasks built at ``length``: all of ``TASKS`` at 2k and 4k, ``LONG_TASKS`` beyond."""
+    return tuple(TASKS) if length in SHORT else LONG_TASKS
+
+
+def documents_at(length: str, per_half: int) -> int:
+    """Documents per (task, half) at ``length``: ``per_half`` at 2k and 4k, ``PER_HALF`` beyond (at most
+    ``per_half`` when that is smaller, so a smaller suite stays the first documents of a larger one)."""
+    return per_half if length in SHORT else min(PER_HALF[length], per_half)
+
+
 def task_name(task: str, length: str, half: str) -> str:
     return f"batchmax_ruler_{task}_{length}_{half}"
 
@@ -350,8 +375,17 @@ def group_yaml(name: str, members: list[str]) -> str:
     )
 
 
-def build(out: Path, count: Callable[[str], int], *, seed: int = DEFAULT_SEED, per_half: int = DEFAULT_PER_HALF):
-    """Write the suite into ``out`` (see the module doc); ``count``: tokens of a text. Returns the data files."""
+def build(
+    out: Path,
+    count: Callable[[str], int],
+    *,
+    seed: int = DEFAULT_SEED,
+    per_half: int = DEFAULT_PER_HALF,
+    lengths: tuple[str, ...] = SHORT,
+    progress: Callable[[str], None] = lambda text: None,
+):
+    """Write the suite at ``lengths`` into ``out`` (see the module doc); ``count``: tokens of a text; ``progress``
+    hears each file as it is written. Returns the data files."""
     fx = load_fixture()
     words = split_vocabulary(vocabulary(fx), seed)
     out = out.resolve()
@@ -361,9 +395,10 @@ def build(out: Path, count: Callable[[str], int], *, seed: int = DEFAULT_SEED, p
             shutil.copyfile(HERE / name, out / name)
     files = []
     for half in HALVES:
-        for length in LENGTHS:
-            for task in TASKS:
-                docs = [document(task, length, half, i, seed, fx, words[half], count) for i in range(per_half)]
+        for length in lengths:
+            n = documents_at(length, per_half)
+            for task in tasks_at(length):
+                docs = [document(task, length, half, i, seed, fx, words[half], count) for i in range(n)]
                 path = out / "data" / f"{task}_{length}_{half}.jsonl"
                 path.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
                 data = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
@@ -371,12 +406,14 @@ def build(out: Path, count: Callable[[str], int], *, seed: int = DEFAULT_SEED, p
                     task_yaml(task, length, half, data), encoding="utf-8"
                 )
                 files.append(path)
-            members = [task_name(t, length, half) for t in TASKS]
+                progress(f"{path.name}: {n} documents of up to {max(d['tokens'] for d in docs):,} tokens")
+            members = [task_name(t, length, half) for t in tasks_at(length)]
             (out / f"batchmax_ruler_{half}_{length}.yaml").write_text(
                 group_yaml(f"batchmax_ruler_{half}_{length}", members), encoding="utf-8"
             )
-        members = [f"batchmax_ruler_{half}_{length}" for length in LENGTHS]
-        group = f"batchmax_ruler_{half}"
+        members = [f"batchmax_ruler_{half}_{length}" for length in lengths]
+        # this folder's group of both halves' lengths; another build's names its lengths (two folders load together)
+        group = f"batchmax_ruler_{half}" if tuple(lengths) == SHORT else f"batchmax_ruler_{half}_{'_'.join(lengths)}"
         (out / f"{group}.yaml").write_text(group_yaml(group, members), encoding="utf-8")
     return files
 
@@ -401,12 +438,21 @@ def main(argv: list[str] | None = None) -> int:
         help=f"documents per (task, length, half) (default {DEFAULT_PER_HALF})",
     )
     ap.add_argument("--out", type=Path, default=HERE, help="task folder to write (default: this folder)")
+    ap.add_argument(
+        "--lengths", default=",".join(SHORT), help=f"comma list of {', '.join(LENGTHS)} (default {','.join(SHORT)})"
+    )
     args = ap.parse_args(argv)
     if args.per_half < 1:
         ap.error("--per-half must be >= 1")
-    files = build(args.out, embedded_counter(), seed=args.seed, per_half=args.per_half)
+    lengths = tuple(n.strip() for n in args.lengths.split(",") if n.strip())
+    bad = [n for n in lengths if n not in LENGTHS] or ([] if lengths else ["(none)"])
+    if bad:
+        ap.error(f"unknown length {bad[0]!r}: choose from {', '.join(LENGTHS)}")
+    if args.out.resolve() == HERE and set(lengths) != set(SHORT):
+        ap.error(f"this folder holds {', '.join(SHORT)}: write other lengths with --out DIR")
+    files = build(args.out, embedded_counter(), seed=args.seed, per_half=args.per_half, lengths=lengths, progress=print)
     size = sum(f.stat().st_size for f in files)
-    print(f"{args.out}: {len(files)} data files, {args.per_half} documents each, {size / 1e6:.2f} MB")
+    print(f"{args.out}: {len(files)} data files, {size / 1e6:.2f} MB")
     return 0
 
 
