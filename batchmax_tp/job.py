@@ -580,8 +580,8 @@ def _main_job_plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Pl
         )  # fmt: skip
         specs += paper
         extra |= {s: {"same_memory_budget_bytes": budget, "paper_setting": True} for s in paper}
-    # Whole waves: each run serves the prompts, then unscored repeats of the first of them up to a whole number
-    # of waves of its slots, so no method's tokens/s depends on how empty its last wave is.
+    # Whole waves: each run serves the prompts, then unscored repeats of them (spread over the set) up to a whole
+    # number of waves of its slots, so no method's tokens/s depends on how empty its last wave is.
     workload = {s: whole_waves(samples, s.batch_size) for s in specs if s.batch_size > 0}
     fills = [f"{s.name} +{len(w) - len(samples)}" for s, w in workload.items() if len(w) > len(samples)]
     note = (
@@ -590,8 +590,8 @@ def _main_job_plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Pl
         f"it, bounded by the {len(samples)} prompts every method answers (the samples repeated up to the "
         f"largest fitting batch, at most {STORY_MAX_PROMPTS}): "
         + ", ".join(f"{s.name} (fits {r.largest_fitting})" for s, r in zip(specs, runs))
-        + ". Whole waves: a run whose slots do not divide the prompts also serves repeats of the first ones, "
-        "unscored, up to a whole number of waves of its slots (its tokens/s counts every request it served, its "
+        + ". Whole waves: a run whose slots do not divide the prompts also serves repeats of them, spread over the "
+        "set, unscored, up to a whole number of waves of its slots (its tokens/s counts every request it served, its "
         "answers each prompt once), so no method's tokens/s depends on how full its last wave is"
         + (f" ({', '.join(fills)} requests)." if fills else ".")
     )

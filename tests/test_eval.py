@@ -375,6 +375,22 @@ def _same_memory_runs(speed: float = 1.0):
     ]
 
 
+def test_the_claims_labels_do_not_overlap_where_points_sit_close(tmp_path):
+    """FKV and BM ``question`` at the same answers and nearly the same speed (the main job's picture): every label
+    of ``claim.png`` is drawn clear of every other, each still joined to its own point."""
+    runs = _same_memory_runs()
+    runs[4].update(score=1.0, tokens_per_s=12.3)  # question beside FKV (1.0, 12.0)
+    runs[2].update(tokens_per_s=12.4)  # and ED b=2 right under both
+    fig = report.plot_claim(runs, tmp_path / "claim.png")
+    renderer = fig.canvas.get_renderer()
+    texts = [a for a in fig.axes[0].texts if a.get_text()]
+    assert len(texts) == 5
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    for t, r in zip(texts, [r for r in runs if r["tokens_per_s"]]):
+        assert t.xy == (r["tokens_per_s"], r["score"])  # the line starts at the label's own point
+
+
 def test_same_memory_report_shows_every_method_its_seconds_and_the_ceiling_and_draws_the_claim(tmp_path):
     """The same-memory run: one table of every method (answers beside tokens/s, prefill ms per prompt token, decode
     seconds, the ratio to FKV), the ceiling (FKV's prefill with the fastest bounded decode: BM's 5 s, not ED's
