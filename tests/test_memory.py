@@ -231,6 +231,26 @@ def test_planner_pool_total_covers_a_whole_served_run(model, method, slots, prom
     assert t.peak <= est.total - est.weights, (t.peak, est)
 
 
+LONGEST = 3072  # the longest prompt a memory test serves (12.5% of it: kv_max 384)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [Method("fkv"), Method("snap", kv_max=384, p=64), Method("bm", kv_max=384, p=64, rule="question")],
+    ids=["fkv", "snap", "bm-question"],
+)
+def test_the_planner_covers_fkv_snap_and_bm_at_the_longest_prompt(method):
+    """Two 3,072-token prompts in 2 slots, served whole: the planner's pool total bounds the measured peak of FKV
+    (its prompts' pairs and one-pass activations), snap (the same, and its compress pass) and BM (its blocks)."""
+    from tiny import tiny_llama
+
+    model = tiny_llama(seed=0, max_position_embeddings=4096)
+    with AllocationTracker() as t:
+        _served_peak(model, method, 2, LONGEST, 4, [LONGEST, LONGEST])
+    est = predict_pool(ModelShape.from_config(model.config), method, 2, LONGEST, 4)
+    assert t.peak <= est.total - est.weights, (t.peak, est)
+
+
 def test_snap_compress_calls_hold_at_most_what_they_report_and_the_planner_predicts(model, per_call):
     """snap's compress pass (SDPA, then the window's choice): every call's measured peak is within the workspace it
     reports (an upper bound: ``workspace.snap_workspace_bytes`` counts its phases as if alive together, at most
