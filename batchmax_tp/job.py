@@ -256,12 +256,8 @@ def _check_a_run_holds_the_prompts(
             samples = tasks.build_samples(tokenizer, task_data, cfg.data.max_input_tokens)
         except ValueError as err:
             raise JobError(f"max_input_tokens: {err}") from None
-    prompt_len, new, dtype, tp = (
-        longest_prompt(tokenizer, samples),
-        cfg.generation.max_new_tokens,
-        cfg.model.dtype,
-        cfg.parallel.tp_size,
-    )
+    prompt_len = longest_prompt(tokenizer, samples)
+    new, dtype, tp = cfg.generation.max_new_tokens, cfg.model.dtype, cfg.parallel.tp_size
     needs = []
     for spec in cfg.sweep.run_specs():
         slots = max(spec.batch_size, 1)

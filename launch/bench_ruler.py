@@ -324,8 +324,8 @@ def predicted_seconds(shape, method, found: list[tuple[int, int]], flops_per_s: 
 
 
 def measured_flops(device: str, dtype: str, hidden: int) -> float:
-    """FLOP/s of this device on a product like a prefill's (512 rows of ``hidden`` by 4 x ``hidden``), best of 3
-    after a warm-up: what a long run is predicted with."""
+    """FLOP/s of this device on a product like a prefill's (512 rows of ``hidden`` by 4 x ``hidden``): the best of 4
+    rounds of 4 products (the first round also warms up): what a long run is predicted with."""
     import torch
 
     kind = getattr(torch, dtype)
@@ -508,13 +508,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def atomic_json(path: Path, obj) -> None:
-    """``obj`` as JSON at ``path``, whole or not at all (a temporary file renamed)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2), encoding="utf-8")
-    os.replace(tmp, path)
-
-
 @dataclass
 class Half:
     """Runs configurations on one half of the suite with the loaded model ``base``, each into its own folder,
@@ -550,6 +543,8 @@ class Half:
         finished documents from its response cache (lm-eval's ``use_cache``: each answer is written as it ends)."""
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
+
+        from batchmax_tp.eval.files import atomic_write_text
 
         names = task_names(half, self.tasks, self.lengths)
         manager = TaskManager(include_path=[str(x) for x in self.suites], include_defaults=False)
@@ -609,7 +604,7 @@ class Half:
             cached = sum(len(d) for d in documents.values()) - served
             if cached:
                 row["resumed_documents"] = cached  # its speed is of the documents served after the restart
-            atomic_json(folder / "row.json", row)
+            atomic_write_text(folder / "row.json", json.dumps(row, indent=2))  # whole or not at all
             rows.append(row)
             write_tables(out, rows, self.tasks, self.lengths, {**self.settings, "half": half})
             row = summarize(rows, self.tasks, self.lengths)[-1]
