@@ -7,9 +7,9 @@ split with AutoTP; then the runs:
 
 - listed runs (``runs``, or each of ``methods`` at ``batch_size``);
 - the main job, the same-memory comparison (unless the configuration lists its runs: ``RunConfig.main_job``):
-  FKV, ED, the paper's BM, BM with the best rule and snap, each at its largest batch within FKV's memory at batch 4,
-  bounded only by the number of prompts (the samples repeated up to the largest fitting batch, at most
-  ``plan.budget.STORY_MAX_PROMPTS``; ``plan.budget.same_memory_plan``);
+  FKV, ED, the paper's BM, BM with the best rule and snap (or those ``methods`` names), each at its largest batch
+  within FKV's memory at batch 4, bounded only by the number of prompts (the samples repeated up to the largest
+  fitting batch, at most ``max_prompts``, default ``plan.budget.STORY_MAX_PROMPTS``; ``plan.budget.same_memory_plan``);
 - ``procedure: paper``: the paper's b0 procedure (``plan.budget.paper_specs``; b0 from the planner: where the paper's ED
   runs out of the budget);
 - ``procedure: tune``: the auto-tuner's trials (``eval.procedures.run_tuner``), into ``OUT/tune/``.
@@ -56,7 +56,6 @@ from .eval.run import evaluate_run
 from .eval.summary import model_shape, write_config
 from .plan.budget import (
     STORY_FKV_BATCH,
-    STORY_MAX_PROMPTS,
     RunSpec,
     fmt_bytes,
     largest_kv_max,
@@ -304,7 +303,7 @@ def _warm_up_methods(cfg: RunConfig) -> list[Method]:
     only after planning: one of each kind)."""
     sweep = cfg.sweep
     if cfg.main_job:
-        return sweep.story_methods()
+        return cfg.main_job_methods()
     if cfg.memory.procedure is not None:
         kv_values = cfg.memory.kv_values
         kv = kv_values[0] if kv_values else max(128, sweep.p + 64, min_kv_max(sweep.p, sweep.rule))
@@ -562,6 +561,7 @@ def _main_job_plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Pl
         cfg.generation.max_new_tokens,
         num_samples=len(samples),
         budget_bytes=cfg.memory.budget_bytes(),
+        max_prompts=cfg.sweep.max_prompts,
         tp=ctx.layout.tp,
         dtype=cfg.model.dtype,
     )
@@ -569,7 +569,8 @@ def _main_job_plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Pl
     extra = {r.spec: {"same_memory_budget_bytes": budget, "largest_fitting_batch": r.largest_fitting} for r in runs}
     samples = fill_samples(samples, max(s.batch_size for s in specs))
     bm = next((s for s in specs if takes_rule(s.method) and s.rule == "paper"), None)
-    if cfg.scheduler == "continuous" and bm is not None:  # the paper's setting beside it: static padded batches
+    ed = any(m.keeps_newest for m in job.methods)  # the paper's setting is sized by its ED's b0
+    if cfg.scheduler == "continuous" and bm is not None and ed:  # the paper's setting beside it: static batches
         paper = paper_setting_specs(
             ctx.shape, ctx.prompt_len, cfg.generation.max_new_tokens, budget, bm, p=cfg.sweep.p,
             tp=ctx.layout.tp, dtype=cfg.model.dtype,
@@ -584,7 +585,7 @@ def _main_job_plan(job: Job, ctx: RunContext, samples: list[tasks.Sample]) -> Pl
         f"Same memory: a budget of {fmt_bytes(budget)} per rank (the planner's peak of FKV at batch "
         f"{STORY_FKV_BATCH} unless memory_budget is set); every method runs at its largest batch within "
         f"it, bounded by the {len(samples)} prompts every method answers (the samples repeated up to the "
-        f"largest fitting batch, at most {STORY_MAX_PROMPTS}): "
+        f"largest fitting batch, at most {cfg.sweep.max_prompts}): "
         + ", ".join(f"{s.name} (fits {r.largest_fitting})" for s, r in zip(specs, runs))
         + ". Whole waves: a run whose slots do not divide the prompts also serves repeats of them, spread over the "
         "set, unscored, up to a whole number of waves of its slots (its tokens/s counts every request it served, its "

@@ -3,12 +3,23 @@ the paper's settings from shapes alone.
 
     python launch/bench_regimes.py                       # predicted maps only (seconds, no model)
     python launch/bench_regimes.py --measure      # + the CPU map at 1k and 2k tokens, 64 new (~20 min, 2 cores)
+    python launch/bench_regimes.py --measure --model qwen2.5-coder-0.5b --dtype bfloat16 --methods fkv,bm,snap \
+        --kv-share 0.125 --max-prompts 4 --cpu-lengths 8192,16384 --budgets tight --out results/regimes_05b
 
 ``--measure`` runs the main job once per cell (``launch/run.py --data <needles> --memory-budget <cell's budget>
---max-new-tokens <n>``, one process at a time, each into ``OUT/cpu/<cell>/``; a cell already run is read back),
-on needle prompts of the cell's length (3 depths, passkeys and facts, the retention suite's held-out split), and
-draws ``OUT/regimes_cpu.png``. The predicted maps (``OUT/regimes_<setting>.png``) take their answers from the
-measured cells of the same prompt length. Everything: ``OUT/regimes.json``.
+--max-new-tokens <n>``, one process at a time, each into ``OUT/cpu/<cell>/``; a cell already run is read back, a
+cell stopped part-way resumes its runs), on needle prompts of the cell's length (3 depths, passkeys and facts, the
+retention suite's held-out split, counted with ``--model``'s tokenizer), and draws ``OUT/regimes_cpu.png``. Each
+cell's runs carry the prediction for this machine beside the measurement: ``predict_cell`` at the run's own batch
+with this device's measured product FLOP/s and copy bandwidth (``regimes.this_device``), as a ratio over FKV's.
+``--methods`` (the main job's ``--method``: fkv, ed, bm, snap), ``--kv-share`` (each bounded method's kv_max: that
+share of the cell's length, in blocks of 64) and ``--max-prompts`` (the prompts a cell fills up to: long prompts
+cost minutes each here) pass to each cell's main job.
+
+The predicted maps (``OUT/regimes_<setting>.png``, ``--lengths``, default 1k to 32k) take their answers from the
+measured cells of the nearest prompt length, or with ``--answers TABLE.json ...`` from ``launch/bench_ruler.py``
+tables (each configuration's share of FKV's score at the length whose kv_max is ``--kv-share`` of it; a table
+given later wins). Everything: ``OUT/regimes.json``.
 """
 
 from __future__ import annotations
@@ -36,58 +47,124 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--outputs", default=",".join(map(str, regimes.OUTPUTS)), help="new tokens per request")
     ap.add_argument("--cpu-lengths", default="1024,2048", help="--measure: the measured map's prompt lengths")
     ap.add_argument("--cpu-outputs", default="64", help="--measure: the measured map's new tokens")
-    return ap.parse_args(argv)
+    ap.add_argument("--budgets", default=",".join(regimes.BUDGETS), help="--measure: tight, ample or both")
+    ap.add_argument("--model", default=None, help="--measure: the model (default: the embedded SmolLM2)")
+    ap.add_argument("--dtype", default="auto", help="--measure: the model's dtype (default auto: float32 on CPU)")
+    ap.add_argument("--methods", default=None, help="--measure: the main job's methods (default: all five)")
+    ap.add_argument("--kv-share", type=float, default=None, help="bounded methods' kv_max as a share of the length")
+    ap.add_argument("--max-prompts", type=int, default=None, help="--measure: the prompts each cell fills up to")
+    ap.add_argument("--answers", nargs="*", default=[], help="bench_ruler table.json files: the predicted answers")
+    a = ap.parse_args(argv)
+    unknown = sorted(set(a.budgets.split(",")) - set(regimes.BUDGETS))
+    if unknown:
+        ap.error(f"--budgets: not {', '.join(unknown)} (tight, ample)")
+    if a.kv_share is not None and not 0 < a.kv_share < 1:
+        ap.error(f"--kv-share: a share between 0 and 1, got {a.kv_share}")
+    for path in a.answers:
+        if not Path(path).is_file():
+            ap.error(f"--answers: no file {path}")
+    return a
 
 
-def _needles(length: int, path: Path) -> int:
-    """Needle prompts of about ``length`` tokens at 3 depths into ``path`` (JSONL); returns the longest's tokens."""
+def _needles(length: int, path: Path, model: str | None) -> int:
+    """Needle prompts of about ``length`` tokens at 3 depths into ``path`` (JSONL), counted with ``model``'s
+    tokenizer; returns the longest's tokens."""
     from batchmax_tp.bench.retention.suite import build_suite, token_counter
-    from batchmax_tp.models import load_model
+    from batchmax_tp.models import EMBEDDED_MODEL, load_tokenizer
 
-    _, tokenizer = load_model()
+    tokenizer = load_tokenizer(model or EMBEDDED_MODEL)
     samples = build_suite(token_counter(tokenizer), lengths=[length], multi=False, summaries=[], split="heldout")
     lines = [json.dumps({"id": s.id, "prompt": s.prompt, "reference": s.answers[0]}) for s in samples]
     path.write_text("\n".join(lines) + "\n")
     return max(s.prompt_tokens for s in samples)
 
 
-def measure(out: Path, lengths: list[int], outputs: list[int]) -> list[dict]:
-    """The CPU map: the main job per cell (a child process each, one at a time), its summaries read back."""
+def _method_of(summary):
+    from batchmax_tp.core.method import Method
+
+    return Method(summary.method, kv_max=summary.kv_max, p=summary.p or 64, rule=summary.rule or "paper")
+
+
+def measure(out: Path, lengths: list[int], outputs: list[int], a: argparse.Namespace) -> list[dict]:
+    """The CPU map: the main job per cell (a child process each, one at a time), its summaries read back, and each
+    run's predicted tokens/s on this device at its own batch."""
     from batchmax_tp.eval.results import read_summary
-    from batchmax_tp.models import EMBEDDED_MODEL, load_model
+    from batchmax_tp.models import EMBEDDED_MODEL, read_config, resolve_dtype
     from batchmax_tp.plan.planner import ModelShape
 
-    shape = ModelShape.from_config(load_model(EMBEDDED_MODEL)[0].config)
+    model = a.model or EMBEDDED_MODEL
+    config = read_config(model)
+    shape = ModelShape.from_config(config.get_text_config())
+    dtype = resolve_dtype(a.dtype, "cpu", config)
+    budgets = [b for b in regimes.BUDGETS if b in a.budgets.split(",")]
+    cards = regimes.this_device("cpu", dtype, shape.hidden, memory=0)
+    print(f"this machine: {cards.flops / 1e9:.0f} GFLOP/s ({dtype} product), {cards.bandwidth / 1e9:.1f} GB/s (copy)")
     cells = []
     for new in outputs:
         for length in lengths:
             data = out / "cpu" / f"needles-{length}.jsonl"
             data.parent.mkdir(parents=True, exist_ok=True)
-            longest = _needles(length, data)
-            for budget in regimes.BUDGETS:
-                b = regimes.budget_bytes(shape, longest, new, budget, 1, "float32")
+            longest = _needles(length, data, a.model)
+            kv_max = regimes.kv_max_at(length, a.kv_share)
+            for budget in budgets:
+                b = regimes.budget_bytes(shape, longest, new, budget, 1, dtype)
                 cell_out = out / "cpu" / f"{length}-{budget}-{new}"
                 if not (cell_out / "report.md").is_file():
                     args = ["--data", str(data), "--memory-budget", str(b), "--max-new-tokens", str(new)]
+                    args += ["--max-input-tokens", "null", "--dtype", dtype, "--model", model]
+                    if a.methods:
+                        args += ["--same-memory", "--method", a.methods]
+                    if a.kv_share is not None:
+                        args += ["--kv-max", str(kv_max)]
+                    if a.max_prompts:
+                        args += ["--max-prompts", str(a.max_prompts)]
                     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), *args, "--out", str(cell_out)]
+                    print(f"cpu {length:>5} tokens, {budget:>5}, {new:>3} new: running ({cell_out})", flush=True)
                     subprocess.run([*cmd, "--log-level", "WARNING"], check=True, stdout=subprocess.DEVNULL)
                 runs = {}
                 for summary in sorted(cell_out.glob("*/summary.json")):
                     s = read_summary(summary.parent)
+                    if s.paper_setting:  # the paper's static batches: beside the map, not a cell's method
+                        continue
                     name = regimes.run_label(s.method, s.rule)
                     ok = s.status == "done"
-                    runs[name] = {
+                    run = {
                         "batch": s.batch_size,
+                        "kv_max": s.kv_max,
                         "tokens_per_s": s.tokens_per_s if ok else None,
                         "answers": s.score if ok else None,
                     }
+                    if ok:
+                        method = _method_of(s)
+                        run["predicted_tokens_per_s"] = regimes.predict_cell(
+                            shape, cards, method, longest, new, b, dtype=dtype, batch=s.batch_size
+                        )["tokens_per_s"]
+                    runs[name] = run
+                _ratios(runs)
                 best, why = regimes.winner(runs)
                 cells.append(
                     {"new": new, "budget": budget, "length": length, "budget_bytes": b, "runs": runs}
-                    | {"winner": best, "why": why}
+                    | {"winner": best, "why": why, "longest": longest, "kv_max": kv_max}
                 )
                 print(f"cpu {length:>5} tokens, {budget:>5}, {new:>3} new: {best} ({why})", flush=True)
+                for name, run in runs.items():
+                    if run.get("ratio") is not None:
+                        print(
+                            f"    {name:<14} batch {run['batch']:>3}  {run['tokens_per_s']:.1f} tokens/s  "
+                            f"{run['ratio']:.2f}x FKV (predicted {run['predicted_ratio']:.2f}x)  "
+                            f"answers {run['answers']}",
+                            flush=True,
+                        )
     return cells
+
+
+def _ratios(runs: dict) -> None:
+    """Each run's measured and predicted tokens/s over FKV's, in place (None where FKV or the run did not run)."""
+    fkv = runs.get("FKV", {})
+    for run in runs.values():
+        ok = fkv.get("tokens_per_s") and run.get("tokens_per_s")
+        run["ratio"] = run["tokens_per_s"] / fkv["tokens_per_s"] if ok else None
+        run["predicted_ratio"] = run["predicted_tokens_per_s"] / fkv["predicted_tokens_per_s"] if ok else None
 
 
 def main(argv=None) -> int:
@@ -96,22 +173,28 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lengths = [int(x) for x in a.lengths.split(",") if x]
     outputs = [int(x) for x in a.outputs.split(",") if x]
-    result: dict = {"accuracy_line": regimes.ACCURACY_LINE, "budgets": regimes.BUDGETS}
+    result: dict = {"accuracy_line": regimes.ACCURACY_LINE, "budgets": regimes.BUDGETS, "kv_share": a.kv_share}
     answers: dict[tuple[str, int], float] = {}
     if a.measure:
         cpu_lengths = [int(x) for x in a.cpu_lengths.split(",") if x]
-        result["cpu"] = measure(out, cpu_lengths, [int(x) for x in a.cpu_outputs.split(",") if x])
+        result["cpu"] = measure(out, cpu_lengths, [int(x) for x in a.cpu_outputs.split(",") if x], a)
+        name = a.model or "SmolLM2-135M"
         regimes.plot_map(
-            result["cpu"], "Winner at >= 90% of FKV's answers: SmolLM2-135M, CPU (measured)", out / "regimes_cpu.png"
+            result["cpu"], f"Winner at >= 90% of FKV's answers: {name}, CPU (measured)", out / "regimes_cpu.png"
         )
         for cell in result["cpu"]:
             fkv = cell["runs"].get("FKV", {}).get("answers")
-            for name, run in cell["runs"].items():
+            for label, run in cell["runs"].items():
                 if fkv and run.get("answers") is not None:  # the share of FKV's answers, at this prompt length
-                    answers[name, cell["length"]] = min(answers.get((name, cell["length"]), 1.0), run["answers"] / fkv)
+                    share = run["answers"] / fkv
+                    answers[label, cell["length"]] = min(answers.get((label, cell["length"]), 1.0), share)
+    if a.answers:
+        tables = [json.loads(Path(path).read_text(encoding="utf-8")) for path in a.answers]
+        answers |= regimes.answers_from_ruler(tables, a.kv_share if a.kv_share is not None else 0.125)
+        result["answers"] = {f"{label} @ {n}": share for (label, n), share in sorted(answers.items())}
     for setting in regimes.SETTINGS:
         # answers: each method's least share of FKV's measured at that prompt length (FKV's own: 1)
-        cells = regimes.predict_map(setting, lengths, outputs, answers)
+        cells = regimes.predict_map(setting, lengths, outputs, answers, kv_share=a.kv_share)
         result[setting] = cells
         slug = setting.split(" on ")[0]
         regimes.plot_map(

@@ -323,27 +323,6 @@ def predicted_seconds(shape, method, found: list[tuple[int, int]], flops_per_s: 
     return work / flops_per_s
 
 
-def measured_flops(device: str, dtype: str, hidden: int) -> float:
-    """FLOP/s of this device on a product like a prefill's (512 rows of ``hidden`` by 4 x ``hidden``): the best of 4
-    rounds of 4 products (the first round also warms up): what a long run is predicted with."""
-    import torch
-
-    kind = getattr(torch, dtype)
-    a = torch.randn(512, hidden, dtype=kind, device=device)
-    b = torch.randn(hidden, 4 * hidden, dtype=kind, device=device)
-    best = float("inf")
-    for _ in range(4):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / 4)
-    return 2 * 512 * hidden * 4 * hidden / best
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--half", choices=HALVES, default="tune", help="which half of the suite (default tune)")
@@ -456,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": batch["batch_size"],
         "memory_budget": fmt_bytes(parse_bytes(batch["memory_budget"])) if "memory_budget" in batch else None,
     }
-    rate = None if base.shape is None else measured_flops(str(base._device), base.dtype, base.shape.hidden) * EFFICIENCY
+    rate = None
+    if base.shape is not None:
+        from batchmax_tp.bench.regimes import measured_flops
+
+        rate = measured_flops(str(base._device), base.dtype, base.shape.hidden) * EFFICIENCY
     run = Half(base, tasks, lengths, {**common, **batch}, suites, args.limit, args.log_samples, settings, rate)
     if reused is not None and reused["dtype"] != base.dtype:
         log(f"error: --fkv-from: {args.fkv_from} has dtype {reused['dtype']!r}, this run {base.dtype!r}")

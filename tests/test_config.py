@@ -605,13 +605,15 @@ def test_saved_config_keeps_its_resume_key(tmp_path):
         "prefill_budget",
         "compile",
         "cheaper_rules",
+        "max_prompts",
     }
     cfg = parse_args(["--out", str(tmp_path)]).replace(device="cpu", dtype="float32", tp_size=1, dp_size=1)
     assert cfg.main_job and cfg.to_dict()["same_memory"] is None  # as a plain run wrote it
     write_config(tmp_path, cfg)
     assert results.check_same_config(tmp_path, cfg.to_dict())
     saved = tmp_path / "config.yaml"  # written before `compile` existed: it changes no output, so it resumes
-    for key in ("compile: auto", "cheaper_rules: true"):  # the second: before the tuner had cheaper candidates
+    for key in ("compile: auto", "cheaper_rules: true", "max_prompts: 64"):  # keys added later: a folder written
+        # before them resumes (the first two change no output; the main job filled up to 64 prompts before the third)
         text = saved.read_text()
         assert f" {key}," in text
         saved.write_text(text.replace(f" {key},", ""))

@@ -70,3 +70,54 @@ def test_the_roofline_is_decode_bound_at_small_batches(setting):
     cell = regimes.predict_cell(shape, cards, Method("fkv"), 2048, 64, b)
     weights = shape.weights_per_rank(cards.count) * 2 / (cards.bandwidth * regimes.DECODE_EFFICIENCY)
     assert cell["batch"] == 2 and weights < cell["step_s"] < 2 * weights and 0.005 < cell["prefill_s"] < 0.2
+
+
+def test_a_cells_kv_max_is_a_share_of_its_length_in_whole_blocks():
+    assert [regimes.kv_max_at(n, 0.125) for n in (2048, 8192, 16384, 32768)] == [256, 1024, 2048, 4096]
+    assert regimes.kv_max_at(16384, 0.0625) == 1024 and regimes.kv_max_at(1000, 0.1) == 128  # at least 2 blocks
+    assert regimes.kv_max_at(32768, None) == 512  # the main job's
+    # the predicted map sizes each cell's bounded methods at that kv_max: the planner's batch for it
+    shape, cards = regimes.SETTINGS[LLAMA]
+    (cell,) = regimes.predict_map(LLAMA, lengths=[16384], outputs=[512], kv_share=0.125)[:1]
+    for label, method in (("BM", Method("bm", kv_max=2048)), ("snap", Method("snap", kv_max=2048))):
+        want = regimes.max_slots(cell["budget_bytes"], shape, method, 16384, 512, tp=4, dtype="float16", limit=4096)
+        assert cell["runs"][label]["batch"] == want > cell["runs"]["FKV"]["batch"]
+    small = regimes.predict_map(LLAMA, lengths=[16384], outputs=[512])[0]  # kv_max 512: more of them fit
+    assert small["runs"]["BM"]["batch"] > cell["runs"]["BM"]["batch"]
+
+
+def test_a_run_at_its_own_batch_on_a_measured_device_is_its_flops_and_bytes_at_the_measured_rates():
+    shape, _ = regimes.SETTINGS[LLAMA]
+    cards = regimes.Cards("cpu", 1, 0, 100e9, 1e12, prefill_efficiency=1.0, decode_efficiency=1.0)
+    bm = Method("bm", kv_max=1024, rule="question")
+    cell = regimes.predict_cell(shape, cards, bm, 8192, 64, budget=0, dtype="bfloat16", batch=3)
+    assert cell["batch"] == 3  # the run's, not the planner's (a budget of 0 fits nothing)
+    assert cell["prefill_s"] == pytest.approx(8192 * regimes.prompt_token_flops(shape, bm, 8192) / 1e12)
+    kv = 3 * 1024 * 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
+    assert cell["step_s"] == pytest.approx((shape.weights_per_rank(1) * 2 + kv) / 100e9)
+    seconds = 3 * cell["prefill_s"] + 64 * cell["step_s"]
+    assert cell["tokens_per_s"] == pytest.approx(3 * 64 / seconds)
+
+
+def test_answers_come_from_ruler_tables_at_the_share_of_each_length():
+    def config(method, share_by_length, **args):
+        return {"model_args": {"method": method, **args}, "share_by_length": share_by_length}
+
+    table = {
+        "configs": [
+            config("fkv", {"8k": 1.0, "16k": 1.0}),
+            config("bm", {"8k": 0.95, "16k": 0.7}, kv_max=1024, rule="question"),  # 12.5% of 8k; 6.25% of 16k
+            config("bm", {"8k": 0.5, "16k": 0.9}, kv_max=2048, rule="question"),  # 25% of 8k; 12.5% of 16k
+            config("snap", {"8k": 0.8}, kv_max=1024),
+            config("bm", {"8k": 0.2}, kv_max=1024),
+        ]
+    }
+    later = {"configs": [config("snap", {"8k": 0.85}, kv_max=1024)]}
+    assert regimes.answers_from_ruler([table, later], 0.125) == {
+        ("FKV", 8192): 1.0,
+        ("FKV", 16384): 1.0,
+        ("BM (question)", 8192): 0.95,
+        ("BM (question)", 16384): 0.9,
+        ("snap", 8192): 0.85,
+        ("BM", 8192): 0.2,
+    }

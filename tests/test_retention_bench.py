@@ -15,6 +15,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from batchmax_tp.bench import retention as br
 
@@ -566,6 +567,38 @@ def test_whole_waves_keep_a_one_slot_difference_a_one_slot_difference(tmp_path, 
     assert "| BM (paper) | 6 | 96 | 1.000 | 24.0 | 1.50x |" in section, section
     assert "| BM (question) | 5 | 96 | 1.000 | 20.0 | 1.25x |" in section, section
     assert "Whole waves:" in report and "bm-question-b5-kv96 +4" in report and "fkv-b4 +2" in report
+
+
+@pytest.mark.parametrize("methods", ["fkv,bm", "fkv,ed,bm,snap"])
+def test_the_main_job_runs_the_methods_it_is_given(tmp_path, monkeypatch, methods):
+    """``--same-memory --method fkv,bm``: FKV and both BMs (paper's and the best rule) in the same budget, no ED and
+    no snap, and no paper's setting beside them (its batches are sized by ED's b0); its ``config.yaml`` keeps the
+    choice, so the run resumes as the same job. With ED named, the paper's setting runs beside them."""
+    from batchmax_tp import cli, job
+    from batchmax_tp.core.method import Method
+    from batchmax_tp.plan import budget
+    from batchmax_tp.plan.budget import RunSpec
+
+    slots = {"fkv": 4, "ed": 6, "bm": 6, "bm-question": 5, "snap": 6}
+    key = lambda m: "bm-question" if getattr(m, "rule", "paper") == "question" else m.name  # noqa: E731
+    monkeypatch.setattr(budget, "max_slots", lambda budget_bytes, shape, method, *a, **k: slots[key(method)])
+    static = [RunSpec(Method("fkv", p=32, block=0), 3, policy="static")]
+    monkeypatch.setattr(job, "paper_setting_specs", lambda *a, **k: static)
+    data = _fake_stack(tmp_path, monkeypatch, _wave_engine())
+    out = tmp_path / "out"
+    flags = ["--same-memory", "--method", methods, "--data", str(data), "--out", str(out), "--kv-max", "96"]
+    argv = [*flags, "--p", "32", "--max-new-tokens", "4", "--device", "cpu", "--log-level", "WARNING"]
+    argv += ["--max-prompts", "7"]  # above the 6 prompts: the fits decide, as with the default 64
+    assert cli.main(argv) == 0
+    runs = sorted(json.loads(f.read_text())["run"] for f in out.glob("*/summary.json"))
+    if methods == "fkv,bm":
+        assert runs == ["bm-b6-kv96", "bm-question-b5-kv96", "fkv-b4"]
+    else:
+        assert len(runs) == 6 and {"ed-b6-kv96", "snap-b6-kv96", "fkv-b4"} < set(runs), runs
+    assert yaml.safe_load((out / "config.yaml").read_text())["methods"] == methods.split(",")
+    report = (out / "report.md").read_text()
+    assert "Same memory: a budget of" in report and "at most 7)" in report
+    assert cli.main(argv) == 0  # resumed: the same job
 
 
 @pytest.mark.parametrize("n, slots", [(48, 18), (48, 21), (6, 4), (6, 5), (14, 12), (5, 12), (3, 3)])

@@ -29,7 +29,7 @@ from ..plan.planner import DTYPE_BYTES, ModelShape, max_slots, predict_pool
 ACCURACY_LINE = 0.9
 #: Requests of the cell's prompt length FKV fits in each budget.
 BUDGETS = {"tight": 2, "ample": 8}
-LENGTHS = (1024, 2048, 4096, 8192)
+LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 OUTPUTS = (64, 512)
 #: Roofline efficiencies of the predicted map (what a good kernel reaches: dense GEMMs, streaming reads).
 PREFILL_EFFICIENCY = 0.5
@@ -38,13 +38,63 @@ DECODE_EFFICIENCY = 0.7
 
 @dataclass(frozen=True)
 class Cards:
-    """``count`` cards, tensor parallel, each with ``memory`` bytes, ``bandwidth`` B/s and ``flops`` (float16)."""
+    """``count`` cards, tensor parallel, each with ``memory`` bytes, ``bandwidth`` B/s and ``flops`` (float16), of
+    which a prefill reaches ``prefill_efficiency`` and a decode step ``decode_efficiency`` (peaks from a data sheet:
+    :data:`PREFILL_EFFICIENCY`, :data:`DECODE_EFFICIENCY`; rates measured on the device itself: 1)."""
 
     name: str
     count: int
     memory: int
     bandwidth: float
     flops: float
+    prefill_efficiency: float = PREFILL_EFFICIENCY
+    decode_efficiency: float = DECODE_EFFICIENCY
+
+
+def this_device(device: str, dtype: str, hidden: int, memory: int) -> Cards:
+    """This device as one card: a prefill at the FLOP/s of a product like a prefill's (:func:`measured_flops`), a
+    decode step at the bandwidth of a large copy (:func:`measured_bandwidth`), both measured here and reached in full
+    (the roofline of the measured map: the CPU cell's prediction)."""
+    flops, bandwidth = measured_flops(device, dtype, hidden), measured_bandwidth(device)
+    return Cards(f"this {device}", 1, memory, bandwidth, flops, prefill_efficiency=1.0, decode_efficiency=1.0)
+
+
+def measured_flops(device: str, dtype: str, hidden: int) -> float:
+    """FLOP/s of this device on a product like a prefill's (512 rows of ``hidden`` by 4 x ``hidden``): the best of 4
+    rounds of 4 products (the first round also warms up)."""
+    import torch
+
+    a = torch.randn(512, hidden, dtype=getattr(torch, dtype), device=device)
+    b = torch.randn(hidden, 4 * hidden, dtype=getattr(torch, dtype), device=device)
+    return 2 * 512 * hidden * 4 * hidden / _best_seconds(lambda: a @ b, device)
+
+
+def measured_bandwidth(device: str, nbytes: int = 2**28) -> float:
+    """Bytes/s of this device reading and writing a ``nbytes`` tensor (a copy into a second one; each byte counted
+    read and written): the best of 4 rounds of 4 copies."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device)
+
+
+def _best_seconds(work, device: str) -> float:
+    import time
+
+    import torch
+
+    best = float("inf")
+    for _ in range(4):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(4):
+            work()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / 4)
+    return best
 
 
 #: The paper's settings (section 4): the model and the cards it ran on.
@@ -60,15 +110,23 @@ SETTINGS: dict[str, tuple[ModelShape, Cards]] = {
 }
 
 
-def methods(p: int = 64) -> list[Method]:
-    """The main job's methods: FKV (by real length), ED (kv_max 2), BM paper and ``question`` (512), snap (512)."""
+def methods(p: int = 64, kv_max: int = 512) -> list[Method]:
+    """The main job's methods: FKV (by real length), ED (kv_max 2), BM paper and ``question``, snap (``kv_max``)."""
     return [
         Method("fkv", p=p),
         Method("ed", kv_max=2, p=p),
-        Method("bm", kv_max=512, p=p),
-        Method("bm", kv_max=512, p=p, rule="question"),
-        Method("snap", kv_max=512, p=p),
+        Method("bm", kv_max=kv_max, p=p),
+        Method("bm", kv_max=kv_max, p=p, rule="question"),
+        Method("snap", kv_max=kv_max, p=p),
     ]
+
+
+def kv_max_at(length: int, share: float | None, p: int = 64) -> int:
+    """The cell's kv_max: ``share`` of its prompt length, to a whole number of blocks of ``p`` (at least 2 blocks);
+    512 (the main job's) when ``share`` is None."""
+    if share is None:
+        return 512
+    return max(2 * p, round(share * length / p) * p)
 
 
 def label(method: Method) -> str:
@@ -123,18 +181,28 @@ def held_pairs(method: Method, prompt_len: int, new: int) -> float:
 
 
 def predict_cell(
-    shape: ModelShape, cards: Cards, method: Method, prompt_len: int, new: int, budget: int, dtype: str = "float16"
+    shape: ModelShape,
+    cards: Cards,
+    method: Method,
+    prompt_len: int,
+    new: int,
+    budget: int,
+    dtype: str = "float16",
+    batch: int | None = None,
 ) -> dict:
-    """One method in one budget on ``cards``: its batch (the planner's) and roofline tokens/s of a continuous run
-    in steady state (each batch of requests: their prefills one after another, then ``new`` decode steps shared)."""
+    """One method in one budget on ``cards``: its batch (the planner's, or ``batch`` as a run had it) and roofline
+    tokens/s of a continuous run in steady state (each batch of requests: their prefills one after another, then
+    ``new`` decode steps shared)."""
     tp, nbytes = cards.count, DTYPE_BYTES[dtype]
-    batch = max_slots(budget, shape, method, prompt_len, new, tp=tp, dtype=dtype, limit=4096)
+    if batch is None:
+        batch = max_slots(budget, shape, method, prompt_len, new, tp=tp, dtype=dtype, limit=4096)
     if batch == 0:
         return {"batch": 0, "tokens_per_s": None}
-    prefill = prompt_len * prompt_token_flops(shape, method, prompt_len) / (cards.flops * tp * PREFILL_EFFICIENCY)
+    flops = cards.flops * tp * cards.prefill_efficiency
+    prefill = prompt_len * prompt_token_flops(shape, method, prompt_len) / flops
     _, kv_heads = shape.local_heads(tp)
     kv = batch * held_pairs(method, prompt_len, new) * 2 * shape.layers * kv_heads * shape.head_dim * nbytes
-    step = (shape.weights_per_rank(tp) * nbytes + kv) / (cards.bandwidth * DECODE_EFFICIENCY)
+    step = (shape.weights_per_rank(tp) * nbytes + kv) / (cards.bandwidth * cards.decode_efficiency)
     seconds = batch * prefill + new * step
     return {"batch": batch, "tokens_per_s": batch * new / seconds, "prefill_s": prefill, "step_s": step}
 
@@ -162,9 +230,11 @@ def predict_map(
     outputs: Sequence[int] = OUTPUTS,
     answers: Mapping[tuple[str, int], float] | None = None,
     p: int = 64,
+    kv_share: float | None = None,
 ) -> list[dict]:
-    """Every cell of ``SETTINGS[setting]``: each method's batch and predicted tokens/s, the measured answers ({(label,
-    length): share of FKV's}) at the measured prompt length nearest the cell's, and the winner."""
+    """Every cell of ``SETTINGS[setting]``: each method's batch and predicted tokens/s (the bounded ones at
+    :func:`kv_max_at` the cell's length and ``kv_share``), the measured answers ({(label, length): share of FKV's})
+    at the measured prompt length nearest the cell's, and the winner."""
     shape, cards = SETTINGS[setting]
     out = []
     for new in outputs:
@@ -174,7 +244,7 @@ def predict_map(
                 fits = b <= cards.memory
                 runs = {}
                 measured = nearest_length(answers or {}, length)
-                for m in methods(p):
+                for m in methods(p, kv_max_at(length, kv_share, p)):
                     run = predict_cell(shape, cards, m, length, new, b) if fits else {"batch": 0, "tokens_per_s": None}
                     run["answers"] = (answers or {}).get((label(m), measured))
                     runs[label(m)] = run
@@ -183,6 +253,23 @@ def predict_map(
                     why += f", answers as measured at {measured} tokens"
                 cell = {"new": new, "budget": budget, "length": length, "budget_bytes": b, "runs": runs}
                 out.append({**cell, "winner": best, "why": why})
+    return out
+
+
+def answers_from_ruler(tables: Sequence[Mapping], kv_share: float) -> dict[tuple[str, int], float]:
+    """{(label, prompt length): share of FKV's score} from ``launch/bench_ruler.py`` tables (``table.json``): at each
+    length, the configurations whose kv_max is :func:`kv_max_at` that length and ``kv_share`` (FKV: 1); a later
+    table's value replaces an earlier one's."""
+    out: dict[tuple[str, int], float] = {}
+    for table in tables:
+        for config in table["configs"]:
+            args = config["model_args"]
+            name, rule = args["method"], args.get("rule", "paper")
+            for length, share in config.get("share_by_length", {}).items():
+                tokens = int(length.rstrip("k")) * 1024
+                if share is None or (name != "fkv" and args.get("kv_max") != kv_max_at(tokens, kv_share)):
+                    continue
+                out[run_label(name, rule), tokens] = float(share)
     return out
 
 

@@ -20,7 +20,8 @@ key, e.g. ``kv_max: kv_max must be > p for method 'bm', got kv_max=64 p=64``.
 
 The job: the same-memory comparison (the "main job", ``RunConfig.main_job``) runs unless the configuration lists its
 runs itself -- a ``methods`` (``method``), ``batch_size``, ``kv_max``, ``runs`` or ``procedure`` given in the YAML or
-as a flag (:data:`LISTING_KEYS`) -- or sets ``same_memory: false``; ``same_memory: true`` forces it.
+as a flag (:data:`LISTING_KEYS`) -- or sets ``same_memory: false``; ``same_memory: true`` forces it, and with it
+``methods`` chooses among the main job's methods (``fkv`` with any of ``ed``, ``bm``, ``snap``).
 
 Validation needs only torch-free modules (``core.method``, ``core.rules``, ``plan``, ``config.tasks``), so a bad
 setting is reported in a fraction of a second, before torch or transformers load; nothing here loads a model or

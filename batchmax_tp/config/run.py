@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from ..core.method import METHODS, BatchMax, is_full_cache, takes_rule
+from ..core.method import METHODS, BatchMax, Method, is_full_cache, takes_rule
 from .memory import MemoryConfig
 from .parts import DataConfig, GenerationConfig, ModelConfig, OutputConfig, ParallelConfig
 from .settings import ConfigError, Part, Setting
@@ -129,7 +129,7 @@ class RunConfig:
                 _refuse_untunable(sweep.methods)
         elif self.main_job:
             refuse(
-                ("methods", "batch_size"),
+                ("batch_size",),
                 "the main job (same_memory) runs FKV, ED, BM, BM with the best rule and snap, each at its largest "
                 "batch within the same memory: {key} is unused; drop it, or list the runs with --no-same-memory",
             )
@@ -137,6 +137,8 @@ class RunConfig:
             refuse(("methods", "batch_size"), "runs lists each run's method and batch_size: {key} is unused; drop it")
         if procedure is None and not self.main_job:
             self._refuse_unused_by_runs(changed)
+        if not self.main_job:
+            refuse(("max_prompts",), "the prompts the main job fills its samples up to: unused outside the main job")
         if "prefill_budget" in changed and self.scheduler == "static":
             raise ConfigError(
                 "prefill_budget",
@@ -167,8 +169,8 @@ class RunConfig:
             )
 
     def _validate_main_job(self) -> None:
-        """The main job runs FKV, ED, the paper's BM, BM with the best rule and snap (whatever ``methods`` says): each
-        must run with ``kv_max`` and ``p``."""
+        """The main job runs FKV, ED, the paper's BM, BM with the best rule and snap (or those ``methods`` names, when
+        given): each must run with ``kv_max`` and ``p``."""
         try:
             self.sweep.story_methods()
         except ValueError as err:
@@ -176,6 +178,15 @@ class RunConfig:
             raise ConfigError(
                 key, f"the same-memory run (FKV, ED, BM, BM with the best rule, snap) cannot use it: {err}"
             ) from None
+        try:
+            self.main_job_methods()
+        except ValueError as err:
+            raise ConfigError("methods", str(err)) from None
+
+    def main_job_methods(self) -> list[Method]:
+        """The main job's methods (``SweepConfig.story_methods``): all five, or those whose method ``methods`` names
+        when it is given (``--method fkv,bm,snap``: no ED, and so no paper's setting beside them)."""
+        return self.sweep.story_methods(self.sweep.methods if "methods" in self.given else None)
 
     @property
     def listed_by(self) -> list[str]:
@@ -199,12 +210,15 @@ class RunConfig:
 
     def to_yaml(self) -> str:
         """The flat keys as YAML (``OUT/config.yaml``), loadable again with ``--config`` into the same job: the main
-        job's leaves out ``methods`` and ``batch_size`` (it reads neither, and given they would list the runs). Both
-        are neutral in the resume key (``eval.results.check_same_config``), so results written before still resume.
+        job's leaves out ``batch_size`` (it does not read it, and given it would list the runs) and ``methods`` unless
+        given (then it chooses the main job's methods, with ``same_memory: true``). Both are neutral in the resume key
+        (``eval.results.check_same_config``), so results written before still resume.
         """
         data = self.to_dict()
         if self.main_job:
-            del data["methods"], data["batch_size"]
+            del data["batch_size"]
+            if "methods" not in self.given:
+                del data["methods"]
         return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
 
     @classmethod

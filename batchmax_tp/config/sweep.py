@@ -3,13 +3,14 @@ batching) and the shape of one ``runs`` entry."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..core.method import METHODS, Method, is_full_cache, make_method, method_type, takes_rule
 from ..core.rules import get_rule
 from ..core.step import COMPILE_MODES
-from ..plan.budget import RunSpec, story_methods
+from ..plan.budget import STORY_MAX_PROMPTS, RunSpec, story_methods
 from .settings import (
     INT,
     LIST,
@@ -84,6 +85,16 @@ class SweepConfig(Part):
         "run the main job: FKV, ED, BM, BM with the best rule and snap each at its largest batch within FKV's memory "
         "at batch 4 (default: unless the configuration lists its runs)",
         off="run the methods (or runs) as given, at --batch-size",
+    )
+    max_prompts: int = setting(
+        STORY_MAX_PROMPTS,
+        INT,
+        f"the main job: most prompts it fills its samples up to (its largest fitting batch, at most this; default "
+        f"{STORY_MAX_PROMPTS}); lower it where each prompt costs minutes (long prompts on a CPU), which bounds the "
+        "largest batch too",
+        metavar="N",
+        low=1,
+        high=MAX_BATCH,
     )
     scheduler: str | None = setting(
         None,
@@ -178,10 +189,23 @@ class SweepConfig(Part):
             return "p"
         return "kv_max"
 
-    def story_methods(self) -> list[Method]:
-        """The main job's methods: FKV, ED, the paper's BM, BM with the best rule and snap (``plan.budget``)."""
+    def story_methods(self, chosen: Sequence[str] | None = None) -> list[Method]:
+        """The main job's methods: FKV, ED, the paper's BM, BM with the best rule and snap (``plan.budget``); with
+        ``chosen`` (``methods`` as given to the main job), those of them whose method is named (``bm``: both BMs)."""
         kv_max = {name: self.kv_max_for(name) for name in ("ed", "bm", "snap")}
-        return story_methods(kv_max, self.p, self.rule)
+        methods = story_methods(kv_max, self.p, self.rule)
+        if chosen is None:
+            return methods
+        names = [m.name for m in methods]
+        unknown = [c for c in chosen if c not in names]
+        if unknown:
+            raise ValueError(
+                f"the main job chooses among {', '.join(dict.fromkeys(names))} (no own parameters): not "
+                f"{', '.join(unknown)}"
+            )
+        if "fkv" not in chosen:
+            raise ValueError("the main job's budget and ratios are FKV's: name fkv among the methods")
+        return [m for m in methods if m.name in chosen]
 
     # -- the listed runs
     def run_specs(self) -> list[RunSpec]:

@@ -458,6 +458,7 @@ def check_same_config(out: str | os.PathLike[str], config: Mapping[str, Any]) ->
     except yaml.YAMLError as err:
         raise ValueError(f"out: cannot read {path} to resume: {' '.join(str(err).split())}") from None
     old.setdefault("dp_size", 1)  # written before dp_size was a key: single-process results
+    old.setdefault("max_prompts", 64)  # written before max_prompts was a key: the main job's fixed 64
     for key in sorted((set(old) | set(config)) - _NEUTRAL_KEYS):
         if old.get(key) != config.get(key):
             raise ValueError(

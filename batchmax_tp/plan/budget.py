@@ -414,7 +414,7 @@ def same_memory_plan(
     if largest > prompts:
         logger.info(
             "same-memory run: the largest fitting batch is %d; the run answers %d prompts (at most %d, "
-            "STORY_MAX_PROMPTS), so no batch is larger",
+            "max_prompts), so no batch is larger",
             largest,
             prompts,
             max_prompts,
