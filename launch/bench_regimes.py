@@ -11,7 +11,8 @@ the paper's settings from shapes alone.
 cell stopped part-way resumes its runs), on needle prompts of the cell's length (3 depths, passkeys and facts, the
 retention suite's held-out split, counted with ``--model``'s tokenizer), and draws ``OUT/regimes_cpu.png``. Each
 cell's runs carry the prediction for this machine beside the measurement: ``predict_cell`` at the run's own batch
-with this device's measured product FLOP/s and copy bandwidth (``regimes.this_device``), as a ratio over FKV's.
+with this device's measured FLOP/s of a product and of causal attention and the rate a decode-shaped product streams
+weights (``regimes.this_device``), as a ratio over FKV's.
 ``--methods`` (the main job's ``--method``: fkv, ed, bm, snap), ``--kv-share`` (each bounded method's kv_max: that
 share of the cell's length, in blocks of 64) and ``--max-prompts`` (the prompts a cell fills up to: long prompts
 cost minutes each here) pass to each cell's main job.
@@ -97,8 +98,12 @@ def measure(out: Path, lengths: list[int], outputs: list[int], a: argparse.Names
     shape = ModelShape.from_config(config.get_text_config())
     dtype = resolve_dtype(a.dtype, "cpu", config)
     budgets = [b for b in regimes.BUDGETS if b in a.budgets.split(",")]
-    cards = regimes.this_device("cpu", dtype, shape.hidden, memory=0)
-    print(f"this machine: {cards.flops / 1e9:.0f} GFLOP/s ({dtype} product), {cards.bandwidth / 1e9:.1f} GB/s (copy)")
+    cards = regimes.this_device("cpu", dtype, shape)
+    print(
+        f"this machine ({dtype}): products {cards.flops / 1e9:.0f} GFLOP/s, attention {cards.attention_flops / 1e9:.0f}"
+        f" GFLOP/s, weights streamed at {cards.bandwidth / 1e9:.1f} GB/s",
+        flush=True,
+    )
     cells = []
     for new in outputs:
         for length in lengths:
@@ -175,22 +180,37 @@ def main(argv=None) -> int:
     outputs = [int(x) for x in a.outputs.split(",") if x]
     result: dict = {"accuracy_line": regimes.ACCURACY_LINE, "budgets": regimes.BUDGETS, "kv_share": a.kv_share}
     answers: dict[tuple[str, int], float] = {}
+    ruler: dict[tuple[str, int], float] = {}
+    if a.answers:
+        tables = [json.loads(Path(path).read_text(encoding="utf-8")) for path in a.answers]
+        ruler = regimes.answers_from_ruler(tables, a.kv_share if a.kv_share is not None else 0.125)
     if a.measure:
         cpu_lengths = [int(x) for x in a.cpu_lengths.split(",") if x]
         result["cpu"] = measure(out, cpu_lengths, [int(x) for x in a.cpu_outputs.split(",") if x], a)
         name = a.model or "SmolLM2-135M"
+        source = "the cells' prompts"
+        if ruler:  # a cell's winner by the tables' answers at its length (many documents), where they have it
+            source = "the RULER tables where measured"
+            for cell in result["cpu"]:
+                shares = {label: ruler.get((label, cell["length"])) for label in cell["runs"]}
+                if shares.get("FKV") is not None:
+                    runs = {label: {**run, "answers": shares[label]} for label, run in cell["runs"].items()}
+                    cell["winner"], cell["why"] = regimes.winner(runs)
+                    cell["why"] += ", answers: RULER"
+                    where = f"cpu {cell['length']:>5} tokens, {cell['budget']:>5}"
+                    print(f"{where}: by RULER {cell['winner']} ({cell['why']})", flush=True)
         regimes.plot_map(
-            result["cpu"], f"Winner at >= 90% of FKV's answers: {name}, CPU (measured)", out / "regimes_cpu.png"
-        )
+            result["cpu"], f"Winner at >= 90% of FKV's answers ({source}): {name}, CPU (measured)",
+            out / "regimes_cpu.png",
+        )  # fmt: skip
         for cell in result["cpu"]:
             fkv = cell["runs"].get("FKV", {}).get("answers")
             for label, run in cell["runs"].items():
                 if fkv and run.get("answers") is not None:  # the share of FKV's answers, at this prompt length
                     share = run["answers"] / fkv
                     answers[label, cell["length"]] = min(answers.get((label, cell["length"]), 1.0), share)
-    if a.answers:
-        tables = [json.loads(Path(path).read_text(encoding="utf-8")) for path in a.answers]
-        answers |= regimes.answers_from_ruler(tables, a.kv_share if a.kv_share is not None else 0.125)
+    if ruler:
+        answers |= ruler
         result["answers"] = {f"{label} @ {n}": share for (label, n), share in sorted(answers.items())}
     for setting in regimes.SETTINGS:
         # answers: each method's least share of FKV's measured at that prompt length (FKV's own: 1)

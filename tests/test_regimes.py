@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from batchmax_tp.bench import regimes
@@ -46,6 +48,9 @@ def test_a_cells_winner_is_the_fastest_at_90_percent_of_fkvs_answers():
     unmeasured = {k: {**v, "answers": None} for k, v in runs.items()}
     assert regimes.winner(unmeasured) == ("ED", "3.00x FKV, answers not measured")
     assert regimes.winner({"FKV": {"tokens_per_s": None, "answers": None}}) == (None, "nothing ran")
+    # answers measured for FKV but not for ED (a map whose answers come from runs without ED): ED cannot win
+    partly = {**runs, "ED": {"tokens_per_s": 30.0, "answers": None}}
+    assert regimes.winner(partly) == ("snap", "1.50x FKV")
 
 
 def test_predicted_cells_take_answers_from_the_nearest_measured_length_and_draw(tmp_path):
@@ -93,6 +98,13 @@ def test_a_run_at_its_own_batch_on_a_measured_device_is_its_flops_and_bytes_at_t
     cell = regimes.predict_cell(shape, cards, bm, 8192, 64, budget=0, dtype="bfloat16", batch=3)
     assert cell["batch"] == 3  # the run's, not the planner's (a budget of 0 fits nothing)
     assert cell["prefill_s"] == pytest.approx(8192 * regimes.prompt_token_flops(shape, bm, 8192) / 1e12)
+    # the attention at its own rate (a fifth of the products', as a CPU's fused kernel): only its part slows
+    linear, attention = regimes.prompt_token_flops_parts(shape, bm, 8192)
+    assert linear + attention == pytest.approx(regimes.prompt_token_flops(shape, bm, 8192)) and attention > 0
+    slow = regimes.predict_cell(
+        shape, replace(cards, attention_flops=0.2e12), bm, 8192, 64, budget=0, dtype="bfloat16", batch=3
+    )
+    assert slow["prefill_s"] == pytest.approx(8192 * (linear / 1e12 + attention / 0.2e12))
     kv = 3 * 1024 * 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
     assert cell["step_s"] == pytest.approx((shape.weights_per_rank(1) * 2 + kv) / 100e9)
     seconds = 3 * cell["prefill_s"] + 64 * cell["step_s"]

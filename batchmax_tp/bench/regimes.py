@@ -40,7 +40,8 @@ DECODE_EFFICIENCY = 0.7
 class Cards:
     """``count`` cards, tensor parallel, each with ``memory`` bytes, ``bandwidth`` B/s and ``flops`` (float16), of
     which a prefill reaches ``prefill_efficiency`` and a decode step ``decode_efficiency`` (peaks from a data sheet:
-    :data:`PREFILL_EFFICIENCY`, :data:`DECODE_EFFICIENCY`; rates measured on the device itself: 1)."""
+    :data:`PREFILL_EFFICIENCY`, :data:`DECODE_EFFICIENCY`; rates measured on the device itself: 1), and the
+    attention's ``attention_flops`` (None: ``flops``)."""
 
     name: str
     count: int
@@ -49,14 +50,37 @@ class Cards:
     flops: float
     prefill_efficiency: float = PREFILL_EFFICIENCY
     decode_efficiency: float = DECODE_EFFICIENCY
+    attention_flops: float | None = None  #: the attention's own FLOP/s where it differs from ``flops``
 
 
-def this_device(device: str, dtype: str, hidden: int, memory: int) -> Cards:
-    """This device as one card: a prefill at the FLOP/s of a product like a prefill's (:func:`measured_flops`), a
-    decode step at the bandwidth of a large copy (:func:`measured_bandwidth`), both measured here and reached in full
-    (the roofline of the measured map: the CPU cell's prediction)."""
-    flops, bandwidth = measured_flops(device, dtype, hidden), measured_bandwidth(device)
-    return Cards(f"this {device}", 1, memory, bandwidth, flops, prefill_efficiency=1.0, decode_efficiency=1.0)
+def this_device(device: str, dtype: str, shape: ModelShape, memory: int = 0) -> Cards:
+    """This device as one card for a model of ``shape``: a prefill's linear layers at the FLOP/s of a product like
+    theirs (:func:`measured_flops`) and its attention at that of the fused attention kernel
+    (:func:`measured_attention_flops`), a decode step's bytes at the rate a decode-shaped product streams its
+    weights (:func:`measured_bandwidth`), all measured here and reached in full (the measured map's prediction)."""
+    flops = measured_flops(device, dtype, shape.hidden)
+    attention = measured_attention_flops(device, dtype, shape.heads, shape.kv_heads, shape.head_dim)
+    bandwidth = measured_bandwidth(device, dtype, shape.hidden)
+    return Cards(
+        f"this {device}", 1, memory, bandwidth, flops, prefill_efficiency=1.0, decode_efficiency=1.0,
+        attention_flops=attention,
+    )  # fmt: skip
+
+
+def measured_attention_flops(
+    device: str, dtype: str, heads: int, kv_heads: int, head_dim: int, length: int = 4096
+) -> float:
+    """FLOP/s of causal attention on this device (``scaled_dot_product_attention``, grouped heads, ``length``
+    queries over as many keys: what an unchunked prefill runs): the best of 4 rounds."""
+    import torch
+    import torch.nn.functional as F
+
+    kind = getattr(torch, dtype)
+    q = torch.randn(1, heads, length, head_dim, dtype=kind, device=device)
+    k = torch.randn(1, kv_heads, length, head_dim, dtype=kind, device=device)
+    v = torch.randn(1, kv_heads, length, head_dim, dtype=kind, device=device)
+    seconds = _best_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), device)
+    return 4 * heads * head_dim * length * (length + 1) / 2 / seconds
 
 
 def measured_flops(device: str, dtype: str, hidden: int) -> float:
@@ -69,14 +93,22 @@ def measured_flops(device: str, dtype: str, hidden: int) -> float:
     return 2 * 512 * hidden * 4 * hidden / _best_seconds(lambda: a @ b, device)
 
 
-def measured_bandwidth(device: str, nbytes: int = 2**28) -> float:
-    """Bytes/s of this device reading and writing a ``nbytes`` tensor (a copy into a second one; each byte counted
-    read and written): the best of 4 rounds of 4 copies."""
+def measured_bandwidth(device: str, dtype: str, hidden: int, rows: int = 4) -> float:
+    """Bytes/s at which a decode-shaped product streams its weights on this device: ``rows`` rows of ``hidden`` by
+    a ``hidden`` x 4 ``hidden`` weight, ``2**28`` bytes of weights a round spread over enough matrices that no cache
+    holds them (a decode step reads each weight once; on a CPU this is well below a plain copy's rate)."""
     import torch
 
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device)
+    kind = getattr(torch, dtype)
+    x = torch.randn(rows, hidden, dtype=kind, device=device)
+    each = hidden * 4 * hidden * x.element_size()
+    weights = [torch.randn(hidden, 4 * hidden, dtype=kind, device=device) for _ in range(max(1, 2**28 // each))]
+
+    def step():
+        for w in weights:
+            x @ w
+
+    return len(weights) * each / _best_seconds(step, device)
 
 
 def _best_seconds(work, device: str) -> float:
@@ -160,15 +192,25 @@ def attended_keys(method: Method, prompt_len: int) -> float:
 
 
 def prompt_token_flops(shape: ModelShape, method: Method, prompt_len: int) -> float:
-    """FLOPs of one prompt token: 2 per weight but the input embedding's, 4 per attended key per query head and
-    head dimension per layer (QK^T and PV); BM's probes add their linear layers too."""
-    linear = 2 * (shape.params - (0 if shape.tied else shape.vocab * shape.hidden))  # a tied embedding is the head
+    """FLOPs of one prompt token: 2 per weight of the blocks (not the embedding's or the output head's: a pass
+    computes logits for its last position only), 4 per attended key per query head and head dimension per layer
+    (QK^T and PV); BM's probes add their linear layers too."""
+    return sum(prompt_token_flops_parts(shape, method, prompt_len))
+
+
+def prompt_token_flops_parts(shape: ModelShape, method: Method, prompt_len: int) -> tuple[float, float]:
+    """(linear, attention): :func:`prompt_token_flops` in its two parts, which a device may run at different
+    rates (on a CPU the attention's kernels reach a fraction of a matrix product's FLOP/s). A prompt token's linear
+    layers are the blocks' weights: the input embedding is a lookup, and the output head runs for a pass's last
+    position only (``logits_to_keep=1``)."""
+    embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)  # the input's, and an untied head's
+    linear = 2 * (shape.params - embeddings)
     attention = 4 * shape.layers * shape.heads * shape.head_dim * attended_keys(method, prompt_len)
     probe_share = 0.0
     if method.bounded_prefill and method.lookahead and prompt_len > method.kv_max:
         blocks = math.ceil((prompt_len - method.kv_max) / method.p)
         probe_share = method.lookahead * math.ceil(blocks / method.probe_every) / prompt_len
-    return linear * (1 + probe_share) + attention
+    return linear * (1 + probe_share), attention
 
 
 def held_pairs(method: Method, prompt_len: int, new: int) -> float:
@@ -198,8 +240,10 @@ def predict_cell(
         batch = max_slots(budget, shape, method, prompt_len, new, tp=tp, dtype=dtype, limit=4096)
     if batch == 0:
         return {"batch": 0, "tokens_per_s": None}
+    linear, attention = prompt_token_flops_parts(shape, method, prompt_len)
     flops = cards.flops * tp * cards.prefill_efficiency
-    prefill = prompt_len * prompt_token_flops(shape, method, prompt_len) / flops
+    attention_flops = (cards.attention_flops or cards.flops) * tp * cards.prefill_efficiency
+    prefill = prompt_len * (linear / flops + attention / attention_flops)
     _, kv_heads = shape.local_heads(tp)
     kv = batch * held_pairs(method, prompt_len, new) * 2 * shape.layers * kv_heads * shape.head_dim * nbytes
     step = (shape.weights_per_rank(tp) * nbytes + kv) / (cards.bandwidth * cards.decode_efficiency)
@@ -209,12 +253,14 @@ def predict_cell(
 
 def winner(cells: Mapping[str, Mapping], line: float = ACCURACY_LINE) -> tuple[str | None, str]:
     """(method, why) of one cell's runs {label: {tokens_per_s, answers}}: the fastest whose answers reach ``line``
-    x FKV's (answers None: not measured, every method counts); None when none ran."""
+    x FKV's; a method whose answers were not measured where FKV's were cannot win (ED in a map whose answers come
+    from runs without it); with FKV's not measured either, every method counts. None when none ran."""
     fkv = cells.get("FKV", {}).get("answers")
     ok = {
         name: run
         for name, run in cells.items()
-        if run.get("tokens_per_s") and (fkv is None or run.get("answers") is None or run["answers"] >= line * fkv)
+        if run.get("tokens_per_s")
+        and (fkv is None or (run.get("answers") is not None and run["answers"] >= line * fkv))
     }
     if not ok:
         return None, "nothing ran"
