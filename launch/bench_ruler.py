@@ -42,6 +42,16 @@ gives each pick's held-out share with its interval (never the best held-out conf
 a paired, stratified bootstrap 95% interval over the documents (``batchmax_tp.eval.intervals``); a difference is
 marked real only where intervals separate.
 
+``--kvpress PRESS:KEPT...``: kvpress's presses (``snapkv``, ``adasnapkv``: its per-head budgets around SnapKV,
+``expected``, ``kvzip``, ``tova``, ``streaming``) after the configurations, on the same documents, model and dtype,
+each keeping the share KEPT of each prompt's pairs (``snapkv:0.25``: kvpress's ``compression_ratio`` 0.75), with the
+question inside the compressed text (``q-in``, kvpress's query-aware setting) and read after it (``q-out``;
+``--kvpress-question in|out|in,out``). kvpress's code compresses and generates (``launch/kvpress_rows.py`` in its own
+environment, ``bash scripts/peers.sh``: it pins transformers < 5.3; ``--peers-python`` or
+``$BATCHMAX_PEERS_PYTHON`` names another interpreter, checked with its kvpress version before any load). Its rows
+join the table with each document's score and the same paired intervals; 1 slot (kvpress reads one prompt at a
+time, whole: the table's "prompt read" line) and the K/V its cache held at most over a request.
+
 Writes into ``--out`` (default results/ruler_<half>; ``--pick``: results/ruler_pick, a folder per half and
 ``pick.md``/``pick.json``): ``<NN>_<config>/results.json`` (lm-eval's results; its samples too with
 ``--log-samples``), then ``table.json`` (with each document's score) and ``table.md`` after every configuration, so
@@ -68,6 +78,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "configs" / "lm_eval" / "ruler"
+KVPRESS_ROWS = ROOT / "launch" / "kvpress_rows.py"
 
 
 def _builder():
@@ -236,9 +247,22 @@ def format_table(rows: list[dict], tasks: list[str], lengths: list[str], about: 
         text += line("share's 95% interval", [cell(r) for r in rows])
     text += line("tokens/s", [num(r["tokens_per_s"], ".0f") for r in rows])
     text += line("slots", [str(r["slots"]) for r in rows])
+    if any(r.get("prefill") for r in rows):  # what each needs in memory while it reads a prompt
+        text += line("prompt read", [prefill_of(r) for r in rows])
     text += line("peak K/V MiB", [num(r["peak_kv_bytes"] / 2**20, ".1f") for r in rows])
     text += line("wall s", [num(r["wall_s"], ".0f") for r in rows])
     return text
+
+
+def prefill_of(row: dict) -> str:
+    """How a row's method reads a prompt: in blocks (BM: its memory bounded while it reads) or whole (FKV, snap and
+    kvpress's presses: the whole prompt's pairs and activations at once)."""
+    from batchmax_tp.core.method import METHODS
+
+    if row.get("prefill"):
+        return row["prefill"]
+    kind = METHODS.get(row.get("model_args", {}).get("method"))
+    return "blocks" if kind is not None and kind.bounded_prefill else "whole prompt"
 
 
 def write_tables(out: Path, rows: list[dict], tasks: list[str], lengths: list[str], settings: dict) -> str:
@@ -270,6 +294,11 @@ def configured(base, model_args: dict):
     lm.stats = defaultdict(float)
     lm.batch_sizes = {}
     return lm
+
+
+def task_file(suites: list[Path], name: str) -> Path:
+    """The task yaml of ``name`` in the first of ``suites`` that holds it."""
+    return next((folder / f"{name}.yaml" for folder in suites if (folder / f"{name}.yaml").is_file()), suites[0])
 
 
 def data_file(suites: list[Path], name: str) -> Path:
@@ -354,6 +383,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--fkv-from", type=Path, default=None, help="FKV's row from an earlier run's table.json (see above)"
     )
+    ap.add_argument(
+        "--kvpress",
+        nargs="+",
+        default=[],
+        metavar="PRESS:KEPT",
+        help="kvpress's presses after the configurations (see above), e.g. snapkv:0.25 expected:0.125",
+    )
+    ap.add_argument("--kvpress-question", default="in,out", help="--kvpress: the question in, out or in,out (default)")
+    ap.add_argument("--peers-python", type=Path, default=None, help="--kvpress: kvpress's interpreter (see above)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default results/ruler_<half>)")
     return ap
 
@@ -385,6 +423,18 @@ def main(argv: list[str] | None = None) -> int:
         suites.append(long_suite((args.long_suite or cache_root() / "ruler-long").resolve(), lengths))
     halves = list(HALVES) if args.pick else [args.half]
     model = args.pretrained or "embedded SmolLM2-135M-Instruct"
+    presses, python = [], None
+    if args.kvpress:
+        from batchmax_tp.bench import peers
+
+        if args.pick:
+            ap.error("--kvpress: not with --pick (kvpress's rows are reported on the half run)")
+        python = args.peers_python or peers.default_python()
+        try:
+            presses = peers.press_runs(args.kvpress, args.kvpress_question.split(","))
+            peers.check_python(python, KVPRESS_ROWS)
+        except ValueError as err:
+            ap.error(str(err))
     reused = None
     if args.fkv_from is not None:
         if args.pick:
@@ -447,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.pick:
         first = [] if reused is None else [reused["row"]]
         rows = run(configs[len(first) :], args.half, out, first)
+        if presses:
+            rows = run.kvpress(presses, args.half, out, rows, python, args.pretrained)
         table = write_tables(out, rows, tasks, lengths, {**settings, "half": args.half})
         print(table, end="")
         return 0
@@ -599,6 +651,49 @@ class Half:
                 f"{row['tokens_per_s']:.0f} tok/s, {row['slots']} slots, {wall:.0f} s"
                 + (f" (predicted {predicted[i]:.0f} s); ~{left / 60:.1f} min left" if predicted[i] else "")
             )
+        return rows
+
+    def kvpress(self, presses: list, half: str, out: Path, rows: list[dict], python: Path, pretrained) -> list[dict]:
+        """kvpress's rows after ``rows``, one per press and question placement (``bench.peers.PressRun``), each run
+        by ``launch/kvpress_rows.py`` under kvpress's interpreter ``python`` (a child process; this one waits) on the
+        same documents, model and dtype. Resumable: answers are appended per document, a written row is read back."""
+        import subprocess
+
+        from batchmax_tp.bench import peers
+        from batchmax_tp.eval.files import atomic_write_text
+        from batchmax_tp.models import EMBEDDED_MODEL, model_path
+
+        cells = {
+            f"{t} {n}": (data_file(self.suites, name), task_file(self.suites, name))
+            for n in self.lengths
+            for t in at(n, self.tasks)
+            for name in [f"batchmax_ruler_{t}_{n}_{half}"]
+        }
+        rows = list(rows)
+        for i, press in enumerate(presses):
+            folder = out / f"{len(rows):02d}_{re.sub(r'[^A-Za-z0-9.=-]+', '_', press.label)}"
+            if (folder / "row.json").is_file():
+                rows.append(json.loads((folder / "row.json").read_text(encoding="utf-8")))
+                log(f"[{half} kvpress {i + 1}/{len(presses)}] {press.label}: done earlier ({folder.name}/row.json)")
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
+            docs = peers.documents(cells, self.limit, press.placement)
+            atomic_write_text(folder / "documents.jsonl", "".join(json.dumps(d) + "\n" for d in docs))
+            log(f"[{half} kvpress {i + 1}/{len(presses)}] {press.label}: {len(docs)} documents ...")
+            cmd = [str(python), str(KVPRESS_ROWS), "--model", model_path(pretrained or EMBEDDED_MODEL)]
+            cmd += ["--dtype", self.settings["dtype"], "--press", press.name, "--kept", str(press.kept)]
+            cmd += ["--documents", str(folder / "documents.jsonl"), "--out", str(folder / "answers.jsonl")]
+            start = time.perf_counter()
+            if subprocess.run(cmd).returncode != 0:
+                raise SystemExit(f"error: kvpress {press.label} stopped; its answers so far are in {folder}")
+            answers = [json.loads(x) for x in (folder / "answers.jsonl").read_text(encoding="utf-8").splitlines() if x]
+            row = peers.row(press, docs, answers, time.perf_counter() - start)
+            atomic_write_text(folder / "row.json", json.dumps(row, indent=2))
+            rows.append(row)
+            write_tables(out, rows, self.tasks, self.lengths, {**self.settings, "half": half})
+            got = summarize(rows, self.tasks, self.lengths)[-1]
+            share = "-" if got["share_of_fkv"] is None else f"{got['share_of_fkv']:.3f}"
+            log(f"[{half} kvpress {i + 1}/{len(presses)}] {press.label}: mean {got['mean']:.3f}, share of FKV {share}")
         return rows
 
 

@@ -32,4 +32,9 @@ fi
 #    (DeepSpeed's MPI discovery uses mpi4py).
 "$PY" -m pip install mpich mpi4py
 
+# 5. kvpress's environment beside this one (it pins transformers < 5.3): `bench_ruler.py --kvpress` and the snap
+#    oracle test (tests/test_peers.py) run kvpress's code there. Optional: where it cannot install, the oracle test
+#    is skipped and says so.
+PYTHON="$PY" bash scripts/peers.sh || echo "setup.sh: kvpress's environment not installed (scripts/peers.sh); the snap oracle test will be skipped" >&2
+
 echo "setup.sh: done" >&2
