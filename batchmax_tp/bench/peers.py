@@ -17,6 +17,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
+from ..parted import cache_root
+
 #: The kvpress version the rows are measured with (``scripts/peers.sh`` installs it).
 KVPRESS_VERSION = "0.5.5"
 #: Press names (``launch/kvpress_rows.py``'s): SnapKV, its per-head-budget wrapper (AdaKV), ExpectedAttention,
@@ -72,8 +76,6 @@ def press_runs(specs: list[str], placements: list[str]) -> list[PressRun]:
 
 def default_python() -> Path:
     """``$BATCHMAX_PEERS_PYTHON``, else the interpreter ``scripts/peers.sh`` makes under the cache root."""
-    from ..parted import cache_root
-
     env = os.environ.get("BATCHMAX_PEERS_PYTHON")
     return Path(env) if env else cache_root() / "peers-venv" / "bin" / "python"
 
@@ -126,8 +128,6 @@ def documents(cells: dict[str, tuple[Path, Path]], limit: int | None, placement:
     """The documents of each cell ("<task> <length>" -> (its data JSONL, its task yaml)), the first ``limit`` of
     each, as ``kvpress_rows.py`` reads them: ``key`` ("<cell> <index>"), ``context``, ``rest``, ``max_gen_toks``,
     and, for scoring here, ``outputs`` and ``until``."""
-    import yaml
-
     out = []
     for cell, (data, task) in cells.items():
         gen = yaml.safe_load(task.read_text(encoding="utf-8")).get("generation_kwargs", {})
