@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.bench.hf_reference import hf_reference_generate  # noqa: E402
 from batchmax_tp.core.engine import generate  # noqa: E402
-from batchmax_tp.core.method import Method  # noqa: E402
+from batchmax_tp.core.method import Method, ed_settings  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         "hf": lambda m: hf_reference_generate(model, ids, None, m, a.new),
     }
     rows = []
-    for method in (Method("fkv"), Method("ed", kv_max=2), Method("ed", kv_max=65)):
+    for method in (Method("fkv"), *ed_settings()):
         row, tokens, best = {"method": method.name, "kv_max": method.held_kv_max}, {}, {}
         for fn in paths.values():
             fn(method)  # warm-up

@@ -26,7 +26,7 @@ TASKS = {
 }
 METHODS = {  # label -> model_args
     "fkv": "method=fkv",
-    "ed": "method=ed,kv_max=65",
+    "ed": "method=ed",  # the batchmax model's ED default: its serving_kv_max (65)
     "bm paper 512": "method=bm,kv_max=512",
     "bm question 512": "method=bm,kv_max=512,rule=question",
     "bm question 256": "method=bm,kv_max=256,rule=question",

@@ -531,8 +531,11 @@ def earlier_fkv(path: Path, same: dict) -> dict:
     for key, want in same.items():
         if table.get(key) != want:
             raise ValueError(f"{path} was run with {key} {table.get(key)!r}, this run has {want!r}")
+    from batchmax_tp.core.method import METHODS
+
     row = (table.get("configs") or [{}])[0]
-    if row.get("label") != "fkv" or "documents" not in row:
+    kind = METHODS.get(row.get("model_args", {}).get("method"))
+    if kind is None or kind.evicts or "documents" not in row:
         raise ValueError(f"{path} holds no FKV row with each document's score")
     keep = ("label", "model_args", "scores", "documents", "tokens_per_s", "slots", "peak_kv_bytes", "wall_s")
     results = str(path.resolve().parent / row["results"])

@@ -363,7 +363,8 @@ def test_fkv_from_reads_an_earlier_fkv_row_and_refuses_another_run(tmp_path, cap
     }
     with pytest.raises(ValueError, match="was run with lengths \\['2k'\\], this run has \\['4k'\\]"):
         bench_ruler.earlier_fkv(path, {**same, "lengths": ["4k"]})
-    (tmp_path / "bm.json").write_text(json.dumps({**same, "dtype": "float32", "configs": [{**fkv, "label": "bm"}]}))
+    bm = {**fkv, "label": "bm 512 paper", "model_args": {"method": "bm", "kv_max": 512}}
+    (tmp_path / "bm.json").write_text(json.dumps({**same, "dtype": "float32", "configs": [bm]}))
     with pytest.raises(ValueError, match="holds no FKV row"):
         bench_ruler.earlier_fkv(tmp_path / "bm.json", same)
     base = ["--pretrained", "no-such-model", "--tasks", "vt", "--lengths", "2k", "--out", str(tmp_path / "o")]

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..core.method import Method, method_type
+from ..core.method import Method, is_full_cache, method_type
 from ..plan.planner import DTYPE_BYTES, ModelShape, max_slots, predict_pool
 
 #: A method wins a cell only if its answers reach this share of FKV's.
@@ -313,7 +313,7 @@ def answers_from_ruler(tables: Sequence[Mapping], kv_share: float) -> dict[tuple
             name, rule = args["method"], args.get("rule", "paper")
             for length, share in config.get("share_by_length", {}).items():
                 tokens = int(length.rstrip("k")) * 1024
-                if share is None or (name != "fkv" and args.get("kv_max") != kv_max_at(tokens, kv_share)):
+                if share is None or (not is_full_cache(name) and args.get("kv_max") != kv_max_at(tokens, kv_share)):
                     continue
                 out[run_label(name, rule), tokens] = float(share)
     return out

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..core.engine import Engine, generate
-from ..core.method import METHODS, Method, has, takes_rule
+from ..core.method import METHODS, Method, ed_settings, has, takes_rule
 from ..core.rules import get_rule
 from ..core.serve import Batching, Request, Sampling
 from ..core.step import COMPILE_MODES
@@ -181,7 +181,7 @@ def batch_cap(a: argparse.Namespace) -> int:
 def methods(a: argparse.Namespace) -> list[Method]:
     """FKV, ED at kv_max 2 and 65, then BM with every rule at every --kv-max, then (when --methods names it) snap at
     every --kv-max."""
-    out = [Method("fkv"), Method("ed", kv_max=2), Method("ed", kv_max=65)]
+    out = [Method("fkv"), *ed_settings()]
     out += [Method("bm", kv_max=int(k), p=a.p, rule=r) for k in a.kv_max.split(",") for r in a.rules]
     snap = "snap" in a.methods.split(",")
     return out + [Method("snap", kv_max=int(k), p=a.p) for k in a.kv_max.split(",") if snap]

@@ -69,6 +69,10 @@ class Method:
     short_name: ClassVar[str]
     #: Where reports list the method: the paper's tables' order (ED, FKV, BM), then snap (``METHODS``: the runs').
     report_order: ClassVar[int]
+    #: The method in a plot's legend, its colour and its marker (matplotlib's names).
+    legend: ClassVar[str]
+    colour: ClassVar[str]
+    marker: ClassVar[str]
 
     def __new__(cls, name: str | None = None, *args, **kwargs):
         if cls is Method:  # the registry: a name parses into its class
@@ -210,6 +214,9 @@ class FullCache(Method):
     evicts: ClassVar[bool] = False
     short_name: ClassVar[str] = "FKV"
     report_order: ClassVar[int] = 1
+    legend: ClassVar[str] = "FKV (full KV cache)"
+    colour: ClassVar[str] = "tab:blue"
+    marker: ClassVar[str] = "o"
 
     def __post_init__(self) -> None:
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 0:
@@ -247,6 +254,9 @@ class ExtremeDecoding(Method):
     keeps_newest: ClassVar[bool] = True
     short_name: ClassVar[str] = "ED"
     report_order: ClassVar[int] = 0
+    legend: ClassVar[str] = "ED (decoding-only eviction)"
+    colour: ClassVar[str] = "tab:orange"
+    marker: ClassVar[str] = "s"
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return max(self.kv_max, prompt_len)
@@ -276,6 +286,9 @@ class BatchMax(Method):
     bounded_prefill: ClassVar[bool] = True
     short_name: ClassVar[str] = "BM"
     report_order: ClassVar[int] = 2
+    legend: ClassVar[str] = "BM (Batch-Max)"
+    colour: ClassVar[str] = "tab:green"
+    marker: ClassVar[str] = "^"
 
     def validate_kv_max(self) -> None:
         if self.kv_max <= self.p:
@@ -393,6 +406,9 @@ class Snap(Method):
     default_kv_max: ClassVar[int] = 512
     short_name: ClassVar[str] = "snap"
     report_order: ClassVar[int] = 3
+    legend: ClassVar[str] = "snap (SnapKV after the prompt)"
+    colour: ClassVar[str] = "tab:red"
+    marker: ClassVar[str] = "v"
 
     def __post_init__(self) -> None:
         for what in ("window", "kernel"):
@@ -466,6 +482,13 @@ def make_method(spec: str, **common) -> Method:
         except ValueError:
             raise ValueError(f"method {name!r}: {key} must be an integer, got {value!r}") from None
     return cls(**common, **values)
+
+
+def ed_settings(p: int = 64) -> list[Method]:
+    """The paper's two ED runs: kv_max 2 (``default_kv_max``: the newest pair and the one being written) and 65
+    (``serving_kv_max``), each a fact of ``ExtremeDecoding`` written once."""
+    kind = METHODS["ed"]
+    return [kind(kv_max=kind.default_kv_max, p=p), kind(kv_max=kind.serving_kv_max, p=p)]
 
 
 def is_full_cache(method: str | Method) -> bool:

@@ -106,16 +106,8 @@ _MIB_OF = {
     "weights_mib": "weights_bytes",
 }
 
-_LEGEND = {
-    "ed": "ED (decoding-only eviction)",
-    "fkv": "FKV (full KV cache)",
-    "bm": "BM (Batch-Max)",
-    "snap": "snap (SnapKV after the prompt)",
-}
-_COLOURS = {"ed": "tab:orange", "fkv": "tab:blue", "bm": "tab:green", "snap": "tab:red"}
 #: Colours of further series of one method (another kv_max or rule), in order of appearance.
 _MORE_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
-_MARKERS = {"ed": "s", "fkv": "o", "bm": "^", "snap": "v"}
 #: Markers of BM under rules other than the paper's, in order (metric plot), beside :data:`_MORE_COLOURS`.
 _RULE_MARKERS = ("D", "v", "P", "X", "*", "h", "<")
 _AXIS_LABELS = {
@@ -125,6 +117,13 @@ _AXIS_LABELS = {
     "contains": "contains (fraction of outputs with the answer)",
 }
 _TIMING_CELL = "t/s"  # what mask_timings puts in place of a timing
+
+
+def _style(name: str) -> tuple[str, str, str]:
+    """(legend label, colour, marker) of the method called ``name``: facts of the method (``core.method``); a name no
+    method has: itself, grey, a circle."""
+    kind = METHODS.get(name)
+    return (kind.legend, kind.colour, kind.marker) if kind is not None else (name, "tab:gray", "o")
 
 
 def _typed(summaries: Sequence[RunSummary | Mapping[str, Any]]) -> list[RunSummary]:
@@ -464,7 +463,7 @@ def plot_claim(summaries: Sequence[RunSummary | Mapping[str, Any]], path: str | 
     ok = [s for s in summaries if not s.oom and s.tokens_per_s and s.score is not None]
     labels = []
     for s in ok:
-        colour, marker = _COLOURS.get(s.method, "tab:gray"), _MARKERS.get(s.method, "o")
+        _, colour, marker = _style(s.method)
         if s.rule != "paper":
             colour, marker = "tab:purple", "D"
         ax.scatter([s.tokens_per_s], [s.score], color=colour, marker=marker, s=60, zorder=3)
@@ -595,9 +594,9 @@ def _series(summaries: Sequence[RunSummary]) -> list[tuple[str, str, list[RunSum
                 groups.setdefault((method, s.rule, s.kv_max), []).append(s)
     out, used = [], set()
     for (method, rule, kv), runs in groups.items():
-        colour = _COLOURS.get(method) if method not in used else _MORE_COLOURS[(len(out)) % len(_MORE_COLOURS)]
+        colour = _style(method)[1] if method not in used else _MORE_COLOURS[(len(out)) % len(_MORE_COLOURS)]
         used.add(method)
-        label = _LEGEND.get(method, method) if not _evicts(method) else f"{_rule_label(method, rule)}, kv_max {kv}"
+        label = _style(method)[0] if not _evicts(method) else f"{_rule_label(method, rule)}, kv_max {kv}"
         out.append((label, colour, sorted(runs, key=lambda s: s.batch_size)))
     return out
 
@@ -612,7 +611,7 @@ def plot_throughput(summaries: Sequence[RunSummary | Mapping[str, Any]], path: s
         ax.plot(
             [s.batch_size for s in runs],
             [s.tokens_per_s for s in runs],
-            marker=_MARKERS.get(runs[0].method, "o"),
+            marker=_style(runs[0].method)[2],
             color=colour,
             label=label,
         )
@@ -654,7 +653,7 @@ def _point_series(runs: Sequence[RunSummary]) -> list[tuple[str, str, tuple[str,
     out, extra = [], 0
     for method, rule in keys:
         if rule == "paper":
-            style = (_LEGEND.get(method, method), _COLOURS.get(method, "tab:gray"), _MARKERS.get(method, "o"))
+            style = _style(method)
         else:
             style = (
                 _rule_label(method, rule),

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from ..core.method import Method, is_full_cache, make_method, min_kv_max, takes_rule
+from ..core.method import Method, ed_settings, is_full_cache, make_method, min_kv_max, takes_rule
 from ..core.rules import rule_candidates
 from .planner import ModelShape, _largest, max_batch, paper_ed_bytes
 
@@ -169,7 +169,7 @@ def paper_plan(
     ED (2 and 65) and FKV at b0 - 1, then BM with ``rule`` at each kv_max's largest fitting divisor batch (sized
     with that rule). ``b0``: measured by real trials (:func:`find_b0`, on CUDA); None = the planner's
     (:func:`planned_b0`)."""
-    ed2 = Method("ed", kv_max=2, p=p)
+    ed2, ed65 = ed_settings(p)
     if b0 is None:
         b0 = planned_b0(budget, shape, prompt_len, new, dtype=dtype, tp=tp, p=p)
     runs = [(ed2, b0)]
@@ -178,7 +178,7 @@ def paper_plan(
         # batch (only its metric is compared, and that does not depend on b).
         fkv = Method("fkv", p=p, block=0)  # the paper's: a fixed-capacity slot per sample
         b_fkv = min(b0 - 1, max_batch(budget, shape, fkv, prompt_len, new, tp=tp, dtype=dtype)) or b0 - 1
-        runs += [(ed2, b0 - 1), (Method("ed", kv_max=65, p=p), b0 - 1), (fkv, b_fkv)]
+        runs += [(ed2, b0 - 1), (ed65, b0 - 1), (fkv, b_fkv)]
     batches = divisor_batches(num_samples, 1 << 16)
     for k in kv_values or kv_grid(prompt_len, 128, p, rule):
         bm = Method("bm", kv_max=k, p=p, rule=rule)
