@@ -81,15 +81,16 @@ SUITE = ROOT / "configs" / "lm_eval" / "ruler"
 KVPRESS_ROWS = ROOT / "launch" / "kvpress_rows.py"
 
 
-def _builder():
-    """The suite's builder (``configs/lm_eval/ruler/build.py``): its lengths and the tasks at each."""
-    spec = importlib.util.spec_from_file_location("ruler_build", SUITE / "build.py")
+def _script(name: str):
+    """A module of the suite's folder loaded by path: ``build.py`` (its lengths, the tasks at each), ``ruler_utils.py``
+    (its score)."""
+    spec = importlib.util.spec_from_file_location(f"ruler_{name}", SUITE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-BUILD = _builder()
+BUILD = _script("build")
 TASKS = tuple(BUILD.TASKS)
 LENGTHS = tuple(BUILD.LENGTHS)  # 2k and 4k in the suite's folder; 8k, 16k, 32k built on demand (``long_suite``)
 HALVES = tuple(BUILD.HALVES)
@@ -294,6 +295,11 @@ def configured(base, model_args: dict):
     lm.stats = defaultdict(float)
     lm.batch_sizes = {}
     return lm
+
+
+def row_folder(out: Path, k: int, label: str) -> Path:
+    """The folder of the table's ``k``-th row: its number and its label in safe characters."""
+    return out / f"{k:02d}_{re.sub(r'[^A-Za-z0-9.=-]+', '_', label)}"
 
 
 def task_file(suites: list[Path], name: str) -> Path:
@@ -598,7 +604,7 @@ class Half:
         spent = expected = 0.0  # the measured and predicted seconds of the configurations run so far
         for i, config in enumerate(configs):
             k = len(rows)  # the folder's number: the configuration's place in the table
-            folder = out / f"{k:02d}_{re.sub(r'[^A-Za-z0-9.=-]+', '_', config.label)}"
+            folder = row_folder(out, k, config.label)
             if (folder / "row.json").is_file():
                 rows.append(json.loads((folder / "row.json").read_text(encoding="utf-8")))
                 log(f"[{half} {i + 1}/{len(configs)}] {config.label}: done earlier ({folder.name}/row.json)")
@@ -674,7 +680,7 @@ class Half:
         }
         rows = list(rows)
         for i, press in enumerate(presses):
-            folder = out / f"{len(rows):02d}_{re.sub(r'[^A-Za-z0-9.=-]+', '_', press.label)}"
+            folder = row_folder(out, len(rows), press.label)
             if (folder / "row.json").is_file():
                 rows.append(json.loads((folder / "row.json").read_text(encoding="utf-8")))
                 log(f"[{half} kvpress {i + 1}/{len(presses)}] {press.label}: done earlier ({folder.name}/row.json)")
@@ -690,7 +696,7 @@ class Half:
             if subprocess.run(cmd).returncode != 0:
                 raise SystemExit(f"error: kvpress {press.label} stopped; its answers so far are in {folder}")
             answers = [json.loads(x) for x in (folder / "answers.jsonl").read_text(encoding="utf-8").splitlines() if x]
-            row = peers.row(press, docs, answers, time.perf_counter() - start)
+            row = peers.row(press, docs, answers, time.perf_counter() - start, _script("ruler_utils").string_match_all)
             atomic_write_text(folder / "row.json", json.dumps(row, indent=2))
             rows.append(row)
             write_tables(out, rows, self.tasks, self.lengths, {**self.settings, "half": half})

@@ -25,6 +25,7 @@ from batchmax_tp.bench import peers
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launch"))
+SCORE = __import__("bench_ruler")._script("ruler_utils").string_match_all  # the suite's own score
 
 
 # -- this side: specs, the split, the scoring -------------------------------------------------------------------------
@@ -85,12 +86,12 @@ def test_a_row_scores_each_document_as_lm_eval_does_in_document_order():
         {"key": "vt 2k 1", "answer": " none", "prompt_tokens": 10, "generated_tokens": 2, "seconds": 1.0,
          "peak_kv_bytes": 7},
     ]  # fmt: skip
-    row = peers.row(peers.PressRun("snapkv", 0.25, "in"), docs, answers, 4.5)
+    row = peers.row(peers.PressRun("snapkv", 0.25, "in"), docs, answers, 4.5, SCORE)
     assert row["documents"] == {"vt 2k": [0.5, 0.0], "niah_single 2k": [1.0]}
     assert row["scores"] == {"vt 2k": 0.25, "niah_single 2k": 1.0}
     assert row["tokens_per_s"] == pytest.approx(40 / 4.0) and row["slots"] == 1 and row["peak_kv_bytes"] == 9
     with pytest.raises(ValueError, match="no answer for 1 documents"):
-        peers.row(peers.PressRun("snapkv", 0.25, "in"), docs, answers[1:], 4.5)
+        peers.row(peers.PressRun("snapkv", 0.25, "in"), docs, answers[1:], 4.5, SCORE)
 
 
 # -- the bench: checks before load, rows joined -----------------------------------------------------------------------

@@ -5,8 +5,8 @@ this package needs >= 5.17, so its presses run in their own environment (``scrip
 environment that sees this one's packages, with kvpress and its transformers on top) through
 ``launch/kvpress_rows.py``, a script that imports only kvpress, transformers and torch. This module is this side
 of that line: a press's spec, the interpreter's check (before any load), the documents split where the question
-starts, and the answers scored as lm-eval scores the tasks (RULER's ``string_match_all``, each answer cut at the
-task's stop strings as ``generate_until`` cuts it) into a row of ``bench_ruler``'s table.
+starts, and the answers scored by the suite's own ``string_match_all`` (each answer cut at the task's stop strings
+as ``generate_until`` cuts it) into a row of ``bench_ruler``'s table.
 """
 
 from __future__ import annotations
@@ -110,12 +110,6 @@ def split(text: str, placement: str) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def string_match_all(prediction: str, expected: list[str]) -> float:
-    """RULER's score (``configs/lm_eval/ruler/ruler_utils.py``): the share of ``expected`` found in ``prediction``."""
-    text = prediction.lower()
-    return sum(e.lower() in text for e in expected) / len(expected)
-
-
 def cut_at(text: str, until: list[str]) -> str:
     """``text`` up to the first of ``until`` (lm-eval's ``generate_until`` cut)."""
     for stop in until:
@@ -148,8 +142,9 @@ def documents(cells: dict[str, tuple[Path, Path]], limit: int | None, placement:
     return out
 
 
-def row(run: PressRun, docs: list[dict], answers: list[dict], wall_s: float) -> dict:
-    """``bench_ruler``'s row of ``run`` from its documents and the answers ``kvpress_rows.py`` wrote: each
+def row(run: PressRun, docs: list[dict], answers: list[dict], wall_s: float, score) -> dict:
+    """``bench_ruler``'s row of ``run`` from its documents and the answers ``kvpress_rows.py`` wrote, each scored by
+    ``score(prediction, expected)`` (the suite's own ``ruler_utils.string_match_all``): each
     cell's mean score and each document's (in document order, for the paired intervals), tokens/s (prompt and
     generated tokens over the seconds kvpress spent), 1 slot (kvpress runs one prompt at a time), the most K/V bytes
     its cache held over a request (each layer's whole prompt before that layer is compressed)."""
@@ -161,7 +156,7 @@ def row(run: PressRun, docs: list[dict], answers: list[dict], wall_s: float) -> 
     for d in docs:
         cell = d["key"].rsplit(" ", 1)[0]
         answer = cut_at(by_key[d["key"]]["answer"], d["until"])
-        documents.setdefault(cell, []).append(string_match_all(answer, d["outputs"]))
+        documents.setdefault(cell, []).append(score(answer, d["outputs"]))
     used = [by_key[d["key"]] for d in docs]
     tokens = sum(a["prompt_tokens"] + a["generated_tokens"] for a in used)
     return {
