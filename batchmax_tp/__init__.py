@@ -10,7 +10,7 @@ The public API, in one place::
 - ``run_prompts(model, prompts, method, max_new_tokens, tokenizer=tok)``: prompts (text or token ids) in, one output
   per prompt out, served on the engine in the memory FKV would need (``api``);
 - ``generate(model, input_ids, attention_mask, method, max_new_tokens)``: a left-padded batch as the paper's padded
-  batch, Algorithm 1 (BM) or 3 (ED) on an unchanged Hugging Face causal LM (``core.engine``);
+  batch, Algorithm 1 (BM) or 3 (ED) on an unchanged Hugging Face causal LM (``bench.padded``);
 - ``BatchMaxCache``: the bounded cache as a transformers ``Cache`` (``core.hf_cache``), for ``model.generate``;
 - ``plan``: memory planning from shapes (``plan.predict``, ``plan.max_batch``, ``plan.ModelShape``).
 
@@ -27,9 +27,10 @@ from .core.method import Method
 
 if TYPE_CHECKING:
     from .api import run_prompts
-    from .core.engine import Engine, generate
+    from .bench.padded import generate
+    from .core.engine import Engine
     from .core.hf_cache import BatchMaxCache
-    from .core.serve import Batching, Record, Request, Sampling
+    from .core.requests import Batching, Record, Request, Sampling
 
 __version__ = "0.1.0"
 __all__ = [
@@ -52,14 +53,18 @@ def __getattr__(name: str) -> object:
         from .core.hf_cache import BatchMaxCache
 
         return BatchMaxCache
-    if name in ("Engine", "generate"):
-        from .core import engine
+    if name == "Engine":
+        from .core.engine import Engine
 
-        return getattr(engine, name)
+        return Engine
+    if name == "generate":
+        from .bench.padded import generate
+
+        return generate
     if name in ("Batching", "Record", "Request", "Sampling"):
-        from .core import serve
+        from .core import requests
 
-        return getattr(serve, name)
+        return getattr(requests, name)
     if name == "run_prompts":
         from .api import run_prompts
 

@@ -9,7 +9,7 @@
 (``core.engine.Engine``) in as many slots as fit one memory budget: by default what FKV needs for
 ``plan.budget.STORY_FKV_BATCH`` (4) of these prompts, the comparison the project makes (``memory_budget``: bytes per
 rank instead; ``slots``: a number of slots instead). ``sampling``, ``batching``, ``record`` and ``compile`` pass
-through to the engine (``core.serve``'s ``Sampling``, ``Batching`` and ``Record``).
+through to the engine (``core.requests``' ``Sampling``, ``Batching`` and ``Record``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from .core.engine import Engine
 from .core.method import Method
-from .core.serve import Batching, Record, Request, RequestOutput, Sampling
+from .core.requests import Batching, Record, Request, RequestOutput, Sampling
 from .plan.budget import fkv_budget
 from .plan.planner import ModelShape, max_slots
 

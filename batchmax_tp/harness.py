@@ -1,6 +1,6 @@
 """An lm-evaluation-harness model, ``batchmax``: any lm-eval task scored or generated through Batch-Max.
 
-``BatchMaxLM`` (lm-eval 0.4.13 ``TemplateLM``) runs every request on ``core.serve``: its context is prefilled with the
+``BatchMaxLM`` (lm-eval 0.4.13 ``TemplateLM``) runs every request on ``core.engine``: its context is prefilled with the
 method's own block schedule (BM evicts during the prompt), a scored continuation is teacher-forced token by token
 through the same bounded cache, and the score is the sum of its float32 log-probabilities. One forward pass over
 context + continuation, as ``--model hf`` computes it, would never evict (lm-eval issue #3298): here eviction reaches
@@ -55,7 +55,7 @@ from . import models, parallel
 from .config import EMBEDDED_MODEL
 from .core.engine import Engine
 from .core.method import METHODS, Method, ranks_by_attention, serving_kv_max
-from .core.serve import Batching, Request, RequestOutput, Sampling
+from .core.requests import Batching, Request, RequestOutput, Sampling
 from .eval import replicas
 from .plan.planner import DTYPE_BYTES, ModelShape, max_slots, parse_bytes
 

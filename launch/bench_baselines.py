@@ -3,8 +3,8 @@
     python launch/bench_baselines.py                       # embedded model, batch 4, prompt 512, 32 new tokens
 
 For FKV, ED (kv_max 2) and ED (kv_max 65): one untimed warm-up, then --repeats timed generations per path,
-interleaved (``engine.generate``, ``bench.hf_reference.hf_reference_generate``); the best decode seconds / (new - 1)
-is the step time. Tokens of the two paths are compared. Results: --out.
+interleaved (``bench.padded.generate``, ``bench.hf_reference.hf_reference_generate``); the best decode seconds /
+(new - 1) is the step time. Tokens of the two paths are compared. Results: --out.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.bench.hf_reference import hf_reference_generate  # noqa: E402
-from batchmax_tp.core.engine import generate  # noqa: E402
+from batchmax_tp.bench.padded import generate  # noqa: E402
 from batchmax_tp.core.method import Method, ed_settings  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 

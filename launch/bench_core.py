@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from batchmax_tp.core.engine import generate  # noqa: E402
+from batchmax_tp.bench.padded import generate  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 

@@ -3,7 +3,7 @@
     python launch/bench_decode.py                      # embedded model, CPU: b=13, kv_max 512 (~3 min on 2 cores)
     python launch/bench_decode.py --batch 13 --kv-max 512 --rule question --out results/bench_decode.json
 
-Measurements, in one process (a padded batch of ``--batch`` prompts on the engine, ``engine.generate``):
+Measurements, in one process (a padded batch of ``--batch`` prompts on the engine, ``bench.padded.generate``):
 
 1. **A BM decode pass, split.** One generation (prompts of ``--kv-max + 64`` tokens, so the slots are full and
    decode passes evict every ``p``), timed per decode pass: the "batchmax" attention calls (each writes its pass's
@@ -32,10 +32,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from batchmax_tp.core import attention, pool  # noqa: E402
-from batchmax_tp.core import serve as serve_mod  # noqa: E402
-from batchmax_tp.core.engine import Engine, generate  # noqa: E402
+from batchmax_tp.bench.padded import generate  # noqa: E402
+from batchmax_tp.core import attention, bounded  # noqa: E402
+from batchmax_tp.core.engine import Engine  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
+from batchmax_tp.core.requests import Request, Sampling  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 
 
@@ -50,8 +51,8 @@ class StepTimer:
         """Install timing wrappers; returns what to restore."""
         saved = [
             (attention, "batchmax_attention", attention.batchmax_attention),
-            (pool.BoundedPool, "evict", pool.BoundedPool.evict),
-            (serve_mod._Run, "decode", serve_mod._Run.decode),
+            (bounded.BoundedPool, "evict", bounded.BoundedPool.evict),
+            (Engine, "_decode", Engine._decode),
         ]
         fn, evict, decode = (s[2] for s in saved)
 
@@ -73,8 +74,8 @@ class StepTimer:
                 self.decoding = False
 
         attention.batchmax_attention = timed(fn, "attention")  # use_batchmax_attention registers this module's
-        pool.BoundedPool.evict = timed(evict, "evict")
-        serve_mod._Run.decode = in_decode
+        bounded.BoundedPool.evict = timed(evict, "evict")
+        Engine._decode = in_decode
         return saved
 
 
@@ -112,18 +113,18 @@ def compiled_vs_eager(model, methods: list[Method], batch: int, prompt_len: int,
     interleaved eager, compiled, compiled, eager; the wall seconds of the first compiled run and of the eager
     ones."""
     g = torch.Generator().manual_seed(0)
-    requests = [serve_mod.Request(torch.randint(100, 1000, (prompt_len,), generator=g).tolist(), new)]
+    requests = [Request(torch.randint(100, 1000, (prompt_len,), generator=g).tolist(), new)]
     requests = requests * batch
     times: list[float] = []
-    decode = serve_mod._Run.decode
+    decode = Engine._decode
 
-    def timed(self, pool, step):
+    def timed(self, step):
         t = time.perf_counter()
-        out = decode(self, pool, step)
+        out = decode(self, step)
         times.append(time.perf_counter() - t)
         return out
 
-    serve_mod._Run.decode = timed
+    Engine._decode = timed
     rows = []
     try:
         for m in methods:
@@ -131,7 +132,7 @@ def compiled_vs_eager(model, methods: list[Method], batch: int, prompt_len: int,
             for mode in ("none", "default", "default", "none"):
                 times.clear()
                 t0 = time.perf_counter()
-                Engine(model, m, batch, compile=mode).run(requests, serve_mod.Sampling(ignore_eos=True))
+                Engine(model, m, batch, compile=mode).run(requests, Sampling(ignore_eos=True))
                 key = "eager" if mode == "none" else "compiled"
                 row[f"{key}_ms"].append(1e3 * statistics.median(times[-100:]))
                 row[f"{key}_wall_s"].append(time.perf_counter() - t0)
@@ -144,7 +145,7 @@ def compiled_vs_eager(model, methods: list[Method], batch: int, prompt_len: int,
                 flush=True,
             )
     finally:
-        serve_mod._Run.decode = decode
+        Engine._decode = decode
     return rows
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from batchmax_tp.bench.regimes import label, prompt_token_flops  # noqa: E402
 from batchmax_tp.core.engine import Engine  # noqa: E402
 from batchmax_tp.core.method import Method, method_type  # noqa: E402
-from batchmax_tp.core.serve import Request, Sampling  # noqa: E402
+from batchmax_tp.core.requests import Request, Sampling  # noqa: E402
 from batchmax_tp.eval.files import atomic_write_text  # noqa: E402
 from batchmax_tp.models import EMBEDDED_MODEL, load_model  # noqa: E402
 from batchmax_tp.plan.planner import ModelShape  # noqa: E402

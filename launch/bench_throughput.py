@@ -7,7 +7,7 @@
 One run: (1) the budget (given, or the planner's peak of FKV at --fkv-batch, so FKV fits exactly that many);
 (2) for each method the largest fitting batch (planner), one timed generation of --new tokens ignoring EOS
 from prompts of --prompt-len tokens, tokens/s = generated tokens / (prefill + decode) seconds; FKV and ED run as
-the fair baselines (the model's SDPA on their prompts, no score bookkeeping, ``core.pool.DensePool``), BM on
+the fair baselines (the model's SDPA on their prompts, no score bookkeeping, ``dense.DensePool``), BM on
 its own attention, once per eviction rule of --rules (default ``paper,question``) at each --kv-max, each rule at
 its own largest batch (a probe rule's extra state fits fewer samples); (3) FKV and ED again as plain HF at the same
 batch (``bench.hf_reference``: HF generate with its default cache; a DynamicCache cut to its newest

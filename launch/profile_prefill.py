@@ -32,9 +32,9 @@ from torch.profiler import ProfilerActivity, profile, schedule
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batchmax_tp.bench.regimes import label  # noqa: E402
-from batchmax_tp.core import serve  # noqa: E402
+from batchmax_tp.core import engine as serve  # noqa: E402
 from batchmax_tp.core.engine import Engine  # noqa: E402
-from batchmax_tp.core.serve import Request, Sampling  # noqa: E402
+from batchmax_tp.core.requests import Request, Sampling  # noqa: E402
 from batchmax_tp.eval.files import atomic_write_text  # noqa: E402
 from batchmax_tp.models import load_model  # noqa: E402
 
@@ -88,7 +88,7 @@ def op_bytes(shapes: list, elem: int) -> int:
 
 
 class Passes:
-    """``serve.forward_pass`` counted: each call's real prompt tokens (``tokens``), and ``after`` called once each
+    """``engine.forward_pass`` counted: each call's real prompt tokens (``tokens``), and ``after`` called once each
     call returns (the profiler's ``step``: a profiled step is a pass's description, its evictions and its model
     call)."""
 

@@ -22,9 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tiny.py beside
 from tiny import tiny_random_model  # noqa: E402
 
 from batchmax_tp import parallel  # noqa: E402
-from batchmax_tp.core.engine import Engine, generate  # noqa: E402
+from batchmax_tp.bench.padded import generate  # noqa: E402
+from batchmax_tp.core.engine import Engine  # noqa: E402
 from batchmax_tp.core.method import Method  # noqa: E402
-from batchmax_tp.core.serve import Request, Sampling  # noqa: E402
+from batchmax_tp.core.requests import Request, Sampling  # noqa: E402
 
 #: 9 query / 3 KV heads, as the embedded model (tests/test_tp.py's GQA_9_3).
 LLAMA_9_3 = dict(hidden_size=144, num_attention_heads=9, num_key_value_heads=3, head_dim=16, initializer_range=0.2)

@@ -100,7 +100,7 @@ def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_col
     import torch.distributed as dist
 
     from batchmax_tp import parallel as tp
-    from batchmax_tp.core.engine import generate
+    from batchmax_tp.bench.padded import generate
 
     layout = tp.init_distributed(tp_size)
     model = tp.apply_tensor_parallel(make_model(embedded), layout, torch.float32)
@@ -153,7 +153,7 @@ def run_tp(tmp_path, world, tp_size, methods, new=12, embedded=False, count_coll
 
 
 def single_process(methods, new=12, embedded=False, replica=0):
-    from batchmax_tp.core.engine import generate
+    from batchmax_tp.bench.padded import generate
 
     model = make_model(embedded)
     ids, mask = prompt_batch(embedded, replica)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchmax_tp.core.engine import generate
+from batchmax_tp.bench.padded import generate
 from batchmax_tp.core.method import Method
 from batchmax_tp.models import architecture_config, architecture_model
 from batchmax_tp.plan.planner import ModelShape

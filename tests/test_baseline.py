@@ -33,8 +33,8 @@ from transformers import (
 )
 
 from batchmax_tp.bench.hf_reference import hf_reference_generate
+from batchmax_tp.bench.padded import generate
 from batchmax_tp.core import hf_cache
-from batchmax_tp.core.engine import generate
 from batchmax_tp.core.hf_cache import BatchMaxCache
 from batchmax_tp.core.method import FullCache, Method
 from batchmax_tp.core.workspace import dense_workspace_bytes

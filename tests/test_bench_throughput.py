@@ -155,3 +155,23 @@ def test_an_out_of_memory_error_in_a_row_is_an_oom_row_and_the_next_method_runs(
     rows = [row for _, row in bt.run_rows(model, ModelShape.from_config(model.config), a, 64 << 20)]
     assert [(r["method"], r["status"]) for r in rows] == [("fkv", "ok"), ("ed", "OOM"), ("ed", "OOM"), ("bm", "ok")]
     assert rows[1]["oom_cause"] == "runtime" and rows[1]["batch"] > 0
+
+
+def test_the_methods_come_from_their_classes_facts():
+    """--methods names which methods run; each comes out as its class's facts say: FKV as it is, ED's two runs
+    (kv_max 2 and 65), BM at every --kv-max with every rule, snap at every --kv-max; in the registry's order."""
+    a = bt.parse_args(["--methods", "snap,bm,fkv,ed", "--kv-max", "256,512", "--rules", "paper;question"])
+    got = [(m.name, m.kv_max if m.evicts else None, getattr(m, "rule", None)) for m in bt.methods(a)]
+    assert got == [
+        ("fkv", None, "paper"),
+        ("ed", 2, "paper"),
+        ("ed", 65, "paper"),
+        ("bm", 256, "paper"),
+        ("bm", 256, "question"),
+        ("bm", 512, "paper"),
+        ("bm", 512, "question"),
+        ("snap", 256, "paper"),
+        ("snap", 512, "paper"),
+    ]
+    a = bt.parse_args(["--methods", "bm", "--kv-max", "128"])
+    assert [m.name for m in bt.methods(a)] == ["bm"] * len(a.rules)

@@ -12,9 +12,10 @@ from multiproc import FAMILIES, make_model, prompt_batch, run_tp
 from reference import reference_generate, rule_string
 from tiny import tiny_llama, tiny_random_model
 
-from batchmax_tp.core.engine import Engine, generate
+from batchmax_tp.bench.padded import generate
+from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import Method
-from batchmax_tp.core.serve import Record, Request, Sampling
+from batchmax_tp.core.requests import Record, Request, Sampling
 from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict, predict_pool
 
 ATOL = 1e-4
@@ -271,7 +272,9 @@ def test_budgets_across_layers_match_the_reference_left_padded(case):
 def test_budgets_across_layers_are_stored_in_the_papers_bytes():
     """Each layer group's storage is sized to its own budget (+ the scratch slot); K/V and bookkeeping held are the
     paper's per-layer kv_max pool's, byte for byte, and the planner's."""
-    from batchmax_tp.core.pool import KVLayout, LayeredPool, make_pool
+    from batchmax_tp.core.layered import LayeredPool
+    from batchmax_tp.core.pool import make_pool
+    from batchmax_tp.core.slots import KVLayout
 
     method = Method("bm", kv_max=16, p=4, rule=tapered("question", QUESTION, 50))
     layout = KVLayout(2, 16, 16, torch.float32, torch.device("cpu"), 4)

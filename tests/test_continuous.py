@@ -1,4 +1,4 @@
-"""Continuous batching (``core.serve``): every request's tokens, logits and kept positions equal ``generate()`` of
+"""Continuous batching (``core.engine``): every request's tokens, logits and kept positions equal ``generate()`` of
 its prompt alone, whatever shares its passes; admission is exact, memory constant and predicted; tensor-parallel
 ranks stay in lock-step."""
 
@@ -16,10 +16,12 @@ from conftest import requires_deepspeed
 from multiproc import FAMILIES, ROOT, assert_rank1_killed_and_nobody_finished, free_port, run_child, spawn
 from tiny import tiny_random_model
 
-from batchmax_tp.core.engine import Engine, generate
+from batchmax_tp.bench.padded import generate
+from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import BatchMax, Method
+from batchmax_tp.core.requests import Batching, Record, Request, Sampling, check_requests
 from batchmax_tp.core.scheduler import Scheduler
-from batchmax_tp.core.serve import Batching, Record, Request, Sampling, check_requests, kv_layout
+from batchmax_tp.core.slots import kv_layout
 from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict_pool
 
 P, KV = 16, 96
@@ -188,15 +190,15 @@ def test_attention_calls_hold_what_they_report(monkeypatch, key):
     CPU equal the workspace it reports (a look-ahead probe's report is an upper bound, as in a static run)."""
     from memtrack import AllocationTracker
 
-    from batchmax_tp.core import attention, pool
+    from batchmax_tp.core import attention, slots
 
     label, reported, notes, kinds = "pool-attention", [], [], []
 
-    def recording(self, nbytes, _note=pool._Pool.note_workspace):
+    def recording(self, nbytes, _note=slots.SlotPool.note_workspace):
         notes.append(nbytes)
         _note(self, nbytes)
 
-    monkeypatch.setattr(pool._Pool, "note_workspace", recording)
+    monkeypatch.setattr(slots.SlotPool, "note_workspace", recording)
 
     # The attention proper of each pass (after the pass's evictions and writes, whose few [rows, H, C] temporaries
     # are not workspace the planner counts, as in a static run's cache update). The pool counts each pass's
@@ -344,7 +346,7 @@ def _agree_worker(rank, world, port, outdir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch.distributed as dist
 
-    from batchmax_tp.core.serve import _agree
+    from batchmax_tp.core.engine import _agree
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -431,8 +433,8 @@ def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
     pass's description plus one per kind of eviction in it, and no other synchronisation (HF's look for packed
     sequences in the position ids is avoided by an all-true mask; BM ``question``'s pooled scores need no width read
     back: ``rules.pool_by_position`` pools in sorted order)."""
-    from batchmax_tp.core import pool as pool_mod
-    from batchmax_tp.core import serve as serve_mod
+    from batchmax_tp.core import slots as slots_mod
+    from batchmax_tp.core.engine import Engine as EngineClass
 
     reads, copies, expected, inside = [], [0], [0], [False]
     for name in HOST_READS:
@@ -444,16 +446,17 @@ def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
             return _f(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    to_device = pool_mod.to_device
+    to_device = slots_mod.to_device
 
     def copy(data, device):
         copies[0] += inside[0]
         return to_device(data, device)
 
-    monkeypatch.setattr(pool_mod, "to_device", copy)
-    decode, passes = serve_mod._Run.decode, [0]
+    monkeypatch.setattr(slots_mod, "to_device", copy)
+    decode, passes = EngineClass._decode, [0]
 
-    def watched(self, pool, step):
+    def watched(self, step):
+        pool = self.pool
         real = pool.decode_pass
 
         def described(work, device):
@@ -464,12 +467,12 @@ def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
         pool.decode_pass, inside[0] = described, True
         try:
             passes[0] += 1
-            return decode(self, pool, step)
+            return decode(self, step)
         finally:
             inside[0] = False
             del pool.decode_pass
 
-    monkeypatch.setattr(serve_mod._Run, "decode", watched)
+    monkeypatch.setattr(EngineClass, "_decode", watched)
     requests = [Request(p, n) for p, n in zip(prompts(), [30, 2, 25, 40, 3, 20])]
     Engine(model_of("llama"), METHODS[key], 3).run(requests, Sampling(eos_token_id=None, ignore_eos=True))
     paged = getattr(METHODS[key], "paged", False)  # more requests at once: fewer passes
@@ -485,14 +488,14 @@ def test_tokens_are_read_a_pass_late_when_no_request_ends_on_them(monkeypatch, k
     (on a GPU the host then describes a pass while the one before runs); a request is handed to ``on_finish`` once
     its last token is read, and before the run ends. Tokens, logits and hand-offs equal reading every pass at once
     (a run with an EOS id that no request emits)."""
+    from batchmax_tp.core import engine as engine_mod
     from batchmax_tp.core import replay
-    from batchmax_tp.core import serve as serve_mod
 
     events = []
     real_to_host, real_read, real_forward, real_runner = (
-        serve_mod._to_host,
-        serve_mod._read,
-        serve_mod.forward_pass,
+        engine_mod._to_host,
+        engine_mod._read,
+        engine_mod.forward_pass,
         replay.decode_runner,
     )
 
@@ -513,9 +516,9 @@ def test_tokens_are_read_a_pass_late_when_no_request_ends_on_them(monkeypatch, k
 
         return call
 
-    monkeypatch.setattr(serve_mod, "_to_host", to_host)
-    monkeypatch.setattr(serve_mod, "_read", read)
-    monkeypatch.setattr(serve_mod, "forward_pass", launched(real_forward))
+    monkeypatch.setattr(engine_mod, "_to_host", to_host)
+    monkeypatch.setattr(engine_mod, "_read", read)
+    monkeypatch.setattr(engine_mod, "forward_pass", launched(real_forward))
     monkeypatch.setattr(replay, "decode_runner", lambda mode: launched(real_runner(mode)))
     model, method = model_of("llama"), METHODS[key]
     requests = [Request(p, n) for p, n in zip(prompts(), [30, 2, 25, 40, 3, 20])]
@@ -710,7 +713,8 @@ def test_describing_a_pass_changes_nothing_until_the_pool_runs_it(monkeypatch, k
     """A pool's ``prefill_pass`` and ``decode_pass`` only describe: the pool's host state (each row's, FKV paged's
     block fill) is the same after one, describing again gives the same pass (its rows' new states included), and
     the rows advance when ``ready`` executes it; the run's tokens are unchanged."""
-    from batchmax_tp.core import pool as pools
+    from batchmax_tp.core.bounded import BoundedPool, SnapPool
+    from batchmax_tp.core.dense import DensePool, PagedPool
 
     def host(pool):
         return copy.deepcopy((pool.rows, getattr(pool, "fill", None)))
@@ -732,7 +736,7 @@ def test_describing_a_pass_changes_nothing_until_the_pool_runs_it(monkeypatch, k
     model, method = model_of("llama"), METHODS[key]
     requests = [Request(p, n) for p, n in zip(prompts()[:6], NEW[:6])]
     want = Engine(model, method, 3).run(requests, Sampling(ignore_eos=True))
-    for cls in (pools.BoundedPool, pools.SnapPool, pools.DensePool, pools.PagedPool):
+    for cls in (BoundedPool, SnapPool, DensePool, PagedPool):
         for name in ("prefill_pass", "decode_pass"):
             if name in vars(cls):
                 monkeypatch.setattr(cls, name, pure(vars(cls)[name]))
@@ -803,3 +807,35 @@ def test_the_pool_is_allocated_from_the_models_shape_before_its_first_pass(monke
     lay = kv_layout(model)
     want = (True, lay.kv_heads, lay.k_dim, lay.v_dim, lay.dtype, lay.query_heads)
     assert seen and all(s == want for s in seen), (seen[:2], lay)
+
+
+@pytest.mark.parametrize("key", ["bm-question", "fkv-paged"])
+def test_a_run_stepped_by_hand_is_the_run(key):
+    """``start``, ``step`` until it says the run is over, ``finish`` (the loop ``run`` is): the same tokens,
+    kept positions, admissions and passes as ``run``, one ``step`` per pass; a second ``start`` before ``finish``
+    is an error, ``close`` ends a run part-way, freeing its pool, and a run that cannot start holds nothing."""
+    model, method = model_of("llama"), METHODS[key]
+    requests = [Request(p, n) for p, n in zip(prompts()[:6], NEW[:6])]
+    sampling, record = Sampling(ignore_eos=True), Record(positions=True)
+    want = Engine(model, method, 3).run(requests, sampling, record=record)
+    engine = Engine(model, method, 3)
+    engine.start(requests, sampling, record=record)
+    with pytest.raises(RuntimeError, match="already running"):
+        engine.start(requests, sampling)
+    steps = 0
+    while engine.step():
+        steps += 1
+    got = engine.finish()
+    assert steps == got.passes == want.passes and got.admissions == want.admissions
+    assert [o.tokens for o in got.outputs] == [o.tokens for o in want.outputs]
+    assert [o.kept_positions for o in got.outputs] == [o.kept_positions for o in want.outputs]
+    assert engine.pool is None
+    engine.start(requests, sampling)  # the engine runs again once the last run is over
+    assert engine.step() and engine.pool is not None
+    pool = engine.pool
+    engine.close()
+    assert engine.pool is None and pool.layers == []
+    broken = Engine(model, method, 3, batching=Batching(pass_tokens=0))  # the scheduler refuses it, after the pool
+    with pytest.raises(ValueError, match="pass_tokens"):
+        broken.start(requests, sampling)
+    assert broken.pool is None and broken.sched is None  # nothing held: a run that cannot start

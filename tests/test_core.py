@@ -26,7 +26,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from batchmax_tp.core.engine import generate
+from batchmax_tp.bench.padded import generate
 from batchmax_tp.core.hf_cache import BatchMaxCache
 from batchmax_tp.core.method import ExtremeDecoding, FullCache, Method
 
@@ -245,7 +245,7 @@ def test_the_drop_in_refuses_to_run_outside_its_context_or_on_a_right_padded_bat
 
 
 def test_right_padded_batch_is_rejected_in_one_line():
-    from batchmax_tp.core.engine import generate
+    from batchmax_tp.bench.padded import generate
 
     model = tiny_arch("llama")
     ids, mask = left_padded_batch([20, 33], seed=0)

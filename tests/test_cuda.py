@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import PEAKED, left_padded_batch, tiny_llama
 
-from batchmax_tp.core.engine import Engine, generate
+from batchmax_tp.bench.padded import generate
+from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import Method
-from batchmax_tp.core.serve import Record, Request, Sampling
+from batchmax_tp.core.requests import Record, Request, Sampling
 from batchmax_tp.plan.planner import ModelShape, predict
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -13,11 +13,12 @@ from tiny import PEAKED, tiny_random_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from batchmax_tp.bench.padded import generate
 from batchmax_tp.core import attention
-from batchmax_tp.core.engine import Engine, generate
+from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import Method
+from batchmax_tp.core.requests import Record, Request, Sampling
 from batchmax_tp.core.rules import RULES
-from batchmax_tp.core.serve import Record, Request, Sampling
 
 LENGTHS = [5, 40, 97, 130, 200, 290]
 NEW = [6, 3, 9, 4, 7, 5]
@@ -146,7 +147,7 @@ def test_the_op_count_catches_the_unfused_call(model_3kv, monkeypatch):
 
 def _decode_write_ops(model_3kv, monkeypatch, rule: str) -> list[list[str]]:
     """The ops that compute or write (not views) in each layer's write of every BM decode pass of a run."""
-    from batchmax_tp.core.pool import PoolLayer
+    from batchmax_tp.core.bounded import PoolLayer
 
     write, calls = PoolLayer.write, []
 
@@ -176,9 +177,10 @@ def test_a_decode_layer_only_copies_its_pairs(model_3kv, monkeypatch, rule):
 def test_the_decode_write_count_catches_per_layer_bookkeeping(model_3kv, monkeypatch):
     """The count above can fail: without the pool's once-per-pass record each layer gathers its slot, builds its
     indices and writes its positions, sums and mask."""
-    from batchmax_tp.core.pool import BoundedPool, _Pool
+    from batchmax_tp.core.bounded import BoundedPool
+    from batchmax_tp.core.slots import SlotPool
 
-    monkeypatch.setattr(BoundedPool, "ready", _Pool.ready)
+    monkeypatch.setattr(BoundedPool, "ready", SlotPool.ready)
     calls = _decode_write_ops(model_3kv, monkeypatch, "paper")
     assert calls and all(len(ops) > 6 and "gather" in ops for ops in calls)
 

@@ -13,7 +13,7 @@ from tiny import tiny_random_model
 from transformers import AutoConfig
 
 from batchmax_tp import cli, models
-from batchmax_tp.core.engine import generate
+from batchmax_tp.bench.padded import generate
 from batchmax_tp.core.method import Method
 
 

@@ -374,9 +374,9 @@ def test_shared_prefill_equals_separate_prefills(method, monkeypatch):
     from conftest import tiny_llama
 
     from batchmax_tp import Method
-    from batchmax_tp.core import serve as serving
+    from batchmax_tp.core import engine as serving
     from batchmax_tp.core.engine import Engine
-    from batchmax_tp.core.serve import Batching, Record, Request, Sampling
+    from batchmax_tp.core.requests import Batching, Record, Request, Sampling
 
     rows = []  # prompt rows each prefill pass computes
 

@@ -140,7 +140,7 @@ def test_core_imports_nothing_else_from_the_package():
 def test_the_attention_sits_below_the_hf_drop_in_and_the_engine():
     """The engine's attention imports only what a pass needs (the description, the pool, the probe, snap and workspace
     arithmetic): the HF drop-in (``hf_cache``) is on top of it, as are the pass loop and the engine."""
-    lower = ("method", "rules", "schedule", "step", "pool", "probe", "snap", "workspace")
+    lower = ("method", "rules", "schedule", "step", "bounded", "probe", "snap", "workspace")
     below = {f"batchmax_tp.core.{m}" for m in lower}
     assert SCANS["batchmax_tp.core.attention"][0] <= below, SCANS["batchmax_tp.core.attention"][0] - below
     assert "batchmax_tp.core.attention" in SCANS["batchmax_tp.core.hf_cache"][0]
@@ -253,16 +253,17 @@ def test_the_public_api_gives_each_name_from_its_module():
     its module defines (the torch-bound ones on first use); an unknown name raises AttributeError."""
     import batchmax_tp
     from batchmax_tp.api import run_prompts
-    from batchmax_tp.core import engine, hf_cache, serve
+    from batchmax_tp.bench import padded
+    from batchmax_tp.core import engine, hf_cache, requests
 
     want = {
         "Engine": engine.Engine,
-        "generate": engine.generate,
+        "generate": padded.generate,
         "BatchMaxCache": hf_cache.BatchMaxCache,
-        "Batching": serve.Batching,
-        "Record": serve.Record,
-        "Request": serve.Request,
-        "Sampling": serve.Sampling,
+        "Batching": requests.Batching,
+        "Record": requests.Record,
+        "Request": requests.Request,
+        "Sampling": requests.Sampling,
         "run_prompts": run_prompts,
         "Method": batchmax_tp.core.method.Method,
         "plan": batchmax_tp.plan,

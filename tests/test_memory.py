@@ -12,10 +12,11 @@ import torch
 from memtrack import AllocationTracker
 from tiny import tiny_llama
 
+from batchmax_tp.bench.padded import generate
 from batchmax_tp.core import attention, hf_cache, workspace
-from batchmax_tp.core.engine import Engine, generate
+from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import BatchMax, Method
-from batchmax_tp.core.serve import Request, Sampling
+from batchmax_tp.core.requests import Request, Sampling
 from batchmax_tp.plan.planner import ModelShape, pool_bookkeeping_bytes, predict, predict_pool
 
 CASES = [
@@ -37,7 +38,7 @@ def _ids(batch: int, prompt: int) -> torch.Tensor:
 def per_call(monkeypatch):
     """Wrap every attention call in a profiler region and record the workspace its pool reported for it: ->
     reported list."""
-    from batchmax_tp.core import pool as pools
+    from batchmax_tp.core.slots import SlotPool
 
     reported, notes = [], []
 
@@ -58,7 +59,7 @@ def per_call(monkeypatch):
         return labelled_call
 
     # the pools (the engine's, and the HF drop-in's own) count each pass on the host before its calls
-    monkeypatch.setattr(pools._Pool, "note_workspace", recording(pools._Pool.note_workspace))
+    monkeypatch.setattr(SlotPool, "note_workspace", recording(SlotPool.note_workspace))
     # The attention proper of each call (the HF drop-in hands its passes to the engine's attention): a prefill
     # chunk's, a decode step's, a compress pass's, each after the pass's writes, whose few [rows, H, n] index
     # temporaries are not workspace the planner counts (as ``test_continuous`` measures the engine's calls).
@@ -205,7 +206,7 @@ def test_planner_total_covers_a_whole_generation(model, monkeypatch, chunk_bytes
     assert t.peak <= planned <= 1.6 * t.peak, (t.peak, est)
 
 
-# Served in slots (core.serve), with prompts of one length (the most rows a dense pool prefills in one pass): the
+# Served in slots (core.engine), with prompts of one length (the most rows a dense pool prefills in one pass): the
 # planner's pool total bounds the whole run's peak. Measured 2026-11-26: the plan is 1.0x-1.6x the peak here.
 SERVED_CASES = [
     (Method("fkv"), 4, 96, 6),

@@ -1,4 +1,4 @@
-"""FKV sized by real length (``pool.PagedPool``): K/V in blocks, a request admitted when the free blocks cover its
+"""FKV sized by real length (``dense.PagedPool``): K/V in blocks, a request admitted when the free blocks cover its
 prompt and generation, its blocks freed at its end.
 
 It must give HF's own ``generate`` (greedy, its default cache) token for token and HF's full forward's logits
@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import hf_full_cache_logits, tiny_random_model
 
-from batchmax_tp.core import pool as pool_mod
+from batchmax_tp.core.dense import PagedPool
 from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import FullCache, Method, make_method
+from batchmax_tp.core.requests import Record, Request, Sampling
 from batchmax_tp.core.scheduler import Scheduler
-from batchmax_tp.core.serve import Record, Request, Sampling
 from batchmax_tp.plan.planner import ModelShape, predict_pool
 
 ATOL = 1e-4
@@ -87,7 +87,7 @@ def test_admission_never_holds_more_blocks_than_the_pool_and_kv_is_the_planners(
     model = model_of("llama")
     method = Method("fkv", block=8)
     held, most, pools = [0], [0], []
-    reserve, finish = pool_mod.PagedPool.reserve, pool_mod.PagedPool.finish
+    reserve, finish = PagedPool.reserve, PagedPool.finish
 
     def reserving(self, row, prompt_len, max_new_tokens):
         reserve(self, row, prompt_len, max_new_tokens)
@@ -100,8 +100,8 @@ def test_admission_never_holds_more_blocks_than_the_pool_and_kv_is_the_planners(
         held[0] -= len(self.tables[row])
         finish(self, row)
 
-    monkeypatch.setattr(pool_mod.PagedPool, "reserve", reserving)
-    monkeypatch.setattr(pool_mod.PagedPool, "finish", finishing)
+    monkeypatch.setattr(PagedPool, "reserve", reserving)
+    monkeypatch.setattr(PagedPool, "finish", finishing)
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
     out = Engine(model, method, 2).run(requests, Sampling(ignore_eos=True))
     pool = pools[0]

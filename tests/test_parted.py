@@ -133,7 +133,7 @@ def test_fkv_on_qwen_equals_hf_generate(model):
 
     from batchmax_tp.core.engine import Engine
     from batchmax_tp.core.method import Method
-    from batchmax_tp.core.serve import Request, Sampling
+    from batchmax_tp.core.requests import Request, Sampling
     from batchmax_tp.models import load_model
 
     hf, tokenizer = load_model(model.name)

@@ -224,7 +224,7 @@ def test_kvpress_snapkv_keeps_the_positions_snap_keeps(tmp_path, family):
     decodes (one prompt, no generated token)."""
     from batchmax_tp.core.engine import Engine
     from batchmax_tp.core.method import Method
-    from batchmax_tp.core.serve import Record, Request
+    from batchmax_tp.core.requests import Record, Request
 
     kv, window, kernel = 40, 12, 5
     shape = {"llama": dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96), "qwen2": {}}[family]

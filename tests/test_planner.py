@@ -6,8 +6,8 @@ import pytest
 import torch
 from memtrack import AttentionPasses
 
+from batchmax_tp.bench.padded import generate
 from batchmax_tp.core import workspace
-from batchmax_tp.core.engine import generate
 from batchmax_tp.core.method import Method
 from batchmax_tp.plan.planner import ModelShape, max_batch, parse_bytes, predict
 

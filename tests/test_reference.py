@@ -1,4 +1,4 @@
-"""The fast implementation (batchmax_tp.core.engine.generate) held to the naive reference (tests/reference.py).
+"""The fast implementation (batchmax_tp.bench.padded.generate) held to the naive reference (tests/reference.py).
 
 First the reference itself is validated against HF's own full-cache forward, then, on tiny random GQA Llamas
 (4 query / 2 KV heads), the engine must reproduce the reference's greedy tokens, logits (atol 1e-4) and the
@@ -25,7 +25,7 @@ ATOL = 1e-4
 
 
 def engine_generate(model, ids, mask, method_name, kv_max=None, p=None, max_new_tokens=1):
-    from batchmax_tp.core.engine import generate
+    from batchmax_tp.bench.padded import generate
     from batchmax_tp.core.method import Method
 
     given = {"kv_max": kv_max, "p": p}

@@ -20,7 +20,7 @@ from conftest import (
 )
 from reference import reference_generate, rule_string
 
-from batchmax_tp.core.engine import generate
+from batchmax_tp.bench.padded import generate
 from batchmax_tp.core.method import Method
 from batchmax_tp.core.rules import RULES, get_rule, rule_candidates, rule_names
 from batchmax_tp.core.schedule import plan

@@ -13,7 +13,7 @@ from tiny import tiny_random_model
 from batchmax_tp.core import snap
 from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import Method
-from batchmax_tp.core.serve import Record, Request, Sampling
+from batchmax_tp.core.requests import Record, Request, Sampling
 
 KV, P, WINDOW, KERNEL = 40, 8, 12, 5
 METHOD = Method("snap", kv_max=KV, p=P, window=WINDOW, kernel=KERNEL)

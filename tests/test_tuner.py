@@ -110,7 +110,7 @@ def test_grids():
 
 
 def test_tuner_on_the_embedded_model_with_a_small_budget(embedded):
-    from batchmax_tp.core.engine import generate
+    from batchmax_tp.bench.padded import generate
     from batchmax_tp.eval.generation import encode_prompts
     from batchmax_tp.eval.tasks import default_fixture_path, load_jsonl
 

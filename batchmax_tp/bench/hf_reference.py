@@ -1,7 +1,7 @@
 """Plain HF references for benchmarks: the simplest HF versions of the baselines, timed.
 
 ``hf_reference_generate`` runs FKV through ``model.generate`` with its default cache and ED (Algorithm 3) as a
-loop over a ``DynamicCache`` cut to its newest pair: what ``core.engine.generate`` is compared against in
+loop over a ``DynamicCache`` cut to its newest pair: what ``bench.padded.generate`` is compared against in
 ``launch/bench_throughput.py`` and ``launch/bench_baselines.py``, and a test oracle (``tests/test_baseline.py``).
 """
 

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..core.method import Method, is_full_cache, method_type
+from ..core.method import METHODS, Method, is_full_cache, method_type
 from ..plan.planner import DTYPE_BYTES, ModelShape, max_slots, predict_pool
 
 #: A method wins a cell only if its answers reach this share of FKV's.
@@ -331,14 +331,6 @@ def plot_map(cells: Sequence[Mapping], title: str, path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    colours = {
-        "FKV": "#9ecae1",
-        "ED": "#fdae6b",
-        "BM": "#a1d99b",
-        "BM (question)": "#c7a5e0",
-        "snap": "#fc9272",
-        None: "#eeeeee",
-    }
     rows = sorted({(c["new"], c["budget"]) for c in cells}, key=lambda r: (r[0], list(BUDGETS).index(r[1])))
     cols = sorted({c["length"] for c in cells})
     fig = Figure(figsize=(1.8 + 1.9 * len(cols), 0.9 + 0.75 * len(rows)), dpi=120)
@@ -348,7 +340,7 @@ def plot_map(cells: Sequence[Mapping], title: str, path) -> None:
         for j, length in enumerate(cols):
             cell = next((c for c in cells if (c["new"], c["budget"]) == row and c["length"] == length), None)
             best = cell["winner"] if cell else None
-            ax.add_patch(_rect(j, len(rows) - 1 - i, colours.get(best, "#dddddd")))
+            ax.add_patch(_rect(j, len(rows) - 1 - i, *_style(best)))
             text = "n/a" if cell is None else f"{best or '-'}\n{cell['why'].split(',')[0]}"
             ax.text(j + 0.5, len(rows) - 0.5 - i, text, ha="center", va="center", fontsize=7)
     ax.set_xlim(0, len(cols))
@@ -362,7 +354,17 @@ def plot_map(cells: Sequence[Mapping], title: str, path) -> None:
     fig.savefig(path, format="png")
 
 
-def _rect(x: float, y: float, colour: str):
+def _style(winner: str | None) -> tuple[str, str | None, float]:
+    """A cell's colour, hatch and alpha from its winner's run label (:func:`run_label`): the method's own colour
+    (``Method.colour``), hatched under a rule other than the paper's; no winner: light grey."""
+    if winner is None:
+        return "#dddddd", None, 1.0
+    short, _, rule = winner.partition(" (")
+    kind = next(k for k in METHODS.values() if k.short_name == short)
+    return kind.colour, "//" if rule else None, 0.45
+
+
+def _rect(x: float, y: float, colour: str, hatch: str | None, alpha: float):
     from matplotlib.patches import Rectangle
 
-    return Rectangle((x, y), 1, 1, facecolor=colour, edgecolor="white")
+    return Rectangle((x, y), 1, 1, facecolor=colour, edgecolor="white", hatch=hatch, alpha=alpha)

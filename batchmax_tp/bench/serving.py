@@ -17,8 +17,8 @@ import torch
 
 from ..core.engine import Engine
 from ..core.method import Method, serving_kv_max
+from ..core.requests import Batching, Request, Sampling
 from ..core.rules import get_rule
-from ..core.serve import Batching, Request, Sampling
 from ..embedded import EMBEDDED_MODEL
 from ..eval.results import percentile
 from ..eval.tasks import default_fixture_path, load_jsonl

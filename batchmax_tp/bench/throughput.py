@@ -13,16 +13,17 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..core.engine import Engine, generate
+from ..core.engine import Engine
 from ..core.method import METHODS, Method, ed_settings, has, takes_rule
+from ..core.requests import Batching, Request, Sampling
 from ..core.rules import get_rule
-from ..core.serve import Batching, Request, Sampling
 from ..core.step import COMPILE_MODES
 from ..embedded import EMBEDDED_MODEL
 from ..eval.oom import free_memory
 from ..plan.budget import fkv_budget, fmt_bytes
 from ..plan.planner import DTYPE_BYTES, ModelShape, max_slots, parse_bytes, predict, predict_pool
 from .hf_reference import has_hf_reference, hf_reference_generate
+from .padded import generate
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
         "--scheduler",
         choices=("static", "continuous"),
         default="static",
-        help="static: one left-padded batch (core.engine); continuous: the slot pool (core.serve), as many requests "
+        help="static: one left-padded batch (bench.padded); continuous: the slot pool (core.engine), as many requests "
         "as slots, each row at the planner's max_slots",
     )
     ap.add_argument("--methods", default="fkv,ed,bm", help="which of fkv, ed, bm, snap to run (comma-separated)")
@@ -179,12 +180,21 @@ def batch_cap(a: argparse.Namespace) -> int:
 
 
 def methods(a: argparse.Namespace) -> list[Method]:
-    """FKV, ED at kv_max 2 and 65, then BM with every rule at every --kv-max, then (when --methods names it) snap at
-    every --kv-max."""
-    out = [Method("fkv"), *ed_settings()]
-    out += [Method("bm", kv_max=int(k), p=a.p, rule=r) for k in a.kv_max.split(",") for r in a.rules]
-    snap = "snap" in a.methods.split(",")
-    return out + [Method("snap", kv_max=int(k), p=a.p) for k in a.kv_max.split(",") if snap]
+    """The methods --methods names, in the registry's order (FKV, ED, BM, snap), each from its class's facts: one that
+    never evicts as it is, ED's two runs (kv_max 2 and 65, ``ed_settings``), one with rules at every --kv-max with every
+    rule, any other at every --kv-max."""
+    named, out = set(a.methods.split(",")), []
+    for name, kind in METHODS.items():
+        if name not in named:
+            continue
+        if not kind.evicts:
+            out.append(kind())
+        elif kind.keeps_newest:
+            out += ed_settings()
+        else:
+            rules = [{"rule": r} for r in a.rules] if kind.takes_rule else [{}]
+            out += [kind(kv_max=int(k), p=a.p, **r) for k in a.kv_max.split(",") for r in rules]
+    return out
 
 
 def warm_method(rule: str) -> Method:
@@ -281,8 +291,6 @@ def run_rows(model, shape: ModelShape, a: argparse.Namespace, budget: int) -> It
     s, T = a.prompt_len, a.new
     pool = a.scheduler == "continuous"
     for m in methods(a):
-        if m.name not in a.methods.split(","):
-            continue
         kw = dict(dtype=a.dtype)  # the planner's settings; a pool's BM passes take --pass-tokens
         if pool and m.bounded_prefill:
             kw["pass_tokens"] = a.pass_tokens

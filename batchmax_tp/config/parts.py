@@ -203,7 +203,7 @@ class GenerationConfig(Part):
                     )
 
     def sampling(self) -> dict[str, Any]:
-        """The keyword arguments ``core.engine.generate`` and ``core.serve.Sampling`` take from this part."""
+        """The keyword arguments ``bench.padded.generate`` and ``core.requests.Sampling`` take from this part."""
         return {
             "ignore_eos": self.ignore_eos,
             "do_sample": self.do_sample,

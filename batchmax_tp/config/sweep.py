@@ -26,7 +26,7 @@ from .settings import (
     setting,
 )
 
-SCHEDULERS = ("static", "continuous")  #: how prompts share the model's passes (``core.serve`` for continuous)
+SCHEDULERS = ("static", "continuous")  #: how prompts share the model's passes (``core.engine`` for continuous)
 #: Keys of one entry of ``runs`` (``rule``: BM's eviction rule for that run; default the config's ``rule``).
 RUN_KEYS = ("method", "batch_size", "kv_max", "rule")
 

@@ -39,7 +39,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import probe, snap, workspace
-from .pool import PoolLayer
+from .bounded import PoolLayer
 from .step import RowsPass
 from .workspace import SDPA_REPEAT
 
@@ -78,6 +78,7 @@ def decode_attention(
     hi: int,
     active: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    share: int = 1,
 ) -> torch.Tensor:
     """One decode step (engine-driven, no mask): every kept slot precedes the query, so the layer's additive
     mask (``bias``: -inf on empty/evicted slots) is all the masking needed; slots [hi, C) were never written and
@@ -89,7 +90,7 @@ def decode_attention(
     B, Hq, _, D = query.shape
     Hkv = key.shape[1]
     g = Hq // Hkv
-    G = layer.cache.share
+    G = share
     q = query.reshape(B * Hkv, g, D)  # [B*Hkv, g, D]: query heads grouped by their KV head (a view)
     keys_t = key[:, :, :hi].transpose(2, 3).reshape(B * Hkv, D, hi)  # [B*Hkv, D, hi] (a view)
     if bias is not None:
@@ -127,7 +128,7 @@ def _rows_attention(
     and decode steps): write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
     step = step.at(module.layer_idx)  # budgets across layers: the layer's group's own part of the pass
     layer = step.layer(module)
-    hi = step.hi * layer.cache.share  # a shared budget's G heads hold G slots per column
+    hi = step.hi * step.share  # a shared budget's G heads hold G slots per column
     if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice
         return _compress(module, layer, step, query, key, value, scaling)
     # The pass's evictions ran before it (the pool's ``evict``); it writes its pairs, then attends.
@@ -139,7 +140,7 @@ def _rows_attention(
     if step.kind == "decode" and step.owner is not None:  # FKV paged: block by block
         return _paged_decode(layer, query, step, scaling)
     if step.kind == "decode":
-        return decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias)
+        return decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias, step.share)
     return _dense_prefill(module, query, key, value, scaling)  # a baseline's prompt: over its own pairs
 
 
@@ -206,7 +207,7 @@ def _compress(module, layer: PoolLayer, step: RowsPass, query, key, value, scali
     """A compress pass (``snap``): the prompts [R, Hq, s, D] on the model's SDPA over their own pairs, then each
     (row, KV head) keeps the pairs its observation window chooses (``core.snap``), their sums the window's
     attention. Returns [R, s, Hq, D]."""
-    method = layer.cache.method
+    method = step.method
     out = _dense_prefill(module, query, key, value, scaling)  # [R, s, Hq, D]
     scores = snap.window_scores(query, key, scaling, method.window)  # [R, Hkv, s] float32
     kept = snap.choose(scores, method.kv_max, method.window, method.kernel)  # [R, Hkv, K]
@@ -239,7 +240,7 @@ def _rows_block(
     (``step.causal``), added at their slots; one softmax; the column sums; probs @ V. The tile (float32 [R*Hs,
     g*m, hi]) is written once by the product and once by the softmax."""
     R, Hq, n, D = query.shape
-    Hs, G = layer.keys.shape[1], layer.cache.share
+    Hs, G = layer.keys.shape[1], step.share
     g = Hq // Hs  # query rows per storage head (a shared budget: its G heads' groups, in order)
     keys_t = step.take(layer.keys[:, :, :hi]).reshape(R * Hs, hi, D).transpose(1, 2)  # [R*Hs, D, hi] (a view)
     values = step.take(layer.values[:, :, :hi]).reshape(R * Hs, hi, D)  # [R*Hs, hi, D]
@@ -301,7 +302,7 @@ def _rows_probe(
     model's Hkv heads'; the query rows (G, g, w) of a storage head are the (g, w) rows of its G heads in order."""
     pk, pv = probe_kv  # [R, Hkv, w, D] each
     R, Hq, w, D = query.shape
-    Hkv, Hs, G = pk.shape[1], layer.keys.shape[1], layer.cache.share
+    Hkv, Hs, G = pk.shape[1], layer.keys.shape[1], step.share
     g = Hq // Hkv
     q = (query * scaling).reshape(R, Hkv, g * w, D)  # [R, Hkv, g*w, D]
     weights = probe.query_weights(step.real, R, w, q.device)  # [R, w]
@@ -313,7 +314,7 @@ def _rows_probe(
     other = None if other is None else other[..., :hi]
     to_slots, lse = probe.slot_probabilities(q, step.take(layer.keys[:, :, :hi]), slot_pos, own_lse, other)
     layer.probe[:, :, :hi].index_copy_(0, step.rows, probe.per_slot(to_slots, weights))  # [R, Hs, hi]
-    if layer.cache.method.probe_every > 1:
+    if step.method.probe_every > 1:
         layer.store_probe(step.rows, q, own_lse, weights)
     to_own = probe.probabilities(own.view(R, Hkv, g, w, w), lse.view(R, Hkv, g, w, 1), own_hidden)
     to_own = to_own.view(R, Hkv, g * w, w)  # [R, Hkv, g*w, w]

@@ -1,7 +1,7 @@
 """The HF drop-in: ``model.generate(..., past_key_values=BatchMaxCache(method))`` inside ``use_drop_in(model)``.
 
 On top of the engine, plugged in through transformers' Cache, Attention and mask APIs: the cache holds one of the
-engine's bounded pools (``core.pool.BoundedPool``), a row per sample of the batch, and describes each forward pass
+engine's bounded pools (``core.bounded.BoundedPool``), a row per sample of the batch, and describes each forward pass
 HF's generate runs as one pass over it (``step.RowsPass``: the block of ``n`` tokens every row feeds, at the padded
 batch's positions; its eviction inferred from the block by ``Method.num_to_evict``, as HF's generate states no
 schedule), which the engine's attention runs in every layer (``attention.batchmax_attention``). One storage, one
@@ -33,10 +33,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import attention
+from .bounded import BoundedPool
 from .method import Method
-from .pool import BoundedPool, RowState
 from .schedule import Phase
-from .serve import kv_layout
+from .slots import RowState, kv_layout
 from .step import RowsPass, SlotWork
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class BatchMaxCache(Cache):
         if method.scorer.share != 1 or method.scorer.taper:
             what = "heads sharing a budget" if method.scorer.share != 1 else "budgets across layers (taper)"
             raise ValueError(
-                f"rule {method.rule!r}: {what} run in batchmax_tp's engine (serve, generate), "
+                f"rule {method.rule!r}: {what} run in batchmax_tp's engine (Engine, generate), "
                 "not in HF generate's BatchMaxCache"
             )
         self.method = method
@@ -231,9 +231,8 @@ class BatchMaxCache(Cache):
         if self.decoding:
             described = pool.decode_pass(work, device)
         else:
-            for row, pads in enumerate(_left_pads(mask, batch, self.seen + n)):
-                pool.rows[row].offset = pads  # the pads seen so far (a later block of the prompt may show more)
-            described, _ = pool.prefill_pass(work, None, device)
+            pads = _left_pads(mask, batch, self.seen + n)  # the pads seen so far (a later block may show more)
+            described, _ = pool.prefill_pass(work, None, device, offsets=list(pads))
         self.seen += n
         return pool.ready(described)
 

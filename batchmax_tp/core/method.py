@@ -69,6 +69,9 @@ class Method:
     short_name: ClassVar[str]
     #: Where reports list the method: the paper's tables' order (ED, FKV, BM), then snap (``METHODS``: the runs').
     report_order: ClassVar[int]
+    #: The pool a run of the method holds its slots in (``core.pool.make_pool``): ``bounded`` (Batch-Max's ranked
+    #: slots), ``full`` (FKV's rows, or its blocks when paged), ``newest`` (ED's keep-newest rows), ``snap``.
+    pool_kind: ClassVar[str]
     #: The method in a plot's legend, its colour and its marker (matplotlib's names).
     legend: ClassVar[str]
     colour: ClassVar[str]
@@ -115,7 +118,7 @@ class Method:
 
     @property
     def paged(self) -> bool:
-        """Whether the method's K/V lives in blocks shared by the rows (FKV by real length, ``pool.PagedPool``)."""
+        """Whether the method's K/V lives in blocks shared by the rows (FKV by real length, ``dense.PagedPool``)."""
         return False
 
     @property
@@ -197,7 +200,7 @@ class Method:
         raise NotImplementedError(f"method {self.name!r} never evicts")
 
 
-#: FKV's block size by default: a request holds ceil((prompt + new - 1) / BLOCK) blocks of K/V (``pool.PagedPool``).
+#: FKV's block size by default: a request holds ceil((prompt + new - 1) / BLOCK) blocks of K/V (``dense.PagedPool``).
 #: 64 on the CPU: at 16 the decode attention's many tiny products cost 2x those of 64 (2026-11-27, this machine).
 BLOCK = 64
 
@@ -206,12 +209,13 @@ BLOCK = 64
 class FullCache(Method):
     """``fkv``: the full cache; never evicts (``kv_max`` is ignored). ``block`` > 0: K/V in blocks of that many
     positions, a request admitted when the free blocks cover its prompt and generation and holding only those
-    (``pool.PagedPool``, vLLM's PagedAttention layout); ``block=0``: a fixed-capacity slot per request, sized for the
-    longest (``pool.FullPool``, the paper's padded batch and the engine before 2026-11-27)."""
+    (``dense.PagedPool``, vLLM's PagedAttention layout); ``block=0``: a fixed-capacity slot per request, sized for the
+    longest (``dense.FullPool``, the paper's padded batch and the engine before 2026-11-27)."""
 
     name: str = "fkv"
     block: int = BLOCK
     evicts: ClassVar[bool] = False
+    pool_kind: ClassVar[str] = "full"
     short_name: ClassVar[str] = "FKV"
     report_order: ClassVar[int] = 1
     legend: ClassVar[str] = "FKV (full KV cache)"
@@ -252,6 +256,7 @@ class ExtremeDecoding(Method):
     #: The paper's other ED setting (it runs 2 and 65, docs/memory-planning.md), lm-eval's default (docs/lm-eval.md).
     serving_kv_max: ClassVar[int] = 65
     keeps_newest: ClassVar[bool] = True
+    pool_kind: ClassVar[str] = "newest"
     short_name: ClassVar[str] = "ED"
     report_order: ClassVar[int] = 0
     legend: ClassVar[str] = "ED (decoding-only eviction)"
@@ -284,6 +289,7 @@ class BatchMax(Method):
     takes_rule: ClassVar[bool] = True
     default_kv_max: ClassVar[int] = 512
     bounded_prefill: ClassVar[bool] = True
+    pool_kind: ClassVar[str] = "bounded"
     short_name: ClassVar[str] = "BM"
     report_order: ClassVar[int] = 2
     legend: ClassVar[str] = "BM (Batch-Max)"
@@ -382,7 +388,7 @@ class BatchMax(Method):
             raise ValueError(
                 f"a block of {incoming} tokens does not fit in a Batch-Max cache of kv_max={capacity} even "
                 f"after evicting p={self.p}: feed prompts in blocks of at most p tokens after the first "
-                f"(batchmax_tp.core.engine.generate does; with HF generate pass prefill_chunk_size=p)"
+                f"(batchmax_tp.bench.padded.generate does; with HF generate pass prefill_chunk_size=p)"
             )
         return min(self.p, filled)
 
@@ -404,6 +410,7 @@ class Snap(Method):
     window: int = 32
     kernel: int = 7
     default_kv_max: ClassVar[int] = 512
+    pool_kind: ClassVar[str] = "snap"
     short_name: ClassVar[str] = "snap"
     report_order: ClassVar[int] = 3
     legend: ClassVar[str] = "snap (SnapKV after the prompt)"

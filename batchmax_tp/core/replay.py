@@ -78,6 +78,8 @@ def idle_pass(step: RowsPass) -> RowsPass:
     return RowsPass(
         kind="decode",
         pool=step.pool,
+        method=step.method,
+        share=step.share,
         rows=step.rows,
         span=step.span,
         qpos=torch.full_like(step.qpos, -1),  # no position

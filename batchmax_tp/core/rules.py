@@ -56,7 +56,7 @@ within each head; ties order by position, then head. E.g. ``question:share=0``.
 Every rule takes ``taper`` (percent, default 0: every layer ``kv_max``): budgets across layers in PyramidKV's shape,
 about ``(1 + taper/100) x kv_max`` at the first layer down to ``(1 - taper/100) x kv_max`` at the last, all of them
 together the paper's ``layers x kv_max`` (``method.BatchMax.layer_capacities``), each layer evicting ``p`` when its own
-budget is full (``pool.LayeredPool``). E.g. ``question:taper=50``.
+budget is full (``layered.LayeredPool``). E.g. ``question:taper=50``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ queued request enters it (queue order, lowest free slot first). ``static``, the 
 ``slots`` requests enter together once every slot is free; each row then runs the schedule of the batch's
 left-padded prompt (Algorithm 1 for BM, at padded positions: its pads are counted as held and go first at the first
 evictions, as in the paper), so its kept positions and tokens are the padded batch's. FKV and ED keep no pad and
-evict nothing by score: their rows run the padded schedule on their own tokens (``pool.DensePool``).
+evict nothing by score: their rows run the padded schedule on their own tokens (``dense.DensePool``).
 
 Prefill passes run before the decode pass of the slots already decoding, up to ``prefill_budget`` prompt tokens between
 two decode passes (None: no limit, so a new request is prefilled whole before the next decode pass). Under BM a pass
@@ -19,7 +19,7 @@ same pass), up to ``pass_tokens`` rows x columns. The baselines prefill a group 
 into adjacent slots with prompts of one length (up to the longest prompt's tokens in all); with ``keys``, adjacent
 requests of one key form a group instead (``Batching(share_prompts=True)`` keys identical prompts, whose prefill then
 runs once for the whole group).
-FKV's paged pool (``pool.PagedPool``) adds a second condition to admission: the request at the head of the queue
+FKV's paged pool (``dense.PagedPool``) adds a second condition to admission: the request at the head of the queue
 enters a free slot only when the pool's free blocks cover its prompt and generation (``need``), which it holds until
 it ends; no request is passed over, none is preempted.
 Every input is a host integer or the set of slots that finished, which every tensor-parallel rank knows alike: all

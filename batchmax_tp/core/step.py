@@ -1,6 +1,6 @@
 """The per-pass description handed to the attention function: what one model call computes, stated explicitly.
 
-The engine (``core.serve``) builds one ``RowsPass`` per model call and passes it as the model's ``batchmax=``
+The engine (``core.engine.Engine``) builds one ``RowsPass`` per model call and passes it as the model's ``batchmax=``
 keyword; transformers forwards unknown keywords through the decoder layers to the attention function (every
 supported family, under DeepSpeed AutoTP too, which replaces linear layers only). The attention function finds its
 pool layer as ``batchmax.pool.layers[module.layer_idx]``: no thread-local state, no global, nothing set on a pool or
@@ -26,6 +26,8 @@ from .schedule import Phase
 
 if TYPE_CHECKING:
     import torch
+
+    from .method import Method
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,9 @@ class RowsPass:
     sums and masks in every layer at once, so a layer only copies its pairs there."""
 
     kind: Literal["prefill", "probe", "compress", "decode"]
-    pool: object  # core.pool's BoundedPool or DensePool
+    pool: object  # the storage its layers write and read (``core.bounded.BoundedPool``, ``core.dense.DensePool``, ...)
+    method: Method  # what the attention reads of the method: snap's window and kernel, how often a rule probes
+    share: int  # KV heads sharing one budget of slots (a rule's ``share``, as the pool's storage holds them)
     rows: torch.Tensor  # [R] pool rows, in batch order
     span: slice | None  # the same rows as a slice when they are adjacent (views instead of gathers)
     qpos: torch.Tensor  # [R, n]
@@ -109,7 +113,7 @@ class RowsPass:
     among: torch.Tensor | None = None  # a folded probe's rows among its pass's rows [Rp] (None: every row probes)
     blind: bool = False  # BM's prefill passes: some row's queries see no slot (pads alone, nothing held yet)
     written: torch.Tensor | None = None  # [L, R*Hkv] BM's decode passes: each layer's K/V index of each row's pair
-    after: tuple = ()  # (row, core.pool.RowState) per row the pass advances: its host state once the pass has run
+    after: tuple = ()  # (row, core.slots.RowState) per row the pass advances: its host state once the pass has run
     parts: tuple[RowsPass, ...] = ()  # budgets across layers: the pass of each layer group's pool (the first's is it)
 
     def layer(self, module):
@@ -117,7 +121,7 @@ class RowsPass:
 
     def at(self, layer_idx: int) -> RowsPass:
         """The pass as the pool of layer ``layer_idx`` describes it: this one, or with budgets across layers
-        (``pool.LayeredPool``) its layer group's part (the same columns; its own writes, slots and evictions)."""
+        (``layered.LayeredPool``) its layer group's part (the same columns; its own writes, slots and evictions)."""
         for part in self.parts:
             if layer_idx < part.pool.first_layer + len(part.pool.layers):
                 return part

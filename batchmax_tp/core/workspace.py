@@ -90,7 +90,8 @@ def _rows_workspace_bytes(
 
 def head_mask_bytes(batch: int, kv_heads: int, slots: int, share: int) -> int:
     """What a pass over a budget shared by ``share`` heads holds to hide each head's slots from the others' queries
-    (``pool.PoolLayer.other_heads``: the rows' head tags gathered and compared, bool [B, Hs, G, T + 1]); 0 unshared."""
+    (``bounded.PoolLayer.other_heads``: the rows' head tags gathered and compared, bool [B, Hs, G, T + 1]); 0
+    unshared."""
     return 0 if share == 1 else batch * kv_heads * (share + 1) * (slots + 1)
 
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 
 from ..core.method import Method
-from ..core.serve import Batching, Request, RequestOutput, Sampling
+from ..core.requests import Batching, Request, RequestOutput, Sampling
 from . import results
 from .context import OpenRun, RunContext
 from .generation import cut_at_eos, special_ids
@@ -149,7 +149,7 @@ def _sample_record(sample: Sample, prompt_tokens: int, output: str, generated: i
 
 
 def serve_replica(ctx: RunContext, run: OpenRun, samples: Sequence[Sample], mine: list[int], bar) -> str | None:
-    """Continuous batching (``core.serve``) of this replica's samples ``mine`` in ``spec.batch_size`` slots.
+    """Continuous batching (``core.engine``) of this replica's samples ``mine`` in ``spec.batch_size`` slots.
 
     Each sample's records are appended to the replica's shard as it ends, its timing the run's prefill and decode
     seconds since the previous sample ended, so the sums are the run's. Each request samples with its own seed

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.engine import Engine
 from ..core.method import Method
-from ..core.serve import Batching
+from ..core.requests import Batching
 from ..parallel import Layout
 from ..plan.budget import RunSpec
 from ..plan.planner import MemoryEstimate, ModelShape

@@ -130,7 +130,7 @@ def predict_pool(
     dtype: str = "float32",
     pass_tokens: int | None = None,
 ) -> MemoryEstimate:
-    """Peak memory per rank of continuous batching (``core.serve``) in ``slots`` slots, for requests of at most
+    """Peak memory per rank of continuous batching (``core.engine``) in ``slots`` slots, for requests of at most
     ``prompt_len`` prompt tokens and ``max_new_tokens`` new tokens (``pass_tokens``: BM's prefill pass size as
     ``serve`` takes it). Constant for the whole run:
 
@@ -179,7 +179,7 @@ def predict_pool(
 
 def _layer_runs(shape: ModelShape, method: Method, cap: int) -> list[tuple[int, int]]:
     """(layers, slots per head) of each run of layers of one budget: one run of every layer at ``cap``, or with budgets
-    across layers (a rule's ``taper``) each of the pool's layer groups (``pool.LayeredPool``)."""
+    across layers (a rule's ``taper``) each of the pool's layer groups (``layered.LayeredPool``)."""
     capacities = method.layer_capacities(shape.layers) or (cap,) * shape.layers
     return [(len(list(run)), c) for c, run in itertools.groupby(capacities)]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ...core.engine import generate
+from ...bench.padded import generate
 from ...core.rules import get_rule
 from ...embedded import EMBEDDED_MODEL
 from ...eval.generation import encode_prompts

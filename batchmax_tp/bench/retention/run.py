@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...core.engine import generate
+from ...bench.padded import generate
 from ...core.method import Method, is_full_cache
 from ...core.rules import rule_names
 from ...eval.generation import cut_at_eos, encode_prompts

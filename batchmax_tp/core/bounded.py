@@ -1,0 +1,516 @@
+"""Batch-Max's pool (``BoundedPool``): per layer keys/values [S, H, C + 1, D], and per slot ``pos``/``score``/``bias``
+and a free list ``free`` [S, H, C + 1] with C = ``kv_max``; and ``snap``'s (``SnapPool``), the same rows filled by one
+compress pass per prompt.
+
+Column C is a scratch slot: a masked column or a row that is not decoding writes its (unused) pair there, so nothing
+else is touched; the free lists end in C and no attention or eviction ever reads it. A row's prefill chunks run in
+passes with the other prefilling rows (each row's next chunk at its own position, with its own evictions, on its
+unpadded prompt), then its decode steps in passes over the whole pool. A row of the paper's padded batch
+(``scheduler``'s static policy) runs the batch's shared schedule at padded positions: its pads are counted as held
+(``RowState.filled``) but never written, so they go first at an eviction, as the padded batch's pad slots do, and its
+kept positions are the padded batch's.
+
+A rule with ``share=G`` (``core.rules``) groups a layer's local KV heads by G: each group's storage head holds
+T = G x ``kv_max`` slots, any of its heads' pairs (``head`` [S, Hs, T + 1]: each slot's head in its group), each
+written column takes G free-list entries (one per head, in order) and each eviction frees G x the count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from . import probe as lookahead
+from .method import Method
+from .rules import MAX_SHARE
+from .schedule import Phase
+from .slots import (
+    RowState,
+    SlotLayer,
+    SlotPool,
+    evictions_of,
+    group_pass,
+    nbytes,
+    prompt_workspace,
+    span_of,
+    to_device,
+)
+from .step import Eviction, RowsPass, SlotWork
+from .workspace import eviction_layers, probe_workspace_bytes, rows_workspace_bytes, snap_workspace_bytes
+
+
+def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int, head: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices [B, H, n] of the ``n`` slots with the smallest ``(priority, position, head, slot)``, in that order.
+
+    Exact priority ties evict the older pair first (in a shared budget, ``head`` [B, H, C]: at one position the
+    lower head first), and empty slots (position -1) in slot order, so the result does not depend on the slot
+    layout. One sort of an int64 key: the float32 priority's bits made order-preserving in the high half, the
+    position (and head; empty slots: their index, below every position) in the low.
+    """
+    C = pos.shape[-1]
+    bits = priority.float().contiguous().view(torch.int32)  # [B, H, C]
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # negative floats: reversed order fixed
+    order = pos if head is None else pos * MAX_SHARE + head.long()  # [B, H, C]
+    low = torch.where(pos >= 0, order + C, torch.arange(C, device=pos.device))  # [B, H, C], in [0, 2**32)
+    return (bits * 2**32 + low).topk(n, dim=-1, largest=False, sorted=True).indices  # [B, H, n]
+
+
+def free_slots(
+    priority: torch.Tensor,
+    pos: torch.Tensor,
+    score: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+    head: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Free the ``n`` slots of lowest ``priority`` (``slots_to_evict``) in the slot state ``pos``/``score``/``bias``
+    [B, H, C] (views are written through) and return their indices [B, H, n]."""
+    freed = slots_to_evict(priority, pos, n, head)  # [B, H, n]
+    pos.scatter_(2, freed, -1)
+    score.scatter_(2, freed, 0.0)
+    bias.scatter_(2, freed, float("-inf"))
+    return freed
+
+
+class PoolLayer(SlotLayer):
+    """One decoder layer of the BM pool: keys/values [S, H, C + 1, D]; pos, score, bias, free [S, H, C + 1]; for a
+    rule with a look-ahead probe, ``probe`` [S, H, C + 1] and (a rule probing every few blocks) the last probe's
+    stored queries of every row (``probe_q``, ``probe_lse``, ``probe_w``), allocated by the pool before the first probe
+    pass (``BoundedPool.ready``)."""
+
+    def __init__(self, cache: BoundedPool, layer_idx: int):
+        super().__init__(cache, layer_idx)
+        self.pos = self.score = self.bias = self.free = self.probe = self.head = None
+        self.probe_q = self.probe_lse = self.probe_w = None
+
+    def row_tensors(self) -> tuple[torch.Tensor, ...]:
+        stored = (self.probe, self.head, self.probe_q, self.probe_lse, self.probe_w)
+        return (
+            self.keys,
+            self.values,
+            self.pos,
+            self.score,
+            self.bias,
+            self.free,
+            *(t for t in stored if t is not None),
+        )
+
+    def reset_row(self, row: int) -> None:
+        self.pos[row] = -1
+        self.score[row] = 0.0
+        self.bias[row] = float("-inf")
+        self.free[row] = torch.arange(self.free.shape[-1], device=self.device)
+
+    def meta_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        stored = (self.probe, self.head, self.probe_q, self.probe_lse, self.probe_w)
+        return self.pos, self.score, self.bias, self.free, *stored
+
+    def other_heads(self, take) -> torch.Tensor | None:
+        """In a shared budget (``share`` G > 1): which slots each query head's group must not see, bool [R, Hs, G,
+        T + 1] (True: the slot holds another head's pair) of the pass's rows (``take``: ``RowsPass.take``); else
+        None."""
+        G = self.cache.share
+        if G == 1:
+            return None
+        own = torch.arange(G, dtype=self.head.dtype, device=self.device)[:, None]  # [G, 1]
+        return take(self.head)[:, :, None, :] != own  # [R, Hs, G, T + 1]
+
+    # -- a pass's writes: the new pairs (evictions: ``BoundedPool.evict``, before the pass) ----------------------
+    def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor | None:
+        """Write each row's columns [R, H, n, D] at the slots its free list gives (masked columns: the scratch slot).
+        In a shared budget (G heads per storage head, T = G x C slots) column j's pairs take the free-list entries
+        [G j, G j + G), one per head in order, and each slot records its head. Returns the slots written
+        [R, Hs, n*G] (column j's head k at j*G + k); a decode pass whose slots the pool recorded for every layer at
+        once (``step.written``, ``BoundedPool.ready``) copies the pairs alone and returns None."""
+        if step.written is not None:  # [S, H, 1, D] -> [S*H, D]: row by row, heads in order (storage head, own head)
+            flat = step.written[self.layer_idx]  # [S*H]
+            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, key_states.reshape(-1, key_states.shape[-1]))
+            self.values.view(-1, self.values.shape[-1]).index_copy_(
+                0, flat, value_states.reshape(-1, value_states.shape[-1])
+            )
+            return None
+        R, H, n, _ = key_states.shape
+        G, C, T1 = self.cache.share, self.cache.capacity, self.keys.shape[2]
+        Hs = H // G
+        index, qpos = step.write, step.qpos  # [R, n] each
+        if G > 1:  # the pairs of (column, head) in free-list order: [R, H, n, D] -> [R, Hs, n*G, D], [R, n*G]
+            key_states, value_states = (
+                t.view(R, Hs, G, n, t.shape[-1]).transpose(2, 3).reshape(R, Hs, n * G, t.shape[-1])
+                for t in (key_states, value_states)
+            )
+            own = torch.arange(G, device=self.device)  # column j's G entries; masked columns at the scratch slot T
+            index = torch.where(index[..., None] == C, T1 - 1, index[..., None] * G + own).view(R, n * G)
+            qpos = qpos.repeat_interleave(G, dim=1)
+        slots = step.take(self.free).gather(2, index[:, None, :].expand(R, Hs, n * G))  # [R, Hs, n*G]
+        heads = torch.arange(Hs, device=self.device)[None, :, None]  # [1, Hs, 1]
+        flat = ((step.rows[:, None, None] * Hs + heads) * T1 + slots).view(-1)  # [R*Hs*n*G] into the flattened rows
+        self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, key_states.reshape(-1, key_states.shape[-1]))
+        self.values.view(-1, self.values.shape[-1]).index_copy_(
+            0, flat, value_states.reshape(-1, value_states.shape[-1])
+        )
+        qpos = qpos[:, None, :].expand(R, Hs, n * G)  # [R, Hs, n*G]
+        if G > 1:
+            heads = own.to(self.head.dtype).repeat(n)  # [n*G]: each entry's head
+            self.head.view(-1).index_copy_(0, flat, heads.expand(R, Hs, n * G).reshape(-1))
+        self.pos.view(-1).index_copy_(0, flat, qpos.reshape(-1))
+        self.score.view(-1).index_fill_(0, flat, 0.0)
+        bias = torch.zeros(qpos.shape, dtype=self.bias.dtype, device=self.device).masked_fill_(qpos < 0, float("-inf"))
+        self.bias.view(-1).index_copy_(0, flat, bias.view(-1))
+        return slots
+
+    def keep(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor, kept: torch.Tensor, sums):
+        """A compress pass's choice (``snap``): of each row's prompt pairs [R, H, s, D] the columns ``kept``
+        [R, H, K] (ascending) go to slots [0, K), with their positions and attention sums ``sums`` [R, H, K]; the
+        rows' other slots stay empty, as ``BoundedPool.admit`` left them."""
+        R, H, K = kept.shape
+        at = kept[..., None].expand(R, H, K, key_states.shape[-1])  # [R, H, K, D]
+        self.keys[:, :, :K].index_copy_(0, step.rows, key_states.gather(2, at))
+        self.values[:, :, :K].index_copy_(0, step.rows, value_states.gather(2, at))
+        self.pos[:, :, :K].index_copy_(0, step.rows, step.qpos[:, None, :].expand(R, H, -1).gather(2, kept))
+        self.score[:, :, :K].index_copy_(0, step.rows, sums)
+        self.bias[:, :, :K].index_fill_(0, step.rows, 0.0)
+
+    def store_probe(self, rows: torch.Tensor, q: torch.Tensor, own_lse: torch.Tensor, weights: torch.Tensor) -> None:
+        """Keep the rows' probe queries [R, Hs, G*g*w, D], log-sum-exp [R, Hs, G*g*w, 1] and weights [R, w] for
+        re-scoring (``probe.ProbeState``) in the layer's store (``BoundedPool.ready`` allocates it before the first
+        probe pass)."""
+        for dst, src in ((self.probe_q, q), (self.probe_lse, own_lse), (self.probe_w, weights)):
+            dst.index_copy_(0, rows, src)
+
+
+class BoundedPool(SlotPool):
+    """BM's pool: ``slots`` rows of ``kv_max`` slots (+ the scratch column) per layer and local KV head. A row's
+    prefill chunks run in passes with other rows' chunks (each row at its own position, its own evictions), then
+    its decode steps in passes over the whole pool; ``prefill_pass``/``decode_pass`` describe each pass
+    (``step.RowsPass``) from the rows' host state (``RowState``), which they advance."""
+
+    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, static: bool = False):
+        super().__init__(method, num_layers, slots, capacity, PoolLayer, static)
+
+    @property
+    def free_dtype(self) -> torch.dtype:
+        return torch.long if self.share == 1 else torch.int32
+
+    def storage(self, kv_heads: int) -> tuple[int, int]:
+        """A rule sharing budgets among G heads (``Method.group``): per layer and row, each group of G local KV heads
+        stores T = G x ``kv_max`` slots (+ the scratch slot) that any of its heads may hold."""
+        self.share = self.method.group(kv_heads)
+        return kv_heads // self.share, self.share * self.capacity + 1
+
+    def meta_stacks(self, L: int, H: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """pos (-1: empty), score, bias (-inf: empty), the free lists (identity, ending in the scratch slot T) and,
+        for a rule with a look-ahead probe, probe; in a shared budget each slot's head (int8): each [L, S, Hs,
+        T + 1] (Hs = H, T = C unless shared)."""
+        shape = (L, self.slots, H, self.share * self.capacity + 1)
+        stacks = {
+            "pos": torch.full(shape, -1, dtype=torch.long, device=device),
+            "score": torch.zeros(shape, dtype=torch.float32, device=device),
+            "bias": torch.full(shape, float("-inf"), dtype=dtype, device=device),
+            # slot indices; a shared budget stores them as int32 (its head tags' byte and more comes back)
+            "free": torch.arange(shape[-1], dtype=self.free_dtype, device=device).repeat(*shape[:-1], 1),
+        }
+        if self.method.lookahead:
+            stacks["probe"] = torch.zeros(shape, dtype=torch.float32, device=device)
+        if self.share > 1:
+            stacks["head"] = torch.zeros(shape, dtype=torch.int8, device=device)
+        return stacks
+
+    def meta_bytes(self) -> int:
+        return sum(nbytes(*layer.meta_tensors()) for layer in self.layers)
+
+    def pass_workspace(self, step: RowsPass) -> int:
+        """A prefill pass's chunks (``attention._rows_block``: gathered first when the rows are not adjacent) or, when
+        it carries look-ahead probes, the larger of that and theirs; a probe pass's (``attention._rows_probe``); a
+        decode pass's fused product (``SlotPool``)."""
+        if step.kind == "decode":
+            return super().pass_workspace(step)
+        keys = self.layers[0].keys  # [S, Hs, T + 1, D]
+        Hs, D, e, G, Hq = keys.shape[1], keys.shape[-1], keys.element_size(), self.share, self.layout.query_heads
+        (R, n), hi = step.qpos.shape, step.hi * G  # a probe pass: n is the rule's window
+        if step.kind == "probe":
+            return probe_workspace_bytes(R, Hq, Hs, n, hi, D, e, G)
+        gathered = 0 if step.span is not None else R * Hs * hi * (2 * D * e + 4 + e)
+        ws = gathered + rows_workspace_bytes(R, Hq, Hs, n, hi, D, padded=step.real is not None, elem=e, share=G)
+        return ws if step.probe is None else max(ws, self.pass_workspace(step.probe))
+
+    def _allocate_probe_store(self) -> None:
+        """Every layer's and row's stored probe (a rule probing every few blocks re-scores with it), allocated on the
+        host before the first probe pass: scaled queries [L, S, Hs, Hq/Hs*w, D] (model dtype), their log-sum-exp
+        [L, S, Hs, Hq/Hs*w, 1] and query weights [L, S, w] (float32); each layer holds its views."""
+        keys = self.layers[0].keys  # [S, Hs, T + 1, D]
+        L, S, Hs, D, w = len(self.layers), self.slots, keys.shape[1], keys.shape[-1], self.method.lookahead
+        rows = self.layout.query_heads // Hs * w  # each storage head's query rows (G*g, w)
+        kw = dict(dtype=torch.float32, device=keys.device)
+        store = {
+            "probe_q": torch.zeros(L, S, Hs, rows, D, dtype=keys.dtype, device=keys.device),
+            "probe_lse": torch.zeros(L, S, Hs, rows, 1, **kw),
+            "probe_w": torch.zeros(L, S, w, **kw),
+        }
+        self.stacks.update(store)
+        for i, layer in enumerate(self.layers):
+            for name, t in store.items():
+                setattr(layer, name, t[i])
+
+    def evict(self, ev: Eviction) -> None:
+        """Free ``ev.count`` slots in each of the rows ``ev.rows``, in as many layers at once as
+        ``workspace.EVICT_CHUNK_BYTES`` allows (usually all: ``cache.free_slots`` on their slot state gathered from
+        the stacks, [n*E, H, C]), and make the freed slots the head of each row's free list. A "rescore" eviction
+        first ranks each layer's slots with that layer's stored probe queries."""
+        bias = self.stacks["bias"]  # [L, S, Hs, T + 1]
+        L, E, H, T = bias.shape[0], ev.rows.numel(), bias.shape[2], bias.shape[3] - 1
+        step = eviction_layers(L, E, H, T, bias.element_size(), self.share)
+        for first in range(0, L, step):
+            self._evict_layers(ev, slice(first, min(first + step, L)))
+
+    def _evict_layers(self, ev: Eviction, layers: slice) -> None:
+        e, T, G = ev.rows, self.share * self.capacity, self.share
+        names = ("pos", "score", "bias") + (("head",) if G > 1 else ())
+        state = {n: self.stacks[n][layers, ..., :T] for n in names}  # [n, S, Hs, T] views
+        pos, score, bias, *head = (t.index_select(1, e).flatten(0, 1) for t in state.values())  # [n*E, Hs, T]
+        head = head[0] if head else None
+        n = state["pos"].shape[0]
+        probe = None  # [n*E, Hs, T]
+        if ev.probe == "fresh":
+            probe = self.stacks["probe"][layers, ..., :T].index_select(1, e).flatten(0, 1)
+        elif ev.probe == "rescore":  # each layer's last probe pass's queries, over the slots it holds now
+            probe = torch.cat([self._rescored(lay, e, p) for lay, p in zip(self.layers[layers], pos.chunk(n))])
+        priority = self.method.priority(score, pos, ev.curr_id.repeat(n, 1, 1), probe, head)  # [n*E, Hs, T]
+        freed = free_slots(priority, pos, score, bias, ev.count * G, head)  # [n*E, Hs, G*count]
+        for name, src in zip(("pos", "score", "bias"), (pos, score, bias)):
+            state[name].index_copy_(1, e, src.unflatten(0, (n, -1)))
+        free = self.stacks["free"]
+        free[layers, ..., : ev.count * G].index_copy_(1, e, freed.unflatten(0, (n, -1)).to(free.dtype))
+
+    def _rescored(self, layer: PoolLayer, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s look-ahead attention [E, Hs, T] over the slots ``pos`` [E, Hs, T] of ``rows``, from the
+        queries its last probe pass stored."""
+        state = lookahead.ProbeState(
+            *(t.index_select(0, rows) for t in (layer.probe_q, layer.probe_lse, layer.probe_w))
+        )
+        T = pos.shape[-1]
+        other = layer.other_heads(lambda t: t.index_select(0, rows))  # [E, Hs, G, T + 1] or None
+        keys = layer.keys[:, :, :T].index_select(0, rows)
+        return lookahead.rescore(state, keys, pos, None if other is None else other[..., :T])
+
+    def admit(self, rows: range, offsets: list[int]) -> None:
+        """Requests enter the slots ``rows``: their slots are emptied; ``offsets``: each one's left pads (0 but for
+        the rows of a padded batch)."""
+        for row, offset in zip(rows, offsets):
+            if self.allocated:
+                for layer in self.layers:
+                    layer.reset_row(row)
+            self.rows[row] = RowState(offset=offset)
+
+    def graduate(self, rows: range, decodes: list[bool]) -> None:
+        """A group's prefill is over; a shared group's ran on its first row alone (the others have seen nothing),
+        which then becomes every row of the group (snap's groups of one length ran every row: nothing to copy)."""
+        if len(rows) > 1 and self.rows[rows.start + 1].seen == 0:
+            self.fork(rows)
+            for row in rows[1:]:
+                self.rows[row] = RowState(**vars(self.rows[rows.start]))
+        self.note()
+
+    def evicts(self, st: RowState, phase: Phase) -> int:
+        """Pairs a row in state ``st`` evicts before ``phase``: the schedule's count (``Phase.evict``)."""
+        return phase.evict
+
+    def _evict_row(self, row: int, st: RowState, evict: int, prefill: bool) -> tuple[int, int, int, str | None]:
+        """A row's eviction of ``evict`` pairs (count: its empty slots too), its state ``st`` (the pass's copy)
+        advanced."""
+        C = self.capacity
+        probe = None
+        if prefill and self.method.lookahead:
+            probe = "fresh" if st.probed or self.method.probe_every == 1 else "rescore"
+        count = C - st.filled + evict
+        st.filled -= evict
+        st.ptr, st.contiguous, st.high = 0, False, C
+        return row, count, st.seen - 1, probe
+
+    def prefill_pass(
+        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor] | None, device, offsets: list[int] | None = None
+    ) -> tuple[RowsPass, torch.Tensor | None]:
+        """The pass of ``work`` (each row's prefill chunk, and the look-ahead probes some chunks take along) and its
+        input ids [R, w + n]: a probe's columns first (the rule's window ``w``, when some row probes; masked for a
+        row that does not), then the chunk's; each part's real tokens right-aligned, masked columns in front (a
+        padded row's pads among them: counted as held, never written). ``prompts`` None (the HF drop-in, whose
+        caller feeds the ids): the pass alone; ``offsets``: each row's left pads as of this pass (the drop-in learns
+        them block by block from HF's mask), part of the rows' states after it."""
+        n = max(w.phase.size for w in work)
+        window = self.method.lookahead if any(w.probe is not None for w in work) else 0
+        rows = [w.row for w in work]
+        qpos, rope, write, evicting, ids, among, probe_qpos, probe_rope = [], [], [], [], [], [], [], []
+        blind = False  # a row whose pass is pads alone and that holds nothing yet: its queries see no slot
+        after = {w.row: self.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
+        for j, w in enumerate(work):
+            ph, st, prompt = w.phase, after[w.row], None if prompts is None else prompts[j]
+            if offsets is not None:
+                st.offset = offsets[j]
+            q, r, i = _columns(ph, st, prompt, n)
+            blind |= q[-1] < 0 and st.high == 0  # (real tokens are right-aligned)
+            if window:
+                pq, pr, pi = _columns(w.probe, st, prompt, window) if w.probe else ([-1] * window, [0] * window, None)
+                if w.probe:
+                    among.append(j)
+                    probe_qpos.append(pq)
+                    probe_rope.append(pr)
+                r, i = pr + r, torch.cat([pi if pi is not None else i.new_zeros(window), i])
+            qpos.append(q)
+            rope.append(r)
+            ids.append(i)
+            if evict := self.evicts(st, ph):
+                evicting.append(self._evict_row(w.row, st, evict, prefill=True))
+            real = sum(x >= 0 for x in q)
+            write.append([self.capacity] * (n - real) + list(range(st.ptr, st.ptr + real)))
+            st.ptr, st.filled, st.seen = st.ptr + real, st.filled + ph.size, ph.end
+            st.probed = w.probe is not None  # its next eviction ranks with this probe
+            if st.contiguous:
+                st.high = max(st.high, st.ptr)
+        R, hi = len(rows), max(1, *(after[r].high for r in rows))  # at least one slot: a pass of pads alone
+        flat = [x for part in (qpos, rope, write, probe_qpos, probe_rope) for row in part for x in row]
+        columns = to_device(flat, device)  # one host-to-device copy, split below
+        sizes = [R * n, R * (window + n), R * n, len(among) * window, len(among) * window]
+        qpos_t, rope_t, write_t, probe_t, probe_rope_t = columns.split(sizes)
+        qpos_t = qpos_t.view(R, n)
+        later = (qpos_t[:, None, :] > qpos_t[:, :, None]) & (qpos_t[:, None, :] >= 0)  # [R, n, n]: keys after queries
+        step = RowsPass(
+            kind="prefill",
+            pool=self,
+            method=self.method,
+            share=self.share,
+            rows=to_device(rows, device),
+            span=span_of(rows),
+            qpos=qpos_t,
+            positions=rope_t.view(R, window + n),
+            real=None if all(q[0] >= 0 for q in qpos) else qpos_t >= 0,
+            write=write_t.view(R, n),
+            hi=hi,
+            evictions=evictions_of(evicting, device),
+            causal=torch.zeros(later.shape, device=device).masked_fill_(later, torch.finfo(torch.float32).min),
+            blind=blind,
+            after=tuple(after.items()),
+        )
+        if among:  # the probes folded into the pass: the probing rows' first ``window`` columns
+            probe_t = probe_t.view(len(among), window)
+            probing = [rows[j] for j in among]
+            probe = RowsPass(
+                kind="probe",
+                pool=self,
+                method=self.method,
+                share=self.share,
+                rows=to_device(probing, device),
+                span=span_of(probing),
+                qpos=probe_t,
+                positions=probe_rope_t.view(len(among), window),
+                real=None if all(q[0] >= 0 for q in probe_qpos) else probe_t >= 0,
+                write=None,
+                hi=hi,
+            )
+            step = replace(step, probe=probe, among=None if len(among) == R else to_device(among, device))
+        return step, None if prompts is None else torch.stack(ids)
+
+    def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
+        """A decode pass over every row: each decoding row's eviction (its own step's count) and write slot."""
+        S, C = self.slots, self.capacity
+        ptr, seen, evicting = [C] * S, [-1] * S, []
+        after = {w.row: self.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
+        for w in work:
+            st = after[w.row]
+            if evict := self.evicts(st, w.phase):  # Algorithm 1: p pairs (and the empty slots) go before a step
+                evicting.append(self._evict_row(w.row, st, evict, prefill=False))  # that does not fit
+            ptr[w.row], seen[w.row] = st.ptr, st.seen
+            if st.contiguous:
+                st.high = max(st.high, st.ptr + 1)
+            st.ptr, st.filled, st.seen = st.ptr + 1, st.filled + 1, st.seen + 1
+        hi = C if self.static else max(after[w.row].high for w in work)
+        return self._decode_pass(work, ptr, seen, hi, evicting, device, after=after)
+
+    def ready(self, step: RowsPass) -> RowsPass:
+        """Run a described pass's evictions (every layer at once); a decode pass then records each row's new slot in
+        every layer at once (the head of its free list, as ``PoolLayer.write`` takes it): its position, a zero sum,
+        an open mask (and in a shared budget its head), and hands the model call where each layer's pairs go
+        (``RowsPass.written``), so that inside the model call a layer only copies its pairs. The first pass that
+        probes, under a rule probing every few blocks, allocates the stored probes first."""
+        if step.probe is not None and self.method.probe_every > 1 and self.layers[0].probe_q is None:
+            self._allocate_probe_store()
+        model_step = super().ready(step)
+        if step.kind != "decode":
+            return model_step
+        free = self.stacks["free"]  # [L, S, Hs, T + 1]
+        L, S, Hs, T1 = free.shape
+        G, C, device = self.share, self.capacity, free.device
+        index, qpos = step.write, step.qpos  # [S, 1] each
+        own = torch.arange(G, device=device)  # [G]: a pair per head of the group, in order
+        if G > 1:  # [S, G]: the free-list entries [G j, G j + G) of the row's pairs; idle rows the scratch slot
+            index, qpos = torch.where(index == C, T1 - 1, index * G + own), qpos.expand(S, G)
+        slots = free.gather(3, index[None, :, None, :].expand(L, S, Hs, G))  # [L, S, Hs, G]
+        rows = step.rows.view(1, S, 1, 1) * Hs + torch.arange(Hs, device=device).view(1, 1, Hs, 1)  # [1, S, Hs, 1]
+        written = (rows * T1 + slots).view(L, S * Hs * G)  # [L, S*H] within each layer's K/V
+        stacked = (written + torch.arange(L, device=device)[:, None] * (S * Hs * T1)).view(-1)  # [L*S*H] in the stacks
+        qpos = qpos[None, :, None, :].expand(L, S, Hs, G).reshape(-1)  # [L*S*H]
+        self.stacks["pos"].view(-1).index_copy_(0, stacked, qpos)
+        self.stacks["score"].view(-1).index_fill_(0, stacked, 0.0)
+        bias = self.stacks["bias"]
+        bias.view(-1).index_copy_(
+            0, stacked, torch.zeros_like(qpos, dtype=bias.dtype).masked_fill_(qpos < 0, -math.inf)
+        )
+        if G > 1:
+            head = self.stacks["head"]
+            head.view(-1).index_copy_(0, stacked, own.to(head.dtype).repeat(L * S * Hs))
+        return replace(model_step, written=written)
+
+    def kept_positions(self, row: int) -> list[list[list[int]]]:
+        """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
+        T, G = self.share * self.capacity, self.share
+        out = []
+        for layer in self.layers:
+            pos = layer.pos[row, :, :T].cpu()  # [Hs, T]
+            head = layer.head[row, :, :T].cpu() if G > 1 else torch.zeros_like(pos)
+            out.append(
+                [
+                    sorted(p for p, h in zip(pos[hs].tolist(), head[hs].tolist()) if p >= 0 and h == k)
+                    for hs in range(pos.shape[0])
+                    for k in range(G)
+                ]
+            )
+        return out
+
+
+class SnapPool(BoundedPool):
+    """``snap``'s pool: BM's bounded rows (``kv_max`` slots per head, the paper's decode-time eviction), filled by a
+    compress pass per group of one prompt length (``core.snap``): the prompt runs on the model's SDPA, as FKV's, and
+    each row keeps what the window's attention chooses."""
+
+    def prefill_pass(
+        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
+    ) -> tuple[RowsPass, torch.Tensor]:
+        """One group's prompts (one length s: a single block) and their ids [R, s]; each row then holds
+        min(s, ``kv_max``) pairs in slots [0, K) (a padded batch's rows: at their padded positions, no pad held)."""
+        return group_pass(self, work, prompts, device, "compress", kept=self.capacity)
+
+    def pass_workspace(self, step: RowsPass) -> int:
+        """A compress pass: the larger of the prompts' SDPA (``prompt_workspace``) and the window's choice
+        (``attention._compress``); a decode pass as BM's."""
+        if step.kind != "compress":
+            return super().pass_workspace(step)
+        (R, s), lay, m = step.qpos.shape, self.layout, self.method
+        choice = snap_workspace_bytes(
+            R, lay.query_heads, lay.kv_heads, lay.k_dim, s, m.window, min(s, m.kv_max), lay.dtype.itemsize
+        )
+        return max(prompt_workspace(self, R, s), choice)
+
+
+def _columns(
+    phase: Phase, st: RowState, prompt: torch.Tensor | None, n: int
+) -> tuple[list[int], list[int], torch.Tensor | None]:
+    """A row's ``n`` columns of ``phase`` (a prefill chunk or a look-ahead probe): each column's position (-1:
+    masked), RoPE position and token id (None without a prompt), real tokens right-aligned (a padded row's pads are
+    masked columns)."""
+    a = min(max(phase.start, st.offset), phase.end)  # the phase's first real position (end: all pads)
+    pad = n - (phase.end - a)
+    qpos = [-1] * pad + list(range(a, phase.end))
+    rope = [0] * pad + list(range(a - st.offset, phase.end - st.offset))
+    if prompt is None:
+        return qpos, rope, None
+    return qpos, rope, torch.nn.functional.pad(prompt[a - st.offset : phase.end - st.offset], (pad, 0))

@@ -1,0 +1,342 @@
+"""What every slot pool shares (``core.pool`` chooses a method's pool): the rows' host state (``RowState``), each
+layer's storage (``SlotLayer``: keys/values [S, H, C + 1, D] and the views an eviction reads), the allocation from the
+model's shapes (``KVLayout``), the peaks, and the pass descriptions every pool builds the same way: a decode pass from
+per-row host lists in one host-to-device copy (``SlotPool._decode_pass``), a group's prompt pass (``group_pass``).
+
+Per-slot state between passes is host integers (``RowState``). A pool describes a pass from them and changes nothing
+(the rows' states after the pass ride in the description, ``RowsPass.after``); its ``ready`` executes the host part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+
+from .method import Method
+from .step import Eviction, RowsPass, SlotWork
+from .workspace import decode_workspace_bytes, dense_impl, dense_workspace_bytes
+
+
+class KVLayout(NamedTuple):
+    """The model's attention as this rank holds it (``serve.kv_layout``): what a pool is allocated from and what
+    its passes' workspace is counted with. ``kv_heads``/``query_heads``: this rank's (AutoTP's share, which may differ
+    between ranks); ``k_dim``/``v_dim``: a key's and a value's size."""
+
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    query_heads: int
+
+
+def kv_layout(model: torch.nn.Module) -> KVLayout:
+    """The model's attention as this rank holds it (KV heads, key and value sizes, dtype, device, query heads), read
+    from its first attention module's projections (under AutoTP a rank holds its share of the heads, and the ranks'
+    shares may differ): what the pool is allocated from before the first pass."""
+    attn = next(m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "head_dim"))
+    D = attn.head_dim
+    q_heads = attn.o_proj.weight.shape[1] // D  # o_proj [hidden, q_heads x D] on this rank
+    if hasattr(attn, "k_proj"):  # llama, mistral, qwen2: [kv_heads x D, hidden] on this rank
+        weight = attn.k_proj.weight
+        heads = weight.shape[0] // D
+    else:  # phi3's fused projection [(q_heads + 2 kv_heads) x D, hidden]
+        weight = attn.qkv_proj.weight
+        heads = (weight.shape[0] // D - q_heads) // 2
+    return KVLayout(heads, D, D, weight.dtype, weight.device, q_heads)
+
+
+@dataclass
+class RowState:
+    """One slot's host state: pairs held (``filled``), next position (``seen``), write pointer into its free list
+    (``ptr``), slots ever written (``high``), whether its free list is still the identity (``contiguous``), whether
+    its last pass carried its look-ahead probe (``probed``: its next prefill eviction ranks with it); the dense
+    pools' ``length`` (slots [0, length) held). A padded row's ``filled`` counts its pads (Algorithm 1 on the padded
+    batch)."""
+
+    filled: int = 0
+    seen: int = 0
+    ptr: int = 0
+    high: int = 0
+    contiguous: bool = True
+    probed: bool = False
+    length: int = 0
+    offset: int = 0  # a padded row's left pads: its positions are the padded batch's, its RoPE positions offset less
+
+    def copy(self) -> RowState:
+        """A copy to advance in a pass's description (every decode pass copies its rows' states: 0.4 us a row,
+        ``dataclasses.replace`` 1.4, this CPU, 2026-11-28)."""
+        new = object.__new__(RowState)
+        new.__dict__.update(self.__dict__)
+        return new
+
+
+def nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class SlotPool:
+    """What every pool shares: rows, peaks, the shared prefill's fork."""
+
+    stacked_kv = False  # K/V stacked over the layers too (ED's eviction reads every layer's newest pair)
+    num_blocks = 0  # K/V blocks shared by the rows (FKV paged; 0: each row holds its own slots)
+    share = 1  # KV heads sharing one budget of slots (BM under a rule's ``share``; set once by ``allocate``)
+    first_layer = 0  # the model's layer its first layer is (a layer group of ``LayeredPool``: its first)
+
+    def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, layer_class, static: bool):
+        self.layers = [layer_class(self, i) for i in range(num_layers)]
+        self.method, self.slots, self.capacity = method, slots, capacity
+        # static: every decode pass attends over all C slots (one shape for the whole run: compiled or captured
+        # once); else over the slots written so far
+        self.static = static
+        self.stacks: dict[str, torch.Tensor] = {}
+        self.rows = [RowState() for _ in range(slots)]
+        self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
+        self.layout: KVLayout | None = None  # the model's attention shapes on this rank (``allocate``)
+        self.dense_impl = None  # how a prompt runs on SDPA here (``workspace.dense_impl``; ``allocate``)
+
+    def allocate(self, layout: KVLayout) -> None:
+        """Allocate the pool, once, before its first pass, from the model's local shapes (``KVLayout``). What an
+        eviction reads is stacked over the layers [L, S, ...] (``stacks``: one call frees slots in every layer), each
+        layer holding its views [S, ...]: BM's slot state, ED's few slots of K/V. BM's and FKV's K/V are one tensor
+        per layer: a compiled pass writes those in place only when they are not views into a larger buffer (inductor
+        copied each layer's whole K/V every pass otherwise, 138 against 100 ms a BM pass on the CPU)."""
+        if self.allocated:
+            return
+        kv_heads, k_dim, v_dim, dtype, device, q_heads = layout
+        self.layout = layout
+        self.dense_impl = dense_impl(q_heads, kv_heads, dtype.itemsize, torch.device(device))
+        H, C1 = self.storage(kv_heads)
+        L = len(self.layers)
+        kv = {"keys": (L, *self.kv_dims(H, C1), k_dim), "values": (L, *self.kv_dims(H, C1), v_dim)}
+        stacked = self.stacked_kv
+        self.stacks = {
+            **({name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in kv.items()} if stacked else {}),
+            **self.meta_stacks(L, H, dtype, device),
+        }
+        for i, layer in enumerate(self.layers):
+            own = {} if stacked else {n: torch.zeros(shape[1:], dtype=dtype, device=device) for n, shape in kv.items()}
+            layer.bind_storage({**own, **{name: t[i] for name, t in self.stacks.items()}}, dtype, device)
+        self.note()
+
+    def storage(self, kv_heads: int) -> tuple[int, int]:
+        """(heads, slots) of a row's storage per layer for the model's ``kv_heads`` local KV heads: one row of
+        ``capacity`` slots + the scratch slot per head."""
+        return kv_heads, self.capacity + 1
+
+    def kv_dims(self, heads: int, slots: int) -> tuple[int, ...]:
+        """One layer's K/V dimensions before the head dimension: a row per slot of the pool, each of ``slots``
+        slots per head."""
+        return (self.slots, heads, slots)
+
+    def meta_stacks(self, L: int, H: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """The pool's per-slot bookkeeping, stacked over the layers (none for the dense pools)."""
+        return {}
+
+    def reserve(self, row: int, prompt_len: int, max_new_tokens: int) -> None:
+        """Row ``row``'s request, just admitted, holds what its prompt and generation need (FKV paged: its blocks)."""
+
+    def finish(self, row: int) -> None:
+        """Row ``row``'s request has ended (its slot is free until the next ``admit``)."""
+
+    @property
+    def allocated(self) -> bool:
+        return self.layers[0].is_initialized
+
+    def kv_bytes(self) -> int:
+        return sum(nbytes(layer.keys, layer.values) for layer in self.layers)
+
+    def meta_bytes(self) -> int:
+        return 0
+
+    def note(self) -> None:
+        """Record the peaks now (K/V, bookkeeping)."""
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes())
+        self.peak_meta_bytes = max(self.peak_meta_bytes, self.meta_bytes())
+
+    def note_workspace(self, nbytes: int) -> None:
+        self.peak_workspace_bytes = max(self.peak_workspace_bytes, nbytes)
+
+    def release(self) -> None:
+        """Drop every buffer (the run is over): the layers refer to their pool, so without this the memory would
+        wait for a garbage collection."""
+        self.stacks = {}
+        self.layers.clear()
+
+    def pass_workspace(self, step: RowsPass) -> int:
+        """The most one attention call of ``step`` allocates (``core.workspace``; each layer's call the same),
+        counted on the host from the description: here a decode pass's fused product (``attention.decode_attention``);
+        the pools' other passes in theirs."""
+        keys = self.layers[0].keys  # [S, Hs, T + 1, D]
+        H, D, G = keys.shape[1], keys.shape[-1], self.share
+        return decode_workspace_bytes(
+            step.qpos.shape[0], self.layout.query_heads, H, step.hi * G, D, keys.element_size(), G
+        )
+
+    def _decode_pass(
+        self,
+        work: tuple[SlotWork, ...],
+        write: list[int],
+        seen: list[int],
+        hi: int,
+        evicting: list,
+        device,
+        lengths: list[int] | None = None,
+        blocks: tuple[list[int], list[int]] | None = None,
+        after: dict[int, RowState] | None = None,
+    ) -> RowsPass:
+        """A decode pass over every row from per-row host lists (one host-to-device copy): ``write`` (BM: the index
+        into the row's free list; the dense pools: the slot), ``seen`` (the position fed; -1 for idle rows) and, for
+        the dense pools, ``lengths`` (the slots each row holds after the pass: the additive mask of its row); the
+        decoding rows of ``work`` and each row's RoPE position ride in the same copy, and FKV paged's ``blocks``:
+        (owner, filled positions) of each of the first ``hi`` blocks; ``after``: the decoding rows' states after the
+        pass."""
+        S, k = self.slots, len(work)
+        decoding = [w.row for w in work] + [-1] * (S - k)
+        rope = [max(0, p - st.offset) for p, st in zip(seen, self.rows)]  # (an offset never changes in a pass)
+        lists = [write, seen, decoding, rope, *([lengths] if lengths is not None else [])]
+        flat = to_device([x for values in [*lists, *(blocks or ())] for x in values], device)  # one copy
+        packed = flat[: len(lists) * S].view(len(lists), S)
+        qpos = packed[1].view(S, 1)  # [S, 1]; -1 for idle rows
+        bias = active = None
+        owner = None
+        if blocks is not None:  # FKV paged: each block's row, and [hi x H, 1, Bs] its held positions
+            owner, fill = flat[len(lists) * S :].view(2, hi)
+            H, Bs = self.layers[0].keys.shape[1], self.layers[0].keys.shape[2]
+            empty = (torch.arange(Bs, device=device) >= fill[:, None]).view(hi, 1, 1, Bs)
+            bias = torch.zeros(hi, H, 1, Bs, dtype=self.layers[0].dtype, device=device)
+            bias = bias.masked_fill_(empty, float("-inf")).view(hi * H, 1, Bs)
+        elif lengths is not None:  # [S, hi]: 0 for each row's held slots, -inf after
+            bias = torch.zeros(S, hi, dtype=self.layers[0].dtype, device=device)
+            bias.masked_fill_(torch.arange(hi, device=device) >= packed[4][:, None], float("-inf"))
+        else:  # [S, 1, 1] (BM): the rows whose attention joins their slots' sums
+            active = (qpos >= 0).to(torch.float32).view(S, 1, 1)
+        return RowsPass(
+            kind="decode",
+            pool=self,
+            method=self.method,
+            share=self.share,
+            rows=torch.arange(S, device=device),
+            span=slice(0, S),
+            qpos=qpos,
+            positions=packed[3].view(S, 1),
+            real=None,
+            write=packed[0].view(S, 1),
+            hi=hi,
+            evictions=evictions_of(evicting, device),
+            active=active,
+            bias=bias,
+            decoding=packed[2, :k],
+            owner=owner,
+            after=tuple((after or {}).items()),
+        )
+
+    def ready(self, step: RowsPass) -> RowsPass:
+        """Execute a described pass's host part: its rows' new states (``RowsPass.after``), then its evictions (every
+        layer at once), and note the workspace its attention calls will take (``pass_workspace``: counted here, on
+        the host, so the attention notes nothing); returns what the model call reads (``RowsPass.for_model``)."""
+        for row, st in step.after:
+            self.rows[row] = st
+        for eviction in step.evictions:
+            self.evict(eviction)
+        self.note_workspace(self.pass_workspace(step))
+        return step.for_model()
+
+    def fork(self, rows: range) -> None:
+        """Copy row ``rows.start`` (a shared prefill's result) into the other rows of ``rows``, in every layer."""
+        for layer in self.layers:
+            for t in layer.row_tensors():
+                t[rows.start + 1 : rows.stop] = t[rows.start : rows.start + 1]
+
+
+class SlotLayer:
+    """One decoder layer of a pool: keys/values [S, H, C + 1, D] (and what an eviction reads: views of the pool's
+    stacks, ``SlotPool.allocate``). Storage only: the attention writes and reads it as each pass's description says."""
+
+    def __init__(self, cache: SlotPool, layer_idx: int):
+        self.cache, self.layer_idx = cache, layer_idx
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def bind_storage(self, views: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        for name, view in views.items():
+            setattr(self, name, view)
+        self.dtype, self.device, self.is_initialized = dtype, device, True
+
+    def row_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor with one row per slot (what ``SlotPool.fork`` copies)."""
+        return self.keys, self.values
+
+
+def prompt_workspace(pool: SlotPool, R: int, s: int) -> int:
+    """R prompts of s tokens on the model's SDPA over their own pairs (``attention._dense_prefill``)."""
+    lay = pool.layout
+    return dense_workspace_bytes(
+        R,
+        lay.query_heads,
+        lay.kv_heads,
+        lay.k_dim,
+        s,
+        s,
+        lay.dtype.itemsize,
+        padded=False,
+        impl=pool.dense_impl,
+        align=torch.device(lay.device).type == "cuda",
+    )
+
+
+def group_pass(
+    pool: SlotPool, work, prompts, device, kind: str, slots=None, kept: int | None = None
+) -> tuple[RowsPass, torch.Tensor]:
+    """The pass of one group's prompts (one length s, a single block; a padded batch's rows at its positions, no pad)
+    and their ids [R, s], the rows' ``seen`` advanced in its ``after``; ``slots(s)``: where each of the s pairs is
+    written (None: the pass writes none itself, a compress pass keeps its own choice); ``kept``: at most how many
+    pairs each row holds after a compress pass (slots [0, min(s, kept)), in the rows' states after it)."""
+    rows, end, offset = [w.row for w in work], work[0].phase.end, pool.rows[work[0].row].offset
+    s = end - offset
+    columns = to_device([list(range(offset, end)), list(range(s)), *([slots(s)] if slots else [])], device)  # [2|3, s]
+    R = len(rows)
+    held = {} if kept is None else dict.fromkeys(("filled", "ptr", "high"), min(s, kept))
+    after = tuple((row, replace(pool.rows[row], seen=end, **held)) for row in rows)  # each row's state after it
+    step = RowsPass(
+        kind=kind,
+        pool=pool,
+        method=pool.method,
+        share=pool.share,
+        rows=to_device(rows, device),
+        span=span_of(rows),
+        qpos=columns[0].expand(R, s),
+        positions=columns[1].expand(R, s),
+        real=None,
+        write=columns[2].expand(R, s) if slots else None,
+        hi=s,
+        after=after,
+    )
+    return step, torch.stack(prompts)
+
+
+def to_device(data: list, device) -> torch.Tensor:
+    """Host lists (of ints) as one tensor on ``device``. On CUDA through pinned memory, asynchronously: a copy from
+    pageable memory would wait for the device to finish its queued work, so the host could not run ahead."""
+    if torch.device(device).type == "cuda":
+        return torch.tensor(data, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(data, device=device)
+
+
+def evictions_of(evicting: list[tuple[int, int, int, str | None]], device) -> tuple[Eviction, ...]:
+    """(row, count, curr_id, probe) per evicting row -> one ``Eviction`` per (count, probe) kind."""
+    kinds: dict[tuple[int, str | None], list[tuple[int, int]]] = {}
+    for row, count, curr_id, probe in evicting:
+        kinds.setdefault((count, probe), []).append((row, curr_id))
+    out = []
+    for (count, probe), members in kinds.items():
+        t = to_device(members, device)  # [E, 2]: one copy per kind
+        out.append(Eviction(t[:, 0], t[:, 1].view(-1, 1, 1), count, probe))
+    return tuple(out)
+
+
+def span_of(rows: list[int]) -> slice | None:
+    """``rows`` as a slice when they are adjacent and ascending, else None."""
+    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
