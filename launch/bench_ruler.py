@@ -46,11 +46,13 @@ marked real only where intervals separate.
 ``expected``, ``kvzip``, ``tova``, ``streaming``) after the configurations, on the same documents, model and dtype,
 each keeping the share KEPT of each prompt's pairs (``snapkv:0.25``: kvpress's ``compression_ratio`` 0.75), with the
 question inside the compressed text (``q-in``, kvpress's query-aware setting) and read after it (``q-out``;
-``--kvpress-question in|out|in,out``). kvpress's code compresses and generates (``launch/kvpress_rows.py`` in its own
-environment, ``bash scripts/peers.sh``: it pins transformers < 5.3; ``--peers-python`` or
-``$BATCHMAX_PEERS_PYTHON`` names another interpreter, checked with its kvpress version before any load). Its rows
-join the table with each document's score and the same paired intervals; 1 slot (kvpress reads one prompt at a
-time, whole: the table's "prompt read" line) and the K/V its cache held at most over a request.
+``--kvpress-question in|out|all|in,out``; ``all``: the whole prompt but its last word compressed, the answer's
+start too, as the project's methods compress it). kvpress's code compresses and generates
+(``launch/kvpress_rows.py`` in its own environment, ``bash scripts/peers.sh``: it pins transformers < 5.3;
+``--peers-python`` or ``$BATCHMAX_PEERS_PYTHON`` names another interpreter, checked with its kvpress version
+before any load). Its rows join the table with each document's score and the same paired intervals; 1 slot
+(kvpress reads one prompt at a time, whole: the table's "prompt read" line) and the K/V its cache held at most over
+a request.
 
 Writes into ``--out`` (default results/ruler_<half>; ``--pick``: results/ruler_pick, a folder per half and
 ``pick.md``/``pick.json``): ``<NN>_<config>/results.json`` (lm-eval's results; its samples too with
@@ -396,7 +398,9 @@ def parser() -> argparse.ArgumentParser:
         metavar="PRESS:KEPT",
         help="kvpress's presses after the configurations (see above), e.g. snapkv:0.25 expected:0.125",
     )
-    ap.add_argument("--kvpress-question", default="in,out", help="--kvpress: the question in, out or in,out (default)")
+    ap.add_argument(
+        "--kvpress-question", default="in,out", help="--kvpress: in, out, all or a comma list (default in,out)"
+    )
     ap.add_argument("--peers-python", type=Path, default=None, help="--kvpress: kvpress's interpreter (see above)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default results/ruler_<half>)")
     return ap

@@ -53,13 +53,14 @@ def test_press_runs_are_each_spec_at_each_placement_and_labelled_by_the_share_ke
         "kvpress expected 12.5% q-in",
         "kvpress expected 12.5% q-out",
     ]
-    with pytest.raises(ValueError, match="comma list of in, out"):
+    with pytest.raises(ValueError, match="comma list of in, out, all"):
         peers.press_runs(["snapkv:0.25"], ["inside"])
 
 
 def test_the_split_keeps_the_question_in_or_out_and_the_text_whole():
     """Every committed document: context + rest is the prompt; ``in`` compresses the question (the rest is the
-    answer's start), ``out`` reads it after the compressed text."""
+    answer's start), ``out`` reads it after the compressed text, ``all`` compresses the answer's start too (the rest
+    is the prompt's last word)."""
     for path in sorted((ROOT / "configs" / "lm_eval" / "ruler" / "data").glob("*_2k_heldout.jsonl")):
         text = json.loads(path.read_text().splitlines()[0])["input"]
         for placement in ("in", "out"):
@@ -68,8 +69,12 @@ def test_the_split_keeps_the_question_in_or_out_and_the_text_whole():
             question_in_context = peers.QUESTION.strip() in context[-2000:]
             assert question_in_context == (placement == "in"), (path.name, placement)
             assert rest.lstrip().startswith("Answer:" if placement == "in" else "Question:"), (path.name, placement)
+        context, rest = peers.split(text, "all")
+        assert context + rest == text and peers.ANSWER in context[-500:] and rest == " " + text.split()[-1]
     with pytest.raises(ValueError, match="cannot place its question"):
         peers.split("no question here", "out")
+    with pytest.raises(ValueError, match="cannot place its question"):
+        peers.split("no answer's start here", "all")
 
 
 def test_a_row_scores_each_document_as_lm_eval_does_in_document_order():

@@ -26,8 +26,10 @@ KVPRESS_VERSION = "0.5.5"
 #: Press names (``launch/kvpress_rows.py``'s): SnapKV, its per-head-budget wrapper (AdaKV), ExpectedAttention,
 #: KVzip, TOVA, StreamingLLM.
 PRESSES = ("snapkv", "adasnapkv", "expected", "kvzip", "tova", "streaming")
-#: Where the question sits: inside the compressed context (kvpress's query-aware setting) or read after it.
-PLACEMENTS = ("in", "out")
+#: Where the question sits: inside the compressed context (kvpress's query-aware setting: the answer's start read
+#: after it), read after it, or ``all``: the whole prompt compressed but its last word, as the project's methods
+#: compress it (the answer's start inside too).
+PLACEMENTS = ("in", "out", "all")
 QUESTION, ANSWER = "\n\nQuestion:", "\nAnswer:"
 
 
@@ -101,12 +103,13 @@ def check_python(python: Path, script: Path) -> dict:
 
 def split(text: str, placement: str) -> tuple[str, str]:
     """(the part a press compresses, the part read after it) of a RULER-style prompt: the question stays in the
-    compressed part (``in``) or is read after it (``out``); the answer's start (``Answer: ...``) is read after it
-    either way, as kvpress's pipeline reads its ``answer_prefix``. ``context + rest == text``."""
-    cut = text.rfind(QUESTION) if placement == "out" else text.rfind(ANSWER)
-    if cut <= 0:
-        mark = QUESTION if placement == "out" else ANSWER
-        raise ValueError(f"a prompt without {mark!r}: cannot place its question")
+    compressed part (``in``) or is read after it (``out``), the answer's start (``Answer: ...``) read after it either
+    way, as kvpress's pipeline reads its ``answer_prefix``; ``all``: everything but the last word is compressed (the
+    pipeline needs a question to read), the text the project's methods compress. ``context + rest == text``."""
+    mark = {"out": QUESTION, "in": ANSWER, "all": " "}[placement]
+    cut = text.rfind(mark)
+    if cut <= 0 or (placement == "all" and text.rfind(ANSWER) <= 0):
+        raise ValueError(f"a prompt without {ANSWER if placement == 'all' else mark!r}: cannot place its question")
     return text[:cut], text[cut:]
 
 
