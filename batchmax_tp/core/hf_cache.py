@@ -232,7 +232,7 @@ class BatchMaxCache(Cache):
             described = pool.decode_pass(work, device)
         else:
             pads = _left_pads(mask, batch, self.seen + n)  # the pads seen so far (a later block may show more)
-            described, _ = pool.prefill_pass(work, None, device, offsets=list(pads))
+            described, _ = pool.prefill_pass(work, None, device, offsets=pads)
         self.seen += n
         return pool.ready(described)
 
