@@ -110,7 +110,7 @@ def _worker(rank, world, tp_size, port, outdir, method, new, embedded, count_col
     for m in method:
         counts.clear()
         out = generate(model, ids, mask, m, new, ignore_eos=True, return_logits=True)
-        results[m.name] = dict(
+        results[m.name] = results[m.label()] = dict(
             tokens=out.tokens,
             logits=torch.stack(out.logits),
             kept=out.kept_positions(),

@@ -1,14 +1,15 @@
 """Budgets shared by a layer's heads (``Rule.share``, Ada-KV's allocation under Algorithm 1): allocation and eviction
 equal the naive reference (``tests/reference.py``'s ``groups``: kept positions per head, logits within 1e-4) on tiny
-models of each family, left-padded and continuous and under tp=2; storage is sized to the group's total, which the
-planner predicts byte for byte and which never holds more pairs than the paper's per-head ``kv_max``."""
+models of each family, left-padded and continuous (under tp=2: ``test_tp.py``'s matrix of every method); storage is
+sized to the group's total, which the planner predicts byte for byte and which never holds more pairs than the
+paper's per-head ``kv_max``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import PEAKED, assert_kept_equal, assert_logits_close, assert_tokens_equal, left_padded_batch
-from multiproc import FAMILIES, make_model, prompt_batch, run_tp
+from multiproc import FAMILIES, make_model
 from reference import reference_generate, rule_string
 from tiny import tiny_llama, tiny_random_model
 
@@ -122,32 +123,6 @@ def test_budgets_match_the_reference_continuous(budgets):
         assert o.tokens == ref.tokens[0].tolist()
         assert_logits_close([x[None] for x in o.logits], ref.logits, ATOL)
         assert o.kept_positions == [layer[0] for layer in ref.kept]
-
-
-def test_tp2_allocates_among_each_ranks_own_heads(tmp_path):
-    """AutoTP splits the 9/3 Llama's KV heads 2 + 1: with ``share=0`` rank 0's two heads share one budget and rank
-    1's head keeps its own, with no communication; the result is the reference's with those groups, which differs
-    from one process sharing all three heads' budget (what the split costs)."""
-    rule = "question:window=8,every=3,kernel=3,pool=max,sinks=1,recent=2,share=0"
-    method = Method("bm", kv_max=16, p=4, rule=rule)
-    ranks = run_tp(tmp_path, 2, 2, [method])
-    ids, mask = prompt_batch(False)
-    ref = reference_generate(
-        make_model(False), ids, mask, "bm", 16, 4, 12, rule="question", rule_params=QUESTION, groups=[[0, 1], [2]]
-    )
-    assert ref.min_margin > 1e-4, ref.min_margin
-    assert [r["bm"]["local_kv_heads"] for r in ranks] == [2, 1]
-    offset = 0
-    for r in ranks:
-        got = r["bm"]
-        assert_logits_close(list(got["logits"]), ref.logits, ATOL)
-        h = got["local_kv_heads"]
-        assert got["kept"] == [[heads[offset : offset + h] for heads in layer] for layer in ref.kept]
-        offset += h
-    whole = reference_generate(
-        make_model(False), ids, mask, "bm", 16, 4, 12, rule="question", rule_params=QUESTION, groups=[[0, 1, 2]]
-    )
-    assert whole.kept != ref.kept
 
 
 # -- memory ---------------------------------------------------------------------------------------------------------
@@ -293,13 +268,3 @@ def test_budgets_across_layers_are_stored_in_the_papers_bytes():
     shape = ModelShape.from_config(model.config)
     assert out.peak_kv_bytes == predict(shape, method, 3, 70, 12).kv == pool.kv_bytes()
     assert out.peak_meta_bytes == pool_bookkeeping_bytes(shape, method, 3, 70)
-
-
-def test_tp2_runs_budgets_across_layers_as_one_process(tmp_path):
-    """AutoTP (gloo, 2 ranks, heads split 2 + 1): every rank runs the same layer groups and evicts its own heads with
-    no communication; logits, tokens and each rank's kept sets equal one process's."""
-    from multiproc import assert_matches_single, single_process
-
-    method = Method("bm", kv_max=16, p=4, rule="paper:taper=50")
-    ranks = run_tp(tmp_path, 2, 2, [method])
-    assert_matches_single(ranks, single_process([method]), "bm", 2)

@@ -839,3 +839,55 @@ def test_a_run_stepped_by_hand_is_the_run(key):
     with pytest.raises(ValueError, match="pass_tokens"):
         broken.start(requests, sampling)
     assert broken.pool is None and broken.sched is None  # nothing held: a run that cannot start
+
+
+WATCHED = {  # every pool: BM (a probing rule's stored queries, heads sharing a budget, budgets across layers), snap
+    **METHODS,
+    "bm-share": Method("bm", KV, P, rule="question:every=2,share=0"),
+    "snap": Method("snap", kv_max=KV, p=P),
+}
+
+
+@pytest.mark.parametrize("key", list(WATCHED))
+def test_between_passes_a_pools_host_state_changes_only_as_described(monkeypatch, key):
+    """Once a run has started (its pool allocated), the only attributes of a pool or of its layers assigned until it
+    ends are the host state its described changes carry (``apply``: the rows' states, FKV paged's blocks), the peaks
+    it notes and, once, a probing rule's stored queries (storage, ``_allocate_probe_store``): admissions into used
+    slots, prompts shared by a group (a fork) and ended requests (blocks given back) change nothing else; the
+    shared run's tokens and kept positions are those of a run that shares nothing."""
+    from batchmax_tp.core.layered import LayeredPool
+    from batchmax_tp.core.slots import SlotLayer, SlotPool
+
+    assigned, watching = set(), [False]
+    for cls in (SlotPool, SlotLayer, LayeredPool):
+
+        def setattr_(self, name, value, _original=cls.__setattr__):
+            if watching[0]:
+                assigned.add((name, sys._getframe(1).f_code.co_name))  # (the attribute, the method assigning it)
+            _original(self, name, value)
+
+        monkeypatch.setattr(cls, "__setattr__", setattr_)
+    forks, apply = [], SlotPool.apply
+
+    def applying(self, change):
+        forks.extend([change.fork] if change.fork is not None else [])
+        apply(self, change)
+
+    monkeypatch.setattr(SlotPool, "apply", applying)
+    model, shared = model_of("llama"), prompts()[2]
+    requests = [Request(p, n) for p, n in zip([shared, shared, *prompts()[3:8]], NEW[:7])]
+    engine = Engine(model, WATCHED[key], 2, batching=Batching(share_prompts=True))
+    engine.start(requests, Sampling(ignore_eos=True), record=Record(positions=True))
+    watching[0] = True
+    while engine.step():
+        pass
+    watching[0] = False
+    got = engine.finish()
+    alone = Engine(model, WATCHED[key], 2).run(requests, Sampling(ignore_eos=True), record=Record(positions=True))
+    assert [o.tokens for o in got.outputs] == [o.tokens for o in alone.outputs]  # a shared prefill is each one's
+    assert [o.kept_positions for o in got.outputs] == [o.kept_positions for o in alone.outputs]
+    allowed = {("rows", "apply"), ("peak_kv_bytes", "note"), ("peak_meta_bytes", "note")}
+    allowed |= {("peak_workspace_bytes", "note_workspace"), ("paging", "apply")}
+    allowed |= {(name, "_allocate_probe_store") for name in ("probe_q", "probe_lse", "probe_w")}
+    assert ("rows", "apply") in assigned and forks  # the watch sees the pool's assignments; the group was shared
+    assert assigned <= allowed, sorted(assigned - allowed)

@@ -146,20 +146,25 @@ def test_the_op_count_catches_the_unfused_call(model_3kv, monkeypatch):
 
 
 def _decode_write_ops(model_3kv, monkeypatch, rule: str) -> list[list[str]]:
-    """The ops that compute or write (not views) in each layer's write of every BM decode pass of a run."""
+    """The ops that compute or write (not views) in each layer's write of every BM decode pass of a run: the copy of
+    its pairs to the slots the pool recorded (``attention._copy_pairs``), or else the layer's own write."""
     from batchmax_tp.core.bounded import PoolLayer
 
-    write, calls = PoolLayer.write, []
+    write, copy, calls = PoolLayer.write, attention._copy_pairs, []
 
-    def counted(layer, step, key_states, value_states):
-        if step.kind != "decode":
-            return write(layer, step, key_states, value_states)
+    def counted(fn, layer, *args):
         with _Ops() as ops:
-            out = write(layer, step, key_states, value_states)
+            out = fn(layer, *args)
         calls.append([op for op, _, _, fresh in ops.ops if fresh or op.endswith("_")])
         return out
 
-    monkeypatch.setattr(PoolLayer, "write", counted)
+    def writing(layer, step, key_states, value_states):
+        if step.kind != "decode":
+            return write(layer, step, key_states, value_states)
+        return counted(write, layer, step, key_states, value_states)
+
+    monkeypatch.setattr(PoolLayer, "write", writing)
+    monkeypatch.setattr(attention, "_copy_pairs", lambda layer, *args: counted(copy, layer, *args))
     engine = Engine(model_3kv, Method("bm", kv_max=KV, p=P, rule=rule), 3)
     engine.run([Request(p, 12) for p in _prompts()], Sampling(ignore_eos=True))
     return calls

@@ -82,31 +82,26 @@ def test_paged_fkv_equals_hf_generate_on_mixed_lengths_ending_early(family, bloc
 
 
 def test_admission_never_holds_more_blocks_than_the_pool_and_kv_is_the_planners(monkeypatch):
-    """Blocks held (summed over the rows, at each reservation) never pass the pool's; its K/V bytes are the
+    """Blocks held (summed over the rows, after each change of the pool) never pass the pool's; its K/V bytes are the
     planner's for the memory of ``slots`` rows; shorter requests run more at once than ``slots`` rows."""
     model = model_of("llama")
     method = Method("fkv", block=8)
-    held, most, pools = [0], [0], []
-    reserve, finish = PagedPool.reserve, PagedPool.finish
+    most, pools = [0], []
+    apply = PagedPool.apply
 
-    def reserving(self, row, prompt_len, max_new_tokens):
-        reserve(self, row, prompt_len, max_new_tokens)
-        held[0] += len(self.tables[row])
-        most[0] = max(most[0], held[0])
-        assert held[0] + len(self.free) == self.num_blocks  # every block is held or free, once
+    def applying(self, change):
+        apply(self, change)
+        held = [b for table in self.paging.tables for b in table]
+        most[0] = max(most[0], len(held))
+        assert sorted(held + list(self.paging.free)) == list(range(self.num_blocks))  # each block held or free, once
         pools.append(self)
 
-    def finishing(self, row):
-        held[0] -= len(self.tables[row])
-        finish(self, row)
-
-    monkeypatch.setattr(PagedPool, "reserve", reserving)
-    monkeypatch.setattr(PagedPool, "finish", finishing)
+    monkeypatch.setattr(PagedPool, "apply", applying)
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
     out = Engine(model, method, 2).run(requests, Sampling(ignore_eos=True))
     pool = pools[0]
     longest = max(method.capacity(s, t) for s, t in zip(LENGTHS, NEW))  # 70: 9 blocks of 8 per slot
-    assert pool.num_blocks == 2 * -(-longest // 8) and held[0] == 0
+    assert pool.num_blocks == 2 * -(-longest // 8) and not any(pool.paging.tables)  # every block given back
     assert 0 < most[0] <= pool.num_blocks
     assert len({slot for _, slot, _ in out.admissions}) > 2  # more requests at once than 2 fixed slots
     want = predict_pool(ModelShape.from_config(model.config), method, 2, 64, 8).kv  # the longest request's

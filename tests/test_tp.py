@@ -3,37 +3,124 @@ is added by eviction, and the results equal a single process."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
-from conftest import requires_deepspeed
+from conftest import assert_kept_equal, assert_logits_close, assert_tokens_equal, requires_deepspeed
 from multiproc import (
     FAMILIES,
     assert_matches_single,
     assert_rank1_killed_and_nobody_finished,
     make_model,
+    prompt_batch,
     run_child,
     run_tp,
     single_process,
 )
+from reference import reference_generate, rule_string
 
+from batchmax_tp.bench.padded import generate
 from batchmax_tp.core.method import Method
 
 pytestmark = requires_deepspeed  # every test here runs tensor-parallel ranks
 
+QUESTION = dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2)
+# Every method, as the engine spells it and as the reference does (``reference_generate``'s arguments; the padded
+# batch's rows, kv_max 16, p 4): FKV paged, ED, BM under the paper's rule and ``question``, heads sharing a budget,
+# budgets across layers, snap. ``groups``: the heads of the 9/3 Llama sharing one budget, in one process and on
+# each of AutoTP's two ranks (2 + 1 heads: rank 1's head keeps its own).
+MATRIX = {
+    "fkv-paged": (Method("fkv", block=8), dict(method_name="fkv")),
+    "ed": (Method("ed", kv_max=2), dict(method_name="ed", kv_max=2)),
+    "bm-paper": (Method("bm", kv_max=16, p=4), dict(method_name="bm", kv_max=16, p=4)),
+    "bm-question": (
+        Method("bm", kv_max=16, p=4, rule=rule_string("question", QUESTION)),
+        dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params=QUESTION),
+    ),
+    "share": (  # (kernel 5: no near tie in the reference on one process's three heads)
+        Method("bm", kv_max=16, p=4, rule=rule_string("question", {**QUESTION, "kernel": 5, "share": 0})),
+        dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params={**QUESTION, "kernel": 5}),
+    ),
+    "taper": (Method("bm", kv_max=16, p=4, rule="paper:taper=50"), dict(method_name="bm", kv_max=16, p=4)),
+    "snap": (
+        Method("snap", kv_max=16, p=4, window=6, kernel=3),
+        dict(method_name="snap", kv_max=16, p=4, snap={"window": 6, "kernel": 3}),
+    ),
+}
+GROUPS = {1: [[0, 1, 2]], 2: [[0, 1], [2]]}  # "share": the heads sharing one budget, by the run's tp size
 
-@pytest.mark.parametrize("tp_size", [2, 3])
+
+@functools.cache
+def matrix_reference(name: str, tp_size: int):
+    """The naive reference of ``MATRIX[name]`` on the tp tests' padded batch, 12 new tokens, as ``tp_size`` ranks
+    run it (heads sharing a budget: each rank's own)."""
+    method, kwargs = MATRIX[name]
+    model = make_model(False)
+    ids, mask = prompt_batch(False)
+    if name == "share":
+        kwargs = {**kwargs, "groups": GROUPS[tp_size]}
+    if name == "taper":
+        kwargs = {**kwargs, "layer_kv_max": method.layer_capacities(model.config.num_hidden_layers)}
+    return reference_generate(model, ids, mask, max_new_tokens=12, **kwargs)
+
+
+def assert_ranks_are_the_reference(ranks: list[dict], ref) -> None:
+    """Each rank's logits (1e-4) and tokens are the reference's, and its kept positions are the reference's for the
+    rank's own KV heads, in order; the ranks' heads are all of the model's."""
+    offset = 0
+    for r, got in enumerate(ranks):
+        assert_logits_close(list(got["logits"]), ref.logits, 1e-4, what=f"rank {r}'s logits")
+        assert_tokens_equal(got["tokens"], ref.tokens, what=f"rank {r}'s tokens")
+        h = len(got["kept"][0][0])
+        assert_kept_equal(got["kept"], [[heads[offset : offset + h] for heads in layer] for layer in ref.kept])
+        offset += h
+    assert offset == len(ref.kept[0][0])
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_every_method_equals_the_reference_at_tp(tmp_path, tp_size):
+    """Every method (``MATRIX``) at tp 1 (one process) and tp 2 (AutoTP, gloo, heads split 2 + 1): logits, tokens and
+    each rank's kept positions per (layer, KV head) equal the naive reference's, through prefill and decode
+    evictions; a budget shared by heads is shared among each rank's own heads (on two ranks its kept sets are not
+    one process's)."""
+    methods = [method for method, _ in MATRIX.values()]
+    if tp_size == 1:
+        model, (ids, mask) = make_model(False), prompt_batch(False)
+        outs = {m.label(): generate(model, ids, mask, m, 12, ignore_eos=True, return_logits=True) for m in methods}
+        ranks = [
+            {k: dict(logits=torch.stack(o.logits), tokens=o.tokens, kept=o.kept_positions()) for k, o in outs.items()}
+        ]
+    else:
+        ranks = run_tp(tmp_path, 2, 2, methods)
+    for name, (method, _) in MATRIX.items():
+        ref = matrix_reference(name, tp_size)
+        assert ref.min_margin > 1e-4, f"{name}: a near tie in the reference ({ref.min_margin})"
+        if method.name != "fkv":
+            assert ref.evictions > 0, f"{name}: nothing evicted"
+        got = [rank[method.label()] for rank in ranks]
+        assert_ranks_are_the_reference(got, ref)
+    if tp_size == 2:  # AutoTP's uneven split, the planner's weights on the largest rank, what sharing costs the split
+        from batchmax_tp.plan.planner import ModelShape
+
+        assert [len(rank[MATRIX["bm-paper"][0].label()]["kept"][0][0]) for rank in ranks] == [2, 1]
+        shape = ModelShape.from_config(make_model(False).config)
+        assert ModelShape.weights_per_rank(shape, 2) == max(rank["bm"]["params"] for rank in ranks)
+        assert matrix_reference("share", 1).kept != matrix_reference("share", 2).kept
+
+
+@pytest.mark.parametrize("tp_size", [3])  # tp 2: ``test_every_method_equals_the_reference_at_tp``
 def test_tp_matches_single_process_through_evictions(tmp_path, tp_size):
     methods = [Method("bm", kv_max=16, p=4), Method("ed", kv_max=2)]
     ranks = run_tp(tmp_path, tp_size, tp_size, methods)
     single = single_process(methods)
     for m in methods:
         assert_matches_single(ranks, single, m.name, tp_size)
-    # Evictions really happened (prefill and decode), and the split is AutoTP's uneven one on tp=2.
+    # Evictions really happened (prefill and decode), one KV head per rank.
     kept = single["bm"]["kept"]
     assert all(len(h) < 16 + 1 for layer in kept for sample in layer for h in sample)
-    assert [r["bm"]["local_kv_heads"] for r in ranks] == ([2, 1] if tp_size == 2 else [1, 1, 1])
+    assert [r["bm"]["local_kv_heads"] for r in ranks] == [1, 1, 1]
     # The planner's weights on the largest rank: what AutoTP really left there.
     from batchmax_tp.plan.planner import ModelShape
 

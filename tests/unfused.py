@@ -25,7 +25,7 @@ def rows_block(layer, step, query: torch.Tensor, scaling: float, hi: int, own: t
     values = step.take(layer.values[:, :, :hi])  # [R, Hkv, hi, D]
     score = step.take(layer.score[:, :, :hi])  # [R, Hkv, hi]
     hiding = _slot_hiding(step.take(layer.pos[:, :, :hi]), n)  # [R, Hkv, hi]
-    other = layer.other_heads(step.take)  # [R, Hkv, G, T + 1] or None
+    other = layer.other_heads(step.take, step.share)  # [R, Hkv, G, T + 1] or None
     qg = query.view(R, Hkv, g, n, D)
     out = None
     for a, b in workspace.query_chunks(R, Hq, n, hi):

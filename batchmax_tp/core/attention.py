@@ -98,7 +98,7 @@ def decode_attention(
     elif G == 1:
         bias = layer.bias[:, :, :hi].reshape(B * Hkv, 1, hi)  # [B*Hkv, 1, hi]: 0 valid, -inf hidden (a view)
     else:  # [B, Hs, G, hi]: each head's own slots -> [B*Hs, g, hi], the G heads' query groups in order
-        other = layer.other_heads(lambda t: t)[..., :hi]  # [B, Hs, G, hi]
+        other = layer.other_heads(lambda t: t, G)[..., :hi]  # [B, Hs, G, hi]
         bias = layer.bias[:, :, None, :hi].masked_fill(other, float("-inf"))
         del other
         bias = bias[:, :, :, None, :].expand(B, Hkv, G, g // G, hi).reshape(B * Hkv, g, hi)
@@ -136,12 +136,23 @@ def _rows_attention(
         if step.probe is not None:  # the probes folded into the pass: its first columns
             return _folded(layer, step, query, key, value, scaling, hi)
         return _rows_block(layer, step, query, scaling, hi, layer.write(step, key, value))
-    layer.write(step, key, value)
+    if step.written is not None:  # BM's decode: the pool recorded each pair's slot in every layer (its ``ready``)
+        _copy_pairs(layer, step.written[layer.layer_idx], key, value)
+    else:
+        layer.write(step, key, value)
     if step.kind == "decode" and step.owner is not None:  # FKV paged: block by block
         return _paged_decode(layer, query, step, scaling)
     if step.kind == "decode":
         return decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias, step.share)
     return _dense_prefill(module, query, key, value, scaling)  # a baseline's prompt: over its own pairs
+
+
+def _copy_pairs(layer, flat: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """BM's decode pass: each row's new pair key/value [S, Hkv, 1, D] to its slot, ``flat`` [S*Hkv] (indices into
+    the layer's K/V rows flattened [S*Hs*(T + 1), D], row by row, local KV head in order), whose position, sum and
+    mask the pool recorded before the pass (``RowsPass.written``)."""
+    for dst, src in ((layer.keys, key), (layer.values, value)):
+        dst.view(-1, dst.shape[-1]).index_copy_(0, flat, src.reshape(-1, src.shape[-1]))  # [S*Hkv, D] rows
 
 
 def _folded(layer: PoolLayer, step: RowsPass, query, key, value, scaling: float, hi: int) -> torch.Tensor:
@@ -248,7 +259,7 @@ def _rows_block(
     score = step.take(layer.score[:, :, :hi])  # [R, Hs, hi]: a view (adjacent rows) or a copy written back
     own = own.clamp(max=hi - 1)  # [R, Hs, n*G]: masked columns' scratch slot -> any slot (their causal bias 0)
     causal = step.causal if G == 1 else step.causal.repeat_interleave(G, dim=-1)  # [R, n, n*G], as ``own``
-    other = layer.other_heads(step.take)  # [R, Hs, G, T + 1] or None
+    other = layer.other_heads(step.take, step.share)  # [R, Hs, G, T + 1] or None
     if other is not None:  # [R, Hs, G, 1, 1, hi] additive: another head's slots
         other = torch.zeros(other[..., :hi].shape, dtype=torch.float32, device=query.device).masked_fill_(
             other[..., :hi], torch.finfo(torch.float32).min
@@ -310,7 +321,7 @@ def _rows_probe(
     own_lse = own.logsumexp(-1, keepdim=True)  # [R, Hkv, g*w, 1]
     q, own_lse = q.view(R, Hs, G * g * w, D), own_lse.view(R, Hs, G * g * w, 1)  # storage heads' rows
     slot_pos = step.take(layer.pos[:, :, :hi])  # [R, Hs, hi]
-    other = layer.other_heads(step.take)  # [R, Hs, G, T + 1] or None
+    other = layer.other_heads(step.take, step.share)  # [R, Hs, G, T + 1] or None
     other = None if other is None else other[..., :hi]
     to_slots, lse = probe.slot_probabilities(q, step.take(layer.keys[:, :, :hi]), slot_pos, own_lse, other)
     layer.probe[:, :, :hi].index_copy_(0, step.rows, probe.per_slot(to_slots, weights))  # [R, Hs, hi]

@@ -37,7 +37,7 @@ from .slots import (
     span_of,
     to_device,
 )
-from .step import Eviction, RowsPass, SlotWork
+from .step import Change, Eviction, RowsPass, SlotWork
 from .workspace import eviction_layers, probe_workspace_bytes, rows_workspace_bytes, snap_workspace_bytes
 
 
@@ -107,32 +107,25 @@ class PoolLayer(SlotLayer):
         stored = (self.probe, self.head, self.probe_q, self.probe_lse, self.probe_w)
         return self.pos, self.score, self.bias, self.free, *stored
 
-    def other_heads(self, take) -> torch.Tensor | None:
-        """In a shared budget (``share`` G > 1): which slots each query head's group must not see, bool [R, Hs, G,
-        T + 1] (True: the slot holds another head's pair) of the pass's rows (``take``: ``RowsPass.take``); else
-        None."""
-        G = self.cache.share
+    def other_heads(self, take, G: int) -> torch.Tensor | None:
+        """In a budget shared by G > 1 heads (the pass's ``share``): which slots each query head's group must not
+        see, bool [R, Hs, G, T + 1] (True: the slot holds another head's pair) of the pass's rows (``take``:
+        ``RowsPass.take``); else None."""
         if G == 1:
             return None
         own = torch.arange(G, dtype=self.head.dtype, device=self.device)[:, None]  # [G, 1]
         return take(self.head)[:, :, None, :] != own  # [R, Hs, G, T + 1]
 
     # -- a pass's writes: the new pairs (evictions: ``BoundedPool.evict``, before the pass) ----------------------
-    def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor | None:
+    def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> torch.Tensor:
         """Write each row's columns [R, H, n, D] at the slots its free list gives (masked columns: the scratch slot).
         In a shared budget (G heads per storage head, T = G x C slots) column j's pairs take the free-list entries
         [G j, G j + G), one per head in order, and each slot records its head. Returns the slots written
-        [R, Hs, n*G] (column j's head k at j*G + k); a decode pass whose slots the pool recorded for every layer at
-        once (``step.written``, ``BoundedPool.ready``) copies the pairs alone and returns None."""
-        if step.written is not None:  # [S, H, 1, D] -> [S*H, D]: row by row, heads in order (storage head, own head)
-            flat = step.written[self.layer_idx]  # [S*H]
-            self.keys.view(-1, self.keys.shape[-1]).index_copy_(0, flat, key_states.reshape(-1, key_states.shape[-1]))
-            self.values.view(-1, self.values.shape[-1]).index_copy_(
-                0, flat, value_states.reshape(-1, value_states.shape[-1])
-            )
-            return None
+        [R, Hs, n*G] (column j's head k at j*G + k). (A decode pass's pairs go where the pool recorded them for every
+        layer at once, ``RowsPass.written``: the attention copies them there.)"""
         R, H, n, _ = key_states.shape
-        G, C, T1 = self.cache.share, self.cache.capacity, self.keys.shape[2]
+        G, T1 = step.share, self.keys.shape[2]
+        C = (T1 - 1) // G  # kv_max: the index of a masked column's write (the scratch slot)
         Hs = H // G
         index, qpos = step.write, step.qpos  # [R, n] each
         if G > 1:  # the pairs of (column, head) in free-list order: [R, H, n, D] -> [R, Hs, n*G, D], [R, n*G]
@@ -163,7 +156,7 @@ class PoolLayer(SlotLayer):
     def keep(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor, kept: torch.Tensor, sums):
         """A compress pass's choice (``snap``): of each row's prompt pairs [R, H, s, D] the columns ``kept``
         [R, H, K] (ascending) go to slots [0, K), with their positions and attention sums ``sums`` [R, H, K]; the
-        rows' other slots stay empty, as ``BoundedPool.admit`` left them."""
+        rows' other slots stay empty, as their admission left them (``BoundedPool.admitted``)."""
         R, H, K = kept.shape
         at = kept[..., None].expand(R, H, K, key_states.shape[-1])  # [R, H, K, D]
         self.keys[:, :, :K].index_copy_(0, step.rows, key_states.gather(2, at))
@@ -290,27 +283,14 @@ class BoundedPool(SlotPool):
             *(t.index_select(0, rows) for t in (layer.probe_q, layer.probe_lse, layer.probe_w))
         )
         T = pos.shape[-1]
-        other = layer.other_heads(lambda t: t.index_select(0, rows))  # [E, Hs, G, T + 1] or None
+        other = layer.other_heads(lambda t: t.index_select(0, rows), self.share)  # [E, Hs, G, T + 1] or None
         keys = layer.keys[:, :, :T].index_select(0, rows)
         return lookahead.rescore(state, keys, pos, None if other is None else other[..., :T])
 
-    def admit(self, rows: range, offsets: list[int]) -> None:
-        """Requests enter the slots ``rows``: their slots are emptied; ``offsets``: each one's left pads (0 but for
-        the rows of a padded batch)."""
-        for row, offset in zip(rows, offsets):
-            if self.allocated:
-                for layer in self.layers:
-                    layer.reset_row(row)
-            self.rows[row] = RowState(offset=offset)
-
-    def graduate(self, rows: range, decodes: list[bool]) -> None:
-        """A group's prefill is over; a shared group's ran on its first row alone (the others have seen nothing),
-        which then becomes every row of the group (snap's groups of one length ran every row: nothing to copy)."""
-        if len(rows) > 1 and self.rows[rows.start + 1].seen == 0:
-            self.fork(rows)
-            for row in rows[1:]:
-                self.rows[row] = RowState(**vars(self.rows[rows.start]))
-        self.note()
+    def admitted(self, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]) -> Change:
+        """Requests enter the slots ``rows``: their rows start empty, and so do their slots (once allocated)."""
+        change = super().admitted(rows, offsets, lengths, max_new)
+        return replace(change, reset=tuple(rows) if self.allocated else ())
 
     def evicts(self, st: RowState, phase: Phase) -> int:
         """Pairs a row in state ``st`` evicts before ``phase``: the schedule's count (``Phase.evict``)."""

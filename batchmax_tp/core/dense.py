@@ -3,19 +3,18 @@ C = ``kv_max`` for ED, the longest prompt + generation for FKV (each slot reserv
 needs more); FKV paged (``PagedPool``) holds its rows' positions in blocks shared by the rows instead. A prefill pass
 attends over its own pairs (SDPA, causal) and writes what the row keeps: FKV the prompt, ED its newest pair alone, into
 slot 0 (Algorithm 3's first eviction). A group admitted with ``shared=True`` holds one prompt several times: its
-prefill runs on the first row alone and ``graduate`` copies that row into the others.
+prefill runs on the first row alone and its ``graduated`` change copies that row into the others.
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from .method import FullCache, Method
 from .slots import RowState, SlotLayer, SlotPool, group_pass, prompt_workspace, to_device
-from .step import Eviction, RowsPass, SlotWork
+from .step import Change, Eviction, RowsPass, SlotWork
 from .workspace import paged_decode_workspace_bytes
 
 
@@ -40,10 +39,6 @@ class DensePool(SlotPool):
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, static: bool = False):
         super().__init__(method, num_layers, slots, capacity, DensePoolLayer, static)
 
-    def admit(self, rows: range, offsets: list[int]) -> None:
-        for row, offset in zip(rows, offsets):
-            self.rows[row] = RowState(offset=offset)
-
     def kept_slots(self, s: int) -> list[int]:
         """Where each of a prompt's s pairs goes (the scratch column C: not kept)."""
         raise NotImplementedError
@@ -66,15 +61,16 @@ class DensePool(SlotPool):
             return super().pass_workspace(step)
         return prompt_workspace(self, *step.qpos.shape)
 
-    def graduate(self, rows: range, decodes: list[bool]) -> None:
-        """The group's prompt is held; a shared group's first row, the one its prefill ran on, becomes every row."""
+    def graduated(self, rows: range, decodes: list[bool]) -> Change:
+        """The group's prompt is held (each row what ``held_after_prompt`` says); a shared group's first row, the one
+        its prefill ran on, becomes every row."""
         first = self.rows[rows.start]
-        if len(rows) > 1 and self.rows[rows.start + 1].seen == 0:
-            self.fork(rows)
         s = first.seen - first.offset
-        for row, more in zip(rows, decodes):
-            self.rows[row] = RowState(seen=first.seen, length=self.held_after_prompt(s, more), offset=first.offset)
-        self.note()
+        after = tuple(
+            (row, RowState(seen=first.seen, length=self.held_after_prompt(s, more), offset=first.offset))
+            for row, more in zip(rows, decodes)
+        )
+        return replace(super().graduated(rows, decodes), after=after)
 
     def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
         """A decode pass over every row: ED's keep-newest where a row's step evicts, each row's write slot, and the
@@ -144,6 +140,44 @@ class PagedLayer(DensePoolLayer):
             dst[block, :, offset] = src.transpose(1, 2).reshape(R * n, H, src.shape[-1])  # [R*n, H, D]
 
 
+@dataclass(frozen=True)
+class Paging:
+    """FKV paged's blocks as host state (a value: each change makes a new one): each row's table of blocks
+    (``tables``), the free blocks (``free``, ascending: the lowest is taken first), each block's decoding row
+    (``owner``; the pool's row count: none) and its filled positions (``fill``), the scratch block's last."""
+
+    tables: tuple[tuple[int, ...], ...]
+    free: tuple[int, ...]
+    owner: tuple[int, ...]
+    fill: tuple[int, ...]
+
+    @classmethod
+    def empty(cls, slots: int, blocks: int) -> Paging:
+        return cls(((),) * slots, tuple(range(blocks)), (slots,) * (blocks + 1), (0,) * (blocks + 1))
+
+    def reserved(self, row: int, need: int) -> Paging:
+        """Row ``row`` takes the ``need`` lowest free blocks."""
+        if need > len(self.free):
+            raise RuntimeError(f"row {row}: {need} blocks needed, {len(self.free)} free (the scheduler admits by them)")
+        tables = self.tables[:row] + (self.free[:need],) + self.tables[row + 1 :]
+        return replace(self, tables=tables, free=self.free[need:])
+
+    def released(self, row: int) -> Paging:
+        """Row ``row``'s blocks go back (free, no owner, empty)."""
+        owner, fill, mine = list(self.owner), list(self.fill), self.tables[row]
+        for b in mine:
+            owner[b], fill[b] = len(self.tables), 0
+        tables = self.tables[:row] + ((),) + self.tables[row + 1 :]
+        return Paging(tables, tuple(sorted(self.free + mine)), tuple(owner), tuple(fill))
+
+    def held(self, row: int, length: int, block: int) -> Paging:
+        """Row ``row``'s blocks, held by it, with the positions its ``length`` fills in each."""
+        owner, fill = list(self.owner), list(self.fill)
+        for j, b in enumerate(self.tables[row]):
+            owner[b], fill[b] = row, max(0, min(block, length - j * block))
+        return replace(self, owner=tuple(owner), fill=tuple(fill))
+
+
 class PagedPool(DensePool):
     """FKV sized by real length (vLLM's PagedAttention layout, ``FullCache.block`` > 0): the K/V of N blocks of Bs
     positions, shared by the rows. A request is admitted when the free blocks cover its prompt and generation
@@ -158,30 +192,36 @@ class PagedPool(DensePool):
         self.block, self.num_blocks = method.block, blocks
         # capacity: the scratch block's first position, where ``idle_pass`` and idle rows write
         SlotPool.__init__(self, method, num_layers, slots, blocks * method.block, PagedLayer, static)
-        self.free = list(range(blocks))  # a heap: the lowest free block first
-        self.tables: list[list[int]] = [[] for _ in range(slots)]
-        self.owner = [slots] * (blocks + 1)  # per block: its decoding row (``slots``: none)
-        self.fill = [0] * (blocks + 1)  # per block: positions held
+        self.paging = Paging.empty(slots, blocks)  # replaced whole by ``apply``, never edited
 
     def kv_dims(self, heads: int, slots: int) -> tuple[int, ...]:
         return (self.num_blocks + 1, heads, self.block)
 
-    def reserve(self, row: int, prompt_len: int, max_new_tokens: int) -> None:
-        """Row ``row``'s request's blocks (``FullCache.blocks``), taken now."""
-        need = self.method.blocks(prompt_len, max_new_tokens)
-        if need > len(self.free):
-            raise RuntimeError(f"row {row}: {need} blocks needed, {len(self.free)} free (the scheduler admits by them)")
-        self.tables[row] = [heapq.heappop(self.free) for _ in range(need)]
+    def admitted(self, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]) -> Change:
+        """Each request's blocks (``FullCache.blocks``), taken now."""
+        paging = self.paging
+        for row, s, t in zip(rows, lengths, max_new):
+            paging = paging.reserved(row, self.method.blocks(s, t))
+        return replace(super().admitted(rows, offsets, lengths, max_new), paging=paging)
 
-    def finish(self, row: int) -> None:
-        for b in self.tables[row]:
-            heapq.heappush(self.free, b)
-            self.owner[b], self.fill[b] = self.slots, 0
-        self.tables[row] = []
+    def graduated(self, rows: range, decodes: list[bool]) -> Change:
+        """``DensePool``'s, each row's blocks then held by it with their filled positions."""
+        change, paging = super().graduated(rows, decodes), self.paging
+        for row, st in change.after:
+            paging = paging.held(row, st.length, self.block)
+        return replace(change, paging=paging)
+
+    def finished(self, row: int) -> Change:
+        return Change(paging=self.paging.released(row))
+
+    def apply(self, change: Change) -> None:
+        super().apply(change)
+        if change.paging is not None:
+            self.paging = change.paging
 
     def _where(self, row: int, j: int) -> int:
         """Where row ``row``'s slot j lives: block ``table[j // Bs]``, position j % Bs (as block x Bs + offset)."""
-        return self.tables[row][j // self.block] * self.block + j % self.block
+        return self.paging.tables[row][j // self.block] * self.block + j % self.block
 
     def prefill_pass(
         self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
@@ -191,49 +231,36 @@ class PagedPool(DensePool):
         s = ids.shape[1]
         return replace(step, write=to_device([[self._where(w.row, j) for j in range(s)] for w in work], device)), ids
 
-    def graduate(self, rows: range, decodes: list[bool]) -> None:
-        super().graduate(rows, decodes)
-        for row in rows:
-            self._held(row)
-
-    def _held(self, row: int) -> None:
-        """Note row ``row``'s blocks as held by it, each with its filled positions."""
-        length, Bs = self.rows[row].length, self.block
-        for j, b in enumerate(self.tables[row]):
-            self.owner[b], self.fill[b] = row, max(0, min(Bs, length - j * Bs))
-
     def fork(self, rows: range) -> None:
-        """Copy row ``rows.start``'s blocks (a shared prefill's result) into the other rows' blocks."""
-        first = self.tables[rows.start]
+        """Copy the blocks holding row ``rows.start``'s prompt (a shared prefill's result) into the other rows' first
+        blocks (each request holds as many blocks as its own generation needs: at least the prompt's)."""
+        st = self.rows[rows.start]
+        n = -(-(st.seen - st.offset) // self.block)  # the prompt's blocks
+        first = self.paging.tables[rows.start][:n]
         for row in rows[1:]:
-            src, dst = (torch.tensor(t, device=self.layers[0].keys.device) for t in (first, self.tables[row]))
+            src, dst = (
+                torch.tensor(t, device=self.layers[0].keys.device) for t in (first, self.paging.tables[row][:n])
+            )
             for layer in self.layers:
                 for t in (layer.keys, layer.values):
                     t[dst] = t[src]
 
     def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
         """A decode pass over every row: each decoding row writes its next slot; the blocks of the decoding rows
-        (each with its filled positions) enter the attention, up to the highest one held."""
-        S, C = self.slots, self.capacity
-        hi = self.num_blocks + 1 if self.static else 1 + max(max(self.tables[w.row]) for w in work)
-        write, seen, fill = [C] * S, [-1] * S, self.fill[:hi]  # the blocks' fill after the pass (``ready`` records it)
+        (each with its filled positions after the pass) enter the attention, up to the highest one held."""
+        S, C, tables = self.slots, self.capacity, self.paging.tables
+        hi = self.num_blocks + 1 if self.static else 1 + max(max(tables[w.row]) for w in work)
+        write, seen, fill = [C] * S, [-1] * S, list(self.paging.fill)  # the blocks' fill after the pass
         after = {w.row: self.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
         for w in work:
             st = after[w.row]
             write[w.row], seen[w.row] = self._where(w.row, st.length), st.seen
             st.length, st.seen = st.length + 1, st.seen + 1
-            fill[self.tables[w.row][(st.length - 1) // self.block]] += 1
+            fill[tables[w.row][(st.length - 1) // self.block]] += 1
         first = work[0].row  # a block no decoding row holds goes to it, masked whole (it adds exp(-inf) = 0)
-        owner = [first if r == S else r for r in self.owner[:hi]]
-        return self._decode_pass(work, write, seen, hi, [], device, blocks=(owner, fill), after=after)
-
-    def ready(self, step: RowsPass) -> RowsPass:
-        """``SlotPool.ready``; a decode pass also counts each decoding row's new position in its block."""
-        model_step = super().ready(step)
-        if step.kind == "decode":
-            for row, st in step.after:
-                self.fill[self.tables[row][(st.length - 1) // self.block]] += 1
-        return model_step
+        owner = [first if r == S else r for r in self.paging.owner[:hi]]
+        step = self._decode_pass(work, write, seen, hi, [], device, blocks=(owner, fill[:hi]), after=after)
+        return replace(step, paging=replace(self.paging, fill=tuple(fill)))
 
     def pass_workspace(self, step: RowsPass) -> int:
         """A decode pass block by block (``attention._paged_decode``); a prompt as ``DensePool``'s."""

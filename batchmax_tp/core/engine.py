@@ -7,9 +7,13 @@ has ended, then ``finish``. A run owns its pool (``core.pool``: allocated at ``s
 run's longest request, freed at ``finish``) and its scheduler (``core.scheduler``), and each ``step`` is one pass,
 in one direction:
 
-    schedule (``Scheduler.next_step``) -> describe (the pool's ``prefill_pass``/``decode_pass``, executed on the host
-    by its ``ready``) -> run the model (``core.replay.forward_pass``: the attention reads the description and the
-    pool's storage) -> sample (``_Sampler``, agreed across ranks) -> retire (``Scheduler.complete``).
+    schedule (``Scheduler.next_step``; the requests that enter: the pool's ``admitted`` change) -> describe (the
+    pool's ``prefill_pass``/``decode_pass``, executed on the host by its ``ready``) -> run the model
+    (``core.replay.forward_pass``: the attention reads the description and the pool's storage) -> sample
+    (``_Sampler``, agreed across ranks) -> retire (``Scheduler.complete``; the pool's ``finished`` change).
+
+Every change of the pool's host state is described by a pure function of it (a pass, ``admitted``, ``graduated``,
+``finished``: ``step.Change``) and executed by the pool's ``apply``; nothing else assigns it.
 
 Under the default ``continuous`` policy, when a request ends (its EOS, a stop, or its ``max_new_tokens``) the next
 one enters its slot at once; each request runs its own schedule on its unpadded prompt, so its tokens equal the naive
@@ -322,7 +326,7 @@ class Engine:
         self.metrics.passed(kind, time.perf_counter() - t0, self.pool)
         for row, i in self.sched.complete(step, finished):  # retire
             self._retire(row, i)
-            self.pool.finish(row)
+            self.pool.apply(self.pool.finished(row))
         self._hand_on()
         self.agreement.schedule(self.sched, every=AGREE_EVERY)
         return True
@@ -365,9 +369,8 @@ class Engine:
     # -- the parts of a pass ----------------------------------------------------------------------------------------
     def _admit(self, rows: range, group: tuple[int, ...], shared: bool) -> None:
         pool, pads = self.pool, self.sched.pads
-        pool.admit(rows, [pads[i] for i in group])
-        for row, i in zip(rows, group):
-            pool.reserve(row, self.lengths[i], self.max_new[i])
+        lengths, max_new = [self.lengths[i] for i in group], [self.max_new[i] for i in group]
+        pool.apply(pool.admitted(rows, [pads[i] for i in group], lengths, max_new))
         for i in group:
             self.ends[i] = self.lengths[i] + pads[i]
         if shared:
@@ -400,7 +403,7 @@ class Engine:
                 continue
             group = self.group_of[w.row] if w.row in self.shared else range(w.row, w.row + 1)
             self.shared.discard(w.row)
-            pool.graduate(group, [self.max_new[self.request_of[r]] > 1 for r in group])
+            pool.apply(pool.graduated(group, [self.max_new[self.request_of[r]] > 1 for r in group]))
             rows.extend(group)
             index.extend([j] * len(group))
         if not rows:

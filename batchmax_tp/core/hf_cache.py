@@ -37,7 +37,7 @@ from .bounded import BoundedPool
 from .method import Method
 from .schedule import Phase
 from .slots import RowState, kv_layout
-from .step import RowsPass, SlotWork
+from .step import Change, RowsPass, SlotWork
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class DropInPool(BoundedPool):
         for name, t in self.stacks.items():
             if name != "free":
                 new.stacks[name][..., :C] = t[..., :C]
-        new.rows = [st.copy() for st in self.rows]
+        new.apply(Change(after=tuple((row, st.copy()) for row, st in enumerate(self.rows))))
         new.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes() + new.kv_bytes())  # both held while copying
         new.peak_meta_bytes = max(new.peak_meta_bytes, self.peak_meta_bytes)
         new.peak_workspace_bytes = self.peak_workspace_bytes
@@ -130,7 +130,7 @@ class DropInPool(BoundedPool):
                 t.copy_(t.index_select(0, index))
         for t in self.stacks.values():
             t.copy_(t.index_select(1, index))
-        self.rows = [self.rows[i].copy() for i in index.tolist()]
+        self.apply(Change(after=tuple((row, self.rows[i].copy()) for row, i in enumerate(index.tolist()))))
 
 
 class DropInLayer(CacheLayerMixin):
@@ -198,12 +198,16 @@ class BatchMaxCache(Cache):
         self.method = method
         self.reserve = reserve
         self.pool: DropInPool | None = None
-        self.seen = 0  # tokens fed so far = padded position of the next token
-        self.decoding = False
+        self.decoding = False  # HF's generate has begun decoding (its first single-token forward after the prompt)
         if num_layers is None:
             super().__init__(layers=None, layer_class_to_replicate=self._new_layer)
         else:
             super().__init__(layers=[DropInLayer(self, i) for i in range(num_layers)])
+
+    @property
+    def seen(self) -> int:
+        """Tokens fed so far = the padded position of the next token (every row's: the pool's rows' state)."""
+        return 0 if self.pool is None else self.pool.rows[0].seen
 
     def _new_layer(self) -> DropInLayer:
         return DropInLayer(self, len(self.layers))
@@ -233,8 +237,7 @@ class BatchMaxCache(Cache):
         else:
             pads = _left_pads(mask, batch, self.seen + n)  # the pads seen so far (a later block may show more)
             described, _ = pool.prefill_pass(work, None, device, offsets=pads)
-        self.seen += n
-        return pool.ready(described)
+        return pool.ready(described)  # its rows' states after it: ``seen`` advanced by n
 
     def _make_room(self, batch: int, needed: int, n: int) -> None:
         """A pool whose rows hold ``needed`` pairs: allocated at the first forward (``method.capacity``: BM's
@@ -255,7 +258,7 @@ class BatchMaxCache(Cache):
         """Drop the pool (a new generation starts from nothing)."""
         if self.pool is not None:
             self.pool.release()
-        self.pool, self.seen, self.decoding = None, 0, False
+        self.pool, self.decoding = None, False
 
     @property
     def peak_kv_bytes(self) -> int:

@@ -12,7 +12,7 @@ from .bounded import BoundedPool, PoolLayer
 from .method import Method
 from .schedule import Phase
 from .slots import KVLayout, RowState
-from .step import RowsPass, SlotWork
+from .step import Change, RowsPass, SlotWork
 
 
 class _LayerGroup(BoundedPool):
@@ -59,19 +59,20 @@ class LayeredPool:
         for part in self.parts:
             part.allocate(layout)
 
-    def admit(self, rows: range, offsets: list[int]) -> None:
-        for part in self.parts:
-            part.admit(rows, offsets)
+    def admitted(self, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]) -> Change:
+        return Change(parts=tuple(part.admitted(rows, offsets, lengths, max_new) for part in self.parts))
 
-    def reserve(self, row: int, prompt_len: int, max_new_tokens: int) -> None:
-        """Nothing to reserve: every row holds its own slots."""
+    def graduated(self, rows: range, decodes: list[bool]) -> Change:
+        return Change(parts=tuple(part.graduated(rows, decodes) for part in self.parts))
 
-    def finish(self, row: int) -> None:
+    def finished(self, row: int) -> Change:
         """Nothing to free: every row holds its own slots."""
+        return Change()
 
-    def graduate(self, rows: range, decodes: list[bool]) -> None:
-        for part in self.parts:
-            part.graduate(rows, decodes)
+    def apply(self, change: Change) -> None:
+        """Each group's pool executes its part of the change."""
+        for part, own in zip(self.parts, change.parts):
+            part.apply(own)
 
     def prefill_pass(
         self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device

@@ -15,7 +15,8 @@ The method says which pool it holds (``Method.pool_kind``); the pools, one modul
 
 Per-slot state between passes is host integers (``slots.RowState``). Each pool describes its passes from them
 (``prefill_pass``, ``decode_pass``: a ``step.RowsPass``, its tensors built once per pass in one host-to-device copy,
-handed to the attention) and advances them; nothing per pass is set on a pool or layer.
+handed to the attention) and its changes between passes (``admitted``, ``graduated``, ``finished``: a
+``step.Change``), and its ``apply`` alone assigns them; nothing per pass is set on a pool or layer.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@ layer's storage (``SlotLayer``: keys/values [S, H, C + 1, D] and the views an ev
 model's shapes (``KVLayout``), the peaks, and the pass descriptions every pool builds the same way: a decode pass from
 per-row host lists in one host-to-device copy (``SlotPool._decode_pass``), a group's prompt pass (``group_pass``).
 
-Per-slot state between passes is host integers (``RowState``). A pool describes a pass from them and changes nothing
-(the rows' states after the pass ride in the description, ``RowsPass.after``); its ``ready`` executes the host part.
+Per-slot state between passes is host integers (``RowState``, a tuple of them per pool). A pool describes a pass
+from them and changes nothing (the rows' states after the pass ride in the description, ``RowsPass.after``); its
+``ready`` executes the host part. A change between passes (``admitted``, ``graduated``, ``finished``) is described
+as a ``step.Change`` and executed by ``apply``, the one method that assigns a pool's host state.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .method import Method
-from .step import Eviction, RowsPass, SlotWork
+from .step import Change, Eviction, RowsPass, SlotWork
 from .workspace import decode_workspace_bytes, dense_impl, dense_workspace_bytes
 
 
@@ -92,7 +94,7 @@ class SlotPool:
         # once); else over the slots written so far
         self.static = static
         self.stacks: dict[str, torch.Tensor] = {}
-        self.rows = [RowState() for _ in range(slots)]
+        self.rows = tuple(RowState() for _ in range(slots))  # replaced whole by ``apply``, never edited
         self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
         self.layout: KVLayout | None = None  # the model's attention shapes on this rank (``allocate``)
         self.dense_impl = None  # how a prompt runs on SDPA here (``workspace.dense_impl``; ``allocate``)
@@ -135,11 +137,37 @@ class SlotPool:
         """The pool's per-slot bookkeeping, stacked over the layers (none for the dense pools)."""
         return {}
 
-    def reserve(self, row: int, prompt_len: int, max_new_tokens: int) -> None:
-        """Row ``row``'s request, just admitted, holds what its prompt and generation need (FKV paged: its blocks)."""
+    # -- changes between passes: described (pure), then executed by ``apply`` -------------------------------------
+    def admitted(self, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]) -> Change:
+        """Requests enter the slots ``rows`` (``offsets``: each one's left pads, 0 but for a padded batch's rows;
+        ``lengths``/``max_new``: each one's prompt and generation): their rows start empty."""
+        return Change(after=tuple((row, RowState(offset=offset)) for row, offset in zip(rows, offsets)))
 
-    def finish(self, row: int) -> None:
-        """Row ``row``'s request has ended (its slot is free until the next ``admit``)."""
+    def graduated(self, rows: range, decodes: list[bool]) -> Change:
+        """A group's prefill is over (``decodes``: whether each row's request decodes on). A shared group's ran on its
+        first row alone (the others have seen nothing), which then becomes every row of the group."""
+        if len(rows) > 1 and self.rows[rows.start + 1].seen == 0:
+            return Change(after=tuple((row, self.rows[rows.start].copy()) for row in rows[1:]), fork=rows)
+        return Change()
+
+    def finished(self, row: int) -> Change:
+        """Row ``row``'s request has ended (its slot is free until the next admission): nothing changes but FKV paged's
+        blocks."""
+        return Change()
+
+    def apply(self, change: Change) -> None:
+        """Execute a described change: the rows' new states (the only assignment of a pool's host state), then the
+        storage it names (slots emptied, a shared prefill's row copied)."""
+        if change.after:
+            rows = list(self.rows)
+            for row, st in change.after:
+                rows[row] = st
+            self.rows = tuple(rows)
+        for row in change.reset:
+            for layer in self.layers:
+                layer.reset_row(row)
+        if change.fork is not None:
+            self.fork(change.fork)
 
     @property
     def allocated(self) -> bool:
@@ -234,11 +262,11 @@ class SlotPool:
         )
 
     def ready(self, step: RowsPass) -> RowsPass:
-        """Execute a described pass's host part: its rows' new states (``RowsPass.after``), then its evictions (every
-        layer at once), and note the workspace its attention calls will take (``pass_workspace``: counted here, on
-        the host, so the attention notes nothing); returns what the model call reads (``RowsPass.for_model``)."""
-        for row, st in step.after:
-            self.rows[row] = st
+        """Execute a described pass's host part: its change (its rows' new states, ``RowsPass.change``), then its
+        evictions (every layer at once), and note the workspace its attention calls will take (``pass_workspace``:
+        counted here, on the host, so the attention notes nothing); returns what the model call reads
+        (``RowsPass.for_model``)."""
+        self.apply(step.change())
         for eviction in step.evictions:
             self.evict(eviction)
         self.note_workspace(self.pass_workspace(step))

@@ -9,7 +9,10 @@ a pass over its own pool, and its attention function hands it to the same attent
 
 Describe, then execute: a pool's ``prefill_pass``/``decode_pass`` describes a pass from its rows' host state and
 changes nothing (the rows' states after the pass ride in the description, ``RowsPass.after``); the pool's ``ready``
-executes its host part (those states, then the evictions, every layer at once) and the model call the rest.
+executes its host part (those states, then the evictions, every layer at once) and the model call the rest. What
+changes a pool between passes (a request admitted, a prefill over, a request ended) is described the same way, as a
+``Change`` a pure function of the pool's state returns, and executed by the pool's ``apply``: the only place a
+pool's host state is assigned.
 
 A pass is a prefill chunk, a look-ahead probe, a compress pass (``snap``: a group's whole prompts on the model's
 SDPA, each row then keeping what its window's attention chooses, ``core.snap``) or a decode step. ``SlotWork``
@@ -59,6 +62,21 @@ class Eviction:
     curr_id: torch.Tensor  # [E, 1, 1]
     count: int
     probe: Literal["fresh", "rescore"] | None = None
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change of a pool's host state, described by a pure function of that state and executed by the pool's
+    ``apply`` (the one place its host state is assigned): a pass's (``RowsPass.change``), or one between passes: a
+    request admitted (``admitted``: its row's state emptied, its slots too; FKV paged: its blocks taken), a prefill
+    over (``graduated``: a shared prefill's row copied into its group's other rows; the dense pools: what each row
+    holds now), a request ended (``finished``: FKV paged's blocks given back)."""
+
+    after: tuple = ()  # (row, core.slots.RowState): each row's host state after the change
+    reset: tuple[int, ...] = ()  # rows whose slots are emptied (storage: positions, sums, masks, free lists)
+    fork: range | None = None  # row ``fork.start``'s storage copied into the other rows of ``fork``
+    paging: object = None  # FKV paged: the blocks' state after the change (``dense.Paging``); None: unchanged
+    parts: tuple[Change, ...] = ()  # budgets across layers: each layer group's pool's change
 
 
 @dataclass(frozen=True)
@@ -114,6 +132,7 @@ class RowsPass:
     blind: bool = False  # BM's prefill passes: some row's queries see no slot (pads alone, nothing held yet)
     written: torch.Tensor | None = None  # [L, R*Hkv] BM's decode passes: each layer's K/V index of each row's pair
     after: tuple = ()  # (row, core.slots.RowState) per row the pass advances: its host state once the pass has run
+    paging: object = None  # FKV paged's decode passes: its blocks' state once the pass has run (``dense.Paging``)
     parts: tuple[RowsPass, ...] = ()  # budgets across layers: the pass of each layer group's pool (the first's is it)
 
     def layer(self, module):
@@ -138,7 +157,11 @@ class RowsPass:
         if self.parts:
             parts = tuple(part.for_model() for part in self.parts)
             return replace(parts[0], parts=parts)
-        return replace(self, evictions=(), decoding=None, after=())
+        return replace(self, evictions=(), decoding=None, after=(), paging=None)
+
+    def change(self) -> Change:
+        """The pass's change of its pool's host state (its rows' states after it; FKV paged's blocks)."""
+        return Change(after=self.after, paging=self.paging)
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """The pass's rows of a pool tensor [S, ...]: a view when they are adjacent, else a gathered copy."""
