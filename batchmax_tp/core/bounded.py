@@ -402,7 +402,7 @@ class BoundedPool(SlotPool):
             ptr[w.row], seen[w.row] = st.ptr, st.seen
             if st.contiguous:
                 st.high = max(st.high, st.ptr + 1)
-            st.ptr, st.filled, st.seen = st.ptr + 1, st.filled + 1, st.seen + 1
+            st.ptr, st.filled, st.seen, st.decoding = st.ptr + 1, st.filled + 1, st.seen + 1, True
         hi = C if self.static else max(after[w.row].high for w in work)
         return self._decode_pass(work, ptr, seen, hi, evicting, device, after=after)
 

@@ -198,7 +198,6 @@ class BatchMaxCache(Cache):
         self.method = method
         self.reserve = reserve
         self.pool: DropInPool | None = None
-        self.decoding = False  # HF's generate has begun decoding (its first single-token forward after the prompt)
         if num_layers is None:
             super().__init__(layers=None, layer_class_to_replicate=self._new_layer)
         else:
@@ -224,15 +223,16 @@ class BatchMaxCache(Cache):
         """The forward's pass of ``n`` tokens per row of a batch of ``batch``: allocate or grow the pool as the block
         needs, describe the pass every row runs (its eviction inferred from the block) and execute its host part.
         ``mask``: the batch's padding mask [B, seen + n] (or None)."""
-        first_decode = n == 1 and self.seen > 0 and not self.decoding
-        self.decoding = self.decoding or first_decode
+        began = self.pool is not None and self.pool.rows[0].decoding  # HF's generate decodes since an earlier pass
+        first_decode = n == 1 and self.seen > 0 and not began  # its first single-token forward after the prompt
+        decoding = began or first_decode
         filled = 0 if self.pool is None else self.pool.rows[0].filled  # the same in every row (pads counted)
         evict = self.method.num_to_evict(filled, n, self.method.kv_max, first_decode)
         self._make_room(batch, filled + n - evict, n)
         pool, device = self.pool, self.pool.layout.device
-        phase = Phase("decode" if self.decoding else "prefill", self.seen, self.seen + n, evict)
+        phase = Phase("decode" if decoding else "prefill", self.seen, self.seen + n, evict)
         work = tuple(SlotWork(row, phase) for row in range(batch))
-        if self.decoding:
+        if decoding:
             described = pool.decode_pass(work, device)
         else:
             pads = _left_pads(mask, batch, self.seen + n)  # the pads seen so far (a later block may show more)
@@ -258,7 +258,7 @@ class BatchMaxCache(Cache):
         """Drop the pool (a new generation starts from nothing)."""
         if self.pool is not None:
             self.pool.release()
-        self.pool, self.decoding = None, False
+        self.pool = None
 
     @property
     def peak_kv_bytes(self) -> int:

@@ -55,8 +55,8 @@ class RowState:
     """One slot's host state: pairs held (``filled``), next position (``seen``), write pointer into its free list
     (``ptr``), slots ever written (``high``), whether its free list is still the identity (``contiguous``), whether
     its last pass carried its look-ahead probe (``probed``: its next prefill eviction ranks with it); the dense
-    pools' ``length`` (slots [0, length) held). A padded row's ``filled`` counts its pads (Algorithm 1 on the padded
-    batch)."""
+    pools' ``length`` (slots [0, length) held); whether its decode passes have begun (``decoding``). A padded row's
+    ``filled`` counts its pads (Algorithm 1 on the padded batch)."""
 
     filled: int = 0
     seen: int = 0
@@ -66,6 +66,7 @@ class RowState:
     probed: bool = False
     length: int = 0
     offset: int = 0  # a padded row's left pads: its positions are the padded batch's, its RoPE positions offset less
+    decoding: bool = False  # its decode passes have begun (the HF drop-in reads it: HF's generate states no schedule)
 
     def copy(self) -> RowState:
         """A copy to advance in a pass's description (every decode pass copies its rows' states: 0.4 us a row,
