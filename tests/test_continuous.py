@@ -459,8 +459,8 @@ def test_a_decode_pass_reads_the_host_only_for_its_tokens(monkeypatch, key):
         pool = self.pool
         real = pool.decode_pass
 
-        def described(work, device):
-            d = real(work, device)
+        def described(state, work, device):
+            d = real(state, work, device)
             expected[0] += sum(1 + len(part.evictions) for part in d.each())  # one copy per layer group's part
             return d
 
@@ -710,25 +710,23 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("key", list(METHODS))
 def test_describing_a_pass_changes_nothing_until_the_pool_runs_it(monkeypatch, key):
-    """A pool's ``prefill_pass`` and ``decode_pass`` only describe: the pool's host state (each row's, FKV paged's
-    block fill) is the same after one, describing again gives the same pass (its rows' new states included), and
-    the rows advance when ``ready`` executes it; the run's tokens are unchanged."""
+    """A pool's ``prefill_pass`` and ``decode_pass`` only describe: the host state they are handed (each row's, FKV
+    paged's blocks) is the same after one, describing again gives the same pass (its rows' new states included),
+    and the rows advance when the engine takes it; the run's tokens are unchanged."""
     from batchmax_tp.core.bounded import BoundedPool, SnapPool
     from batchmax_tp.core.dense import DensePool, PagedPool
-
-    def host(pool):
-        return copy.deepcopy((pool.rows, getattr(pool, "fill", None)))
 
     described = []
 
     def pure(fn):
-        def describe(self, *args):
-            before = host(self)
-            first = fn(self, *args)
-            assert host(self) == before, f"{fn.__name__} changed the pool's host state"
-            assert _same(first, fn(self, *args)), f"{fn.__name__} described the same pass twice differently"
+        def describe(self, state, *args):
+            before = copy.deepcopy(state)
+            first = fn(self, state, *args)
+            assert state == before, f"{fn.__name__} changed the host state it was handed"
+            assert _same(first, fn(self, state, *args)), f"{fn.__name__} described the same pass twice differently"
             step = first[0] if isinstance(first, tuple) else first
             described.append((step.kind, len(step.after)))
+            assert state.changed(step.change()) != state  # its rows advance once taken
             return first
 
         return describe
@@ -850,19 +848,21 @@ WATCHED = {  # every pool: BM (a probing rule's stored queries, heads sharing a 
 
 @pytest.mark.parametrize("key", list(WATCHED))
 def test_between_passes_a_pools_host_state_changes_only_as_described(monkeypatch, key):
-    """Once a run has started (its pool allocated), the only attributes of a pool or of its layers assigned until it
-    ends are the host state its described changes carry (``apply``: the rows' states, FKV paged's blocks), the peaks
-    it notes and, once, a probing rule's stored queries (storage, ``_allocate_probe_store``): admissions into used
-    slots, prompts shared by a group (a fork) and ended requests (blocks given back) change nothing else; the
-    shared run's tokens and kept positions are those of a run that shares nothing."""
+    """Once a run has started (its pool allocated), a pool is storage: the only attributes of a pool or of its
+    layers assigned until it ends are the peaks it notes and, once, a probing rule's stored queries (storage,
+    ``_allocate_probe_store``); the host state (each row's, FKV paged's blocks) is the engine's, assigned only where
+    it takes a described change or pass (``_change``, ``_ready``): admissions into used slots, prompts shared by a
+    group (a fork) and ended requests (blocks given back) change nothing else; the shared run's tokens and kept
+    positions are those of a run that shares nothing."""
+    from batchmax_tp.core.engine import Engine as EngineClass
     from batchmax_tp.core.layered import LayeredPool
     from batchmax_tp.core.slots import SlotLayer, SlotPool
 
     assigned, watching = set(), [False]
-    for cls in (SlotPool, SlotLayer, LayeredPool):
+    for cls in (SlotPool, SlotLayer, LayeredPool, EngineClass):
 
-        def setattr_(self, name, value, _original=cls.__setattr__):
-            if watching[0]:
+        def setattr_(self, name, value, _original=cls.__setattr__, _engine=cls is EngineClass):
+            if watching[0] and (not _engine or name == "state"):
                 assigned.add((name, sys._getframe(1).f_code.co_name))  # (the attribute, the method assigning it)
             _original(self, name, value)
 
@@ -886,8 +886,10 @@ def test_between_passes_a_pools_host_state_changes_only_as_described(monkeypatch
     alone = Engine(model, WATCHED[key], 2).run(requests, Sampling(ignore_eos=True), record=Record(positions=True))
     assert [o.tokens for o in got.outputs] == [o.tokens for o in alone.outputs]  # a shared prefill is each one's
     assert [o.kept_positions for o in got.outputs] == [o.kept_positions for o in alone.outputs]
-    allowed = {("rows", "apply"), ("peak_kv_bytes", "note"), ("peak_meta_bytes", "note")}
-    allowed |= {("peak_workspace_bytes", "note_workspace"), ("paging", "apply")}
+    allowed = {("state", "_change"), ("state", "_ready"), ("peak_kv_bytes", "note"), ("peak_meta_bytes", "note")}
+    allowed |= {("peak_workspace_bytes", "note_workspace")}
     allowed |= {(name, "_allocate_probe_store") for name in ("probe_q", "probe_lse", "probe_w")}
-    assert ("rows", "apply") in assigned and forks  # the watch sees the pool's assignments; the group was shared
+    # the watch sees the engine's and the pool's assignments; the group was shared
+    assert {("state", "_change"), ("state", "_ready"), ("peak_workspace_bytes", "note_workspace")} <= assigned
+    assert forks
     assert assigned <= allowed, sorted(assigned - allowed)

@@ -18,6 +18,7 @@ from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import FullCache, Method, make_method
 from batchmax_tp.core.requests import Record, Request, Sampling
 from batchmax_tp.core.scheduler import Scheduler
+from batchmax_tp.core.step import PoolState
 from batchmax_tp.plan.planner import ModelShape, predict_pool
 
 ATOL = 1e-4
@@ -86,22 +87,28 @@ def test_admission_never_holds_more_blocks_than_the_pool_and_kv_is_the_planners(
     planner's for the memory of ``slots`` rows; shorter requests run more at once than ``slots`` rows."""
     model = model_of("llama")
     method = Method("fkv", block=8)
-    most, pools = [0], []
-    apply = PagedPool.apply
+    most, pools, states = [0], [], []
+    initial, changed = PagedPool.initial, PoolState.changed
 
-    def applying(self, change):
-        apply(self, change)
-        held = [b for table in self.paging.tables for b in table]
-        most[0] = max(most[0], len(held))
-        assert sorted(held + list(self.paging.free)) == list(range(self.num_blocks))  # each block held or free, once
+    def starting(self):
         pools.append(self)
+        return initial(self)
 
-    monkeypatch.setattr(PagedPool, "apply", applying)
+    def changing(self, change):
+        new = changed(self, change)
+        held = [b for table in new.paging.tables for b in table]
+        most[0] = max(most[0], len(held))
+        assert sorted(held + list(new.paging.free)) == list(range(pools[0].num_blocks))  # each block held or free, once
+        states.append(new)
+        return new
+
+    monkeypatch.setattr(PagedPool, "initial", starting)
+    monkeypatch.setattr(PoolState, "changed", changing)
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
     out = Engine(model, method, 2).run(requests, Sampling(ignore_eos=True))
     pool = pools[0]
     longest = max(method.capacity(s, t) for s, t in zip(LENGTHS, NEW))  # 70: 9 blocks of 8 per slot
-    assert pool.num_blocks == 2 * -(-longest // 8) and not any(pool.paging.tables)  # every block given back
+    assert pool.num_blocks == 2 * -(-longest // 8) and not any(states[-1].paging.tables)  # every block given back
     assert 0 < most[0] <= pool.num_blocks
     assert len({slot for _, slot, _ in out.admissions}) > 2  # more requests at once than 2 fixed slots
     want = predict_pool(ModelShape.from_config(model.config), method, 2, 64, 8).kv  # the longest request's

@@ -37,7 +37,7 @@ from .slots import (
     span_of,
     to_device,
 )
-from .step import Change, Eviction, RowsPass, SlotWork
+from .step import Change, Eviction, PoolState, RowsPass, SlotWork
 from .workspace import eviction_layers, probe_workspace_bytes, rows_workspace_bytes, snap_workspace_bytes
 
 
@@ -177,7 +177,7 @@ class BoundedPool(SlotPool):
     """BM's pool: ``slots`` rows of ``kv_max`` slots (+ the scratch column) per layer and local KV head. A row's
     prefill chunks run in passes with other rows' chunks (each row at its own position, its own evictions), then
     its decode steps in passes over the whole pool; ``prefill_pass``/``decode_pass`` describe each pass
-    (``step.RowsPass``) from the rows' host state (``RowState``), which they advance."""
+    (``step.RowsPass``, the rows' states after it inside) from the rows' host state handed in (``step.PoolState``)."""
 
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, static: bool = False):
         super().__init__(method, num_layers, slots, capacity, PoolLayer, static)
@@ -287,9 +287,11 @@ class BoundedPool(SlotPool):
         keys = layer.keys[:, :, :T].index_select(0, rows)
         return lookahead.rescore(state, keys, pos, None if other is None else other[..., :T])
 
-    def admitted(self, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]) -> Change:
+    def admitted(
+        self, state: PoolState, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]
+    ) -> Change:
         """Requests enter the slots ``rows``: their rows start empty, and so do their slots (once allocated)."""
-        change = super().admitted(rows, offsets, lengths, max_new)
+        change = super().admitted(state, rows, offsets, lengths, max_new)
         return replace(change, reset=tuple(rows) if self.allocated else ())
 
     def evicts(self, st: RowState, phase: Phase) -> int:
@@ -309,7 +311,12 @@ class BoundedPool(SlotPool):
         return row, count, st.seen - 1, probe
 
     def prefill_pass(
-        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor] | None, device, offsets: list[int] | None = None
+        self,
+        state: PoolState,
+        work: tuple[SlotWork, ...],
+        prompts: list[torch.Tensor] | None,
+        device,
+        offsets: list[int] | None = None,
     ) -> tuple[RowsPass, torch.Tensor | None]:
         """The pass of ``work`` (each row's prefill chunk, and the look-ahead probes some chunks take along) and its
         input ids [R, w + n]: a probe's columns first (the rule's window ``w``, when some row probes; masked for a
@@ -322,7 +329,7 @@ class BoundedPool(SlotPool):
         rows = [w.row for w in work]
         qpos, rope, write, evicting, ids, among, probe_qpos, probe_rope = [], [], [], [], [], [], [], []
         blind = False  # a row whose pass is pads alone and that holds nothing yet: its queries see no slot
-        after = {w.row: self.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
+        after = {w.row: state.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
         for j, w in enumerate(work):
             ph, st, prompt = w.phase, after[w.row], None if prompts is None else prompts[j]
             if offsets is not None:
@@ -390,11 +397,11 @@ class BoundedPool(SlotPool):
             step = replace(step, probe=probe, among=None if len(among) == R else to_device(among, device))
         return step, None if prompts is None else torch.stack(ids)
 
-    def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
+    def decode_pass(self, state: PoolState, work: tuple[SlotWork, ...], device) -> RowsPass:
         """A decode pass over every row: each decoding row's eviction (its own step's count) and write slot."""
         S, C = self.slots, self.capacity
         ptr, seen, evicting = [C] * S, [-1] * S, []
-        after = {w.row: self.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
+        after = {w.row: state.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
         for w in work:
             st = after[w.row]
             if evict := self.evicts(st, w.phase):  # Algorithm 1: p pairs (and the empty slots) go before a step
@@ -440,8 +447,9 @@ class BoundedPool(SlotPool):
             head.view(-1).index_copy_(0, stacked, own.to(head.dtype).repeat(L * S * Hs))
         return replace(model_step, written=written)
 
-    def kept_positions(self, row: int) -> list[list[list[int]]]:
-        """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
+    def kept_positions(self, state: PoolState, row: int) -> list[list[list[int]]]:
+        """Per layer and local KV head: the sorted positions row ``row`` holds (host copy, read from its storage; for
+        tests)."""
         T, G = self.share * self.capacity, self.share
         out = []
         for layer in self.layers:
@@ -463,11 +471,11 @@ class SnapPool(BoundedPool):
     each row keeps what the window's attention chooses."""
 
     def prefill_pass(
-        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
+        self, state: PoolState, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
     ) -> tuple[RowsPass, torch.Tensor]:
         """One group's prompts (one length s: a single block) and their ids [R, s]; each row then holds
         min(s, ``kv_max``) pairs in slots [0, K) (a padded batch's rows: at their padded positions, no pad held)."""
-        return group_pass(self, work, prompts, device, "compress", kept=self.capacity)
+        return group_pass(self, state, work, prompts, device, "compress", kept=self.capacity)
 
     def pass_workspace(self, step: RowsPass) -> int:
         """A compress pass: the larger of the prompts' SDPA (``prompt_workspace``) and the window's choice

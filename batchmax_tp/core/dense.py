@@ -14,7 +14,7 @@ import torch
 
 from .method import FullCache, Method
 from .slots import RowState, SlotLayer, SlotPool, group_pass, prompt_workspace, to_device
-from .step import Change, Eviction, RowsPass, SlotWork
+from .step import Change, Eviction, PoolState, RowsPass, SlotWork
 from .workspace import paged_decode_workspace_bytes
 
 
@@ -48,12 +48,12 @@ class DensePool(SlotPool):
         return s
 
     def prefill_pass(
-        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
+        self, state: PoolState, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
     ) -> tuple[RowsPass, torch.Tensor]:
         """One group's prompts (one length s: a single block) and their ids [k, s]; each row keeps what
         ``kept_slots`` says. A padded batch's rows hold no pad: their positions are the padded batch's, their tokens
         their own."""
-        return group_pass(self, work, prompts, device, "prefill", self.kept_slots)
+        return group_pass(self, state, work, prompts, device, "prefill", self.kept_slots)
 
     def pass_workspace(self, step: RowsPass) -> int:
         """A group's prompts on SDPA (``prompt_workspace``); a decode pass's fused product (``SlotPool``)."""
@@ -61,23 +61,23 @@ class DensePool(SlotPool):
             return super().pass_workspace(step)
         return prompt_workspace(self, *step.qpos.shape)
 
-    def graduated(self, rows: range, decodes: list[bool]) -> Change:
+    def graduated(self, state: PoolState, rows: range, decodes: list[bool]) -> Change:
         """The group's prompt is held (each row what ``held_after_prompt`` says); a shared group's first row, the one
         its prefill ran on, becomes every row."""
-        first = self.rows[rows.start]
+        first = state.rows[rows.start]
         s = first.seen - first.offset
         after = tuple(
             (row, RowState(seen=first.seen, length=self.held_after_prompt(s, more), offset=first.offset))
             for row, more in zip(rows, decodes)
         )
-        return replace(super().graduated(rows, decodes), after=after)
+        return replace(super().graduated(state, rows, decodes), after=after)
 
-    def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
+    def decode_pass(self, state: PoolState, work: tuple[SlotWork, ...], device) -> RowsPass:
         """A decode pass over every row: ED's keep-newest where a row's step evicts, each row's write slot, and the
         additive mask [S, span] of the slots each row holds (idle rows: slot 0 alone, finite and never used)."""
         S, C = self.slots, self.capacity
         write, seen, lengths, evicting = [C] * S, [-1] * S, [1] * S, []
-        after = {w.row: self.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
+        after = {w.row: state.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
         for w in work:
             st = after[w.row]
             if w.phase.evict:  # ED (Algorithm 3): only the newest pair stays, moved to slot 0
@@ -89,10 +89,10 @@ class DensePool(SlotPool):
         hi = C if self.static else max(lengths[w.row] for w in work)
         return self._decode_pass(work, write, seen, hi, evicting, device, lengths, after=after)
 
-    def kept_positions(self, row: int) -> list[list[list[int]]]:
-        """Per layer and local KV head: the positions row ``row`` holds (slots [0, length) hold the last ``length``
-        positions, in order)."""
-        st = self.rows[row]
+    def kept_positions(self, state: PoolState, row: int) -> list[list[list[int]]]:
+        """Per layer and local KV head: the positions row ``row`` holds in ``state`` (slots [0, length) hold the last
+        ``length`` positions, in order)."""
+        st = state.rows[row]
         held = list(range(st.seen - st.length, st.seen))
         return [[held] * layer.keys.shape[1] for layer in self.layers]
 
@@ -192,75 +192,78 @@ class PagedPool(DensePool):
         self.block, self.num_blocks = method.block, blocks
         # capacity: the scratch block's first position, where ``idle_pass`` and idle rows write
         SlotPool.__init__(self, method, num_layers, slots, blocks * method.block, PagedLayer, static)
-        self.paging = Paging.empty(slots, blocks)  # replaced whole by ``apply``, never edited
 
     def kv_dims(self, heads: int, slots: int) -> tuple[int, ...]:
         return (self.num_blocks + 1, heads, self.block)
 
-    def admitted(self, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]) -> Change:
+    def initial(self) -> PoolState:
+        """Every row empty, every block free."""
+        return replace(super().initial(), paging=Paging.empty(self.slots, self.num_blocks))
+
+    def admitted(
+        self, state: PoolState, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]
+    ) -> Change:
         """Each request's blocks (``FullCache.blocks``), taken now."""
-        paging = self.paging
+        paging = state.paging
         for row, s, t in zip(rows, lengths, max_new):
             paging = paging.reserved(row, self.method.blocks(s, t))
-        return replace(super().admitted(rows, offsets, lengths, max_new), paging=paging)
+        return replace(super().admitted(state, rows, offsets, lengths, max_new), paging=paging)
 
-    def graduated(self, rows: range, decodes: list[bool]) -> Change:
-        """``DensePool``'s, each row's blocks then held by it with their filled positions."""
-        change, paging = super().graduated(rows, decodes), self.paging
+    def graduated(self, state: PoolState, rows: range, decodes: list[bool]) -> Change:
+        """``DensePool``'s, each row's blocks then held by it with their filled positions; a shared group's fork copies
+        the blocks holding its first row's prompt into the other rows' first blocks (each request holds as many
+        blocks as its own generation needs: at least the prompt's)."""
+        change, paging = super().graduated(state, rows, decodes), state.paging
         for row, st in change.after:
             paging = paging.held(row, st.length, self.block)
+        if change.fork is not None:
+            st = state.rows[rows.start]
+            n = -(-(st.seen - st.offset) // self.block)  # the prompt's blocks
+            first = paging.tables[rows.start][:n]
+            change = replace(change, blocks=tuple((first, paging.tables[row][:n]) for row in rows[1:]))
         return replace(change, paging=paging)
 
-    def finished(self, row: int) -> Change:
-        return Change(paging=self.paging.released(row))
+    def finished(self, state: PoolState, row: int) -> Change:
+        return Change(paging=state.paging.released(row))
 
-    def apply(self, change: Change) -> None:
-        super().apply(change)
-        if change.paging is not None:
-            self.paging = change.paging
-
-    def _where(self, row: int, j: int) -> int:
-        """Where row ``row``'s slot j lives: block ``table[j // Bs]``, position j % Bs (as block x Bs + offset)."""
-        return self.paging.tables[row][j // self.block] * self.block + j % self.block
+    def _where(self, tables: tuple[tuple[int, ...], ...], row: int, j: int) -> int:
+        """Where row ``row``'s slot j lives: block ``tables[row][j // Bs]``, position j % Bs (block x Bs + offset)."""
+        return tables[row][j // self.block] * self.block + j % self.block
 
     def prefill_pass(
-        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
+        self, state: PoolState, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
     ) -> tuple[RowsPass, torch.Tensor]:
         """One group's prompts (one length s, one block) and their ids [k, s]; row r writes its slots [0, s)."""
-        step, ids = group_pass(self, work, prompts, device, "prefill")
-        s = ids.shape[1]
-        return replace(step, write=to_device([[self._where(w.row, j) for j in range(s)] for w in work], device)), ids
+        step, ids = group_pass(self, state, work, prompts, device, "prefill")
+        s, tables = ids.shape[1], state.paging.tables
+        write = to_device([[self._where(tables, w.row, j) for j in range(s)] for w in work], device)
+        return replace(step, write=write), ids
 
-    def fork(self, rows: range) -> None:
-        """Copy the blocks holding row ``rows.start``'s prompt (a shared prefill's result) into the other rows' first
-        blocks (each request holds as many blocks as its own generation needs: at least the prompt's)."""
-        st = self.rows[rows.start]
-        n = -(-(st.seen - st.offset) // self.block)  # the prompt's blocks
-        first = self.paging.tables[rows.start][:n]
-        for row in rows[1:]:
-            src, dst = (
-                torch.tensor(t, device=self.layers[0].keys.device) for t in (first, self.paging.tables[row][:n])
-            )
+    def fork(self, change: Change) -> None:
+        """Copy each (source, destination) pair of block lists of a shared prefill's fork (``change.blocks``)."""
+        for first, own in change.blocks:
+            src, dst = (torch.tensor(t, device=self.layers[0].keys.device) for t in (first, own))
             for layer in self.layers:
                 for t in (layer.keys, layer.values):
                     t[dst] = t[src]
 
-    def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
+    def decode_pass(self, state: PoolState, work: tuple[SlotWork, ...], device) -> RowsPass:
         """A decode pass over every row: each decoding row writes its next slot; the blocks of the decoding rows
         (each with its filled positions after the pass) enter the attention, up to the highest one held."""
-        S, C, tables = self.slots, self.capacity, self.paging.tables
+        S, C, paging = self.slots, self.capacity, state.paging
+        tables = paging.tables
         hi = self.num_blocks + 1 if self.static else 1 + max(max(tables[w.row]) for w in work)
-        write, seen, fill = [C] * S, [-1] * S, list(self.paging.fill)  # the blocks' fill after the pass
-        after = {w.row: self.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
+        write, seen, fill = [C] * S, [-1] * S, list(paging.fill)  # the blocks' fill after the pass
+        after = {w.row: state.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
         for w in work:
             st = after[w.row]
-            write[w.row], seen[w.row] = self._where(w.row, st.length), st.seen
+            write[w.row], seen[w.row] = self._where(tables, w.row, st.length), st.seen
             st.length, st.seen = st.length + 1, st.seen + 1
             fill[tables[w.row][(st.length - 1) // self.block]] += 1
         first = work[0].row  # a block no decoding row holds goes to it, masked whole (it adds exp(-inf) = 0)
-        owner = [first if r == S else r for r in self.paging.owner[:hi]]
+        owner = [first if r == S else r for r in paging.owner[:hi]]
         step = self._decode_pass(work, write, seen, hi, [], device, blocks=(owner, fill[:hi]), after=after)
-        return replace(step, paging=replace(self.paging, fill=tuple(fill)))
+        return replace(step, paging=replace(paging, fill=tuple(fill)))
 
     def pass_workspace(self, step: RowsPass) -> int:
         """A decode pass block by block (``attention._paged_decode``); a prompt as ``DensePool``'s."""

@@ -3,17 +3,20 @@
 ``Engine(model, method, slots)`` holds what every run shares (the model, the method, how many slots, the
 tensor-parallel group, how decode passes run, how requests share passes). ``engine.run(requests)`` serves a list of
 requests (``core.requests``) and returns one output per request; it is ``start``, then ``step`` until every request
-has ended, then ``finish``. A run owns its pool (``core.pool``: allocated at ``start`` from the model's shape and the
-run's longest request, freed at ``finish``) and its scheduler (``core.scheduler``), and each ``step`` is one pass,
-in one direction:
+has ended, then ``finish``. A run owns its pool (``core.pool``: storage, allocated at ``start`` from the model's shape
+and the run's longest request, freed at ``finish``), the pool's host state (``state``: a ``step.PoolState`` value,
+each row's integers and FKV paged's blocks) and its scheduler (``core.scheduler``), and each ``step`` is one pass, in
+one direction:
 
     schedule (``Scheduler.next_step``; the requests that enter: the pool's ``admitted`` change) -> describe (the
-    pool's ``prefill_pass``/``decode_pass``, executed on the host by its ``ready``) -> run the model
-    (``core.replay.forward_pass``: the attention reads the description and the pool's storage) -> sample
-    (``_Sampler``, agreed across ranks) -> retire (``Scheduler.complete``; the pool's ``finished`` change).
+    pool's ``prefill_pass``/``decode_pass`` of the state: the pass and the rows' states after it) -> run the model
+    (the pool's ``ready``: the pass's evictions and bookkeeping; ``core.replay.forward_pass``: the attention reads
+    the description and the pool's storage) -> sample (``_Sampler``, agreed across ranks) -> retire
+    (``Scheduler.complete``; the pool's ``finished`` change).
 
-Every change of the pool's host state is described by a pure function of it (a pass, ``admitted``, ``graduated``,
-``finished``: ``step.Change``) and executed by the pool's ``apply``; nothing else assigns it.
+Every change of the state is described by a pure function of it (a pass, ``admitted``, ``graduated``, ``finished``:
+``step.Change``); the engine takes the state after it (``PoolState.changed``) and the pool executes the change's
+storage part (``apply``); nothing else assigns either.
 
 Under the default ``continuous`` policy, when a request ends (its EOS, a stop, or its ``max_new_tokens``) the next
 one enters its slot at once; each request runs its own schedule on its unpadded prompt, so its tokens equal the naive
@@ -58,6 +61,7 @@ from .replay import forward_pass
 from .requests import Batching, Record, Request, RequestOutput, Sampling, ServeOutput, check_requests
 from .scheduler import Scheduler, Step
 from .slots import kv_layout, to_device
+from .step import Change, RowsPass
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +208,8 @@ class Engine:
 
     ``run(requests)`` serves a list of requests. Step by step: ``start(requests)``, then ``step()`` (one pass; False
     once every request has ended), then ``finish()`` (the run's outputs; the pool is freed). Between ``start`` and
-    ``finish`` the engine holds the run: its pool, its scheduler, which request each slot holds, each row's next
-    input, the outputs."""
+    ``finish`` the engine holds the run: its pool (storage) and the pool's host state (``state``), its scheduler,
+    which request each slot holds, each row's next input, the outputs."""
 
     def __init__(
         self,
@@ -218,7 +222,7 @@ class Engine:
     ):
         self.model, self.method, self.slots = model, method, slots
         self.tp_group, self.compile, self.batching = tp_group, compile, batching
-        self.pool = self.sched = None
+        self.pool = self.sched = self.state = None
         self._hold: contextlib.ExitStack | None = None
 
     def __repr__(self) -> str:
@@ -272,6 +276,7 @@ class Engine:
         self.ends = list(self.lengths)  # where each prompt ends: its length, plus its pads in a padded batch
         self.max_new = [r.max_new_tokens for r in requests]
         self.pool, need = _pool(model, method, self.slots, self.lengths, self.max_new, static=mode != "none")
+        self.state = self.pool.initial()  # the pool's host state: replaced whole by ``_change``, never edited
         rows = self.pool.slots  # FKV paged: more rows than ``slots`` where the requests are shorter than the longest
         if requests:  # (none: a replica whose share is done; its pool is never written)
             self.pool.allocate(kv_layout(model))
@@ -326,7 +331,7 @@ class Engine:
         self.metrics.passed(kind, time.perf_counter() - t0, self.pool)
         for row, i in self.sched.complete(step, finished):  # retire
             self._retire(row, i)
-            self.pool.apply(self.pool.finished(row))
+            self._change(self.pool.finished(self.state, row))
         self._hand_on()
         self.agreement.schedule(self.sched, every=AGREE_EVERY)
         return True
@@ -364,13 +369,25 @@ class Engine:
             self._hold = None
         if self.pool is not None:
             self.pool.release()
-        self.pool = self.sched = None
+        self.pool = self.sched = self.state = None
 
     # -- the parts of a pass ----------------------------------------------------------------------------------------
+    def _change(self, change: Change) -> None:
+        """Take a described change: the pool's host state after it (the only assignment of ``state``), then its
+        storage part, executed by the pool (slots emptied, a shared prompt copied)."""
+        self.state = self.state.changed(change)
+        self.pool.apply(change)
+
+    def _ready(self, described: RowsPass) -> RowsPass:
+        """Take a described pass: its rows' states after it, then its storage part before the model call (the pool's
+        ``ready``: evictions, bookkeeping); returns what the model call reads."""
+        self.state = self.state.changed(described.change())
+        return self.pool.ready(described)
+
     def _admit(self, rows: range, group: tuple[int, ...], shared: bool) -> None:
         pool, pads = self.pool, self.sched.pads
         lengths, max_new = [self.lengths[i] for i in group], [self.max_new[i] for i in group]
-        pool.apply(pool.admitted(rows, [pads[i] for i in group], lengths, max_new))
+        self._change(pool.admitted(self.state, rows, [pads[i] for i in group], lengths, max_new))
         for i in group:
             self.ends[i] = self.lengths[i] + pads[i]
         if shared:
@@ -394,8 +411,8 @@ class Engine:
         pool = self.pool
         work = tuple(w for w in step.work if self.group_of[w.row].start not in self.shared or w.row in self.shared)
         prompts = [self.prompts[self.request_of[w.row]] for w in work]
-        described, ids = pool.prefill_pass(work, prompts, self.device)
-        out = forward_pass(self.model, pool.ready(described), ids, torch.ones_like(ids, dtype=torch.bool))
+        described, ids = pool.prefill_pass(self.state, work, prompts, self.device)
+        out = forward_pass(self.model, self._ready(described), ids, torch.ones_like(ids, dtype=torch.bool))
         pool.note()
         rows, index = [], []
         for j, w in enumerate(work):
@@ -403,7 +420,7 @@ class Engine:
                 continue
             group = self.group_of[w.row] if w.row in self.shared else range(w.row, w.row + 1)
             self.shared.discard(w.row)
-            pool.apply(pool.graduated(group, [self.max_new[self.request_of[r]] > 1 for r in group]))
+            self._change(pool.graduated(self.state, group, [self.max_new[self.request_of[r]] > 1 for r in group]))
             rows.extend(group)
             index.extend([j] * len(group))
         if not rows:
@@ -414,8 +431,8 @@ class Engine:
     def _decode(self, step: Step) -> set[int]:
         """One decode step of every decoding slot, in one pass over the pool."""
         rows = [w.row for w in step.work]
-        described = self.pool.decode_pass(step.work, self.device)
-        model_step = self.pool.ready(described)  # its evictions and its slots' bookkeeping, in every layer at once
+        described = self.pool.decode_pass(self.state, step.work, self.device)
+        model_step = self._ready(described)  # its evictions and its slots' bookkeeping, in every layer at once
         out = self.decode_forward(self.model, model_step, self.next_ids[:, None], self.all_true)
         index = described.decoding  # [k] the decoding rows
         return self._emit(rows, index, out.logits[:, -1].index_select(0, index), first=False)  # [k, V]
@@ -489,7 +506,7 @@ class Engine:
         if out.logprobs is not None:
             out.logprobs = torch.stack(out.logprobs).tolist() if out.logprobs else []
         if self.record.positions:
-            out.kept_positions = self.pool.kept_positions(row)
+            out.kept_positions = self.pool.kept_positions(self.state, row)
         self.ended.append((i, out))
 
     def _hand_on(self) -> None:

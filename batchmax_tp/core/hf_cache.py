@@ -11,7 +11,8 @@ The hand-over (transformers asks the cache for the mask's sizes, builds the mask
 layer, ``past_key_values.update`` and the attention function with that mask): the cache's ``get_mask_sizes`` hands
 the cache to the mask builder ("batchmax_hf", registered here, through a thread-local: this module is the only
 place one exists), which allocates the pool (first forward), describes the pass from the batch's padding mask and
-executes its host part (``pool.ready``: evictions, bookkeeping, the workspace count), and returns the pass as the
+the cache's ``state`` (the pool's host state, held here as the engine holds it), takes the rows' states after it and
+executes its storage part (``pool.ready``: evictions, bookkeeping, the workspace count), and returns the pass as the
 forward's mask: transformers hands it to every layer's attention call, which runs it. The block's pairs go
 through ``update`` untouched: the attention writes them into the pool's slots.
 
@@ -37,7 +38,7 @@ from .bounded import BoundedPool
 from .method import Method
 from .schedule import Phase
 from .slots import RowState, kv_layout
-from .step import Change, RowsPass, SlotWork
+from .step import Change, PoolState, RowsPass, SlotWork
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +103,11 @@ class DropInPool(BoundedPool):
         row, count, curr_id, _ = super()._evict_row(row, st, evict, prefill)
         return row, count, curr_id, None
 
-    def grown(self, capacity: int) -> DropInPool:
-        """A pool of ``capacity`` slots per row holding what this one holds (only while no row has evicted: slots
-        [0, filled) then hold every row's pairs and the free lists are still the identity)."""
-        if not all(st.contiguous for st in self.rows):
+    def grown(self, state: PoolState, capacity: int) -> DropInPool:
+        """A pool of ``capacity`` slots per row holding what this one holds in ``state`` (only while no row has
+        evicted: slots [0, filled) then hold every row's pairs and the free lists are still the identity); the
+        rows' state is the same."""
+        if not all(st.contiguous for st in state.rows):
             raise RuntimeError("only a pool no row has evicted from grows")
         new = DropInPool(self.method, len(self.layers), self.slots, capacity)
         new.allocate(self.layout)
@@ -116,21 +118,27 @@ class DropInPool(BoundedPool):
         for name, t in self.stacks.items():
             if name != "free":
                 new.stacks[name][..., :C] = t[..., :C]
-        new.apply(Change(after=tuple((row, st.copy()) for row, st in enumerate(self.rows))))
         new.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes() + new.kv_bytes())  # both held while copying
         new.peak_meta_bytes = max(new.peak_meta_bytes, self.peak_meta_bytes)
         new.peak_workspace_bytes = self.peak_workspace_bytes
         self.release()
         return new
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Rows in the order ``index`` [B] gives (beam search), in every layer."""
+    def reordered(self, state: PoolState, index: list[int]) -> Change:
+        """Rows in the order ``index`` gives (beam search): row r becomes row ``index[r]``, its state and storage."""
+        return Change(after=tuple((row, state.rows[i].copy()) for row, i in enumerate(index)), order=tuple(index))
+
+    def apply(self, change: Change) -> None:
+        """``BoundedPool``'s, and a reorder's storage (``change.order``), in every layer."""
+        super().apply(change)
+        if change.order is None:
+            return
+        index = torch.tensor(change.order, device=self.layout.device)
         for layer in self.layers:
             for t in (layer.keys, layer.values):
                 t.copy_(t.index_select(0, index))
         for t in self.stacks.values():
             t.copy_(t.index_select(1, index))
-        self.apply(Change(after=tuple((row, self.rows[i].copy()) for row, i in enumerate(index.tolist()))))
 
 
 class DropInLayer(CacheLayerMixin):
@@ -176,7 +184,7 @@ class DropInLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.layer_idx == 0 and self.cache.pool is not None:
-            self.cache.pool.reorder(beam_idx.to(self.cache.pool.layout.device))
+            self.cache.reorder(beam_idx.tolist())
 
 
 class BatchMaxCache(Cache):
@@ -198,6 +206,7 @@ class BatchMaxCache(Cache):
         self.method = method
         self.reserve = reserve
         self.pool: DropInPool | None = None
+        self.state: PoolState | None = None  # the pool's host state: replaced whole by ``_change``, never edited
         if num_layers is None:
             super().__init__(layers=None, layer_class_to_replicate=self._new_layer)
         else:
@@ -206,7 +215,7 @@ class BatchMaxCache(Cache):
     @property
     def seen(self) -> int:
         """Tokens fed so far = the padded position of the next token (every row's: the pool's rows' state)."""
-        return 0 if self.pool is None else self.pool.rows[0].seen
+        return 0 if self.state is None else self.state.rows[0].seen
 
     def _new_layer(self) -> DropInLayer:
         return DropInLayer(self, len(self.layers))
@@ -221,23 +230,30 @@ class BatchMaxCache(Cache):
 
     def describe(self, mask: torch.Tensor | None, batch: int, n: int):
         """The forward's pass of ``n`` tokens per row of a batch of ``batch``: allocate or grow the pool as the block
-        needs, describe the pass every row runs (its eviction inferred from the block) and execute its host part.
-        ``mask``: the batch's padding mask [B, seen + n] (or None)."""
-        began = self.pool is not None and self.pool.rows[0].decoding  # HF's generate decodes since an earlier pass
+        needs, describe the pass every row runs (its eviction inferred from the block), take the rows' states after
+        it and execute its storage part. ``mask``: the batch's padding mask [B, seen + n] (or None)."""
+        began = self.state is not None and self.state.rows[0].decoding  # HF's generate decodes since an earlier pass
         first_decode = n == 1 and self.seen > 0 and not began  # its first single-token forward after the prompt
         decoding = began or first_decode
-        filled = 0 if self.pool is None else self.pool.rows[0].filled  # the same in every row (pads counted)
+        filled = 0 if self.state is None else self.state.rows[0].filled  # the same in every row (pads counted)
         evict = self.method.num_to_evict(filled, n, self.method.kv_max, first_decode)
         self._make_room(batch, filled + n - evict, n)
         pool, device = self.pool, self.pool.layout.device
         phase = Phase("decode" if decoding else "prefill", self.seen, self.seen + n, evict)
         work = tuple(SlotWork(row, phase) for row in range(batch))
         if decoding:
-            described = pool.decode_pass(work, device)
+            described = pool.decode_pass(self.state, work, device)
         else:
             pads = _left_pads(mask, batch, self.seen + n)  # the pads seen so far (a later block may show more)
-            described, _ = pool.prefill_pass(work, None, device, offsets=pads)
-        return pool.ready(described)  # its rows' states after it: ``seen`` advanced by n
+            described, _ = pool.prefill_pass(self.state, work, None, device, offsets=pads)
+        self._change(described.change())  # its rows' states after it: ``seen`` advanced by n
+        return pool.ready(described)
+
+    def _change(self, change: Change) -> None:
+        """Take a described change: the pool's host state after it (the only assignment of ``state``), then its
+        storage part (``DropInPool.apply``)."""
+        self.state = self.state.changed(change)
+        self.pool.apply(change)
 
     def _make_room(self, batch: int, needed: int, n: int) -> None:
         """A pool whose rows hold ``needed`` pairs: allocated at the first forward (``method.capacity``: BM's
@@ -248,17 +264,22 @@ class BatchMaxCache(Cache):
         if self.method.capacity(needed, 1) < needed:  # a bounded cache (BM)
             raise ValueError(f"a block of {n} tokens does not fit in kv_max={self.method.kv_max}")
         if self.pool is not None:
-            self.pool = self.pool.grown(max(needed, self.reserve, 2 * self.pool.capacity))
+            self.pool = self.pool.grown(self.state, max(needed, self.reserve, 2 * self.pool.capacity))
             return
         layout, layers = _handoff.model
         self.pool = DropInPool(self.method, layers, batch, self.method.capacity(max(needed, self.reserve), 1))
         self.pool.allocate(layout)
+        self.state = self.pool.initial()
 
     def release(self) -> None:
         """Drop the pool (a new generation starts from nothing)."""
         if self.pool is not None:
             self.pool.release()
-        self.pool = None
+        self.pool = self.state = None
+
+    def reorder(self, index: list[int]) -> None:
+        """Rows in the order ``index`` gives (beam search): their states and storage."""
+        self._change(self.pool.reordered(self.state, index))
 
     @property
     def peak_kv_bytes(self) -> int:
@@ -284,7 +305,7 @@ class BatchMaxCache(Cache):
 
     def kept_positions(self) -> list[list[list[list[int]]]]:
         """Per layer, sample and local KV head: the sorted positions of the pairs held."""
-        rows = [self.pool.kept_positions(row) for row in range(self.pool.slots)]  # [sample][layer][head]
+        rows = [self.pool.kept_positions(self.state, row) for row in range(self.pool.slots)]  # [sample][layer][head]
         return [[rows[b][layer] for b in range(len(rows))] for layer in range(len(self.pool.layers))]
 
 

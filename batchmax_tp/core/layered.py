@@ -12,7 +12,7 @@ from .bounded import BoundedPool, PoolLayer
 from .method import Method
 from .schedule import Phase
 from .slots import KVLayout, RowState
-from .step import Change, RowsPass, SlotWork
+from .step import Change, PoolState, RowsPass, SlotWork
 
 
 class _LayerGroup(BoundedPool):
@@ -59,13 +59,20 @@ class LayeredPool:
         for part in self.parts:
             part.allocate(layout)
 
-    def admitted(self, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]) -> Change:
-        return Change(parts=tuple(part.admitted(rows, offsets, lengths, max_new) for part in self.parts))
+    def initial(self) -> PoolState:
+        """Each group's rows, empty."""
+        return PoolState(parts=tuple(part.initial() for part in self.parts))
 
-    def graduated(self, rows: range, decodes: list[bool]) -> Change:
-        return Change(parts=tuple(part.graduated(rows, decodes) for part in self.parts))
+    def admitted(
+        self, state: PoolState, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]
+    ) -> Change:
+        parts = zip(self.parts, state.parts)
+        return Change(parts=tuple(part.admitted(own, rows, offsets, lengths, max_new) for part, own in parts))
 
-    def finished(self, row: int) -> Change:
+    def graduated(self, state: PoolState, rows: range, decodes: list[bool]) -> Change:
+        return Change(parts=tuple(part.graduated(own, rows, decodes) for part, own in zip(self.parts, state.parts)))
+
+    def finished(self, state: PoolState, row: int) -> Change:
         """Nothing to free: every row holds its own slots."""
         return Change()
 
@@ -75,14 +82,14 @@ class LayeredPool:
             part.apply(own)
 
     def prefill_pass(
-        self, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
+        self, state: PoolState, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
     ) -> tuple[RowsPass, torch.Tensor]:
         """Every group's description of the pass of ``work`` (``BoundedPool.prefill_pass``) and its input ids."""
-        described = [part.prefill_pass(work, prompts, device) for part in self.parts]
+        described = [part.prefill_pass(own, work, prompts, device) for part, own in zip(self.parts, state.parts)]
         return _joined([step for step, _ in described]), described[0][1]
 
-    def decode_pass(self, work: tuple[SlotWork, ...], device) -> RowsPass:
-        return _joined([part.decode_pass(work, device) for part in self.parts])
+    def decode_pass(self, state: PoolState, work: tuple[SlotWork, ...], device) -> RowsPass:
+        return _joined([part.decode_pass(own, work, device) for part, own in zip(self.parts, state.parts)])
 
     def ready(self, step: RowsPass) -> RowsPass:
         """Every group runs its part's host part (``BoundedPool.ready``); returns what the model call reads."""
@@ -114,9 +121,9 @@ class LayeredPool:
         for part in self.parts:
             part.release()
 
-    def kept_positions(self, row: int) -> list[list[list[int]]]:
+    def kept_positions(self, state: PoolState, row: int) -> list[list[list[int]]]:
         """Per layer and local KV head: the sorted positions row ``row`` holds (host copy; for tests)."""
-        return [kept for part in self.parts for kept in part.kept_positions(row)]
+        return [kept for part, own in zip(self.parts, state.parts) for kept in part.kept_positions(own, row)]
 
 
 def _joined(steps: list[RowsPass]) -> RowsPass:

@@ -13,10 +13,13 @@ The method says which pool it holds (``Method.pool_kind``); the pools, one modul
 - ``core.layered``: Batch-Max with budgets across layers (``LayeredPool``, a rule's ``taper``);
 - ``core.dense``: the baselines' rows: FKV (``FullPool``; ``PagedPool`` in blocks), ED (``NewestPool``).
 
-Per-slot state between passes is host integers (``slots.RowState``). Each pool describes its passes from them
-(``prefill_pass``, ``decode_pass``: a ``step.RowsPass``, its tensors built once per pass in one host-to-device copy,
-handed to the attention) and its changes between passes (``admitted``, ``graduated``, ``finished``: a
-``step.Change``), and its ``apply`` alone assigns them; nothing per pass is set on a pool or layer.
+A pool is storage: per-slot state between passes is host integers (``slots.RowState``) in a ``step.PoolState`` its
+holder keeps (the engine; the HF drop-in's cache) and hands to every description. Each pool describes its passes
+from it (``prefill_pass``, ``decode_pass``: a ``step.RowsPass``, its tensors built once per pass in one
+host-to-device copy, handed to the attention, the rows' states after it inside) and its changes between passes
+(``admitted``, ``graduated``, ``finished``: a ``step.Change``); the holder takes the state after each
+(``PoolState.changed``) and the pool executes its storage part (``ready``, ``apply``); nothing per pass is set on a
+pool or layer.
 """
 
 from __future__ import annotations

@@ -3,10 +3,13 @@ layer's storage (``SlotLayer``: keys/values [S, H, C + 1, D] and the views an ev
 model's shapes (``KVLayout``), the peaks, and the pass descriptions every pool builds the same way: a decode pass from
 per-row host lists in one host-to-device copy (``SlotPool._decode_pass``), a group's prompt pass (``group_pass``).
 
-Per-slot state between passes is host integers (``RowState``, a tuple of them per pool). A pool describes a pass
-from them and changes nothing (the rows' states after the pass ride in the description, ``RowsPass.after``); its
-``ready`` executes the host part. A change between passes (``admitted``, ``graduated``, ``finished``) is described
-as a ``step.Change`` and executed by ``apply``, the one method that assigns a pool's host state.
+Per-slot state between passes is host integers (``RowState``, a tuple of them in a ``step.PoolState``), which the
+pool does not hold: its holder (the engine, the HF drop-in's cache) hands it to every description. A pool describes a
+pass from it and changes nothing (the rows' states after the pass ride in the description, ``RowsPass.after``; its
+holder takes them with ``PoolState.changed``); its ``ready`` executes the pass's storage part before the model call
+(evictions, bookkeeping). A change between passes (``admitted``, ``graduated``, ``finished``) is described the same
+way, as a ``step.Change``, and ``apply`` executes its storage part (slots emptied, a shared prompt copied). A pool's
+attributes are storage: nothing but its tensors' contents and its peaks changes while it runs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .method import Method
-from .step import Change, Eviction, RowsPass, SlotWork
+from .step import Change, Eviction, PoolState, RowsPass, SlotWork
 from .workspace import decode_workspace_bytes, dense_impl, dense_workspace_bytes
 
 
@@ -81,7 +84,8 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
 
 
 class SlotPool:
-    """What every pool shares: rows, peaks, the shared prefill's fork."""
+    """What every pool shares: its layers' storage, the peaks, the descriptions of a change between passes from the
+    host state handed in, the shared prefill's fork."""
 
     stacked_kv = False  # K/V stacked over the layers too (ED's eviction reads every layer's newest pair)
     num_blocks = 0  # K/V blocks shared by the rows (FKV paged; 0: each row holds its own slots)
@@ -95,7 +99,6 @@ class SlotPool:
         # once); else over the slots written so far
         self.static = static
         self.stacks: dict[str, torch.Tensor] = {}
-        self.rows = tuple(RowState() for _ in range(slots))  # replaced whole by ``apply``, never edited
         self.peak_kv_bytes = self.peak_meta_bytes = self.peak_workspace_bytes = 0
         self.layout: KVLayout | None = None  # the model's attention shapes on this rank (``allocate``)
         self.dense_impl = None  # how a prompt runs on SDPA here (``workspace.dense_impl``; ``allocate``)
@@ -138,37 +141,38 @@ class SlotPool:
         """The pool's per-slot bookkeeping, stacked over the layers (none for the dense pools)."""
         return {}
 
-    # -- changes between passes: described (pure), then executed by ``apply`` -------------------------------------
-    def admitted(self, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]) -> Change:
+    # -- changes between passes: described (pure functions of the state handed in), storage executed by ``apply`` --
+    def initial(self) -> PoolState:
+        """The host state of the pool before its first request: every row empty."""
+        return PoolState(tuple(RowState() for _ in range(self.slots)))
+
+    def admitted(
+        self, state: PoolState, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]
+    ) -> Change:
         """Requests enter the slots ``rows`` (``offsets``: each one's left pads, 0 but for a padded batch's rows;
         ``lengths``/``max_new``: each one's prompt and generation): their rows start empty."""
         return Change(after=tuple((row, RowState(offset=offset)) for row, offset in zip(rows, offsets)))
 
-    def graduated(self, rows: range, decodes: list[bool]) -> Change:
+    def graduated(self, state: PoolState, rows: range, decodes: list[bool]) -> Change:
         """A group's prefill is over (``decodes``: whether each row's request decodes on). A shared group's ran on its
         first row alone (the others have seen nothing), which then becomes every row of the group."""
-        if len(rows) > 1 and self.rows[rows.start + 1].seen == 0:
-            return Change(after=tuple((row, self.rows[rows.start].copy()) for row in rows[1:]), fork=rows)
+        if len(rows) > 1 and state.rows[rows.start + 1].seen == 0:
+            return Change(after=tuple((row, state.rows[rows.start].copy()) for row in rows[1:]), fork=rows)
         return Change()
 
-    def finished(self, row: int) -> Change:
+    def finished(self, state: PoolState, row: int) -> Change:
         """Row ``row``'s request has ended (its slot is free until the next admission): nothing changes but FKV paged's
         blocks."""
         return Change()
 
     def apply(self, change: Change) -> None:
-        """Execute a described change: the rows' new states (the only assignment of a pool's host state), then the
-        storage it names (slots emptied, a shared prefill's row copied)."""
-        if change.after:
-            rows = list(self.rows)
-            for row, st in change.after:
-                rows[row] = st
-            self.rows = tuple(rows)
+        """Execute a described change's storage part: the slots it empties, a shared prefill's row copied (the host
+        state it carries is its holder's, ``PoolState.changed``)."""
         for row in change.reset:
             for layer in self.layers:
                 layer.reset_row(row)
         if change.fork is not None:
-            self.fork(change.fork)
+            self.fork(change)
 
     @property
     def allocated(self) -> bool:
@@ -222,9 +226,10 @@ class SlotPool:
         decoding rows of ``work`` and each row's RoPE position ride in the same copy, and FKV paged's ``blocks``:
         (owner, filled positions) of each of the first ``hi`` blocks; ``after``: the decoding rows' states after the
         pass."""
-        S, k = self.slots, len(work)
+        S, k, after = self.slots, len(work), after or {}
         decoding = [w.row for w in work] + [-1] * (S - k)
-        rope = [max(0, p - st.offset) for p, st in zip(seen, self.rows)]  # (an offset never changes in a pass)
+        # each row's RoPE position (an offset never changes in a pass; idle rows: 0)
+        rope = [max(0, p - after[row].offset) if p >= 0 else 0 for row, p in enumerate(seen)]
         lists = [write, seen, decoding, rope, *([lengths] if lengths is not None else [])]
         flat = to_device([x for values in [*lists, *(blocks or ())] for x in values], device)  # one copy
         packed = flat[: len(lists) * S].view(len(lists), S)
@@ -259,22 +264,23 @@ class SlotPool:
             bias=bias,
             decoding=packed[2, :k],
             owner=owner,
-            after=tuple((after or {}).items()),
+            after=tuple(after.items()),
         )
 
     def ready(self, step: RowsPass) -> RowsPass:
-        """Execute a described pass's host part: its change (its rows' new states, ``RowsPass.change``), then its
-        evictions (every layer at once), and note the workspace its attention calls will take (``pass_workspace``:
-        counted here, on the host, so the attention notes nothing); returns what the model call reads
-        (``RowsPass.for_model``)."""
-        self.apply(step.change())
+        """Execute a described pass's storage part before the model call: its evictions (every layer at once), and
+        note the workspace its attention calls will take (``pass_workspace``: counted here, on the host, so the
+        attention notes nothing); returns what the model call reads (``RowsPass.for_model``). (Its rows' new states,
+        ``RowsPass.change``, are its holder's to take.)"""
         for eviction in step.evictions:
             self.evict(eviction)
         self.note_workspace(self.pass_workspace(step))
         return step.for_model()
 
-    def fork(self, rows: range) -> None:
-        """Copy row ``rows.start`` (a shared prefill's result) into the other rows of ``rows``, in every layer."""
+    def fork(self, change: Change) -> None:
+        """Copy row ``change.fork.start`` (a shared prefill's result) into the other rows of ``change.fork``, in every
+        layer."""
+        rows = change.fork
         for layer in self.layers:
             for t in layer.row_tensors():
                 t[rows.start + 1 : rows.stop] = t[rows.start : rows.start + 1]
@@ -317,18 +323,18 @@ def prompt_workspace(pool: SlotPool, R: int, s: int) -> int:
 
 
 def group_pass(
-    pool: SlotPool, work, prompts, device, kind: str, slots=None, kept: int | None = None
+    pool: SlotPool, state: PoolState, work, prompts, device, kind: str, slots=None, kept: int | None = None
 ) -> tuple[RowsPass, torch.Tensor]:
     """The pass of one group's prompts (one length s, a single block; a padded batch's rows at its positions, no pad)
     and their ids [R, s], the rows' ``seen`` advanced in its ``after``; ``slots(s)``: where each of the s pairs is
     written (None: the pass writes none itself, a compress pass keeps its own choice); ``kept``: at most how many
     pairs each row holds after a compress pass (slots [0, min(s, kept)), in the rows' states after it)."""
-    rows, end, offset = [w.row for w in work], work[0].phase.end, pool.rows[work[0].row].offset
+    rows, end, offset = [w.row for w in work], work[0].phase.end, state.rows[work[0].row].offset
     s = end - offset
     columns = to_device([list(range(offset, end)), list(range(s)), *([slots(s)] if slots else [])], device)  # [2|3, s]
     R = len(rows)
     held = {} if kept is None else dict.fromkeys(("filled", "ptr", "high"), min(s, kept))
-    after = tuple((row, replace(pool.rows[row], seen=end, **held)) for row in rows)  # each row's state after it
+    after = tuple((row, replace(state.rows[row], seen=end, **held)) for row in rows)  # each row's state after it
     step = RowsPass(
         kind=kind,
         pool=pool,

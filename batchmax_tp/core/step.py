@@ -7,12 +7,14 @@ pool layer as ``batchmax.pool.layers[module.layer_idx]``: no thread-local state,
 layer between passes. (HF's ``model.generate`` drop-in, ``core.hf_cache``, describes each of HF's forwards as such
 a pass over its own pool, and its attention function hands it to the same attention.)
 
-Describe, then execute: a pool's ``prefill_pass``/``decode_pass`` describes a pass from its rows' host state and
-changes nothing (the rows' states after the pass ride in the description, ``RowsPass.after``); the pool's ``ready``
-executes its host part (those states, then the evictions, every layer at once) and the model call the rest. What
-changes a pool between passes (a request admitted, a prefill over, a request ended) is described the same way, as a
-``Change`` a pure function of the pool's state returns, and executed by the pool's ``apply``: the only place a
-pool's host state is assigned.
+Describe, then execute: the host state of a pool between passes is a value (``PoolState``: each row's integers, FKV
+paged's blocks) its holder keeps, the engine (or the HF drop-in's cache); a pool's ``prefill_pass``/``decode_pass``
+describes a pass from the state it is handed and changes nothing (the rows' states after the pass ride in the
+description, ``RowsPass.after``); the holder takes them (``PoolState.changed``, the only place the state is
+replaced), the pool's ``ready`` executes the pass's storage part (the evictions and bookkeeping, every layer at once)
+and the model call the rest. What changes a pool between passes (a request admitted, a prefill over, a request
+ended) is described the same way, as a ``Change`` a pure function of the state returns, which the holder takes and
+whose storage part (slots emptied, a shared prompt copied) the pool's ``apply`` executes.
 
 A pass is a prefill chunk, a look-ahead probe, a compress pass (``snap``: a group's whole prompts on the model's
 SDPA, each row then keeping what its window's attention chooses, ``core.snap``) or a decode step. ``SlotWork``
@@ -75,8 +77,34 @@ class Change:
     after: tuple = ()  # (row, core.slots.RowState): each row's host state after the change
     reset: tuple[int, ...] = ()  # rows whose slots are emptied (storage: positions, sums, masks, free lists)
     fork: range | None = None  # row ``fork.start``'s storage copied into the other rows of ``fork``
+    blocks: tuple = ()  # FKV paged's fork: (source blocks, destination blocks) per other row of ``fork``
+    order: tuple[int, ...] | None = None  # the HF drop-in's beam reorder: row r's storage becomes row ``order[r]``'s
     paging: object = None  # FKV paged: the blocks' state after the change (``dense.Paging``); None: unchanged
     parts: tuple[Change, ...] = ()  # budgets across layers: each layer group's pool's change
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """A pool's host state between passes, as a value: each row's (``rows``: ``core.slots.RowState`` per slot), FKV
+    paged's blocks (``paging``: ``dense.Paging``), or with budgets across layers each layer group's (``parts``). Its
+    holder (the engine, the HF drop-in's cache) replaces it whole by ``changed``, from the changes a pool's pure
+    functions describe; a pool holds storage only and reads the state it is handed."""
+
+    rows: tuple = ()
+    paging: object = None
+    parts: tuple[PoolState, ...] = ()
+
+    def changed(self, change: Change) -> PoolState:
+        """The state after ``change`` (the rows it names replaced, FKV paged's blocks, each layer group's part)."""
+        if change.parts:
+            return replace(self, parts=tuple(s.changed(c) for s, c in zip(self.parts, change.parts)))
+        rows = self.rows
+        if change.after:
+            rows = list(rows)
+            for row, st in change.after:
+                rows[row] = st
+            rows = tuple(rows)
+        return PoolState(rows, self.paging if change.paging is None else change.paging, self.parts)
 
 
 @dataclass(frozen=True)
@@ -160,7 +188,10 @@ class RowsPass:
         return replace(self, evictions=(), decoding=None, after=(), paging=None)
 
     def change(self) -> Change:
-        """The pass's change of its pool's host state (its rows' states after it; FKV paged's blocks)."""
+        """The pass's change of its pool's host state (its rows' states after it; FKV paged's blocks; with budgets
+        across layers each group's)."""
+        if self.parts:
+            return Change(parts=tuple(part.change() for part in self.parts))
         return Change(after=self.after, paging=self.paging)
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
