@@ -173,6 +173,29 @@ def hf_generate(model, ids, mask, n, cache=None, **kw):
     return res.sequences[:, ids.shape[1] :], [x.float() for x in res.logits]
 
 
+def test_hf_generate_drop_in_follows_beam_search(monkeypatch):
+    """HF's beam search reorders the cache's rows after each step (``reorder_cache``): the drop-in's rows, their
+    states and storage, follow, so FKV and BM without an eviction give HF's own beams; the reorders were not the
+    identity (without them the beams differ)."""
+    from batchmax_tp.core import hf_cache
+
+    model = tiny_arch("llama")
+    ids, mask = left_padded_batch([20, 33, 40], seed=0)
+    want, want_logits = hf_generate(model, ids, mask, 8, num_beams=3)
+    orders, reorder = [], hf_cache.BatchMaxCache.reorder
+
+    def reordering(self, index):
+        orders.append(list(index))
+        reorder(self, index)
+
+    monkeypatch.setattr(hf_cache.BatchMaxCache, "reorder", reordering)
+    for method in (Method("fkv"), Method("bm", kv_max=64, p=8)):
+        got, got_logits = hf_generate(model, ids, mask, 8, BatchMaxCache(method), num_beams=3)
+        assert_tokens_equal(got, want, what=f"drop-in {method.label()} vs HF beam search")
+        assert_logits_close(got_logits, want_logits, ATOL, what=f"drop-in {method.label()} beam logits")
+    assert any(order != list(range(len(order))) for order in orders)
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_hf_generate_drop_in(arch):
     model = tiny_arch(arch)
