@@ -192,8 +192,7 @@ class SweepConfig(Part):
     def story_methods(self, chosen: Sequence[str] | None = None) -> list[Method]:
         """The main job's methods: FKV, ED, the paper's BM, BM with the best rule and snap (``plan.budget``); with
         ``chosen`` (``methods`` as given to the main job), those of them whose method is named (``bm``: both BMs)."""
-        kv_max = {name: self.kv_max_for(name) for name in ("ed", "bm", "snap")}
-        methods = story_methods(kv_max, self.p, self.rule)
+        methods = story_methods(self.kv_max_for, self.p, self.rule)
         if chosen is None:
             return methods
         names = [m.name for m in methods]
@@ -203,9 +202,11 @@ class SweepConfig(Part):
                 f"the main job chooses among {', '.join(dict.fromkeys(names))} (no own parameters): not "
                 f"{', '.join(unknown)}"
             )
-        if "fkv" not in chosen:
-            raise ValueError("the main job's budget and ratios are FKV's: name fkv among the methods")
-        return [m for m in methods if m.name in chosen]
+        chosen_methods = [m for m in methods if m.name in chosen]
+        if all(m.evicts for m in chosen_methods):
+            reference = next(m.name for m in methods if not m.evicts)
+            raise ValueError(f"the main job's budget and ratios are FKV's: name {reference} among the methods")
+        return chosen_methods
 
     # -- the listed runs
     def run_specs(self) -> list[RunSpec]:

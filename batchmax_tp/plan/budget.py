@@ -328,18 +328,22 @@ def fkv_budget(
     return predict_pool(shape, Method("fkv"), batch, prompt_len, max_new_tokens, tp=tp, dtype=dtype).total
 
 
-def story_methods(kv_max: dict[str, int | None], p: int, rule: str = "paper") -> list[Method]:
-    """FKV, ED, the paper's BM, BM with ``rule`` (:data:`STORY_BEST_RULE` when ``rule`` is the paper's) and snap
-    (SnapKV's compression once after an unchunked prefill: the peer users run instead), with ``kv_max`` per method
-    name and ``p``."""
+#: The main job's lineup, in order: FKV, ED, the paper's BM, BM with the best rule (``None``: the job's) and snap
+#: (SnapKV's compression once after an unchunked prefill: the peer users run instead).
+STORY_LINEUP: tuple[tuple[str, str | None], ...] = (
+    ("fkv", "paper"),
+    ("ed", "paper"),
+    ("bm", "paper"),
+    ("bm", None),
+    ("snap", "paper"),
+)
+
+
+def story_methods(kv_max: Callable[[str], int | None], p: int, rule: str = "paper") -> list[Method]:
+    """The main job's lineup (:data:`STORY_LINEUP`), each method with ``kv_max(name)`` and ``p``; the best rule is
+    ``rule``, or :data:`STORY_BEST_RULE` when ``rule`` is the paper's."""
     best = rule if rule != "paper" else STORY_BEST_RULE
-    return [
-        Method("fkv", p=p),
-        Method("ed", kv_max=kv_max["ed"], p=p),
-        Method("bm", kv_max=kv_max["bm"], p=p),
-        Method("bm", kv_max=kv_max["bm"], p=p, rule=best),
-        Method("snap", kv_max=kv_max["snap"], p=p),
-    ]
+    return [Method(name, kv_max=kv_max(name), p=p, rule=own or best) for name, own in STORY_LINEUP]
 
 
 def paper_setting_specs(
