@@ -206,7 +206,8 @@ class BatchMaxCache(Cache):
         self.method = method
         self.reserve = reserve
         self.pool: DropInPool | None = None
-        self.state: PoolState | None = None  # the pool's host state: replaced whole by ``_change``, never edited
+        self.state: PoolState | None = None  # the pool's host state: the empty one at the first forward, then replaced
+        # whole by ``_change``, never edited
         if num_layers is None:
             super().__init__(layers=None, layer_class_to_replicate=self._new_layer)
         else:
