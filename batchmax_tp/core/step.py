@@ -68,11 +68,11 @@ class Eviction:
 
 @dataclass(frozen=True)
 class Change:
-    """A change of a pool's host state, described by a pure function of that state and executed by the pool's
-    ``apply`` (the one place its host state is assigned): a pass's (``RowsPass.change``), or one between passes: a
-    request admitted (``admitted``: its row's state emptied, its slots too; FKV paged: its blocks taken), a prefill
-    over (``graduated``: a shared prefill's row copied into its group's other rows; the dense pools: what each row
-    holds now), a request ended (``finished``: FKV paged's blocks given back)."""
+    """A change of a pool's host state, described by a pure function of that state: its holder takes the state after
+    it (``PoolState.changed``) and the pool's ``apply`` executes its storage part. A pass's (``RowsPass.change``), or
+    one between passes: a request admitted (``admitted``: its row's state emptied, its slots too; FKV paged: its
+    blocks taken), a prefill over (``graduated``: a shared prefill's row copied into its group's other rows; the
+    dense pools: what each row holds now), a request ended (``finished``: FKV paged's blocks given back)."""
 
     after: tuple = ()  # (row, core.slots.RowState): each row's host state after the change
     reset: tuple[int, ...] = ()  # rows whose slots are emptied (storage: positions, sums, masks, free lists)
