@@ -309,7 +309,7 @@ def _warm_up_methods(cfg: RunConfig) -> list[Method]:
         kv = kv_values[0] if kv_values else max(128, sweep.p + 64, min_kv_max(sweep.p, sweep.rule))
         paper = cfg.memory.procedure == "paper"  # the paper's FKV: a fixed-capacity slot per sample
         return [
-            Method("fkv", p=sweep.p, block=0 if paper else BLOCK),
+            Method("fkv", p=sweep.p, block=0, chunk=0) if paper else Method("fkv", p=sweep.p, block=BLOCK),
             Method("ed", kv_max=2, p=sweep.p),
             Method("bm", kv_max=kv, p=sweep.p, rule=sweep.rule),
         ]

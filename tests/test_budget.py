@@ -340,14 +340,14 @@ def test_single_method_summaries_report_memory(tmp_path, stack):
 # ---------------------------------------------------------------------- the paper's procedure
 def test_sweep_runs_the_papers_plan_in_order(tmp_path, stack, tokenizer, tiny_model, capsys):
     s = _prompt_len(tokenizer)
-    ed2, fkv = Method("ed", kv_max=2), Method("fkv", block=0)  # the paper's FKV: a fixed-capacity slot per sample
+    ed2, fkv = Method("ed", kv_max=2), Method("fkv", block=0, chunk=0)  # the paper's FKV: a fixed slot, one pass
     shape = ModelShape.from_config(tiny_model.config)
     paper_ed = [paper_ed_bytes(shape, b, s, 3, p=32) for b in (2, 3)]  # the paper's ED defines b0
     limit = max(paper_ed[0], _predict(tiny_model, ed2, 2, s), _predict(tiny_model, fkv, 2, s)) + 1
     assert paper_ed[1] > limit  # so b0 = 3
     plan = paper_plan(limit, shape, s, 3, dtype="float32", p=32, num_samples=4, kv_values=[128, 192])
     names = [budget.RunSpec(m, b).name for m, b in plan]
-    assert names[:4] == ["ed-b3-kv2", "ed-b2-kv2", "ed-b2-kv65", "fkv-block0-b2"]
+    assert names[:4] == ["ed-b3-kv2", "ed-b2-kv2", "ed-b2-kv65", "fkv-block0-chunk0-b2"]
     bm = [(m.kv_max, b) for m, b in plan[4:]]
     assert [k for k, _ in bm] == [128, 192] and all(b in (2, 4) for _, b in bm)  # divisors of 4, >= b0 - 1
 
@@ -388,7 +388,7 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
     cfg = parse_args(["--procedure", "paper", "--memory-budget", "1", "--max-new-tokens", "512", "--kv-values", "512"])
     s = 1024
     cfg = cfg.replace(memory_budget=paper_ed_bytes(shape, 6, s, 512))  # the paper's ED fits 6 exactly; FKV does not
-    assert predict(shape, Method("fkv", block=0), 6, s, 512).total > cfg.memory.budget_bytes()
+    assert predict(shape, Method("fkv", block=0, chunk=0), 6, s, 512).total > cfg.memory.budget_bytes()
     specs, info = budget.paper_specs(
         shape,
         s,
@@ -400,9 +400,10 @@ def test_paper_specs_run_fkv_at_a_fitting_batch_when_b0_minus_1_does_not_fit():
         kv_values=[512],
         num_samples=960,
     )
-    fit = max_batch(cfg.memory.budget_bytes(), shape, Method("fkv", block=0), s, 512)
-    assert 0 < fit < 6 and predict(shape, Method("fkv", block=0), fit, s, 512).total <= cfg.memory.budget_bytes()
-    assert [x.name for x in specs[:4]] == ["ed-b7-kv2", "ed-b6-kv2", "ed-b6-kv65", f"fkv-block0-b{fit}"]
+    paper_fkv = Method("fkv", block=0, chunk=0)
+    fit = max_batch(cfg.memory.budget_bytes(), shape, paper_fkv, s, 512)
+    assert 0 < fit < 6 and predict(shape, paper_fkv, fit, s, 512).total <= cfg.memory.budget_bytes()
+    assert [x.name for x in specs[:4]] == ["ed-b7-kv2", "ed-b6-kv2", "ed-b6-kv65", f"fkv-block0-chunk0-b{fit}"]
     assert f"b = {fit}" in info["adjusted"] and [r["fits"] for r in info["runs"]] == [True] * 5  # ED: this engine's
 
 
@@ -440,7 +441,9 @@ def test_paper_procedure_sizes_bm_with_the_rule_it_runs():
 def test_sweep_with_a_rule_runs_bm_at_the_batch_that_rule_fits(tmp_path, stack, tokenizer, tiny_model):
     s = _prompt_len(tokenizer)
     paper, question = Method("bm", kv_max=128, p=32), Method("bm", kv_max=128, p=32, rule="question")
-    limit = _predict(tiny_model, paper, 4, s)  # the paper's rule fits all 4 samples in one batch
+    limit = max(
+        _predict(tiny_model, paper, 4, s), _predict(tiny_model, Method("fkv"), 1, s)
+    )  # FKV's trial fits  # the paper's rule fits all 4 samples in one batch
     assert _predict(tiny_model, question, 4, s) > limit >= _predict(tiny_model, question, 2, s)  # question fits 2
     out = tmp_path / "res"
     rc = _load("sweep").main(
@@ -459,7 +462,7 @@ def test_sweep_with_a_rule_runs_bm_at_the_batch_that_rule_fits(tmp_path, stack, 
 def test_tune_with_a_rule_sizes_and_names_its_trials_by_it(tmp_path, stack, tokenizer, tiny_model, capsys):
     s = _prompt_len(tokenizer)
     paper, question = Method("bm", kv_max=128, p=32), Method("bm", kv_max=128, p=32, rule="question")
-    limit = _predict(tiny_model, paper, 4, s)
+    limit = max(_predict(tiny_model, paper, 4, s), _predict(tiny_model, Method("fkv"), 1, s))  # FKV's trial fits
     assert _predict(tiny_model, question, 4, s) > limit >= _predict(tiny_model, question, 2, s)
     out = tmp_path / "res"
     rc = _load("tune").main(
@@ -493,7 +496,11 @@ def test_tune_with_a_rule_sizes_and_names_its_trials_by_it(tmp_path, stack, toke
 
 
 def test_tune_with_no_cheaper_rules_tries_the_rule_as_given(tmp_path, stack, tokenizer, tiny_model):
-    limit = _predict(tiny_model, Method("bm", kv_max=128, p=32, rule="question"), 2, _prompt_len(tokenizer))
+    s = _prompt_len(tokenizer)
+    limit = max(
+        _predict(tiny_model, Method("bm", kv_max=128, p=32, rule="question"), 2, s),
+        _predict(tiny_model, Method("fkv"), 1, s),
+    )
     out = tmp_path / "res"
     args = ["--config", _yaml(tmp_path, _nqa(out)), "--memory-budget", str(limit), "--kv-max", "128"]
     rc = _load("tune").main([*args, "--rule", "question", "--target", "0.01", "--no-cheaper-rules"])

@@ -93,7 +93,7 @@ def test_every_request_equals_generate_alone(family, key, references):
             out = engine.run(requests, Sampling(ignore_eos=True), record=Record(logits=True, positions=True))
             check_against_alone(out, refs)
             used = len({slot for _, slot, _ in out.admissions})
-            if METHODS[key].pass_tokens(slots) is None and getattr(METHODS[key], "paged", False):
+            if getattr(METHODS[key], "paged", False):
                 assert used >= min(slots, len(requests))  # the memory of ``slots`` rows holds as many or more
             else:
                 assert used == min(slots, len(requests))
@@ -120,6 +120,9 @@ def test_requests_of_one_length_prefill_together_and_still_equal_generate_alone(
         ):
             first = Scheduler(METHODS[key], lens, [1] * len(lens), len(lens)).next_step()
             assert [rows for rows, _ in first.admitted] == groups, lens  # at most the longest prompt's tokens
+    elif not METHODS[key].bounded_prefill:  # FKV in chunks: 4 whole prompts fit a chunk's pass, rows admitted alone
+        assert [w.row for w in step.work] == [0, 1, 2, 3] and [w.phase.size for w in step.work] == lengths[:4]
+        assert [rows for rows, _ in step.admitted] == [range(r, r + 1) for r in range(4)]
     else:  # 4 rows x a first chunk of p tokens <= kv_max: one pass, rows admitted alone
         assert [w.row for w in step.work] == [0, 1, 2, 3] and [w.phase.size for w in step.work] == [P] * 4
         assert [rows for rows, _ in step.admitted] == [range(r, r + 1) for r in range(4)]

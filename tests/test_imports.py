@@ -138,9 +138,10 @@ def test_core_imports_nothing_else_from_the_package():
 
 
 def test_the_attention_sits_below_the_hf_drop_in_and_the_engine():
-    """The engine's attention imports only what a pass needs (the description, the pool, the probe, snap and workspace
-    arithmetic): the HF drop-in (``hf_cache``) is on top of it, as are the pass loop and the engine."""
-    lower = ("method", "rules", "schedule", "step", "bounded", "probe", "snap", "workspace")
+    """The engine's attention imports only what a pass needs (the description, the pool and its storage helpers, the
+    probe, snap and workspace arithmetic): the HF drop-in (``hf_cache``) is on top of it, as are the pass loop and the
+    engine."""
+    lower = ("method", "rules", "schedule", "step", "slots", "bounded", "probe", "snap", "workspace")
     below = {f"batchmax_tp.core.{m}" for m in lower}
     assert SCANS["batchmax_tp.core.attention"][0] <= below, SCANS["batchmax_tp.core.attention"][0] - below
     assert "batchmax_tp.core.attention" in SCANS["batchmax_tp.core.hf_cache"][0]

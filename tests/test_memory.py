@@ -257,7 +257,8 @@ def test_snap_compress_calls_hold_at_most_what_they_report_and_the_planner_predi
     reports (an upper bound: ``workspace.snap_workspace_bytes`` counts its phases as if alive together, at most
     1.6x here; SDPA's own scratch, which the count leaves out, fits within that), which the planner's pool workspace
     covers; the other calls (decode steps) are exact as ever."""
-    method, prompt, layers = Method("snap", kv_max=32, p=8, window=8, kernel=5), 96, model.config.num_hidden_layers
+    method, prompt = Method("snap", kv_max=32, p=8, window=8, kernel=5, chunk=0), 96  # one compress pass
+    layers = model.config.num_hidden_layers
     with AllocationTracker() as t:
         Engine(model, method, 1).run([Request(_ids(1, prompt)[0].tolist(), 6)], Sampling(ignore_eos=True))
     measured = t.spans(LABEL)

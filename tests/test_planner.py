@@ -16,7 +16,7 @@ CASES = [
     (Method("bm", kv_max=24, p=8), 2, 20, 30),  # prompt shorter than kv_max, decode evictions
     (Method("ed", kv_max=2), 3, 48, 8),
     (Method("ed", kv_max=65), 2, 32, 8),  # prompt shorter than kv_max
-    (Method("fkv"), 2, 40, 9),
+    (Method("fkv", chunk=0), 2, 40, 9),  # in one pass (chunked passes' calls: test_memory, test_chunked)
 ]
 
 

@@ -34,12 +34,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import probe, snap, workspace
 from .bounded import PoolLayer
+from .slots import gather_blocks, write_blocks
 from .step import RowsPass
 from .workspace import SDPA_REPEAT
 
@@ -131,6 +133,8 @@ def _rows_attention(
     hi = step.hi * step.share  # a shared budget's G heads hold G slots per column
     if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice
         return _compress(module, layer, step, query, key, value, scaling)
+    if step.mask is not None:  # a chunked prefill (FKV, snap): over the pairs each row holds and its chunk's own
+        return _chunked(layer, step, query, key, value, scaling)
     # The pass's evictions ran before it (the pool's ``evict``); it writes its pairs, then attends.
     if step.kind == "prefill" and layer.score is not None:  # BM's prefill (a layer with sums): over the slots written
         if step.probe is not None:  # the probes folded into the pass: its first columns
@@ -214,6 +218,32 @@ def _dense_prefill(module, query, key, value, scaling: float) -> torch.Tensor:
     return sdpa_attention_forward(module, query, key, value, None, scaling=scaling)[0]
 
 
+def _chunked(layer, step: RowsPass, query, key, value, scaling: float) -> torch.Tensor:
+    """A chunked prefill pass (``slots.chunk_pass``): each row's chunk key/value [R, Hkv, n, D] written into its blocks
+    (the layer's ``chunk_storage``: FKV's K/V, snap's full pairs while it prefills), then its queries [R, Hq, n, D]
+    over its first ``hi`` slots, gathered [R, Hkv, hi, D], under the pass's additive mask (SDPA, one call for the
+    rows); snap's rows whose prompt ends here (``step.compress``) then keep their window's choice of their whole
+    prompt, as the one-pass compress does. Returns [R, n, Hq, D]."""
+    keys, values = layer.chunk_storage()  # [N, Hkv, Bs, D] each
+    write_blocks(keys, values, step.write, key, value)
+    k, v = gather_blocks(keys, step.table, step.hi), gather_blocks(values, step.table, step.hi)  # [R, Hkv, hi, D]
+    Hq, Hkv = query.shape[1], k.shape[1]
+    gqa = Hq != Hkv and query.device.type == "cpu"  # the CPU kernel takes enable_gqa with a mask; CUDA's copies
+    if Hq != Hkv and not gqa:
+        k, v = repeat_kv(k, Hq // Hkv), repeat_kv(v, Hq // Hkv)  # [R, Hq, hi, D] each
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=step.mask, scale=scaling, enable_gqa=gqa)
+    out = out.transpose(1, 2).contiguous()  # [R, n, Hq, D]
+    method = step.method
+    for j, s, offset in step.compress:  # snap: the row's whole prompt [1, Hkv, s, D], its window the chunk's last
+        kj, vj = k[j : j + 1, :, :s], v[j : j + 1, :, :s]
+        if kj.shape[1] != Hkv:  # (copied per query head above: each KV head's first copy)
+            kj, vj = kj[:, :: Hq // Hkv], vj[:, :: Hq // Hkv]
+        scores = snap.window_scores(query[j : j + 1], kj, scaling, method.window)  # [1, Hkv, s] float32
+        kept = snap.choose(scores, method.kv_max, method.window, method.kernel)  # [1, Hkv, K]
+        layer.keep(step.rows[j : j + 1], kj, vj, kept, scores.gather(2, kept), offset)
+    return out
+
+
 def _compress(module, layer: PoolLayer, step: RowsPass, query, key, value, scaling: float) -> torch.Tensor:
     """A compress pass (``snap``): the prompts [R, Hq, s, D] on the model's SDPA over their own pairs, then each
     (row, KV head) keeps the pairs its observation window chooses (``core.snap``), their sums the window's
@@ -222,7 +252,7 @@ def _compress(module, layer: PoolLayer, step: RowsPass, query, key, value, scali
     out = _dense_prefill(module, query, key, value, scaling)  # [R, s, Hq, D]
     scores = snap.window_scores(query, key, scaling, method.window)  # [R, Hkv, s] float32
     kept = snap.choose(scores, method.kv_max, method.window, method.kernel)  # [R, Hkv, K]
-    layer.keep(step, key, value, kept, scores.gather(2, kept))
+    layer.keep(step.rows, key, value, kept, scores.gather(2, kept), step.qpos[:, :1, None])
     return out
 
 

@@ -23,13 +23,17 @@ from dataclasses import replace
 import torch
 
 from . import probe as lookahead
-from .method import Method
+from .dense import Paging
+from .method import BLOCK, Method
 from .rules import MAX_SHARE
 from .schedule import Phase
 from .slots import (
     RowState,
     SlotLayer,
     SlotPool,
+    chunk_pass,
+    chunk_workspace,
+    columns,
     evictions_of,
     group_pass,
     nbytes,
@@ -38,7 +42,13 @@ from .slots import (
     to_device,
 )
 from .step import Change, Eviction, PoolState, RowsPass, SlotWork
-from .workspace import eviction_layers, probe_workspace_bytes, rows_workspace_bytes, snap_workspace_bytes
+from .workspace import (
+    choice_workspace_bytes,
+    eviction_layers,
+    probe_workspace_bytes,
+    rows_workspace_bytes,
+    snap_workspace_bytes,
+)
 
 
 def slots_to_evict(priority: torch.Tensor, pos: torch.Tensor, n: int, head: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,6 +94,7 @@ class PoolLayer(SlotLayer):
         super().__init__(cache, layer_idx)
         self.pos = self.score = self.bias = self.free = self.probe = self.head = None
         self.probe_q = self.probe_lse = self.probe_w = None
+        self.full_keys = self.full_values = None  # snap prefilled in chunks: its prompts' full pairs (``SnapPool``)
 
     def row_tensors(self) -> tuple[torch.Tensor, ...]:
         stored = (self.probe, self.head, self.probe_q, self.probe_lse, self.probe_w)
@@ -153,17 +164,22 @@ class PoolLayer(SlotLayer):
         self.bias.view(-1).index_copy_(0, flat, bias.view(-1))
         return slots
 
-    def keep(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor, kept: torch.Tensor, sums):
-        """A compress pass's choice (``snap``): of each row's prompt pairs [R, H, s, D] the columns ``kept``
-        [R, H, K] (ascending) go to slots [0, K), with their positions and attention sums ``sums`` [R, H, K]; the
-        rows' other slots stay empty, as their admission left them (``BoundedPool.admitted``)."""
+    def keep(self, rows, key_states: torch.Tensor, value_states: torch.Tensor, kept: torch.Tensor, sums, first):
+        """Snap's choice: of the pool rows ``rows``' prompt pairs [R, H, s, D] the columns ``kept`` [R, H, K]
+        (ascending) go to slots [0, K), with their positions (column + ``first``: each row's first position, an int
+        or [R, 1, 1]) and attention sums ``sums`` [R, H, K]; the rows' other slots stay empty, as their admission left
+        them (``BoundedPool.admitted``)."""
         R, H, K = kept.shape
         at = kept[..., None].expand(R, H, K, key_states.shape[-1])  # [R, H, K, D]
-        self.keys[:, :, :K].index_copy_(0, step.rows, key_states.gather(2, at))
-        self.values[:, :, :K].index_copy_(0, step.rows, value_states.gather(2, at))
-        self.pos[:, :, :K].index_copy_(0, step.rows, step.qpos[:, None, :].expand(R, H, -1).gather(2, kept))
-        self.score[:, :, :K].index_copy_(0, step.rows, sums)
-        self.bias[:, :, :K].index_fill_(0, step.rows, 0.0)
+        self.keys[:, :, :K].index_copy_(0, rows, key_states.gather(2, at))
+        self.values[:, :, :K].index_copy_(0, rows, value_states.gather(2, at))
+        self.pos[:, :, :K].index_copy_(0, rows, kept + first)
+        self.score[:, :, :K].index_copy_(0, rows, sums)
+        self.bias[:, :, :K].index_fill_(0, rows, 0.0)
+
+    def chunk_storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Snap prefilled in chunks: its prompts' full pairs, in blocks [N + 1, H, Bs, D], until each compresses."""
+        return self.full_keys, self.full_values
 
     def store_probe(self, rows: torch.Tensor, q: torch.Tensor, own_lse: torch.Tensor, weights: torch.Tensor) -> None:
         """Keep the rows' probe queries [R, Hs, G*g*w, D], log-sum-exp [R, Hs, G*g*w, 1] and weights [R, w] for
@@ -334,10 +350,10 @@ class BoundedPool(SlotPool):
             ph, st, prompt = w.phase, after[w.row], None if prompts is None else prompts[j]
             if offsets is not None:
                 st.offset = offsets[j]
-            q, r, i = _columns(ph, st, prompt, n)
+            q, r, i = columns(ph, st, prompt, n)
             blind |= q[-1] < 0 and st.high == 0  # (real tokens are right-aligned)
             if window:
-                pq, pr, pi = _columns(w.probe, st, prompt, window) if w.probe else ([-1] * window, [0] * window, None)
+                pq, pr, pi = columns(w.probe, st, prompt, window) if w.probe else ([-1] * window, [0] * window, None)
                 if w.probe:
                     among.append(j)
                     probe_qpos.append(pq)
@@ -356,9 +372,9 @@ class BoundedPool(SlotPool):
                 st.high = max(st.high, st.ptr)
         R, hi = len(rows), max(1, *(after[r].high for r in rows))  # at least one slot: a pass of pads alone
         flat = [x for part in (qpos, rope, write, probe_qpos, probe_rope) for row in part for x in row]
-        columns = to_device(flat, device)  # one host-to-device copy, split below
+        packed = to_device(flat, device)  # one host-to-device copy, split below
         sizes = [R * n, R * (window + n), R * n, len(among) * window, len(among) * window]
-        qpos_t, rope_t, write_t, probe_t, probe_rope_t = columns.split(sizes)
+        qpos_t, rope_t, write_t, probe_t, probe_rope_t = packed.split(sizes)
         qpos_t = qpos_t.view(R, n)
         later = (qpos_t[:, None, :] > qpos_t[:, :, None]) & (qpos_t[:, None, :] >= 0)  # [R, n, n]: keys after queries
         step = RowsPass(
@@ -468,37 +484,101 @@ class BoundedPool(SlotPool):
 class SnapPool(BoundedPool):
     """``snap``'s pool: BM's bounded rows (``kv_max`` slots per head, the paper's decode-time eviction), filled by a
     compress pass per group of one prompt length (``core.snap``): the prompt runs on the model's SDPA, as FKV's, and
-    each row keeps what the window's attention chooses."""
+    each row keeps what the window's attention chooses. Prefilled in chunks (``Snap.chunk`` > 0): a request's prompt
+    pairs are held in full, in ``blocks`` blocks of ``BLOCK`` positions shared by the prefilling rows (taken at its
+    admission, the scheduler admitting by them; given back when its prefill ends), each chunk's queries over them
+    (``slots.chunk_pass``, as FKV's), and its last chunk's pass makes the same choice over all of them."""
+
+    def __init__(
+        self, method: Method, num_layers: int, slots: int, capacity: int, static: bool = False, blocks: int = 0
+    ):
+        super().__init__(method, num_layers, slots, capacity, static)
+        self.num_blocks = blocks
+
+    @property
+    def chunked(self) -> bool:
+        return self.method.pass_tokens(self.slots) is not None
+
+    def allocate(self, layout) -> None:
+        """BM's rows and, prefilled in chunks, the full pairs' blocks [N + 1, H, Bs, D] per layer (the last: the
+        scratch block, masked columns' writes)."""
+        fresh = not self.allocated
+        super().allocate(layout)
+        if fresh and self.chunked:
+            H, D = layout.kv_heads, layout.k_dim
+            for layer in self.layers:
+                for name in ("full_keys", "full_values"):
+                    t = torch.zeros(self.num_blocks + 1, H, BLOCK, D, dtype=layout.dtype, device=layout.device)
+                    setattr(layer, name, t)
+            self.note()
+
+    def kv_bytes(self) -> int:
+        """The rows' K/V and, prefilled in chunks, the full pairs' blocks."""
+        return super().kv_bytes() + sum(nbytes(layer.full_keys, layer.full_values) for layer in self.layers)
+
+    def initial(self) -> PoolState:
+        state = super().initial()
+        return replace(state, paging=Paging.empty(self.slots, self.num_blocks)) if self.chunked else state
+
+    def admitted(
+        self, state: PoolState, rows: range, offsets: list[int], lengths: list[int], max_new: list[int]
+    ) -> Change:
+        """BM's, and prefilled in chunks each request's blocks for its prompt's full pairs (``Snap.blocks``)."""
+        change = super().admitted(state, rows, offsets, lengths, max_new)
+        if not self.chunked:
+            return change
+        paging = state.paging
+        for row, s, t in zip(rows, lengths, max_new):
+            paging = paging.reserved(row, self.method.blocks(s, t))
+        return replace(change, paging=paging)
+
+    def graduated(self, state: PoolState, rows: range, decodes: list[bool]) -> Change:
+        """BM's (a shared group's kept pairs copied), and prefilled in chunks the group's blocks given back."""
+        change = super().graduated(state, rows, decodes)
+        if not self.chunked:
+            return change
+        paging = state.paging
+        for row in rows:
+            paging = paging.released(row)
+        return replace(change, paging=paging)
 
     def prefill_pass(
         self, state: PoolState, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
     ) -> tuple[RowsPass, torch.Tensor]:
         """One group's prompts (one length s: a single block) and their ids [R, s]; each row then holds
-        min(s, ``kv_max``) pairs in slots [0, K) (a padded batch's rows: at their padded positions, no pad held)."""
-        return group_pass(self, state, work, prompts, device, "compress", kept=self.capacity)
+        min(s, ``kv_max``) pairs in slots [0, K) (a padded batch's rows: at their padded positions, no pad held).
+        Prefilled in chunks: each row's chunk into its blocks (``slots.chunk_pass``); a row whose prompt ends in the
+        pass then holds its choice (``compress``)."""
+        if not self.chunked:
+            return group_pass(self, state, work, prompts, device, "compress", kept=self.capacity)
+        scratch = self.num_blocks * BLOCK
+        step, ids = chunk_pass(self, state, work, prompts, device, state.paging.tables, BLOCK, scratch)
+        compress, after = [], []
+        for j, (w, (row, st)) in enumerate(zip(work, step.after)):
+            s = w.phase.end - st.offset  # the prompt's pairs so far
+            if s == prompts[j].numel():  # its prompt's last chunk
+                compress.append((j, s, st.offset))
+                held = min(s, self.capacity)
+                st = replace(st, filled=held, ptr=held, high=held)
+            after.append((row, st))
+        return replace(step, compress=tuple(compress), after=tuple(after)), ids
 
     def pass_workspace(self, step: RowsPass) -> int:
         """A compress pass: the larger of the prompts' SDPA (``prompt_workspace``) and the window's choice
-        (``attention._compress``); a decode pass as BM's."""
+        (``attention._compress``); a chunked pass's (``slots.chunk_workspace``) and its compressing rows' choice, one
+        at a time; a decode pass as BM's."""
+        lay, m = self.layout, self.method
+        if step.mask is not None:
+            e = lay.dtype.itemsize
+            chunk = chunk_workspace(self, step, BLOCK)
+            heads = (lay.query_heads, lay.kv_heads, lay.k_dim)
+            kept = [(s, min(s, m.kv_max)) for _, s, _ in step.compress]
+            choice = max((choice_workspace_bytes(1, *heads, s, m.window, k, e) for s, k in kept), default=0)
+            return chunk + choice
         if step.kind != "compress":
             return super().pass_workspace(step)
-        (R, s), lay, m = step.qpos.shape, self.layout, self.method
+        (R, s) = step.qpos.shape
         choice = snap_workspace_bytes(
             R, lay.query_heads, lay.kv_heads, lay.k_dim, s, m.window, min(s, m.kv_max), lay.dtype.itemsize
         )
         return max(prompt_workspace(self, R, s), choice)
-
-
-def _columns(
-    phase: Phase, st: RowState, prompt: torch.Tensor | None, n: int
-) -> tuple[list[int], list[int], torch.Tensor | None]:
-    """A row's ``n`` columns of ``phase`` (a prefill chunk or a look-ahead probe): each column's position (-1:
-    masked), RoPE position and token id (None without a prompt), real tokens right-aligned (a padded row's pads are
-    masked columns)."""
-    a = min(max(phase.start, st.offset), phase.end)  # the phase's first real position (end: all pads)
-    pad = n - (phase.end - a)
-    qpos = [-1] * pad + list(range(a, phase.end))
-    rope = [0] * pad + list(range(a - st.offset, phase.end - st.offset))
-    if prompt is None:
-        return qpos, rope, None
-    return qpos, rope, torch.nn.functional.pad(prompt[a - st.offset : phase.end - st.offset], (pad, 0))

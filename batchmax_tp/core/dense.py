@@ -13,7 +13,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from .method import FullCache, Method
-from .slots import RowState, SlotLayer, SlotPool, group_pass, prompt_workspace, to_device
+from .slots import (
+    RowState,
+    SlotLayer,
+    SlotPool,
+    chunk_pass,
+    chunk_workspace,
+    group_pass,
+    prompt_workspace,
+    to_device,
+    write_blocks,
+)
 from .step import Change, Eviction, PoolState, RowsPass, SlotWork
 from .workspace import paged_decode_workspace_bytes
 
@@ -52,13 +62,25 @@ class DensePool(SlotPool):
     ) -> tuple[RowsPass, torch.Tensor]:
         """One group's prompts (one length s: a single block) and their ids [k, s]; each row keeps what
         ``kept_slots`` says. A padded batch's rows hold no pad: their positions are the padded batch's, their tokens
-        their own."""
+        their own. FKV prefilled in chunks: each row's chunk (``slots.chunk_pass``), its slots in its row (a block of
+        C + 1 positions)."""
+        if self.method.pass_tokens(self.slots) is not None:
+            C = self.capacity
+            return chunk_pass(self, state, work, prompts, device, tuple((r,) for r in range(self.slots)), C + 1, C)
         return group_pass(self, state, work, prompts, device, "prefill", self.kept_slots)
 
+    @property
+    def chunk_block(self) -> int:
+        """Positions per block of a chunked prefill's storage (a row's C + 1 slots)."""
+        return self.capacity + 1
+
     def pass_workspace(self, step: RowsPass) -> int:
-        """A group's prompts on SDPA (``prompt_workspace``); a decode pass's fused product (``SlotPool``)."""
+        """A group's prompts on SDPA (``prompt_workspace``); a chunked pass's (``slots.chunk_workspace``); a decode
+        pass's fused product (``SlotPool``)."""
         if step.kind == "decode":
             return super().pass_workspace(step)
+        if step.mask is not None:
+            return chunk_workspace(self, step, self.chunk_block)
         return prompt_workspace(self, *step.qpos.shape)
 
     def graduated(self, state: PoolState, rows: range, decodes: list[bool]) -> Change:
@@ -132,12 +154,7 @@ class PagedLayer(DensePoolLayer):
 
     def write(self, step: RowsPass, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Each row's columns [R, H, n, D] at the positions ``step.write`` [R, n] (block x Bs + offset)."""
-        R, H, n, _ = key_states.shape
-        Bs = self.keys.shape[2]
-        flat = step.write.reshape(R * n)  # [R*n]
-        block, offset = flat // Bs, flat % Bs
-        for dst, src in ((self.keys, key_states), (self.values, value_states)):
-            dst[block, :, offset] = src.transpose(1, 2).reshape(R * n, H, src.shape[-1])  # [R*n, H, D]
+        write_blocks(self.keys, self.values, step.write, key_states, value_states)
 
 
 @dataclass(frozen=True)
@@ -230,10 +247,18 @@ class PagedPool(DensePool):
         """Where row ``row``'s slot j lives: block ``tables[row][j // Bs]``, position j % Bs (block x Bs + offset)."""
         return tables[row][j // self.block] * self.block + j % self.block
 
+    @property
+    def chunk_block(self) -> int:
+        return self.block
+
     def prefill_pass(
         self, state: PoolState, work: tuple[SlotWork, ...], prompts: list[torch.Tensor], device
     ) -> tuple[RowsPass, torch.Tensor]:
-        """One group's prompts (one length s, one block) and their ids [k, s]; row r writes its slots [0, s)."""
+        """One group's prompts (one length s, one block) and their ids [k, s]; row r writes its slots [0, s). Prefilled
+        in chunks: each row's chunk into its blocks (``slots.chunk_pass``)."""
+        if self.method.pass_tokens(self.slots) is not None:
+            tables = state.paging.tables
+            return chunk_pass(self, state, work, prompts, device, tables, self.block, self.capacity)
         step, ids = group_pass(self, state, work, prompts, device, "prefill")
         s, tables = ids.shape[1], state.paging.tables
         write = to_device([[self._where(tables, w.row, j) for j in range(s)] for w in work], device)

@@ -71,13 +71,16 @@ AGREE_EVERY = 64  # passes between two checks that the tensor-parallel ranks sti
 def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int], max_new: list[int], static: bool):
     """The method's pool (``static``: one decode-pass shape for the whole run, ``core.replay``), its rows as large
     as the longest request needs (BM and ED ``kv_max``, FKV its prompt + generation; no request: a replica whose
-    share is done, the pool is never written). FKV paged: the memory of ``slots`` such rows in blocks, and as many
-    rows as the requests can hold at once (their smallest first), and each request's blocks."""
+    share is done, the pool is never written), and the blocks each request holds (None: none). FKV paged: the memory
+    of ``slots`` such rows in blocks, and as many rows as the requests can hold at once (their smallest first). Snap
+    prefilled in chunks: blocks for ``Snap.prefills`` of the longest prompts' full pairs."""
     cap = max((method.decode_capacity(s, t) for s, t in zip(lengths, max_new)), default=1)
     layers = model.config.num_hidden_layers
-    if not method.paged:
-        return make_pool(method, layers, slots, cap, static), None
     need = [method.blocks(s, t) for s, t in zip(lengths, max_new)]
+    if not any(need):
+        return make_pool(method, layers, slots, cap, static), None
+    if method.transient_blocks:
+        return make_pool(method, layers, slots, cap, static, method.prefills * max(need)), need
     blocks = slots * max(need, default=1)  # the longest request's blocks per slot
     rows = len(list(itertools.takewhile(lambda held: held <= blocks, itertools.accumulate(sorted(need)))))
     return make_pool(method, layers, max(slots, rows), cap, static, blocks), need
@@ -311,6 +314,7 @@ class Engine:
             b.pad_to,
             blocks=self.pool.num_blocks,
             need=need,
+            transient=method.transient_blocks,
         )
         self._hold = contextlib.ExitStack()
         self._hold.enter_context(use_batchmax_attention(model))

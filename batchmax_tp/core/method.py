@@ -65,6 +65,9 @@ class Method:
     bounded_prefill: ClassVar[bool] = False
     #: Whether an eviction keeps the newest pair alone (Algorithm 3): 1 to kv_max pairs, no prompt pair but its last.
     keeps_newest: ClassVar[bool] = False
+    #: Whether a request's blocks (``blocks``) go back when its prefill ends (snap prefilled in chunks: its prompt's
+    #: full pairs, held until it compresses them) instead of when it ends (FKV paged).
+    transient_blocks: ClassVar[bool] = False
     #: The method in tables, plots and labels.
     short_name: ClassVar[str]
     #: Where reports list the method: the paper's tables' order (ED, FKV, BM), then snap (``METHODS``: the runs').
@@ -166,8 +169,20 @@ class Method:
 
     def pass_tokens(self, slots: int) -> int | None:
         """Prompt tokens one prefill pass of a pool of ``slots`` slots takes at most, from several rows at their own
-        positions in chunks of ``p`` (BM), or None: the whole prompt of one group of one length per pass (FKV, ED)."""
+        positions (BM: chunks of ``p``; FKV and snap prefilled in chunks: ``chunk``), or None: the whole prompt of one
+        group of one length per pass (ED; FKV and snap with ``chunk=0``)."""
         return None
+
+    @property
+    def first_block_chunk(self) -> int | None:
+        """The schedule feeds the first prefill block in passes of this many tokens (``schedule.plan``'s ``chunk``) when
+        prefill passes take many rows (BM: ``p``); None: its blocks as ``prefill_blocks`` states them."""
+        return None
+
+    def blocks(self, prompt_len: int, max_new_tokens: int) -> int:
+        """K/V blocks of ``BLOCK`` positions a request holds from its admission (FKV paged: to its end; snap prefilled
+        in chunks: its prompt's, until its prefill ends, ``transient_blocks``); 0: none."""
+        return 0
 
     def slot_state_bytes(self, elem: int, group: int = 1) -> int:
         """Bookkeeping bytes per slot of a pool row (``elem``: bytes per element of the model dtype; ``group``: KV
@@ -203,6 +218,30 @@ class Method:
 #: FKV's block size by default: a request holds ceil((prompt + new - 1) / BLOCK) blocks of K/V (``dense.PagedPool``).
 #: 64 on the CPU: at 16 the decode attention's many tiny products cost 2x those of 64 (2026-11-27, this machine).
 BLOCK = 64
+#: FKV's and snap's prefill chunk by default: a prompt is prefilled ``CHUNK`` tokens a pass (and a pass takes at most
+#: that many prompt tokens, several requests' chunks when they are shorter), as vLLM and SGLang prefill. 2,048: the
+#: fastest per prompt token measured on this CPU (docs/performance.md, "Chunked prefill"); ``chunk=0``: the whole
+#: prompt in one pass.
+CHUNK = 2048
+
+
+def _check_chunk(method: str, chunk) -> None:
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(
+            f"chunk must be a non-negative integer (prompt tokens a prefill pass takes; 0: the whole prompt in one "
+            f"pass) for method {method!r}, got {chunk!r}"
+        )
+
+
+def chunk_blocks(prompt_len: int, chunk: int, least_last: int = 1) -> list[tuple[int, int]]:
+    """A prompt's prefill chunks ``[start, end)`` of ``chunk`` tokens (0: one block), the last holding at least
+    ``least_last`` tokens (merged with the one before it when shorter)."""
+    if not chunk:
+        return [(0, prompt_len)]
+    blocks = [(a, min(a + chunk, prompt_len)) for a in range(0, prompt_len, chunk)]
+    if len(blocks) > 1 and blocks[-1][1] - blocks[-1][0] < least_last:
+        blocks[-2:] = [(blocks[-2][0], prompt_len)]
+    return blocks
 
 
 @dataclass(frozen=True)
@@ -210,10 +249,14 @@ class FullCache(Method):
     """``fkv``: the full cache; never evicts (``kv_max`` is ignored). ``block`` > 0: K/V in blocks of that many
     positions, a request admitted when the free blocks cover its prompt and generation and holding only those
     (``dense.PagedPool``, vLLM's PagedAttention layout); ``block=0``: a fixed-capacity slot per request, sized for the
-    longest (``dense.FullPool``, the paper's padded batch and the engine before 2026-11-27)."""
+    longest (``dense.FullPool``, the paper's padded batch and the engine before 2026-11-27). ``chunk`` > 0: the prompt
+    prefilled ``chunk`` tokens a pass (each chunk's queries over the pairs the request holds and its own, causal), a
+    pass taking the chunks of several requests up to ``chunk`` tokens in all; ``chunk=0``: the whole prompt in one pass
+    of its group (its activations grow with the prompt)."""
 
     name: str = "fkv"
     block: int = BLOCK
+    chunk: int = CHUNK
     evicts: ClassVar[bool] = False
     pool_kind: ClassVar[str] = "full"
     short_name: ClassVar[str] = "FKV"
@@ -228,6 +271,7 @@ class FullCache(Method):
                 f"block must be a positive integer (positions per K/V block; 0: fixed-capacity slots) for method "
                 f"'fkv', got {self.block!r}"
             )
+        _check_chunk(self.name, self.chunk)
         super().__post_init__()
 
     @property
@@ -235,14 +279,23 @@ class FullCache(Method):
         return self.block > 0
 
     def label(self) -> str:
-        return self.name if self.paged else f"{self.name}(slots)"
+        parts = ([] if self.paged else ["slots"]) + ([] if self.chunk else ["one-pass"])
+        return f"{self.name}({', '.join(parts)})" if parts else self.name
+
+    def prefill_blocks(self, prompt_len: int) -> list[tuple[int, int]]:
+        """Chunks of ``chunk`` tokens (one block with ``chunk=0``)."""
+        return chunk_blocks(prompt_len, self.chunk)
+
+    def pass_tokens(self, slots: int) -> int | None:
+        """``chunk`` prompt tokens a pass (several requests' chunks when they are shorter); None with ``chunk=0``."""
+        return self.chunk or None
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return prompt_len + max(max_new_tokens - 1, 0)
 
     def blocks(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Blocks a request holds from admission to its end (paged)."""
-        return -(-self.capacity(prompt_len, max_new_tokens) // self.block)
+        """Blocks a request holds from admission to its end (paged; 0 in fixed slots)."""
+        return -(-self.capacity(prompt_len, max_new_tokens) // self.block) if self.paged else 0
 
 
 @dataclass(frozen=True)
@@ -373,6 +426,10 @@ class BatchMax(Method):
     def group(self, kv_heads: int) -> int:
         return self.scorer.group(kv_heads)
 
+    @property
+    def first_block_chunk(self) -> int:
+        return self.p
+
     def pass_tokens(self, slots: int) -> int:
         """Every row's next chunk of ``p`` in one pass (and the look-ahead probe a rule folds into it), and never
         less than Algorithm 1's first block and its probe (a lone row's run in one pass): measured 2026-11-26,
@@ -409,6 +466,9 @@ class Snap(Method):
     name: str = "snap"
     window: int = 32
     kernel: int = 7
+    chunk: int = CHUNK
+    prefills: int = 1
+    transient_blocks: ClassVar[bool] = True
     default_kv_max: ClassVar[int] = 512
     pool_kind: ClassVar[str] = "snap"
     short_name: ClassVar[str] = "snap"
@@ -424,6 +484,12 @@ class Snap(Method):
                 raise ValueError(f"{what} must be a positive integer for method 'snap', got {value!r}")
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd for method 'snap' (centred on the pair), got {self.kernel}")
+        _check_chunk(self.name, self.chunk)
+        if isinstance(self.prefills, bool) or not isinstance(self.prefills, int) or self.prefills < 1:
+            raise ValueError(
+                f"prefills must be a positive integer (requests holding their whole prompt at once while they "
+                f"prefill in chunks) for method 'snap', got {self.prefills!r}"
+            )
         super().__post_init__()
 
     def validate_kv_max(self) -> None:
@@ -434,10 +500,25 @@ class Snap(Method):
             )
 
     def label(self) -> str:
-        return f"snap(kv_max={self.kv_max}, p={self.p}, window={self.window}, kernel={self.kernel})"
+        how = f"chunk={self.chunk}, prefills={self.prefills}" if self.chunk else "one-pass"
+        return f"snap(kv_max={self.kv_max}, p={self.p}, window={self.window}, kernel={self.kernel}, {how})"
 
     def capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         return self.kv_max
+
+    def prefill_blocks(self, prompt_len: int) -> list[tuple[int, int]]:
+        """Chunks of ``chunk`` tokens, the last holding the whole observation window (its queries choose, in the
+        last chunk's pass); one block with ``chunk=0``."""
+        return chunk_blocks(prompt_len, self.chunk, least_last=self.window)
+
+    def pass_tokens(self, slots: int) -> int | None:
+        """``chunk`` prompt tokens a pass (several requests' chunks when they are shorter); None with ``chunk=0``."""
+        return self.chunk or None
+
+    def blocks(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Prefilled in chunks: the blocks of ``BLOCK`` positions holding the prompt's full pairs until its last chunk
+        compresses them (given back then, ``transient_blocks``); 0 in one pass."""
+        return -(-prompt_len // BLOCK) if self.chunk else 0
 
     def slot_state_bytes(self, elem: int, group: int = 1) -> int:
         """BM's slot state without a probe: a position (int64), an attention sum (float32), an additive mask (model
@@ -445,12 +526,13 @@ class Snap(Method):
         return 8 + 4 + elem + 8
 
     def prefill_workspace_bytes(self, q_heads: int, kv_heads: int, head_dim: int, prompt: int, elem: int) -> int:
-        """The compress pass's (``workspace.snap_workspace_bytes``)."""
+        """The compress pass's (``workspace.snap_workspace_bytes``; prefilled in chunks, the window's choice alone,
+        ``workspace.choice_workspace_bytes``)."""
         kept = min(prompt, self.kv_max)
         return snap_workspace_bytes(1, q_heads, kv_heads, head_dim, prompt, self.window, kept, elem)
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:
-        if incoming > 1:  # the prompt, one block: kept pairs are chosen inside its pass (it "evicts" the rest)
+        if incoming > 1:  # the prompt: kept pairs are chosen in its (last) pass (it "evicts" the rest)
             return max(0, filled + incoming - capacity)
         return min(self.p, filled) if filled + incoming > capacity else 0  # decoding: Algorithm 1's step
 

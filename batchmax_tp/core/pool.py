@@ -36,9 +36,12 @@ POOLS = {"bounded": BoundedPool, "full": FullPool, "newest": NewestPool, "snap":
 
 def make_pool(method: Method, num_layers: int, slots: int, capacity: int, static: bool, blocks: int = 0) -> SlotPool:
     """The method's pool: ``capacity`` slots per row (``Method.decode_capacity`` of the longest request); FKV paged:
-    ``blocks`` blocks shared by ``slots`` rows; a rule with budgets across layers: a pool per layer group."""
+    ``blocks`` blocks shared by ``slots`` rows; snap: ``blocks`` blocks for the prompts it prefills in chunks;
+    a rule with budgets across layers: a pool per layer group."""
     if method.paged:
         return PagedPool(method, num_layers, slots, blocks, static)
+    if method.transient_blocks:  # snap: its prompts' full pairs in ``blocks`` blocks while they prefill in chunks
+        return SnapPool(method, num_layers, slots, capacity, static, blocks)
     if (capacities := method.layer_capacities(num_layers)) is not None:
         return LayeredPool(method, capacities, slots, static)
     return POOLS[method.pool_kind](method, num_layers, slots, capacity, static)

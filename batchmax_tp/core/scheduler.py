@@ -21,7 +21,10 @@ requests of one key form a group instead (``Batching(share_prompts=True)`` keys 
 runs once for the whole group).
 FKV's paged pool (``dense.PagedPool``) adds a second condition to admission: the request at the head of the queue
 enters a free slot only when the pool's free blocks cover its prompt and generation (``need``), which it holds until
-it ends; no request is passed over, none is preempted.
+it ends; no request is passed over, none is preempted. Snap prefilled in chunks holds its prompt's full pairs in blocks
+the same way, from its admission until its prefill ends (``transient``). FKV and snap prefilled in chunks take the
+batched passes as BM's do: every prefilling request's next chunk, in admission order, up to ``pass_tokens`` (their
+``chunk``) rows x columns a pass.
 Every input is a host integer or the set of slots that finished, which every tensor-parallel rank knows alike: all
 ranks schedule the same passes.
 """
@@ -92,6 +95,7 @@ class Scheduler:
     pad_to: int = 0  # static: the padded length, when longer than a batch's longest prompt
     blocks: int = 0  # FKV paged: the pool's K/V blocks (0: every slot fits any request)
     need: list[int] | None = None  # FKV paged: the blocks each request holds from admission to its end
+    transient: bool = False  # the blocks go back when a request's prefill ends (snap prefilled in chunks), not its end
     pads: list[int] = field(init=False)  # per request: the left pads it runs with (static BM), else 0
     free_blocks: int = field(init=False)  # FKV paged: blocks no running request holds
     queue: deque = field(init=False)
@@ -145,7 +149,8 @@ class Scheduler:
         for group in groups:
             rows = range(group[0][0], group[-1][0] + 1)
             for slot, i in group:
-                chunk = self.method.p if self.batched else None  # the first block in passes of p, beside other rows
+                # BM: the first block in passes of p, beside other rows (FKV and snap in chunks: their blocks are)
+                chunk = self.method.first_block_chunk if self.batched else None
                 if self.static:
                     self.pads[i] = padded - self.lengths[i]
                 length = self.lengths[i] + self.pads[i]
@@ -220,10 +225,14 @@ class Scheduler:
         freed = []
         for work in step.work:
             run = self.running[work.row]
+            prefilled = run.prefilling
             run.cursor += work.phases + (work.probe is not None)  # its chunks, and the probe that ran beside them
+            over = prefilled and (run.done or not run.prefilling)  # its prefill is over
+            if self.transient and self.need is not None and over:
+                self.free_blocks += self.need[run.request]
             if run.done or work.row in finished:
                 freed.append((work.row, run.request))
                 self.running[work.row] = None
-                if self.need is not None:
+                if self.need is not None and not self.transient:
                     self.free_blocks += self.need[run.request]
         return freed

@@ -20,8 +20,9 @@ from typing import NamedTuple
 import torch
 
 from .method import Method
+from .schedule import Phase
 from .step import Change, Eviction, PoolState, RowsPass, SlotWork
-from .workspace import decode_workspace_bytes, dense_impl, dense_workspace_bytes
+from .workspace import chunk_workspace_bytes, decode_workspace_bytes, dense_impl, dense_workspace_bytes
 
 
 class KVLayout(NamedTuple):
@@ -304,6 +305,32 @@ class SlotLayer:
         """Every tensor with one row per slot (what ``SlotPool.fork`` copies)."""
         return self.keys, self.values
 
+    def chunk_storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a chunked prefill's pairs go, as blocks [N, H, Bs, D] (``slots.chunk_pass``): FKV's K/V (fixed slots:
+        a row's C + 1 slots a block)."""
+        return self.keys, self.values
+
+
+def write_blocks(keys: torch.Tensor, values: torch.Tensor, write: torch.Tensor, key_states, value_states) -> None:
+    """Each row's columns key/value_states [R, H, n, D] into K/V kept in blocks [N, H, Bs, D], at ``write`` [R, n]
+    (block x Bs + offset)."""
+    R, H, n, _ = key_states.shape
+    flat = write.reshape(R * n)  # [R*n]
+    block, offset = flat // keys.shape[2], flat % keys.shape[2]
+    for dst, src in ((keys, key_states), (values, value_states)):
+        dst[block, :, offset] = src.transpose(1, 2).reshape(R * n, H, src.shape[-1])  # [R*n, H, D]
+
+
+def gather_blocks(store: torch.Tensor, table: torch.Tensor, hi: int) -> torch.Tensor:
+    """Each row's first ``hi`` positions [R, H, hi, D] of K or V kept in blocks [N, H, Bs, D], its blocks ``table``
+    [R, nb] in order (one block a row: a slice of it, gathered once)."""
+    R, nb = table.shape
+    _, H, Bs, D = store.shape
+    if nb == 1:
+        return store[:, :, :hi].index_select(0, table[:, 0])  # [R, H, hi, D]
+    blocks = store.index_select(0, table.reshape(-1)).view(R, nb, H, Bs, D)  # [R, nb, H, Bs, D]
+    return blocks.transpose(1, 2).reshape(R, H, nb * Bs, D)[:, :, :hi]  # [R, H, hi, D]
+
 
 def prompt_workspace(pool: SlotPool, R: int, s: int) -> int:
     """R prompts of s tokens on the model's SDPA over their own pairs (``attention._dense_prefill``)."""
@@ -375,3 +402,88 @@ def evictions_of(evicting: list[tuple[int, int, int, str | None]], device) -> tu
 def span_of(rows: list[int]) -> slice | None:
     """``rows`` as a slice when they are adjacent and ascending, else None."""
     return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
+
+
+def columns(
+    phase: Phase, st: RowState, prompt: torch.Tensor | None, n: int
+) -> tuple[list[int], list[int], torch.Tensor | None]:
+    """A row's ``n`` columns of ``phase`` (a prefill chunk or a look-ahead probe): each column's position (-1:
+    masked), RoPE position and token id (None without a prompt), real tokens right-aligned (a padded row's pads are
+    masked columns)."""
+    a = min(max(phase.start, st.offset), phase.end)  # the phase's first real position (end: all pads)
+    pad = n - (phase.end - a)
+    qpos = [-1] * pad + list(range(a, phase.end))
+    rope = [0] * pad + list(range(a - st.offset, phase.end - st.offset))
+    if prompt is None:
+        return qpos, rope, None
+    return qpos, rope, torch.nn.functional.pad(prompt[a - st.offset : phase.end - st.offset], (pad, 0))
+
+
+def chunk_pass(
+    pool: SlotPool,
+    state: PoolState,
+    work: tuple[SlotWork, ...],
+    prompts: list[torch.Tensor],
+    device,
+    tables: tuple[tuple[int, ...], ...],
+    block: int,
+    scratch: int,
+    kind: str = "prefill",
+) -> tuple[RowsPass, torch.Tensor]:
+    """A chunked prefill pass (FKV, and snap's prompt held in full until it compresses) and its ids [R, n]: each row's
+    chunk ``[a, b)`` of its prompt, real tokens right-aligned (masked columns in front: a padded row's pads, a shorter
+    chunk's room), its pairs written at its slots (slot j: the row's j-th prompt position) in its blocks (``tables``:
+    each row's blocks of ``block`` positions; K/V [N, H, block, D]; ``write`` [R, n]: block x ``block`` + offset, masked
+    columns ``scratch``), its queries over its slots [0, b) (the pairs it holds and the chunk's own, causal: ``mask``
+    [R, 1, n, hi] additive in the model dtype, built once for every layer; a masked column sees slot 0 alone, so its
+    softmax stays finite); ``table`` [R, ceil(hi / block)]: each row's blocks (a row holding fewer: ``scratch``'s
+    block, masked). The rows' ``seen`` advance in its ``after``."""
+    n = max(w.phase.size for w in work)
+    qpos, rope, ids, slot, write, after = [], [], [], [], [], []
+    for j, w in enumerate(work):
+        st = state.rows[w.row]
+        q, r, i = columns(w.phase, st, prompts[j], n)
+        own = [x - st.offset if x >= 0 else -1 for x in q]  # each column's slot (-1: masked)
+        qpos.append(q)
+        rope.append(r)
+        ids.append(i)
+        slot.append([max(x, 0) for x in own])
+        write.append([tables[w.row][x // block] * block + x % block if x >= 0 else scratch for x in own])
+        after.append((w.row, replace(st, seen=w.phase.end)))
+    hi = max(w.phase.end - state.rows[w.row].offset for w in work)  # the pass's most slots held
+    nb = -(-hi // block)
+    scratch_block = scratch // block
+    table = [list(tables[w.row][:nb]) + [scratch_block] * (nb - len(tables[w.row][:nb])) for w in work]
+    R = len(work)
+    flat = to_device([x for part in (qpos, rope, slot, write, table) for row in part for x in row], device)
+    qpos_t, rope_t, slot_t, write_t, table_t = flat.split([R * n] * 4 + [R * nb])
+    later = torch.arange(hi, device=device) > slot_t.view(R, n, 1)  # [R, n, hi]: slots after each query's
+    mask = torch.zeros(R, 1, n, hi, dtype=pool.layout.dtype, device=device)
+    mask.masked_fill_(later[:, None], float("-inf"))  # [R, 1, n, hi]
+    qpos_t = qpos_t.view(R, n)
+    rows = [w.row for w in work]
+    step = RowsPass(
+        kind=kind,
+        pool=pool,
+        method=pool.method,
+        share=pool.share,
+        rows=to_device(rows, device),
+        span=span_of(rows),
+        qpos=qpos_t,
+        positions=rope_t.view(R, n),
+        real=None if all(q[0] >= 0 for q in qpos) else qpos_t >= 0,
+        write=write_t.view(R, n),
+        hi=hi,
+        mask=mask,
+        table=table_t.view(R, nb),
+        after=tuple(after),
+    )
+    return step, torch.stack(ids)
+
+
+def chunk_workspace(pool: SlotPool, step: RowsPass, block: int) -> int:
+    """One layer's call of a chunked prefill pass (``chunk_pass``; ``workspace.chunk_workspace_bytes``)."""
+    lay = pool.layout
+    (R, n), e = step.qpos.shape, lay.dtype.itemsize
+    gqa = torch.device(lay.device).type == "cpu"
+    return chunk_workspace_bytes(R, lay.query_heads, lay.kv_heads, lay.k_dim, n, step.hi, block, e, gqa)

@@ -24,13 +24,14 @@ import torch.nn.functional as F
 
 
 def window_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
-    """query [R, Hq, s, D], key [R, Hkv, s, D] (one prompt length s, RoPE applied): the attention every pair gets
-    from the last ``min(window, s)`` queries, summed over them and over each KV head's query heads, float32
-    [R, Hkv, s]. Reads only the window's queries: [R, Hkv, g*w, s] logits at a time."""
-    R, Hq, s, D = query.shape
-    Hkv = key.shape[1]
+    """query [R, Hq, n, D] (the prompt's last n >= min(window, s) queries: all of it, or its last chunk), key
+    [R, Hkv, s, D] (one prompt length s, RoPE applied): the attention every pair gets from the last ``min(window, s)``
+    queries, summed over them and over each KV head's query heads, float32 [R, Hkv, s]. Reads only the window's
+    queries: [R, Hkv, g*w, s] logits at a time."""
+    R, Hq, _, D = query.shape
+    Hkv, s = key.shape[1], key.shape[2]
     g, w = Hq // Hkv, min(window, s)
-    q = query[:, :, s - w :].reshape(R, Hkv, g * w, D)  # [R, Hkv, g*w, D]: the window's queries grouped by KV head
+    q = query[:, :, -w:].reshape(R, Hkv, g * w, D)  # [R, Hkv, g*w, D]: the window's queries grouped by KV head
     logits = torch.matmul(q, key.transpose(2, 3)).float().mul_(scaling)  # [R, Hkv, g*w, s]
     # window query i sits at position s - w + i: pairs after it are hidden (the same for every query head)
     after = torch.arange(s, device=key.device) > torch.arange(s - w, s, device=key.device)[:, None]  # [w, s]

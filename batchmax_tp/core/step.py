@@ -136,7 +136,10 @@ class RowsPass:
     (it arrives in the description's one host-to-device copy). ``written`` (BM's decode passes, set by the pool's
     ``ready`` once the evictions ran): where each layer's new pairs go, as indices into the layer's K/V rows
     flattened [S*Hs*(C + 1)], row by row and local KV head in order; the pool has recorded those slots' positions,
-    sums and masks in every layer at once, so a layer only copies its pairs there."""
+    sums and masks in every layer at once, so a layer only copies its pairs there. A chunked prefill pass (FKV, snap
+    with ``chunk`` > 0; ``slots.chunk_pass``) holds each row's chunk of its prompt: its pairs written at ``write``
+    (block x block size + offset) into the row's blocks ``table``, its queries over the row's slots [0, hi) under
+    ``mask``; snap's rows whose prompt ends in the pass (``compress``) then keep their window's choice."""
 
     kind: Literal["prefill", "probe", "compress", "decode"]
     pool: object  # the storage its layers write and read (``core.bounded.BoundedPool``, ``core.dense.DensePool``, ...)
@@ -159,6 +162,9 @@ class RowsPass:
     among: torch.Tensor | None = None  # a folded probe's rows among its pass's rows [Rp] (None: every row probes)
     blind: bool = False  # BM's prefill passes: some row's queries see no slot (pads alone, nothing held yet)
     written: torch.Tensor | None = None  # [L, R*Hkv] BM's decode passes: each layer's K/V index of each row's pair
+    mask: torch.Tensor | None = None  # [R, 1, n, hi] chunked prefill (FKV, snap): additive, slots after each query's
+    table: torch.Tensor | None = None  # [R, nb] chunked prefill: each row's K/V blocks, in order (``slots.chunk_pass``)
+    compress: tuple = ()  # chunked snap: (j, prompt length, offset) of each row of the pass whose prompt ends in it
     after: tuple = ()  # (row, core.slots.RowState) per row the pass advances: its host state once the pass has run
     paging: object = None  # FKV paged's decode passes: its blocks' state once the pass has run (``dense.Paging``)
     parts: tuple[RowsPass, ...] = ()  # budgets across layers: the pass of each layer group's pool (the first's is it)

@@ -285,14 +285,39 @@ def snap_workspace_bytes(
 ) -> int:
     """Peak bytes a compress pass (``snap``, ``core.snap``) allocates above the pass's queries, keys and values and
     the pool, per layer's call, at most: SDPA's output and log-sum-exp (``dense_workspace_bytes``, unpadded), alive
-    while the window's queries are copied and scored (their logits in the model dtype, a float32 copy of them in a
-    half dtype, the float32 softmax, the per-pair sums), then the choice (a few [rows, heads, prompt] int64 and
-    float32 tensors: the pooled scores, the stable sort's values and indices) and the kept pairs gathered (K and V,
-    their positions and sums). An upper bound: these phases are counted as if alive together."""
+    while the window's choice is made (``choice_workspace_bytes``). An upper bound: these phases are counted as if
+    alive together."""
+    sdpa = _sdpa_workspace_bytes(batch, q_heads, kv_heads, head_dim, prompt, prompt, elem, padded=False, align=False)
+    return sdpa + choice_workspace_bytes(batch, q_heads, kv_heads, head_dim, prompt, window, kept, elem)
+
+
+def choice_workspace_bytes(
+    batch: int, q_heads: int, kv_heads: int, head_dim: int, prompt: int, window: int, kept: int, elem: int
+) -> int:
+    """Snap's choice of ``batch`` rows' ``prompt`` pairs: the window's queries copied and scored (their logits in the
+    model dtype, a float32 copy of them in a half dtype, the float32 softmax, the per-pair sums), then the choice (a
+    few [rows, heads, prompt] int64 and float32 tensors: the pooled scores, the stable sort's values and indices) and
+    the kept pairs gathered (K and V, their positions and sums). An upper bound: counted as if alive together."""
     B, Hq, Hkv, D, s, w, K, e = batch, q_heads, kv_heads, head_dim, prompt, min(window, prompt), kept, elem
-    sdpa = _sdpa_workspace_bytes(B, Hq, Hkv, D, s, s, e, padded=False, align=False)
     logits = B * Hq * w * s * (e + (4 if e != 4 else 0) + 4)  # the product, its float32 copy, the softmax
     scoring = e * B * Hq * w * D + logits + 4 * B * Hkv * s
     choosing = B * Hkv * s * (4 + 4 + 4 + 8)  # the prefix copied, pooled, sorted (values, indices)
     keeping = B * Hkv * K * (2 * e * D + 8 + 8 + 4)  # K and V, positions (and their index), sums
-    return sdpa + scoring + choosing + keeping
+    return scoring + choosing + keeping
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_workspace_bytes(
+    rows: int, q_heads: int, kv_heads: int, head_dim: int, queries: int, held: int, block: int, elem: int, gqa: bool
+) -> int:
+    """Peak bytes of one layer's call of a chunked prefill pass (FKV, snap; ``attention._chunked``): ``rows`` rows of
+    ``queries`` columns over their first ``held`` pairs, kept in blocks of ``block`` positions: the additive mask
+    [R, 1, n, held] the pass holds (model dtype, built once), the rows' blocks gathered ([R x blocks, H, Bs, D], K and
+    V) and laid out per head ([R, H, held, D], a second copy when a row holds more than one block), K/V copied per
+    query head where SDPA gets no ``enable_gqa`` (``gqa`` False: off the CPU), and SDPA's output and float32
+    log-sum-exp."""
+    R, Hq, Hkv, D, n, L, e = rows, q_heads, kv_heads, head_dim, queries, held, elem
+    nb = -(-L // block)
+    gathered = 2 * e * R * Hkv * D * (L if nb == 1 else 2 * nb * block)  # K and V
+    repeat = 0 if gqa or Hq == Hkv else 2 * e * R * Hq * L * D
+    return e * R * n * L + gathered + repeat + e * R * Hq * n * D + 4 * R * Hq * n

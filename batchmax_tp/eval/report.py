@@ -218,10 +218,11 @@ def format_report(summaries: Sequence[RunSummary | Mapping[str, Any]], *, title:
             f"{s.samples_cut}/{s.num_samples} |"
         )
     main = [s for s in summaries if not s.paper_setting]  # the paper's static setting has its own section
+    fkv = _fastest_fkv(summaries)
     lines += ["", *_comparison(main, label)]
-    lines += ["", *_same_memory_ratios(main, label)]
+    lines += ["", *_same_memory_ratios(main, label, fkv)]
     lines += ["", *_memory(summaries)]
-    lines += ["", *_every_method(main, label)]
+    lines += ["", *_every_method(main, label, fkv)]
     lines += ["", *_paper_setting(main, [s for s in summaries if s.paper_setting])]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -322,16 +323,31 @@ def _comparison(summaries: Sequence[RunSummary], label: str) -> list[str]:
     return lines
 
 
+def _fastest_fkv(summaries: Sequence[RunSummary]) -> RunSummary | None:
+    """The fastest FKV run of a same-memory job (continuous, or the paper's static padded batch beside it): what every
+    same-memory ratio divides by."""
+    runs = [s for s in summaries if s.same_memory_budget_bytes and not s.oom and s.tokens_per_s]
+    return max((s for s in runs if _is(s, _full_cache)), key=lambda s: s.tokens_per_s, default=None)
+
+
+def _fkv_named(fkv: RunSummary | None) -> str:
+    """Which FKV run the ratios divide by: its batch and policy."""
+    if fkv is None:
+        return "none ran"
+    policy = "the paper's static padded batch" if fkv.paper_setting else "continuous"
+    return f"b={fkv.batch_size}, {policy}"
+
+
 def _ratio(x: float | None, ref: RunSummary | None) -> str:
     if x is None or ref is None or not ref.tokens_per_s:
         return "n/a"
     return f"{x / ref.tokens_per_s:.2f}x"
 
 
-def _same_memory_ratios(summaries: Sequence[RunSummary], label: str) -> list[str]:
+def _same_memory_ratios(summaries: Sequence[RunSummary], label: str, fkv: RunSummary | None) -> list[str]:
     """The plain run's claim in one table (only for the same-memory run, whose summaries carry its budget): each
-    BM rule's tokens/s, and snap's (SnapKV after the prompt: the peer users run instead), over FKV's and over the
-    fastest ED run's, all in the same memory; the paper's rule first."""
+    BM rule's tokens/s, and snap's (SnapKV after the prompt: the peer users run instead), over the fastest FKV run's
+    (``fkv``: continuous or static) and over the fastest ED run's, all in the same memory; the paper's rule first."""
     if not any(s.same_memory_budget_bytes for s in summaries):
         return []
     ok = [s for s in summaries if not s.oom and s.tokens_per_s]
@@ -340,14 +356,13 @@ def _same_memory_ratios(summaries: Sequence[RunSummary], label: str) -> list[str
         (s for s in summaries if _is(s, ranks_by_attention)),
         key=lambda s: (_order(s.method), s.rule != "paper"),
     )
-    fkv = next((s for s in ok if _is(s, _full_cache)), None)
     ed = max((s for s in ok if _is(s, _decoding_only)), key=lambda s: s.tokens_per_s, default=None)
     if not bm:
         return []
     lines = ["## Same memory: BM's tokens/s over FKV's and ED's", ""]
     lines.append(
-        "Each BM rule's tokens/s, and snap's, divided by those of FKV ("
-        + (f"b={fkv.batch_size}" if fkv else "none ran")
+        "Each BM rule's tokens/s, and snap's, divided by those of the fastest FKV run ("
+        + _fkv_named(fkv)
         + ") and of the fastest ED run ("
         + (f"b={ed.batch_size}, kv_max={ed.kv_max}" if ed else "none ran")
         + "), every run within the same memory budget; the paper's rule first."
@@ -371,18 +386,19 @@ def _same_memory_ratios(summaries: Sequence[RunSummary], label: str) -> list[str
     return lines
 
 
-def _every_method(summaries: Sequence[RunSummary], label: str) -> list[str]:
+def _every_method(summaries: Sequence[RunSummary], label: str, fkv: RunSummary | None) -> list[str]:
     """The same-memory run's every method at its own fastest, one table (answers beside tokens/s, the prompt's and
-    the decode's seconds apart), and the ceiling the arithmetic allows: FKV's prefill seconds with the fastest
-    bounded method's decode seconds (the prompt at full-cache cost, the decode at a bounded slot's)."""
+    the decode's seconds apart), its tokens/s over the fastest FKV run's (``fkv``), and the ceiling the arithmetic
+    allows: that FKV's prefill seconds with the fastest bounded method's decode seconds (the prompt at full-cache
+    cost, the decode at a bounded slot's)."""
     if not any(s.same_memory_budget_bytes for s in summaries):
         return []
     ok = [s for s in summaries if not s.oom and s.tokens_per_s]
-    fkv = next((s for s in ok if _is(s, _full_cache)), None)
     lines = [
         "## Every method at its own fastest, one budget",
         "",
-        "Prefill ms per real prompt token and decode seconds are the run's own (summed over its passes).",
+        "Prefill ms per real prompt token and decode seconds are the run's own (summed over its passes); tokens/s / "
+        f"FKV divides by the fastest FKV run ({_fkv_named(fkv)}).",
         "",
         f"| method | b | kv_max | {label} | correct | tokens/s | tokens/s / FKV | prefill ms / prompt token "
         "| decode s |",

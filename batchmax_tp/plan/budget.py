@@ -365,7 +365,7 @@ def paper_setting_specs(
     b0 = planned_b0(budget_bytes, shape, prompt_len, max_new_tokens, dtype=dtype, tp=tp, p=p)
     if b0 <= 1:
         return []
-    fkv = Method("fkv", p=p, block=0)
+    fkv = Method("fkv", p=p, block=0, chunk=0)  # the paper's: a fixed slot per sample, its prompt in one pass
     b_fkv = min(b0 - 1, max_slots(budget_bytes, shape, fkv, prompt_len, max_new_tokens, tp=tp, dtype=dtype))
     runs = [(Method("ed", kv_max=2, p=p), b0 - 1), (fkv, b_fkv), (bm.method, bm.batch_size)]
     return [RunSpec(m, b, policy="static") for m, b in runs if b > 0]

@@ -23,11 +23,13 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 
-from ..core.method import Method
+from ..core.method import BLOCK, Method
 from ..core.schedule import plan
 from ..core.workspace import (
     SDPA,
     SDPA_REPEAT,
+    choice_workspace_bytes,
+    chunk_workspace_bytes,
     decode_workspace_bytes,
     dense_workspace_bytes,
     eviction_workspace_bytes,
@@ -165,6 +167,11 @@ def predict_pool(
         ws = paged_decode_workspace_bytes(slots, q_heads, kv_heads, blocks, method.block, shape.head_dim, nbytes)
         decode = (decode[0], ws if max_new_tokens > 1 else 0, 0)
     tokens = method.pass_tokens(slots) if pass_tokens is None else pass_tokens
+    if tokens is not None and not method.bounded_prefill:  # FKV and snap prefilled in chunks
+        kv += _transient_kv_bytes(shape, method, prompt_len, kv_heads, nbytes)
+        activations, workspace = _chunked_prefill(shape, method, slots, prompt_len, tokens, tp, nbytes)
+        meta = pool_bookkeeping_bytes(shape, method, slots, prompt_len, tp=tp, dtype=dtype)
+        return MemoryEstimate(kv, workspace + decode[1], weights, activations + decode[0], meta)
     if tokens is None:  # one group of one prompt length per prefill pass (FKV, ED; snap keeps its choice after)
         activations, workspace, _ = _dense_slot_prefill(shape, prompt_len, tp, nbytes)
         compress = method.prefill_workspace_bytes(q_heads, kv_heads, shape.head_dim, prompt_len, nbytes)
@@ -175,6 +182,40 @@ def predict_pool(
     evicting = (0, max(eviction_workspace_bytes(n, slots, Hs, G * c, nbytes, G) for n, c in runs))  # per group
     activations, workspace = max([*passes, evicting], key=sum)
     return MemoryEstimate(kv, workspace + decode[1], weights, activations + decode[0], meta)
+
+
+def _transient_kv_bytes(shape: ModelShape, method: Method, prompt_len: int, kv_heads: int, nbytes: int) -> int:
+    """Snap prefilled in chunks: the blocks holding ``Snap.prefills`` prompts' full pairs while they prefill, and the
+    scratch block (``bounded.SnapPool``); 0 for the others."""
+    if not method.transient_blocks or not method.blocks(prompt_len, 1):
+        return 0
+    blocks = method.prefills * method.blocks(prompt_len, 1) + 1
+    return 2 * shape.layers * blocks * kv_heads * BLOCK * shape.head_dim * nbytes
+
+
+def _chunked_prefill(
+    shape: ModelShape, method: Method, slots: int, prompt_len: int, tokens: int, tp: int, nbytes: int
+) -> tuple[int, int]:
+    """(activations, attention workspace) of the largest chunked prefill pass of FKV or snap (``slots.chunk_pass``): the
+    last chunk of the longest prompt (one row: ``tokens`` columns, snap's last chunk up to its window more, over the
+    whole prompt), or whole short prompts side by side (as many rows of ``prompt_len`` columns as ``tokens`` holds);
+    snap's last chunk also makes its choice over the whole prompt (``workspace.choice_workspace_bytes``). K/V copied
+    per query head where SDPA gets no ``enable_gqa`` (counted for a half dtype, a card's)."""
+    q_heads, kv_heads = shape.local_heads(tp)
+    per_token, D, e = _per_token(shape, tp, nbytes), shape.head_dim, nbytes
+    block = method.block if method.paged else (BLOCK if method.transient_blocks else prompt_len + 1)
+    gqa = not (nbytes == 2 and q_heads != kv_heads)
+    least = getattr(method, "window", 1)  # snap's last chunk holds its whole window
+    n = min(prompt_len, tokens + least - 1)
+    rows = [(1, n), (min(slots, max(1, tokens // prompt_len)), min(prompt_len, tokens))]
+    passes = []
+    for R, width in rows:
+        ws = chunk_workspace_bytes(R, q_heads, kv_heads, D, width, prompt_len, block, e, gqa)
+        if method.transient_blocks:
+            kept = min(prompt_len, method.kv_max)
+            ws += choice_workspace_bytes(1, q_heads, kv_heads, D, prompt_len, method.window, kept, e)
+        passes.append((R * width * per_token + R * shape.vocab * 4, ws))
+    return max(passes, key=sum)
 
 
 def _layer_runs(shape: ModelShape, method: Method, cap: int) -> list[tuple[int, int]]:
@@ -303,10 +344,10 @@ def max_prompt_len(
     limit: int = 1 << 24,
 ) -> int:
     """The longest prompt (tokens) whose pool of ``slots`` slots (``predict_pool``) fits ``budget_bytes``: 0 if not
-    even a one-token prompt does, ``limit`` when every length up to it does. FKV, ED and snap prefill a whole prompt
-    in one pass (its activations; FKV keeps its pairs, snap holds them while it compresses), so they hold prompts up
-    to a length; BM prefills in blocks over its ``kv_max`` slots, so its peak stops growing at ``kv_max`` tokens and
-    a budget that fits one of its slots holds every length."""
+    even a one-token prompt does, ``limit`` when every length up to it does. FKV and snap hold a prompt's pairs (FKV
+    keeps them, snap holds them while it prefills, then compresses), and in one pass (``chunk=0``, and ED) its
+    activations too, so they hold prompts up to a length; BM prefills in blocks over its ``kv_max`` slots, so its
+    peak stops growing at ``kv_max`` tokens and a budget that fits one of its slots holds every length."""
     fits = lambda n: predict_pool(shape, method, slots, n, max_new_tokens, tp=tp, dtype=dtype).total <= budget_bytes  # noqa: E731
     return _largest(fits, limit)
 

@@ -176,7 +176,7 @@ def paper_plan(
     if b0 > 1:
         # FKV also keeps the generated tokens' pairs, so b0 - 1 may not fit it: then it runs at its own largest
         # batch (only its metric is compared, and that does not depend on b).
-        fkv = Method("fkv", p=p, block=0)  # the paper's: a fixed-capacity slot per sample
+        fkv = Method("fkv", p=p, block=0, chunk=0)  # the paper's: a fixed slot per sample, its prompt in one pass
         b_fkv = min(b0 - 1, max_batch(budget, shape, fkv, prompt_len, new, tp=tp, dtype=dtype)) or b0 - 1
         runs += [(ed2, b0 - 1), (ed65, b0 - 1), (fkv, b_fkv)]
     batches = divisor_batches(num_samples, 1 << 16)
