@@ -218,15 +218,16 @@ def peers_python() -> Path | None:
     peers_python() is None,
     reason=f"kvpress's interpreter {peers.default_python()} is missing: run bash scripts/peers.sh for the snap oracle",
 )
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_kvpress_snapkv_keeps_the_positions_snap_keeps(tmp_path, family):
+@pytest.mark.parametrize("family,chunk", [("llama", 0), ("qwen2", 0), ("llama", 48)])
+def test_kvpress_snapkv_keeps_the_positions_snap_keeps(tmp_path, family, chunk):
     """On the same model and prompt, kvpress's ``SnapKVPress`` and ``snap`` configured alike (window 12, kernel 5,
     per KV head, the window's attention pooled over positions) keep the same positions in every (layer, KV head).
 
     Where they cannot be alike: kvpress keeps ``int(s * (1 - ratio))`` pairs (the ratio is set so that is kv_max);
     it averages the window's and the group's attention where snap sums them (the same order); its top-k orders ties
     as it likes (the sets are compared); it compresses a layer after its forward pass as snap does, and never
-    decodes (one prompt, no generated token)."""
+    decodes (one prompt, no generated token). ``chunk`` 48: snap prefilled in chunks (its last one holding the window)
+    keeps what kvpress keeps after its one-pass prefill."""
     from batchmax_tp.core.engine import Engine
     from batchmax_tp.core.method import Method
     from batchmax_tp.core.requests import Record, Request
@@ -236,7 +237,7 @@ def test_kvpress_snapkv_keeps_the_positions_snap_keeps(tmp_path, family):
     model = tiny_random_model(family, seed=0, head_dim=16, **shape, **PEAKED)
     model.save_pretrained(tmp_path / "model")
     prompt = torch.randint(3, 128, (150,), generator=torch.Generator().manual_seed(3)).tolist()
-    method = Method("snap", kv_max=kv, p=8, window=window, kernel=kernel)
+    method = Method("snap", kv_max=kv, p=8, window=window, kernel=kernel, chunk=chunk)
     (out,) = Engine(model, method, 1).run([Request(prompt, 1)], record=Record(positions=True)).outputs
     ours = [[sorted(head) for head in layer] for layer in out.kept_positions]
     assert all(len(head) == kv for layer in ours for head in layer)

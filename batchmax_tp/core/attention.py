@@ -133,7 +133,7 @@ def _rows_attention(
     hi = step.hi * step.share  # a shared budget's G heads hold G slots per column
     if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice
         return _compress(module, layer, step, query, key, value, scaling)
-    if step.mask is not None:  # a chunked prefill (FKV, snap): over the pairs each row holds and its chunk's own
+    if step.table is not None:  # a chunked prefill (FKV, snap): over the pairs each row holds and its chunk's own
         return _chunked(layer, step, query, key, value, scaling)
     # The pass's evictions ran before it (the pool's ``evict``); it writes its pairs, then attends.
     if step.kind == "prefill" and layer.score is not None:  # BM's prefill (a layer with sums): over the slots written
@@ -226,16 +226,23 @@ def _chunked(layer, step: RowsPass, query, key, value, scaling: float) -> torch.
     prompt, as the one-pass compress does. Returns [R, n, Hq, D]."""
     keys, values = layer.chunk_storage()  # [N, Hkv, Bs, D] each
     write_blocks(keys, values, step.write, key, value)
-    k, v = gather_blocks(keys, step.table, step.hi), gather_blocks(values, step.table, step.hi)  # [R, Hkv, hi, D]
+    if step.own:  # nothing held before the pass: its own pairs (right-aligned, as the queries)
+        k, v = key, value  # [R, Hkv, n, D]
+    else:
+        k, v = gather_blocks(keys, step.table, step.hi), gather_blocks(values, step.table, step.hi)  # [R, Hkv, hi, D]
     Hq, Hkv = query.shape[1], k.shape[1]
-    gqa = Hq != Hkv and query.device.type == "cpu"  # the CPU kernel takes enable_gqa with a mask; CUDA's copies
+    gqa = Hq != Hkv and (query.device.type == "cpu" or step.mask is None)  # CUDA's kernels with a mask: copies
     if Hq != Hkv and not gqa:
         k, v = repeat_kv(k, Hq // Hkv), repeat_kv(v, Hq // Hkv)  # [R, Hq, hi, D] each
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=step.mask, scale=scaling, enable_gqa=gqa)
+    causal = step.mask is None  # one row of real tokens, holding nothing before: a one-pass prefill
+    out = F.scaled_dot_product_attention(
+        query, k, v, attn_mask=step.mask, is_causal=causal, scale=scaling, enable_gqa=gqa
+    )
     out = out.transpose(1, 2).contiguous()  # [R, n, Hq, D]
     method = step.method
     for j, s, offset in step.compress:  # snap: the row's whole prompt [1, Hkv, s, D], its window the chunk's last
-        kj, vj = k[j : j + 1, :, :s], v[j : j + 1, :, :s]
+        first = k.shape[2] - s if step.own else 0  # own pairs: right-aligned
+        kj, vj = k[j : j + 1, :, first : first + s], v[j : j + 1, :, first : first + s]
         if kj.shape[1] != Hkv:  # (copied per query head above: each KV head's first copy)
             kj, vj = kj[:, :: Hq // Hkv], vj[:, :: Hq // Hkv]
         scores = snap.window_scores(query[j : j + 1], kj, scaling, method.window)  # [1, Hkv, s] float32

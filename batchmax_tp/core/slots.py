@@ -437,7 +437,10 @@ def chunk_pass(
     columns ``scratch``), its queries over its slots [0, b) (the pairs it holds and the chunk's own, causal: ``mask``
     [R, 1, n, hi] additive in the model dtype, built once for every layer; a masked column sees slot 0 alone, so its
     softmax stays finite); ``table`` [R, ceil(hi / block)]: each row's blocks (a row holding fewer: ``scratch``'s
-    block, masked). The rows' ``seen`` advance in its ``after``."""
+    block, masked). The rows' ``seen`` advance in its ``after``. A pass whose rows hold nothing before it (``own``:
+    every chunk its prompt's first) attends over its own pairs, gathering nothing: ``mask`` [R, 1, n, n] over its
+    columns (a masked column sees itself alone), or None for one row of real tokens (causal: a one-pass prefill's
+    SDPA)."""
     n = max(w.phase.size for w in work)
     qpos, rope, ids, slot, write, after = [], [], [], [], [], []
     for j, w in enumerate(work):
@@ -450,6 +453,7 @@ def chunk_pass(
         slot.append([max(x, 0) for x in own])
         write.append([tables[w.row][x // block] * block + x % block if x >= 0 else scratch for x in own])
         after.append((w.row, replace(st, seen=w.phase.end)))
+    own_pairs = all(w.phase.start <= state.rows[w.row].offset for w in work)  # nothing held before the pass
     hi = max(w.phase.end - state.rows[w.row].offset for w in work)  # the pass's most slots held
     nb = -(-hi // block)
     scratch_block = scratch // block
@@ -457,10 +461,20 @@ def chunk_pass(
     R = len(work)
     flat = to_device([x for part in (qpos, rope, slot, write, table) for row in part for x in row], device)
     qpos_t, rope_t, slot_t, write_t, table_t = flat.split([R * n] * 4 + [R * nb])
-    later = torch.arange(hi, device=device) > slot_t.view(R, n, 1)  # [R, n, hi]: slots after each query's
-    mask = torch.zeros(R, 1, n, hi, dtype=pool.layout.dtype, device=device)
-    mask.masked_fill_(later[:, None], float("-inf"))  # [R, 1, n, hi]
     qpos_t = qpos_t.view(R, n)
+    real = None if all(q[0] >= 0 for q in qpos) else qpos_t >= 0
+    if own_pairs:  # keys: the pass's own columns; a masked key hidden but from its own (masked) query
+        cols = torch.arange(n, device=device)
+        later = cols[None, None, :] > cols[None, :, None]  # [1, n, n]: keys after each query
+        if real is not None:
+            later = later | (~real[:, None, :] & (cols[None, None, :] != cols[None, :, None]))  # [R, n, n]
+        hi = n
+    else:
+        later = torch.arange(hi, device=device) > slot_t.view(R, n, 1)  # [R, n, hi]: slots after each query's
+    mask = None
+    if not own_pairs or R > 1 or real is not None:
+        mask = torch.zeros(R, 1, n, hi, dtype=pool.layout.dtype, device=device)
+        mask.masked_fill_(later.expand(R, n, hi)[:, None], float("-inf"))  # [R, 1, n, hi]
     rows = [w.row for w in work]
     step = RowsPass(
         kind=kind,
@@ -471,11 +485,12 @@ def chunk_pass(
         span=span_of(rows),
         qpos=qpos_t,
         positions=rope_t.view(R, n),
-        real=None if all(q[0] >= 0 for q in qpos) else qpos_t >= 0,
+        real=real,
         write=write_t.view(R, n),
         hi=hi,
         mask=mask,
         table=table_t.view(R, nb),
+        own=own_pairs,
         after=tuple(after),
     )
     return step, torch.stack(ids)
@@ -486,4 +501,5 @@ def chunk_workspace(pool: SlotPool, step: RowsPass, block: int) -> int:
     lay = pool.layout
     (R, n), e = step.qpos.shape, lay.dtype.itemsize
     gqa = torch.device(lay.device).type == "cpu"
-    return chunk_workspace_bytes(R, lay.query_heads, lay.kv_heads, lay.k_dim, n, step.hi, block, e, gqa)
+    heads = (lay.query_heads, lay.kv_heads, lay.k_dim)
+    return chunk_workspace_bytes(R, *heads, n, step.hi, block, e, gqa, step.own, step.mask is not None)

@@ -139,7 +139,8 @@ class RowsPass:
     sums and masks in every layer at once, so a layer only copies its pairs there. A chunked prefill pass (FKV, snap
     with ``chunk`` > 0; ``slots.chunk_pass``) holds each row's chunk of its prompt: its pairs written at ``write``
     (block x block size + offset) into the row's blocks ``table``, its queries over the row's slots [0, hi) under
-    ``mask``; snap's rows whose prompt ends in the pass (``compress``) then keep their window's choice."""
+    ``mask`` (``own``: every chunk its prompt's first, over the pass's own pairs, gathering nothing); snap's rows
+    whose prompt ends in the pass (``compress``) then keep their window's choice."""
 
     kind: Literal["prefill", "probe", "compress", "decode"]
     pool: object  # the storage its layers write and read (``core.bounded.BoundedPool``, ``core.dense.DensePool``, ...)
@@ -165,6 +166,7 @@ class RowsPass:
     mask: torch.Tensor | None = None  # [R, 1, n, hi] chunked prefill (FKV, snap): additive, slots after each query's
     table: torch.Tensor | None = None  # [R, nb] chunked prefill: each row's K/V blocks, in order (``slots.chunk_pass``)
     compress: tuple = ()  # chunked snap: (j, prompt length, offset) of each row of the pass whose prompt ends in it
+    own: bool = False  # chunked prefill: the rows hold nothing before it (keys: its own pairs; ``mask`` None: causal)
     after: tuple = ()  # (row, core.slots.RowState) per row the pass advances: its host state once the pass has run
     paging: object = None  # FKV paged's decode passes: its blocks' state once the pass has run (``dense.Paging``)
     parts: tuple[RowsPass, ...] = ()  # budgets across layers: the pass of each layer group's pool (the first's is it)

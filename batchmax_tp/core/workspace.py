@@ -308,16 +308,27 @@ def choice_workspace_bytes(
 
 @functools.lru_cache(maxsize=4096)
 def chunk_workspace_bytes(
-    rows: int, q_heads: int, kv_heads: int, head_dim: int, queries: int, held: int, block: int, elem: int, gqa: bool
+    rows: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    queries: int,
+    held: int,
+    block: int,
+    elem: int,
+    gqa: bool,
+    own: bool = False,
+    masked: bool = True,
 ) -> int:
     """Peak bytes of one layer's call of a chunked prefill pass (FKV, snap; ``attention._chunked``): ``rows`` rows of
     ``queries`` columns over their first ``held`` pairs, kept in blocks of ``block`` positions: the additive mask
     [R, 1, n, held] the pass holds (model dtype, built once), the rows' blocks gathered ([R x blocks, H, Bs, D], K and
     V) and laid out per head ([R, H, held, D], a second copy when a row holds more than one block), K/V copied per
     query head where SDPA gets no ``enable_gqa`` (``gqa`` False: off the CPU), and SDPA's output and float32
-    log-sum-exp."""
+    log-sum-exp. ``own``: the rows hold nothing before the pass (its own pairs, nothing gathered); ``masked``: the
+    pass has a mask (one row of real tokens holding nothing before has none: causal)."""
     R, Hq, Hkv, D, n, L, e = rows, q_heads, kv_heads, head_dim, queries, held, elem
     nb = -(-L // block)
-    gathered = 2 * e * R * Hkv * D * (L if nb == 1 else 2 * nb * block)  # K and V
+    gathered = 0 if own else 2 * e * R * Hkv * D * (L if nb == 1 else 2 * nb * block)  # K and V
     repeat = 0 if gqa or Hq == Hkv else 2 * e * R * Hq * L * D
-    return e * R * n * L + gathered + repeat + e * R * Hq * n * D + 4 * R * Hq * n
+    return (e * R * n * L if masked else 0) + gathered + repeat + e * R * Hq * n * D + 4 * R * Hq * n

@@ -23,7 +23,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 
-from ..core.method import BLOCK, Method
+from ..core.method import BLOCK, Method, chunk_blocks
 from ..core.schedule import plan
 from ..core.workspace import (
     SDPA,
@@ -196,26 +196,31 @@ def _transient_kv_bytes(shape: ModelShape, method: Method, prompt_len: int, kv_h
 def _chunked_prefill(
     shape: ModelShape, method: Method, slots: int, prompt_len: int, tokens: int, tp: int, nbytes: int
 ) -> tuple[int, int]:
-    """(activations, attention workspace) of the largest chunked prefill pass of FKV or snap (``slots.chunk_pass``): the
-    last chunk of the longest prompt (one row: ``tokens`` columns, snap's last chunk up to its window more, over the
-    whole prompt), or whole short prompts side by side (as many rows of ``prompt_len`` columns as ``tokens`` holds);
-    snap's last chunk also makes its choice over the whole prompt (``workspace.choice_workspace_bytes``). K/V copied
-    per query head where SDPA gets no ``enable_gqa`` (counted for a half dtype, a card's)."""
+    """(activations, attention workspace) of the largest chunked prefill pass of FKV or snap (``slots.chunk_pass``): one
+    of the longest prompt's chunks (one row: its columns over the pairs held by its end; its first over its own
+    pairs, causal, nothing gathered), or whole short prompts side by side (as many rows of ``prompt_len`` columns as
+    ``tokens`` holds: their own pairs, masked); snap's last chunk also makes its choice over the whole prompt
+    (``workspace.choice_workspace_bytes``). A shorter prompt's chunks are no larger. K/V copied per query head where
+    SDPA gets no ``enable_gqa`` (counted for a half dtype, a card's)."""
     q_heads, kv_heads = shape.local_heads(tp)
     per_token, D, e = _per_token(shape, tp, nbytes), shape.head_dim, nbytes
     block = method.block if method.paged else (BLOCK if method.transient_blocks else prompt_len + 1)
     gqa = not (nbytes == 2 and q_heads != kv_heads)
-    least = getattr(method, "window", 1)  # snap's last chunk holds its whole window
-    n = min(prompt_len, tokens + least - 1)
-    rows = [(1, n), (min(slots, max(1, tokens // prompt_len)), min(prompt_len, tokens))]
-    passes = []
-    for R, width in rows:
-        ws = chunk_workspace_bytes(R, q_heads, kv_heads, D, width, prompt_len, block, e, gqa)
-        if method.transient_blocks:
+    heads = (q_heads, kv_heads, D)
+    # a lone row's consecutive chunks run as one pass while they fit ``tokens`` (``Scheduler._first_block``)
+    merged = max(method.chunk, tokens // method.chunk * method.chunk)
+    blocks = chunk_blocks(prompt_len, merged, getattr(method, "window", 1))
+    passes = [(1, b - a, b, a == 0, a > 0) for a, b in blocks]  # rows, columns, held, own pairs, masked
+    if prompt_len < tokens and slots > 1:  # whole prompts side by side
+        passes.append((min(slots, tokens // prompt_len), prompt_len, prompt_len, True, True))
+    out = []
+    for R, n, held, own, masked in passes:
+        ws = chunk_workspace_bytes(R, *heads, n, held, block, e, gqa, own, masked)
+        if method.transient_blocks and held == prompt_len:  # snap's last chunk: its choice
             kept = min(prompt_len, method.kv_max)
-            ws += choice_workspace_bytes(1, q_heads, kv_heads, D, prompt_len, method.window, kept, e)
-        passes.append((R * width * per_token + R * shape.vocab * 4, ws))
-    return max(passes, key=sum)
+            ws += choice_workspace_bytes(1, *heads, prompt_len, method.window, kept, e)
+        out.append((R * n * per_token + R * shape.vocab * 4, ws))
+    return max(out, key=sum)
 
 
 def _layer_runs(shape: ModelShape, method: Method, cap: int) -> list[tuple[int, int]]:
