@@ -150,7 +150,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     start = time.perf_counter()
     logger.info("converting %s into %s (once; ~20 s for SmolLM2, ~70 s for a 0.5B model)", gguf, out_dir)
     folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = _gguf_tokenizer(gguf)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # transformers de-quantizes the tensors on CPU but still marks the model as GGUF-quantized, which
     # save_pretrained refuses; the weights are plain float32 tensors, so drop the quantization marker.
@@ -161,16 +161,23 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         del model.config.quantization_config
     model = model.to(torch.float32)
 
-    if not tokenizer.chat_template or "<|im_start|>" not in tokenizer.chat_template:
-        logger.warning("GGUF tokenizer has no ChatML chat template; setting SmolLM2's")
-        tokenizer.chat_template = CHATML_TEMPLATE
-    _prepare_tokenizer(tokenizer)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
 
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - start)
+
+
+def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer in a GGUF file (its weights not read), as its conversion saves it: a ChatML chat template where it
+    has none, padding on the left with a pad token."""
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if not tokenizer.chat_template or "<|im_start|>" not in tokenizer.chat_template:
+        logger.warning("GGUF tokenizer has no ChatML chat template; setting SmolLM2's")
+        tokenizer.chat_template = CHATML_TEMPLATE
+    _prepare_tokenizer(tokenizer)
+    return tokenizer
 
 
 def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -348,9 +355,14 @@ def load_model(
 
 def load_tokenizer(model_id: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase | None:
     """The model's tokenizer alone (no weights read), padding on the left with a pad token, as :func:`load_model`
-    returns it; None for an architecture-only model (``arch:``), which has none."""
+    returns it (the embedded model or a model for accuracy not converted yet: read from its GGUF file, converting
+    nothing); None for an architecture-only model (``arch:``), which has none."""
     if model_id.startswith(ARCH_PREFIX):
         return None
+    if model_id == EMBEDDED_MODEL and not (cache_root() / _EMBEDDED_NAME / _COMPLETE_MARKER).is_file():
+        return _gguf_tokenizer(_embedded_gguf())  # from the GGUF: a refusal before load converts nothing
+    if model_id in PARTED and not (cache_root() / model_id / _COMPLETE_MARKER).is_file():
+        return _gguf_tokenizer(_parted_gguf(PARTED[model_id]))
     tokenizer = AutoTokenizer.from_pretrained(model_path(model_id))
     _prepare_tokenizer(tokenizer)
     return tokenizer

@@ -222,10 +222,17 @@ def tool(name: str) -> str | None:
     return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else shutil.which(name)
 
 
+#: The watchdog's limit for a test that loses a node on purpose (its peers must notice within the test's time); a run
+#: that must complete keeps the production limit (``replicas.DEAD_AFTER_S``, 30 s), which a loaded machine's slow
+#: start-up cannot trip.
+LOSE_AFTER_S = "6"
+
+
 def torchrun_nodes(script: str, args: list[str], **env_vars: str) -> list[subprocess.Popen]:
-    """``script args`` on two torchrun "nodes" of one rank each (static rendezvous on this host, watchdog limit 6 s),
-    each in a session of its own."""
-    port, env = free_port(), clean_env(BATCHMAX_DEAD_AFTER_S="6", **env_vars)
+    """``script args`` on two torchrun "nodes" of one rank each (static rendezvous on this host; the watchdog's limit
+    the production one unless ``env_vars`` sets ``BATCHMAX_DEAD_AFTER_S``, as a test losing a node does:
+    ``LOSE_AFTER_S``), each in a session of its own."""
+    port, env = free_port(), clean_env(**env_vars)
     node = ["--nnodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
     return [
         subprocess.Popen(

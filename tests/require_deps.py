@@ -11,7 +11,7 @@ import re
 import pytest
 
 #: What the CPU suite's tests need and ``scripts/setup.sh`` installs, as a skip reason names it.
-REQUIRED_DEPS = ("deepspeed", "lm_eval", "torchrun", "mpiexec", "mpi4py", "bash", "/proc")
+REQUIRED_DEPS = ("deepspeed", "lm_eval", "torchrun", "mpiexec", "mpi4py", "bash", "/proc", "kvpress")
 _missing: list[str] = []
 
 #: The forms in which a skip reason names the dependency it lacks: ``needs NAME ...``, ``NAME is not installed``

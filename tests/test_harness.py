@@ -25,7 +25,15 @@ from conftest import PEAKED  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.model import CachingLM  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
-from multiproc import CHILDREN_PY, free_port, lm_eval_cli, lose_node_1, tool, torchrun_nodes  # noqa: E402
+from multiproc import (  # noqa: E402
+    CHILDREN_PY,
+    LOSE_AFTER_S,
+    free_port,
+    lm_eval_cli,
+    lose_node_1,
+    tool,
+    torchrun_nodes,
+)
 from reference import reference_generate  # noqa: E402
 
 from batchmax_tp import harness, models  # noqa: E402
@@ -348,7 +356,7 @@ def test_a_replica_lost_while_starting_ends_the_other_lm_eval_replica(tmp_path, 
     if tool("torchrun") is None:
         pytest.skip("torchrun is not installed")
     marker = tmp_path / "held.pid"
-    env = dict(HF_DATASETS_OFFLINE="1", HOLD_MARKER=str(marker), HOLD_STAGE=stage)
+    env = dict(HF_DATASETS_OFFLINE="1", HOLD_MARKER=str(marker), HOLD_STAGE=stage, BATCHMAX_DEAD_AFTER_S=LOSE_AFTER_S)
     nodes = torchrun_nodes(CHILDREN_PY, ["held_lm_eval_worker", tiny_dir, "1", str(tmp_path / "out.json")], **env)
     worker = None
     try:

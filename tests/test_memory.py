@@ -207,14 +207,21 @@ def test_planner_total_covers_a_whole_generation(model, monkeypatch, chunk_bytes
 
 
 # Served in slots (core.engine), with prompts of one length (the most rows a dense pool prefills in one pass): the
-# planner's pool total bounds the whole run's peak. Measured 2026-11-26: the plan is 1.0x-1.6x the peak here.
+# planner's pool total bounds the whole run's peak, and over-predicts it by at most the factor stated beside each case
+# (measured 2026-12-01: FKV 1.10-1.11, ED 1.17, snap 1.20 (in chunks) and 1.26 (one pass), BM 1.44, BM question
+# 1.70-1.74, BM tapered 2.17: the planner's BM passes are upper bounds, the slot counts of a same-memory run lean on
+# them; each factor is the measured one rounded up by 0.1, so a planner that over-predicts more fails).
 SERVED_CASES = [
-    (Method("fkv"), 4, 96, 6),
-    (Method("ed", kv_max=2), 4, 96, 6),
-    (Method("bm", kv_max=32, p=8), 4, 96, 6),
-    (Method("bm", kv_max=80, p=8, rule="question"), 3, 200, 6),
-    (Method("bm", kv_max=80, p=8, rule="question:share=0"), 3, 200, 6),
-    (Method("snap", kv_max=32, p=8, window=8, kernel=5), 4, 96, 6),
+    (Method("fkv"), 4, 96, 6, 1.25),
+    (Method("fkv", block=0), 4, 96, 6, 1.25),
+    (Method("fkv", chunk=0), 4, 96, 6, 1.25),
+    (Method("snap", kv_max=32, p=8, window=8, kernel=5, chunk=0), 4, 96, 6, 1.4),
+    (Method("bm", kv_max=80, p=8, rule="paper:taper=50"), 3, 200, 6, 2.3),
+    (Method("ed", kv_max=2), 4, 96, 6, 1.3),
+    (Method("bm", kv_max=32, p=8), 4, 96, 6, 1.55),
+    (Method("bm", kv_max=80, p=8, rule="question"), 3, 200, 6, 1.85),
+    (Method("bm", kv_max=80, p=8, rule="question:share=0"), 3, 200, 6, 1.85),
+    (Method("snap", kv_max=32, p=8, window=8, kernel=5), 4, 96, 6, 1.3),
 ]
 
 
@@ -223,13 +230,14 @@ def _served_peak(model, method, slots, prompt, new, lengths):
     Engine(model, method, slots).run(requests, Sampling(ignore_eos=True))
 
 
-@pytest.mark.parametrize("method,slots,prompt,new", SERVED_CASES)
-def test_planner_pool_total_covers_a_whole_served_run(model, method, slots, prompt, new):
+@pytest.mark.parametrize("method,slots,prompt,new,factor", SERVED_CASES)
+def test_planner_pool_total_covers_a_whole_served_run(model, method, slots, prompt, new, factor):
     """Equal prompts that a dense pool may prefill together, and one of a shorter length beside them."""
     with AllocationTracker() as t:
         _served_peak(model, method, slots, prompt, new, [prompt] * (slots + 1) + [prompt // 3] * 3)
     est = predict_pool(ModelShape.from_config(model.config), method, slots, prompt, new)
-    assert t.peak <= est.total - est.weights, (t.peak, est)
+    planned = est.total - est.weights
+    assert t.peak <= planned <= factor * t.peak, (t.peak, planned, planned / t.peak, est)
 
 
 LONGEST = 3072  # the longest prompt a memory test serves (12.5% of it: kv_max 384)
@@ -379,8 +387,8 @@ def test_planner_predicts_kv_and_bookkeeping_of_every_rule(model, rule, padded):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("method,slots,prompt,new", SERVED_CASES)
-def test_cuda_planner_pool_total_covers_a_whole_served_run(method, slots, prompt, new):
+@pytest.mark.parametrize("method,slots,prompt,new,factor", SERVED_CASES)
+def test_cuda_planner_pool_total_covers_a_whole_served_run(method, slots, prompt, new, factor):
     model = tiny_llama(seed=0).to(device="cuda", dtype=torch.float16)
     lengths = [prompt] * (slots + 1) + [prompt // 3] * 3
     _served_peak(model, method, slots, prompt, new, lengths)  # warm-up

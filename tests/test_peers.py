@@ -216,7 +216,7 @@ def peers_python() -> Path | None:
 
 @pytest.mark.skipif(
     peers_python() is None,
-    reason=f"kvpress's interpreter {peers.default_python()} is missing: run bash scripts/peers.sh for the snap oracle",
+    reason=f"needs kvpress (its interpreter {peers.default_python()} is missing: run bash scripts/peers.sh)",
 )
 @pytest.mark.parametrize("family,chunk", [("llama", 0), ("qwen2", 0), ("llama", 48)])
 def test_kvpress_snapkv_keeps_the_positions_snap_keeps(tmp_path, family, chunk):
@@ -255,7 +255,7 @@ def test_kvpress_snapkv_keeps_the_positions_snap_keeps(tmp_path, family, chunk):
 
 @pytest.mark.skipif(
     peers_python() is None,
-    reason=f"kvpress's interpreter {peers.default_python()} is missing: run bash scripts/peers.sh for kvpress's rows",
+    reason=f"needs kvpress (its interpreter {peers.default_python()} is missing: run bash scripts/peers.sh)",
 )
 def test_kvpress_rows_uncompressed_answers_as_greedy_decoding_and_resumes(tiny_dir, tmp_path):
     """``launch/kvpress_rows.py`` through kvpress's pipeline: a press that removes nothing (StreamingLLM keeping

@@ -25,7 +25,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 from fakes import FakeTokenizer, fake_encode, make_fake_engine
-from multiproc import CHILDREN_PY, RUN_PY, free_port, lose_node_1, tool, torchrun_nodes
+from multiproc import CHILDREN_PY, LOSE_AFTER_S, RUN_PY, free_port, lose_node_1, tool, torchrun_nodes
 
 from batchmax_tp.config import RunConfig
 from batchmax_tp.eval import merge, results
@@ -322,7 +322,7 @@ def test_a_dead_replica_ends_the_job_and_the_rerun_completes_only_what_is_missin
     watchdog, the other replica waited in the 4-hour result gather). (victim 0, SIGKILL: rank 0 and the store it
     hosts gone, ran by hand: the other node exits in ~2 s; its watchdog is tested on a store that goes away above.)"""
     out = tmp_path / "dead"
-    procs = launch_nodes(tiny_dir, out)
+    procs = launch_nodes(tiny_dir, out, BATCHMAX_DEAD_AFTER_S=LOSE_AFTER_S)
     deadline = time.monotonic() + 120
     while len(shard_lines(out, victim)) < 2:  # the victim has finished two of its three batches
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run ended too early"
@@ -365,7 +365,9 @@ def test_a_node_lost_while_the_job_starts_ends_the_other(tmp_path, tiny_dir, who
     job with the results of an uninterrupted run, and nothing was built (no lock a killed build could leave)."""
     marker = tmp_path / "held.pid"
     out = tmp_path / "out"
-    procs = launch_nodes(tiny_dir, out, held=True, HOLD_STAGE=stage, HOLD_MARKER=str(marker))
+    procs = launch_nodes(
+        tiny_dir, out, held=True, HOLD_STAGE=stage, HOLD_MARKER=str(marker), BATCHMAX_DEAD_AFTER_S=LOSE_AFTER_S
+    )
     worker, _ = lose_node_1(procs, marker, lose)
     code, _, err = finish([procs[0]], timeout=150)[0]  # a guard: the watchdog's line is the assertion
     with contextlib.suppress(psutil.NoSuchProcess):

@@ -172,6 +172,7 @@ def test_one():
         ("needs a CUDA device", "1", False),  # CUDA tests skip on this machine kind: that is not a missing package
         ("could not import 'lm_eval': No module named 'lm_eval'", "1", True),  # pytest.importorskip's words
         ("needs /proc (Linux)", "1", True),
+        ("needs kvpress (its interpreter /nowhere/python is missing: run bash scripts/peers.sh)", "1", True),
         # an opt-in model not fetched: the reason names "bash" inside a command, not as a missing dependency
         ("Qwen2.5-Coder-0.5B not fetched: bash scripts/accuracy_model.sh qwen2.5-coder-0.5b", "1", False),
         ("needs bashful (a package the suite does not need)", "1", False),  # a whole name, not a prefix
@@ -198,6 +199,38 @@ def test_a_module_skipped_for_a_needed_dependency_fails_the_test_command(tmp_pat
         assert run.returncode == 1 and f"test_skipped.py::test_one: Skipped: {reason}" in run.stdout, run.stdout
     else:
         assert run.returncode == 0, run.stdout
+
+
+def test_the_gate_holds_under_two_workers(tmp_path):
+    """As ``scripts/test.sh`` runs the suite (``-n 2``, its workers' skips reported to the controller): a test skipped
+    for kvpress's missing interpreter fails the run and names the command that makes it."""
+    reason = "needs kvpress (its interpreter /nowhere/python is missing: run bash scripts/peers.sh)"
+    (tmp_path / "test_skipped.py").write_text(SKIPS.format(reason=reason))
+    (tmp_path / "test_ran.py").write_text("def test_ran():\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "BATCHMAX_REQUIRE_DEPS": "1"}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "2",
+            "-p",
+            "require_deps",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "1 passed, 1 skipped" in run.stdout, run.stdout
+    assert run.returncode == 1 and "run bash scripts/peers.sh" in run.stdout, run.stdout
 
 
 def test_the_opt_in_models_unfetched_pass_the_test_command(tmp_path):

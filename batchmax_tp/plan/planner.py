@@ -211,8 +211,10 @@ def _chunked_prefill(
     merged = max(method.chunk, tokens // method.chunk * method.chunk)
     blocks = chunk_blocks(prompt_len, merged, getattr(method, "window", 1))
     passes = [(1, b - a, b, a == 0, a > 0) for a, b in blocks]  # rows, columns, held, own pairs, masked
-    if prompt_len < tokens and slots > 1:  # whole prompts side by side
-        passes.append((min(slots, tokens // prompt_len), prompt_len, prompt_len, True, True))
+    # whole prompts side by side (snap: as many as its blocks hold at once, ``Snap.prefills``)
+    side = min(slots, tokens // prompt_len, method.prefills if method.transient_blocks else slots)
+    if side > 1:
+        passes.append((side, prompt_len, prompt_len, True, True))
     out = []
     for R, n, held, own, masked in passes:
         ws = chunk_workspace_bytes(R, *heads, n, held, block, e, gqa, own, masked)
