@@ -428,7 +428,6 @@ def chunk_pass(
     tables: tuple[tuple[int, ...], ...],
     block: int,
     scratch: int,
-    kind: str = "prefill",
 ) -> tuple[RowsPass, torch.Tensor]:
     """A chunked prefill pass (FKV, and snap's prompt held in full until it compresses) and its ids [R, n]: each row's
     chunk ``[a, b)`` of its prompt, real tokens right-aligned (masked columns in front: a padded row's pads, a shorter
@@ -446,12 +445,12 @@ def chunk_pass(
     for j, w in enumerate(work):
         st = state.rows[w.row]
         q, r, i = columns(w.phase, st, prompts[j], n)
-        own = [x - st.offset if x >= 0 else -1 for x in q]  # each column's slot (-1: masked)
+        at = [x - st.offset if x >= 0 else -1 for x in q]  # each column's slot (-1: masked)
         qpos.append(q)
         rope.append(r)
         ids.append(i)
-        slot.append([max(x, 0) for x in own])
-        write.append([tables[w.row][x // block] * block + x % block if x >= 0 else scratch for x in own])
+        slot.append([max(x, 0) for x in at])
+        write.append([tables[w.row][x // block] * block + x % block if x >= 0 else scratch for x in at])
         after.append((w.row, replace(st, seen=w.phase.end)))
     own_pairs = all(w.phase.start <= state.rows[w.row].offset for w in work)  # nothing held before the pass
     hi = max(w.phase.end - state.rows[w.row].offset for w in work)  # the pass's most slots held
@@ -477,7 +476,7 @@ def chunk_pass(
         mask.masked_fill_(later.expand(R, n, hi)[:, None], float("-inf"))  # [R, 1, n, hi]
     rows = [w.row for w in work]
     step = RowsPass(
-        kind=kind,
+        kind="prefill",
         pool=pool,
         method=pool.method,
         share=pool.share,
