@@ -218,6 +218,29 @@ def peers_python() -> Path | None:
     peers_python() is None,
     reason=f"needs kvpress (its interpreter {peers.default_python()} is missing: run bash scripts/peers.sh)",
 )
+def test_real_kvpress_rows_join_the_table(tiny_dir, tmp_path):
+    """The join above with kvpress itself (its own interpreter and pipeline, a press that removes nothing): its row
+    sits after FKV's, scored on FKV's documents by the suite's own metric, with 1 slot, "whole prompt" and a paired
+    interval."""
+    pytest.importorskip("lm_eval")
+    import bench_ruler
+
+    out = tmp_path / "bench"
+    argv = ["--pretrained", tiny_dir, "--tasks", "niah_single", "--lengths", "2k", "--limit", "2"]
+    argv += ["--configs", "fkv", "--batch-size", "2", "--out", str(out), "--peers-python", str(peers_python())]
+    argv += ["--kvpress", "streaming:0.9999", "--kvpress-question", "in"]
+    assert bench_ruler.main(argv) == 0
+    fkv, row = json.loads((out / "table.json").read_text())["configs"]
+    assert fkv["label"] == "fkv" and row["label"].startswith("kvpress streaming") and row["label"].endswith("q-in")
+    assert list(row["documents"]) == list(fkv["documents"]) == ["niah_single 2k"]
+    assert len(row["documents"]["niah_single 2k"]) == 2 and all(0 <= x <= 1 for x in row["documents"]["niah_single 2k"])
+    assert row["slots"] == 1 and row["prefill"] == "whole prompt" and "interval" in row
+
+
+@pytest.mark.skipif(
+    peers_python() is None,
+    reason=f"needs kvpress (its interpreter {peers.default_python()} is missing: run bash scripts/peers.sh)",
+)
 @pytest.mark.parametrize("family,chunk", [("llama", 0), ("qwen2", 0), ("llama", 48)])
 def test_kvpress_snapkv_keeps_the_positions_snap_keeps(tmp_path, family, chunk):
     """On the same model and prompt, kvpress's ``SnapKVPress`` and ``snap`` configured alike (window 12, kernel 5,

@@ -182,19 +182,7 @@ def test_one():
 def test_a_module_skipped_for_a_needed_dependency_fails_the_test_command(tmp_path, reason, required, fails):
     """``tests/require_deps.py`` (scripts/test.sh sets BATCHMAX_REQUIRE_DEPS=1): a module whose tests all skip
     for a dependency the suite needs fails pytest, and names it; other skips, and runs without the variable, pass."""
-    (tmp_path / "test_skipped.py").write_text(SKIPS.format(reason=reason))
-    (tmp_path / "test_ran.py").write_text("def test_ran():\n    pass\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "BATCHMAX_REQUIRE_DEPS": required}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "require_deps", "-p", "no:cacheprovider", str(tmp_path)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert "1 passed, 1 skipped" in run.stdout, run.stdout
+    run = _gated(tmp_path, reason, required)
     if fails:
         assert run.returncode == 1 and f"test_skipped.py::test_one: Skipped: {reason}" in run.stdout, run.stdout
     else:
@@ -205,23 +193,18 @@ def test_the_gate_holds_under_two_workers(tmp_path):
     """As ``scripts/test.sh`` runs the suite (``-n 2``, its workers' skips reported to the controller): a test skipped
     for kvpress's missing interpreter fails the run and names the command that makes it."""
     reason = "needs kvpress (its interpreter /nowhere/python is missing: run bash scripts/peers.sh)"
+    run = _gated(tmp_path, reason, "1", "-n", "2")
+    assert run.returncode == 1 and "run bash scripts/peers.sh" in run.stdout, run.stdout
+
+
+def _gated(tmp_path, reason: str, required: str, *flags: str) -> subprocess.CompletedProcess:
+    """pytest (``flags``) over a module skipped for ``reason`` and one that runs, under ``tests/require_deps.py`` with
+    ``BATCHMAX_REQUIRE_DEPS=required``; one test has run, one skipped."""
     (tmp_path / "test_skipped.py").write_text(SKIPS.format(reason=reason))
     (tmp_path / "test_ran.py").write_text("def test_ran():\n    pass\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "BATCHMAX_REQUIRE_DEPS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "BATCHMAX_REQUIRE_DEPS": required}
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-n",
-            "2",
-            "-p",
-            "require_deps",
-            "-p",
-            "no:cacheprovider",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "pytest", "-q", *flags, "-p", "require_deps", "-p", "no:cacheprovider", str(tmp_path)],
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -230,7 +213,7 @@ def test_the_gate_holds_under_two_workers(tmp_path):
         check=False,
     )
     assert "1 passed, 1 skipped" in run.stdout, run.stdout
-    assert run.returncode == 1 and "run bash scripts/peers.sh" in run.stdout, run.stdout
+    return run
 
 
 def test_the_opt_in_models_unfetched_pass_the_test_command(tmp_path):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.method import Method, is_full_cache, min_kv_max
 from .planner import (
@@ -380,6 +380,24 @@ class SameMemoryRun:
     predicted_peak_bytes: int  #: the planner's peak per rank at ``spec.batch_size`` (at 1 when that is 0)
 
 
+def _leanest(
+    shape: ModelShape, method: Method, fit: int, budget: int, prompt_len: int, new: int, tp: int, dtype: str
+) -> tuple[Method, int]:
+    """(method, its slots in ``budget``): snap prefilling in chunks as it is, or in one pass (``chunk=0``) where that
+    fits more slots: for prompts within about a chunk its chunks hold every layer's full pairs of the prompt it
+    prefills, its one pass one layer's at a time and the prompt's activations (docs/performance.md, "Chunked
+    prefill"). Ties keep the chunks. (FKV keeps its chunks: the budget is its own, and its chunks batch several
+    requests' prompts in a pass.)"""
+    if not method.transient_blocks or not method.chunk:
+        return method, fit
+    one = replace(method, chunk=0)
+    fit_one = max_slots(budget, shape, one, prompt_len, new, tp=tp, dtype=dtype)
+    if fit_one <= fit:
+        return method, fit
+    logger.info("same-memory run: %s fits %d slots in one pass, %d in chunks: one pass", method.label(), fit_one, fit)
+    return one, fit_one
+
+
 def same_memory_plan(
     shape: ModelShape,
     methods: Sequence[Method],
@@ -410,6 +428,9 @@ def same_memory_plan(
         budget_bytes = fkv_budget(shape, prompt_len, max_new_tokens, batch=fkv_batch, tp=tp, dtype=dtype)
     # One pool either way: a padded batch of b prompts runs in b slots (planner.predict is predict_pool).
     fits = [max_slots(budget_bytes, shape, m, prompt_len, max_new_tokens, tp=tp, dtype=dtype) for m in methods]
+    args = (budget_bytes, prompt_len, max_new_tokens, tp, dtype)
+    leanest = [_leanest(shape, m, f, *args) for m, f in zip(methods, fits)]
+    methods, fits = [m for m, _ in leanest], [f for _, f in leanest]
     # The prompts fill the largest batch of a method whose slots hold their prompts: ED's never do, and fit hundreds,
     # which would make every method answer up to ``max_prompts`` prompts.
     holding = [f for m, f in zip(methods, fits) if not m.keeps_newest]
