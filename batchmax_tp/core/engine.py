@@ -68,19 +68,29 @@ logger = logging.getLogger(__name__)
 AGREE_EVERY = 64  # passes between two checks that the tensor-parallel ranks still run the same schedule
 
 
-def _pool(model: torch.nn.Module, method: Method, slots: int, lengths: list[int], max_new: list[int], static: bool):
+def _pool(
+    model: torch.nn.Module,
+    method: Method,
+    slots: int,
+    lengths: list[int],
+    max_new: list[int],
+    static: bool,
+    padded: bool = False,
+):
     """The method's pool (``static``: one decode-pass shape for the whole run, ``core.replay``), its rows as large
     as the longest request needs (BM and ED ``kv_max``, FKV its prompt + generation; no request: a replica whose
     share is done, the pool is never written), and the blocks each request holds (None: none). FKV paged: the memory
     of ``slots`` such rows in blocks, and as many rows as the requests can hold at once (their smallest first). Snap
-    prefilled in chunks: blocks for ``Snap.prefills`` of the longest prompts' full pairs."""
+    prefilled in chunks: blocks for ``Snap.prefills`` of the longest prompts' full pairs (``padded``, the paper's
+    padded batches: for every slot, so that a batch enters whole)."""
     cap = max((method.decode_capacity(s, t) for s, t in zip(lengths, max_new)), default=1)
     layers = model.config.num_hidden_layers
     need = [method.blocks(s, t) for s, t in zip(lengths, max_new)]
     if not any(need):
         return make_pool(method, layers, slots, cap, static), None
     if method.transient_blocks:
-        return make_pool(method, layers, slots, cap, static, method.prefills * max(need)), need
+        at_once = slots if padded else method.prefills
+        return make_pool(method, layers, slots, cap, static, at_once * max(need)), need
     blocks = slots * max(need, default=1)  # the longest request's blocks per slot
     rows = len(list(itertools.takewhile(lambda held: held <= blocks, itertools.accumulate(sorted(need)))))
     return make_pool(method, layers, max(slots, rows), cap, static, blocks), need
@@ -278,7 +288,8 @@ class Engine:
         self.lengths = [int(p.numel()) for p in self.prompts]
         self.ends = list(self.lengths)  # where each prompt ends: its length, plus its pads in a padded batch
         self.max_new = [r.max_new_tokens for r in requests]
-        self.pool, need = _pool(model, method, self.slots, self.lengths, self.max_new, static=mode != "none")
+        padded = self.batching.policy == "static"
+        self.pool, need = _pool(model, method, self.slots, self.lengths, self.max_new, mode != "none", padded)
         self.state = self.pool.initial()  # the pool's host state: replaced whole by ``_change``, never edited
         rows = self.pool.slots  # FKV paged: more rows than ``slots`` where the requests are shorter than the longest
         if requests:  # (none: a replica whose share is done; its pool is never written)
