@@ -64,10 +64,15 @@ class DensePool(SlotPool):
         ``kept_slots`` says. A padded batch's rows hold no pad: their positions are the padded batch's, their tokens
         their own. FKV prefilled in chunks: each row's chunk (``slots.chunk_pass``), its slots in its row (a block of
         C + 1 positions)."""
-        if self.method.pass_tokens(self.slots) is not None:
-            C = self.capacity
-            return chunk_pass(self, state, work, prompts, device, tuple((r,) for r in range(self.slots)), C + 1, C)
+        if self.chunked:
+            tables = tuple((r,) for r in range(self.slots))
+            return chunk_pass(self, state, work, prompts, device, tables, self.chunk_block, self.capacity)
         return group_pass(self, state, work, prompts, device, "prefill", self.kept_slots)
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the method prefills in chunks (FKV's ``chunk`` > 0; ``slots.chunk_pass``)."""
+        return self.method.pass_tokens(self.slots) is not None
 
     @property
     def chunk_block(self) -> int:
@@ -256,9 +261,8 @@ class PagedPool(DensePool):
     ) -> tuple[RowsPass, torch.Tensor]:
         """One group's prompts (one length s, one block) and their ids [k, s]; row r writes its slots [0, s). Prefilled
         in chunks: each row's chunk into its blocks (``slots.chunk_pass``)."""
-        if self.method.pass_tokens(self.slots) is not None:
-            tables = state.paging.tables
-            return chunk_pass(self, state, work, prompts, device, tables, self.block, self.capacity)
+        if self.chunked:
+            return chunk_pass(self, state, work, prompts, device, state.paging.tables, self.block, self.capacity)
         step, ids = group_pass(self, state, work, prompts, device, "prefill")
         s, tables = ids.shape[1], state.paging.tables
         write = to_device([[self._where(tables, w.row, j) for j in range(s)] for w in work], device)

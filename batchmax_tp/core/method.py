@@ -526,8 +526,8 @@ class Snap(Method):
         return 8 + 4 + elem + 8
 
     def prefill_workspace_bytes(self, q_heads: int, kv_heads: int, head_dim: int, prompt: int, elem: int) -> int:
-        """The compress pass's (``workspace.snap_workspace_bytes``; prefilled in chunks, the window's choice alone,
-        ``workspace.choice_workspace_bytes``)."""
+        """The one-pass compress pass's (``workspace.snap_workspace_bytes``; prefilled in chunks the planner counts the
+        chunks and the choice itself, ``planner._chunked_prefill``)."""
         kept = min(prompt, self.kv_max)
         return snap_workspace_bytes(1, q_heads, kv_heads, head_dim, prompt, self.window, kept, elem)
 
