@@ -107,12 +107,14 @@ def world_check(cases: str) -> None:
     print(json.dumps(results))
 
 
-def _held(real):
-    """``real``, except that rank 1 holds at its first call when ``HOLD_STAGE`` is set: it writes its pid to
+def _held(real, at: int = 1):
+    """``real``, except that rank 1 holds at its ``at``-th call when ``HOLD_STAGE`` is set: it writes its pid to
     ``HOLD_MARKER`` and waits there, as a node does while it loads or meets the others (the test then loses it)."""
+    calls = []
 
     def call(*a, **k):
-        if os.environ.get("RANK") == "1" and os.environ.get("HOLD_STAGE"):
+        calls.append(1)
+        if os.environ.get("RANK") == "1" and os.environ.get("HOLD_STAGE") and len(calls) == at:
             pathlib.Path(os.environ["HOLD_MARKER"]).write_text(str(os.getpid()))
             time.sleep(3600)
         return real(*a, **k)
@@ -122,9 +124,10 @@ def _held(real):
 
 def hold() -> None:
     """Install the hold at ``HOLD_STAGE``: ``load`` (loading the model's weights), ``setup`` (inside the first
-    process-group set-up: DeepSpeed calls torch's) or ``build`` (where DeepSpeed builds its shared-memory op, before
-    the group)."""
+    process-group set-up: DeepSpeed calls torch's), ``build`` (where DeepSpeed builds its shared-memory op, before
+    the group) or ``batch3`` (rank 1's third finished batch, before it is written: two are on disk)."""
     from batchmax_tp import models
+    from batchmax_tp.eval import results
 
     stage = os.environ.get("HOLD_STAGE")
     if stage == "load":
@@ -136,6 +139,8 @@ def hold() -> None:
 
         backend = sys.modules["deepspeed.comm.torch"]  # (deepspeed.comm.torch reads as the torch package)
         backend.build_shm_op = _held(backend.build_shm_op)
+    elif stage == "batch3":
+        results.RunLog.append = _held(results.RunLog.append, at=3)
 
 
 def held_run(*argv: str) -> None:

@@ -4,6 +4,7 @@ counting, and child processes under torchrun (``children.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
@@ -228,15 +229,17 @@ def tool(name: str) -> str | None:
 LOSE_AFTER_S = "6"
 
 
-def torchrun_nodes(script: str, args: list[str], **env_vars: str) -> list[subprocess.Popen]:
+def torchrun_nodes(
+    script: str, args: list[str], node_args: tuple[tuple[str, ...], ...] = ((), ()), **env_vars: str
+) -> list[subprocess.Popen]:
     """``script args`` on two torchrun "nodes" of one rank each (static rendezvous on this host; the watchdog's limit
     the production one unless ``env_vars`` sets ``BATCHMAX_DEAD_AFTER_S``, as a test losing a node does:
-    ``LOSE_AFTER_S``), each in a session of its own."""
+    ``LOSE_AFTER_S``), each in a session of its own; ``node_args``: each node's own arguments after ``args``."""
     port, env = free_port(), clean_env(**env_vars)
     node = ["--nnodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
     return [
         subprocess.Popen(
-            [tool("torchrun"), *node, "--node_rank", str(n), script, *args],
+            [tool("torchrun"), *node, "--node_rank", str(n), script, *args, *node_args[n]],
             env=env,
             cwd=Path(RUN_PY).parent.parent,
             stdout=subprocess.PIPE,
@@ -254,7 +257,13 @@ def lose_node_1(nodes: list[subprocess.Popen], marker: Path, lose: str) -> tuple
     worker and when it was lost."""
     deadline = time.monotonic() + 120
     while not marker.exists():
-        assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), "node 1 never got there"
+        if time.monotonic() > deadline or any(p.poll() is not None for p in nodes):
+            for p in nodes:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    for victim in [*psutil.Process(p.pid).children(recursive=True), psutil.Process(p.pid)]:
+                        victim.kill()
+            errs = [p.communicate()[1][-2000:] for p in nodes]
+            raise AssertionError(f"node 1 never got there: {errs}")
         time.sleep(0.05)
     worker = psutil.Process(int(marker.read_text()))
     if lose == "kill":
