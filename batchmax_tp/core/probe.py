@@ -85,9 +85,13 @@ def slot_probabilities(
     if other is not None:
         hidden = hidden | other[:, :, :, None, :]  # [B, Hkv, G, 1, hi]
     grouped = logits.view(B, Hkv, G, gw // G, hi)  # [B, Hkv, G, g/G*w, hi] (a view)
-    grouped.add_(torch.zeros(hidden.shape, device=logits.device).masked_fill_(hidden, NEG))  # hidden -> NEG
-    lse = torch.logaddexp(logits.logsumexp(-1, keepdim=True), own_lse)  # [B, Hkv, g*w, 1]
-    probabilities(grouped, lse.view(B, Hkv, G, gw // G, 1), hidden)
+    # exp(logits - top) once, hidden slots 0 (never a masked logit through exp, whose CPU path is slow); the row's
+    # log-sum-exp over slots and own keys from its sum; the probabilities are that tile rescaled by exp(top - lse)
+    top = grouped.masked_fill_(hidden, NEG).amax(-1, keepdim=True)  # [B, Hkv, G, g/G*w, 1]
+    top.masked_fill_(top == NEG, 0.0)  # a query that sees no slot: its tile all hidden, 0 after the product below
+    grouped.sub_(top).clamp_(min=_LOG_FLOOR).exp_().mul_(hidden.logical_not().to(logits.dtype))
+    lse = torch.logaddexp(top.view(B, Hkv, gw, 1) + logits.sum(-1, keepdim=True).log(), own_lse)  # [B, Hkv, g*w, 1]
+    grouped.mul_((top - lse.view(B, Hkv, G, gw // G, 1)).exp())
     return logits, lse
 
 
