@@ -57,28 +57,32 @@ def steps(monkeypatch):
 def several_at_different_phases(steps) -> bool:
     """Some prefill pass holds the chunks of several requests, one of them past its prompt's first chunk."""
     for step in steps:
-        if step.kind == "prefill" and len({w.row for w in step.work}) > 1:
-            if any(w.phase.start > 0 for w in step.work) and any(w.phase.start == 0 for w in step.work):
+        work = [w for w in step.work if w.phase.kind == "prefill"]
+        if len({w.row for w in work}) > 1:
+            if any(w.phase.start > 0 for w in work) and any(w.phase.start == 0 for w in work):
                 return True
     return False
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("block", [16, 0], ids=["paged", "slots"])
-def test_chunked_fkv_equals_one_pass_logits_and_hf_generate_tokens(family, block, steps):
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "apart"])
+def test_chunked_fkv_equals_one_pass_logits_and_hf_generate_tokens(family, block, mixed, steps):
     """Chunks of 40 tokens (blocks of 16: every chunk after the first starts mid-block) in 3 slots, 120 prompt tokens a
     pass (vLLM's token budget over its chunk): the passes mix the first chunks of new requests with the later chunks
-    (and last, shorter ones) of others."""
+    (and last, shorter ones) of others; ``mixed``: the decoding rows' steps ride in those passes (one model call)."""
     model = tiny_random_model(family, seed=0, **PEAKED)
     requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
     rec = Record(logits=True)
     one = Engine(model, Method("fkv", block=block, chunk=0), 3).run(requests, Sampling(), record=rec)
     assert not any(step.kind == "prefill" and len(step.work) > 1 and step.work[0].phase.start for step in steps)
     steps.clear()
-    batching = Batching(pass_tokens=120)
+    batching = Batching(pass_tokens=120, mixed=mixed)
     chunked = Engine(model, Method("fkv", block=block, chunk=40), 3, batching=batching).run(requests, record=rec)
     assert several_at_different_phases(steps)
-    assert any(w.phase.start % 16 for step in steps if step.kind == "prefill" for w in step.work)  # mid-block
+    both = [s for s in steps if {w.phase.kind for w in s.work} == {"prefill", "decode"}]
+    assert all(s.kind == "mixed" for s in both) and (len(both) > 3) == mixed, [s.kind for s in steps]
+    assert any(w.phase.start % 16 for step in steps for w in step.work if w.phase.kind == "prefill")  # mid-block
     for i, (a, b, r) in enumerate(zip(one.outputs, chunked.outputs, requests)):
         assert b.tokens == hf_alone(model, r.input_ids, r.max_new_tokens), f"request {i}"
         assert b.tokens == a.tokens, f"request {i}"

@@ -33,6 +33,7 @@ ROWS = (
     "static-bm-paper",
     "static-bm-question",
     "cont-fkv",
+    "cont-fkv-apart",
     "cont-ed",
     "static-fkv",
     "static-ed",
@@ -132,8 +133,9 @@ def build_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 # ---------------------------------------------------------------------- rows: methods and sizes
 def make_method(key: str, kv_max: int, p: int) -> Method:
     """A row's method: ``<cont|static>-<method>[-<rule>]``; a row naming a rule runs BM at ``kv_max`` and ``p``, the
-    others at their ``core.method.serving_kv_max`` (ED: 65)."""
-    name, _, rule = key.split("-", 1)[1].partition("-")
+    others at their ``core.method.serving_kv_max`` (ED: 65). ``cont-fkv-apart``: continuous FKV whose prefill passes
+    and decode steps are separate model calls (``Batching(mixed=False)``)."""
+    name, _, rule = key.removesuffix(APART).split("-", 1)[1].partition("-")
     if rule:
         return Method(name, kv_max=kv_max, p=p, rule=rule)
     return Method(name, kv_max=serving_kv_max(name))
@@ -141,6 +143,10 @@ def make_method(key: str, kv_max: int, p: int) -> Method:
 
 def continuous(key: str) -> bool:
     return key.startswith("cont")
+
+
+#: A row key's suffix: its prefill passes and decode steps run as separate calls (``Batching(mixed=False)``).
+APART = "-apart"
 
 
 def budget_bytes(a: argparse.Namespace, shape: ModelShape, longest: int) -> int:
@@ -179,13 +185,16 @@ def warm_up(model, methods: list[Method], eos, pad) -> None:
             Engine(model, m, 1, batching=Batching(policy=policy)).run([Request(ids[0].tolist(), 4)], sampling)
 
 
-def run_engine(model, prompts, method: Method, slots: int, new: int, ignore_eos: bool, eos, pad, policy: str) -> dict:
+def run_engine(
+    model, prompts, method: Method, slots: int, new: int, ignore_eos: bool, eos, pad, policy: str, mixed: bool = True
+) -> dict:
     """The prompts on one engine of ``slots`` slots under ``policy`` (``continuous``, or ``static``: the paper's
-    padded batches of ``slots`` prompts, in order): its timings, each request's latency and first token."""
+    padded batches of ``slots`` prompts, in order; ``mixed``: ``Batching.mixed``): its timings, each request's latency
+    and first token."""
     reqs = [Request(p, new) for p in prompts]
     sampling = Sampling(eos_token_id=eos, ignore_eos=ignore_eos, pad_token_id=pad)
     t = time.perf_counter()
-    out = Engine(model, method, slots, batching=Batching(policy=policy)).run(reqs, sampling)
+    out = Engine(model, method, slots, batching=Batching(policy=policy, mixed=mixed)).run(reqs, sampling)
     wall = time.perf_counter() - t
     return {
         "wall_s": wall,
@@ -202,7 +211,7 @@ def run_engine(model, prompts, method: Method, slots: int, new: int, ignore_eos:
 def run_row(model, shape, key: str, m: Method, size: int, prompts, longest: int, a, eos, pad) -> dict:
     """One row at ``size`` slots (continuous) or batch (static): its timings, latencies and the planner's total."""
     policy = "continuous" if continuous(key) else "static"
-    row = run_engine(model, prompts, m, size, a.new, a.equal, eos, pad, policy)
+    row = run_engine(model, prompts, m, size, a.new, a.equal, eos, pad, policy, mixed=not key.endswith(APART))
     est = predict_pool(shape, m, size, longest, a.new, dtype=a.dtype)
     row.update(
         tokens_per_s=row["generated"] / row["wall_s"],

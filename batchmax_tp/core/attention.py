@@ -129,6 +129,8 @@ def _rows_attention(
     """A pool's pass, as ``step`` states it (BM's prefill chunks, probes and decode steps; the dense pools' prefill
     and decode steps): write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
     step = step.at(module.layer_idx)  # budgets across layers: the layer's group's own part of the pass
+    if step.mixed is not None:  # FKV's chunks and decode step in one call: each part on its columns
+        return _mixed(module, step, query, key, value, scaling)
     layer = step.layer(module)
     hi = step.hi * step.share  # a shared budget's G heads hold G slots per column
     if step.kind == "compress":  # snap: the prompt on SDPA, then each row keeps its window's choice
@@ -149,6 +151,26 @@ def _rows_attention(
     if step.kind == "decode":
         return decode_attention(layer, query, layer.keys, layer.values, scaling, hi, step.active, step.bias, step.share)
     return _dense_prefill(module, query, key, value, scaling)  # a baseline's prompt: over its own pairs
+
+
+def _mixed(module, step: RowsPass, query, key, value, scaling: float) -> torch.Tensor:
+    """A mixed pass (``dense.DensePool.mixed_pass``): query [1, Hq, R*n + S, D], key/value [1, Hkv, R*n + S, D], the
+    chunks' R rows of n columns flattened, then the decode step's one column per pool row. Each part runs as its own
+    pass would, on views of its columns: the chunks first (their pairs written, then attended), then the decode step.
+    Returns [1, R*n + S, Hq, D]."""
+    chunks, decode = step.mixed
+    R, n = chunks.qpos.shape
+    split = R * n
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [1, H, R*n, D] -> [R, H, n, D] (a view)
+        return t[0, :, :split].unflatten(1, (R, n)).transpose(0, 1)
+
+    def steps(t: torch.Tensor) -> torch.Tensor:  # [1, H, S, D] -> [S, H, 1, D] (a view)
+        return t[0, :, split:].transpose(0, 1).unsqueeze(2)
+
+    out = _rows_attention(module, chunks, *(rows(t) for t in (query, key, value)), scaling)  # [R, n, Hq, D]
+    last = _rows_attention(module, decode, *(steps(t) for t in (query, key, value)), scaling)  # [S, 1, Hq, D]
+    return torch.cat([out.reshape(1, split, *out.shape[2:]), last.transpose(0, 1)], dim=1)  # [1, R*n + S, Hq, D]
 
 
 def _copy_pairs(layer, flat: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

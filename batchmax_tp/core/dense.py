@@ -79,9 +79,42 @@ class DensePool(SlotPool):
         """Positions per block of a chunked prefill's storage (a row's C + 1 slots)."""
         return self.capacity + 1
 
+    @property
+    def mixes(self) -> bool:
+        """Whether a prefill pass can take the decoding rows' next step along (``mixed_pass``): FKV prefilled in
+        chunks."""
+        return self.chunked
+
+    def mixed_pass(
+        self,
+        state: PoolState,
+        chunks: tuple[SlotWork, ...],
+        decoding: tuple[SlotWork, ...],
+        prompts: list[torch.Tensor],
+        device,
+    ) -> tuple[RowsPass, torch.Tensor]:
+        """A chunked prefill pass of ``chunks`` (``prefill_pass``) and a decode step of ``decoding`` (``decode_pass``)
+        in one model call (vLLM's chunked prefill: the weights are read once for both), and the chunks' ids [R, n].
+        The model's columns are the chunks' rows flattened, then one per pool row: positions [1, R x n + S]; each part
+        keeps its own description (``RowsPass.mixed``), the rows of the two disjoint."""
+        chunked, ids = self.prefill_pass(state, chunks, prompts, device)
+        step = self.decode_pass(state, decoding, device)
+        positions = torch.cat([chunked.positions.reshape(1, -1), step.positions.reshape(1, -1)], dim=1)
+        mixed = replace(
+            chunked,
+            kind="mixed",
+            positions=positions,
+            mixed=(chunked, step),
+            after=chunked.after + step.after,
+            paging=step.paging,
+        )
+        return mixed, ids
+
     def pass_workspace(self, step: RowsPass) -> int:
         """A group's prompts on SDPA (``prompt_workspace``); a chunked pass's (``slots.chunk_workspace``); a decode
         pass's fused product (``SlotPool``)."""
+        if step.mixed is not None:  # its parts, one after the other in each layer
+            return max(self.pass_workspace(part) for part in step.mixed)
         if step.kind == "decode":
             return super().pass_workspace(step)
         if step.mask is not None:

@@ -61,7 +61,7 @@ from .replay import forward_pass
 from .requests import Batching, Record, Request, RequestOutput, Sampling, ServeOutput, check_requests
 from .scheduler import Scheduler, Step
 from .slots import kv_layout, to_device
-from .step import Change, RowsPass
+from .step import Change, RowsPass, SlotWork
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +326,7 @@ class Engine:
             blocks=self.pool.num_blocks,
             need=need,
             transient=method.transient_blocks,
+            mixed=b.mixed and self.pool.mixes,
         )
         self._hold = contextlib.ExitStack()
         self._hold.enter_context(use_batchmax_attention(model))
@@ -340,9 +341,10 @@ class Engine:
             return False
         for rows, group in step.admitted:
             self._admit(rows, group, self.batching.share_prompts and len(group) > 1)
-        kind = "decode" if step.kind == "decode" else "prefill"
+        kind = "decode" if step.kind == "decode" else "prefill"  # a mixed pass's time: the prefill's
         t0 = time.perf_counter()
-        finished = self._decode(step) if kind == "decode" else self._prefill(step)  # describe, run, sample
+        run = {"decode": self._decode, "mixed": self._mixed}.get(step.kind, self._prefill)
+        finished = run(step)  # describe, run, sample
         self.metrics.passed(kind, time.perf_counter() - t0, self.pool)
         for row, i in self.sched.complete(step, finished):  # retire
             self._retire(row, i)
@@ -424,11 +426,50 @@ class Engine:
         shared group: its first row alone); the rows whose prompt ends here (and the rest of their shared group) emit
         their first token."""
         pool = self.pool
-        work = tuple(w for w in step.work if self.group_of[w.row].start not in self.shared or w.row in self.shared)
+        work = self._chunks(step.work)
         prompts = [self.prompts[self.request_of[w.row]] for w in work]
         described, ids = pool.prefill_pass(self.state, work, prompts, self.device)
         out = forward_pass(self.model, self._ready(described), ids, torch.ones_like(ids, dtype=torch.bool))
         pool.note()
+        rows, index = self._graduate(work)
+        if not rows:
+            return set()
+        logits = out.logits[:, -1].index_select(0, to_device(index, self.device))  # [k, V]
+        return self._emit(rows, to_device(rows, self.device), logits, first_from=0)
+
+    def _mixed(self, step: Step) -> set[int]:
+        """One mixed pass (FKV in chunks, continuous): the prefill chunks of some rows and the next step of every
+        decoding row in one model call (``DensePool.mixed_pass``); both kinds of row emit their tokens, in one emit
+        (one read of the tokens under ``lag``)."""
+        pool = self.pool
+        work = self._chunks(tuple(w for w in step.work if w.phase.kind == "prefill"))
+        decoding = tuple(w for w in step.work if w.phase.kind == "decode")
+        prompts = [self.prompts[self.request_of[w.row]] for w in work]
+        described, ids = pool.mixed_pass(self.state, work, decoding, prompts, self.device)
+        R, n = ids.shape
+        S = len(self.next_ids)
+        ids = torch.cat([ids.reshape(-1), self.next_ids])[None]  # [1, R*n + S]: the chunks, then each row's step
+        last = torch.arange(n - 1, R * n, n, device=self.device)  # [R] each chunk's last column
+        keep = torch.cat([last, torch.arange(R * n, R * n + S, device=self.device)])  # [R + S] and every row's step
+        out = forward_pass(self.model, self._ready(described), ids, torch.ones_like(ids, dtype=torch.bool), keep)
+        pool.note()
+        logits = out.logits[0]  # [R + S, V]
+        steps = logits[R:].index_select(0, described.mixed[1].decoding)  # [k, V] the decoding rows'
+        rows, index = self._graduate(work)
+        if index:  # the graduating rows' first tokens, after the decoding rows' next
+            steps = torch.cat([steps, logits[:R].index_select(0, to_device(index, self.device))])
+        rows = [w.row for w in decoding] + rows
+        return self._emit(rows, to_device(rows, self.device), steps, first_from=len(decoding))
+
+    def _chunks(self, work: tuple[SlotWork, ...]) -> tuple[SlotWork, ...]:
+        """A prefill pass's rows: a shared group's first row alone."""
+        return tuple(w for w in work if self.group_of[w.row].start not in self.shared or w.row in self.shared)
+
+    def _graduate(self, work: tuple[SlotWork, ...]) -> tuple[list[int], list[int]]:
+        """After a prefill pass of ``work``: the rows whose prompt ended in it (and the rest of their shared group)
+        graduate (``pool.graduated``). Returns those rows and, for each, its work index (whose last column's logits
+        give its first token)."""
+        pool = self.pool
         rows, index = [], []
         for j, w in enumerate(work):
             if w.phase.end < self.ends[self.request_of[w.row]]:
@@ -438,10 +479,7 @@ class Engine:
             self._change(pool.graduated(self.state, group, [self.max_new[self.request_of[r]] > 1 for r in group]))
             rows.extend(group)
             index.extend([j] * len(group))
-        if not rows:
-            return set()
-        logits = out.logits[:, -1].index_select(0, to_device(index, self.device))  # [k, V]
-        return self._emit(rows, to_device(rows, self.device), logits, first=True)
+        return rows, index
 
     def _decode(self, step: Step) -> set[int]:
         """One decode step of every decoding slot, in one pass over the pool."""
@@ -450,7 +488,7 @@ class Engine:
         model_step = self._ready(described)  # its evictions and its slots' bookkeeping, in every layer at once
         out = self.decode_forward(self.model, model_step, self.next_ids[:, None], self.all_true)
         index = described.decoding  # [k] the decoding rows
-        return self._emit(rows, index, out.logits[:, -1].index_select(0, index), first=False)  # [k, V]
+        return self._emit(rows, index, out.logits[:, -1].index_select(0, index), first_from=len(rows))  # [k, V]
 
     def _teach(self, rows: list[int], logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The next inputs [k] of ``rows``: the chosen ``tokens``, or, for a request with a continuation, its next
@@ -470,18 +508,18 @@ class Engine:
                 out.logprobs.append(logprob[j])
         return torch.where(target >= 0, target, tokens)
 
-    def _emit(self, rows: list[int], index: torch.Tensor, logits: torch.Tensor, first: bool) -> set[int]:
+    def _emit(self, rows: list[int], index: torch.Tensor, logits: torch.Tensor, first_from: int) -> set[int]:
         """Choose, record and feed the next token of each of ``rows`` (``index``: the same rows on the device) from
-        their logits [k, V] (``first``: the rows' first tokens, a prefill pass's); returns the rows whose request
-        ended early (EOS or a stop). Under ``lag`` the tokens are read at the next emit (this pass is launched by
-        then) or at ``finish``, and nothing ends early."""
+        their logits [k, V] (``rows[first_from:]``: their first tokens, a prefill pass's); returns the rows whose
+        request ended early (EOS or a stop). Under ``lag`` the tokens are read at the next emit (this pass is
+        launched by then) or at ``finish``, and nothing ends early."""
         tokens = self.sampler.choose(logits, rows)  # [k]
         feed = self._teach(rows, logits, tokens)  # [k]
         self.next_ids.index_copy_(0, index, feed)
         now, requests = self.metrics.now(), [self.request_of[row] for row in rows]
         for j, i in enumerate(requests):
             out = self.outputs[i]
-            if first:
+            if j >= first_from:
                 out.first_token_s = now
             if self.record.logits:
                 out.logits.append(logits[j].float())

@@ -38,6 +38,8 @@ class LayeredPool:
     share), and each layer's attention reads its group's (``RowsPass.at``). Evictions stay within a layer, so nothing
     changes under tensor parallelism: every rank runs the same groups."""
 
+    mixes = False  # BM: no mixed passes
+
     num_blocks = 0  # rows hold their own slots
 
     def __init__(self, method: Method, capacities: tuple[int, ...], slots: int, static: bool = False):

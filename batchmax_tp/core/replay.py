@@ -47,14 +47,17 @@ def resolve(mode: str, device: torch.device, tensor_parallel: bool = False) -> s
 
 
 @torch.no_grad()
-def forward_pass(model: torch.nn.Module, step: RowsPass, ids: torch.Tensor, mask: torch.Tensor):
+def forward_pass(
+    model: torch.nn.Module, step: RowsPass, ids: torch.Tensor, mask: torch.Tensor, keep: int | torch.Tensor = 1
+):
     """One model call described by ``step`` (ids [R, n]; ``mask`` [R, n] all true: the attention reads the
     description, but without a mask HF's mask builder looks for packed sequences in the position ids, a host sync in
     every pass); the description goes to every attention call, which writes the pool itself (no cache is handed to
     the model). A prefill pass or decode step returns the last position's logits (a prefill pass's look-ahead
-    probes, if any, are its first columns: the last is a chunk's)."""
+    probes, if any, are its first columns: the last is a chunk's); ``keep`` [k]: those columns' instead (a mixed
+    pass's)."""
     kw = dict(attention_mask=mask, position_ids=step.positions, use_cache=False, batchmax=step)
-    return model(input_ids=ids, logits_to_keep=1, **kw)
+    return model(input_ids=ids, logits_to_keep=keep, **kw)
 
 
 def eager_decode(model: torch.nn.Module, step: RowsPass, ids: torch.Tensor, mask: torch.Tensor):

@@ -114,13 +114,17 @@ class Batching:
     whole first). ``pass_tokens``: BM's most prompt tokens (rows x columns) in one prefill pass (None:
     ``Method.pass_tokens(slots)``, every row's next chunk; the planner counts what is given:
     ``predict_pool(pass_tokens=...)``). ``share_prompts``: adjacent requests with identical prompts admitted
-    together prefill once, on one row copied into the others (the choices of a multiple-choice question)."""
+    together prefill once, on one row copied into the others (the choices of a multiple-choice question).
+    ``mixed``: under the continuous policy, FKV's prefill passes (in chunks) take every decoding row's next step
+    along, one model call for both (vLLM's chunked prefill; ``dense.DensePool.mixed_pass``); False: a prefill pass
+    and a decode step are two calls."""
 
     policy: str = "continuous"
     prefill_budget: int | None = None
     pass_tokens: int | None = None
     share_prompts: bool = False
     pad_to: int = 0
+    mixed: bool = True
 
     def __post_init__(self):
         if self.policy not in POLICIES:

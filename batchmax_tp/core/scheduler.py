@@ -69,7 +69,8 @@ class SlotRun:
 @dataclass(frozen=True)
 class Step:
     """The next pass: ``kind`` and each slot's part (a group's slots for a prefill block; every decoding
-    slot for a decode step). ``admitted``: the groups that entered their slots just before this pass."""
+    slot for a decode step; a mixed pass: the chunks' slots, then every decoding slot). ``admitted``: the groups that
+    entered their slots just before this pass."""
 
     kind: str
     work: tuple[SlotWork, ...]
@@ -96,6 +97,7 @@ class Scheduler:
     blocks: int = 0  # FKV paged: the pool's K/V blocks (0: every slot fits any request)
     need: list[int] | None = None  # FKV paged: the blocks each request holds from admission to its end
     transient: bool = False  # the blocks go back when a request's prefill ends (snap prefilled in chunks), not its end
+    mixed: bool = False  # continuous FKV in chunks: a prefill pass takes every decoding row's next step along
     pads: list[int] = field(init=False)  # per request: the left pads it runs with (static BM), else 0
     free_blocks: int = field(init=False)  # FKV paged: blocks no running request holds
     queue: deque = field(init=False)
@@ -168,6 +170,9 @@ class Scheduler:
         prefilling = sorted(((run.admitted, s) for s, run in active if run.prefilling))
         decoding = tuple(SlotWork(s, run.phase) for s, run in active if not run.prefilling)
         budget_left = self.prefill_budget is None or self._since_decode < self.prefill_budget
+        if prefilling and self.mixed and decoding and not self.static:  # one pass for both (vLLM's chunked prefill)
+            chunks = self._batched_prefill([self.running[s] for _, s in prefilling], admitted)
+            return Step("mixed", chunks.work + decoding, admitted)
         if prefilling and (budget_left or not decoding):
             if self.batched:
                 return self._batched_prefill([self.running[s] for _, s in prefilling], admitted)
@@ -218,7 +223,7 @@ class Scheduler:
     def complete(self, step: Step, finished: set[int] | frozenset[int] = frozenset()) -> list[tuple[int, int]]:
         """Advance the slots ``step`` ran; free those whose request ended. Returns the (slot, request) pairs freed."""
         self.passes += 1
-        if step.kind == "decode":
+        if step.kind in ("decode", "mixed"):
             self._since_decode = 0
         elif step.kind == "prefill":
             self._since_decode += sum(w.phase.size for w in step.work)

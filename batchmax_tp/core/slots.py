@@ -92,6 +92,7 @@ class SlotPool:
     num_blocks = 0  # K/V blocks shared by the rows (FKV paged; 0: each row holds its own slots)
     share = 1  # KV heads sharing one budget of slots (BM under a rule's ``share``; set once by ``allocate``)
     first_layer = 0  # the model's layer its first layer is (a layer group of ``LayeredPool``: its first)
+    mixes = False  # a prefill pass takes the decoding rows' next step along (FKV in chunks: ``DensePool.mixed_pass``)
 
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, layer_class, static: bool):
         self.layers = [layer_class(self, i) for i in range(num_layers)]

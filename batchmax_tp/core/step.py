@@ -140,9 +140,12 @@ class RowsPass:
     with ``chunk`` > 0; ``slots.chunk_pass``) holds each row's chunk of its prompt: its pairs written at ``write``
     (block x block size + offset) into the row's blocks ``table``, its queries over the row's slots [0, hi) under
     ``mask`` (``own``: every chunk its prompt's first, over the pass's own pairs, gathering nothing); snap's rows
-    whose prompt ends in the pass (``compress``) then keep their window's choice."""
+    whose prompt ends in the pass (``compress``) then keep their window's choice. A mixed pass (``mixed``: FKV's
+    continuous batching, vLLM's chunked prefill) runs a chunked prefill pass and a decode step in one model call: the
+    model's columns [1, R x n + S] are the chunks' rows flattened, then one per pool row (the decode step's), and the
+    attention runs each part on its own columns."""
 
-    kind: Literal["prefill", "probe", "compress", "decode"]
+    kind: Literal["prefill", "probe", "compress", "decode", "mixed"]
     pool: object  # the storage its layers write and read (``core.bounded.BoundedPool``, ``core.dense.DensePool``, ...)
     method: Method  # what the attention reads of the method: snap's window and kernel, how often a rule probes
     share: int  # KV heads sharing one budget of slots (a rule's ``share``, as the pool's storage holds them)
@@ -170,6 +173,7 @@ class RowsPass:
     after: tuple = ()  # (row, core.slots.RowState) per row the pass advances: its host state once the pass has run
     paging: object = None  # FKV paged's decode passes: its blocks' state once the pass has run (``dense.Paging``)
     parts: tuple[RowsPass, ...] = ()  # budgets across layers: the pass of each layer group's pool (the first's is it)
+    mixed: tuple[RowsPass, RowsPass] | None = None  # a mixed pass (FKV continuous): its chunks' and its decode step's
 
     def layer(self, module):
         return self.pool.layers[module.layer_idx - self.pool.first_layer]
@@ -193,7 +197,8 @@ class RowsPass:
         if self.parts:
             parts = tuple(part.for_model() for part in self.parts)
             return replace(parts[0], parts=parts)
-        return replace(self, evictions=(), decoding=None, after=(), paging=None)
+        mixed = None if self.mixed is None else tuple(part.for_model() for part in self.mixed)
+        return replace(self, evictions=(), decoding=None, after=(), paging=None, mixed=mixed)
 
     def change(self) -> Change:
         """The pass's change of its pool's host state (its rows' states after it; FKV paged's blocks; with budgets
