@@ -308,6 +308,7 @@ class Engine:
         self.shared: set[int] = set()  # first slot of each group prefilled once for all its rows
         self.group_of: list[range] = [range(r, r + 1) for r in range(rows)]  # each row's admission group
         self.next_ids = torch.full((rows,), self.pad, dtype=torch.long, device=device)  # [S] each row's next input
+        self.no_logits = torch.empty(0, dtype=torch.long, device=device)  # ``logits_to_keep``: no column
         # [S, 1] all true, a decode pass's mask: the attention reads the description, not a mask, but without one
         # HF's mask builder looks for packed sequences in the position ids, a host sync in every pass
         self.all_true = torch.ones(rows, 1, dtype=torch.bool, device=device)
@@ -429,7 +430,8 @@ class Engine:
         work = self._chunks(step.work)
         prompts = [self.prompts[self.request_of[w.row]] for w in work]
         described, ids = pool.prefill_pass(self.state, work, prompts, self.device)
-        out = forward_pass(self.model, self._ready(described), ids, torch.ones_like(ids, dtype=torch.bool))
+        keep = 1 if self._ending(work) else self.no_logits  # a pass no prompt ends in computes no logits
+        out = forward_pass(self.model, self._ready(described), ids, torch.ones_like(ids, dtype=torch.bool), keep)
         pool.note()
         rows, index = self._graduate(work)
         if not rows:
@@ -449,17 +451,23 @@ class Engine:
         R, n = ids.shape
         S = len(self.next_ids)
         ids = torch.cat([ids.reshape(-1), self.next_ids])[None]  # [1, R*n + S]: the chunks, then each row's step
-        last = torch.arange(n - 1, R * n, n, device=self.device)  # [R] each chunk's last column
-        keep = torch.cat([last, torch.arange(R * n, R * n + S, device=self.device)])  # [R + S] and every row's step
+        ending = self._ending(work)  # the chunks whose prompt ends here: their last columns' logits, then every step's
+        keep = to_device([j * n + n - 1 for j in ending] + list(range(R * n, R * n + S)), self.device)  # [e + S]
         out = forward_pass(self.model, self._ready(described), ids, torch.ones_like(ids, dtype=torch.bool), keep)
         pool.note()
-        logits = out.logits[0]  # [R + S, V]
-        steps = logits[R:].index_select(0, described.mixed[1].decoding)  # [k, V] the decoding rows'
+        logits = out.logits[0]  # [e + S, V]
+        e = len(ending)
+        steps = logits[e:].index_select(0, described.mixed[1].decoding)  # [k, V] the decoding rows'
         rows, index = self._graduate(work)
         if index:  # the graduating rows' first tokens, after the decoding rows' next
-            steps = torch.cat([steps, logits[:R].index_select(0, to_device(index, self.device))])
+            first = to_device([ending.index(j) for j in index], self.device)
+            steps = torch.cat([steps, logits[:e].index_select(0, first)])
         rows = [w.row for w in decoding] + rows
         return self._emit(rows, to_device(rows, self.device), steps, first_from=len(decoding))
+
+    def _ending(self, work: tuple[SlotWork, ...]) -> list[int]:
+        """The indices in ``work`` of the rows whose prompt ends in this pass (their last column gives a token)."""
+        return [j for j, w in enumerate(work) if w.phase.end >= self.ends[self.request_of[w.row]]]
 
     def _chunks(self, work: tuple[SlotWork, ...]) -> tuple[SlotWork, ...]:
         """A prefill pass's rows: a shared group's first row alone."""
