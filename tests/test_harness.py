@@ -388,9 +388,9 @@ def test_shared_prefill_equals_separate_prefills(method, monkeypatch):
 
     rows = []  # prompt rows each prefill pass computes
 
-    def counting(model, step, ids, mask, _orig=serving.forward_pass):
+    def counting(model, step, ids, mask, *keep, _orig=serving.forward_pass):
         rows.append(ids.shape[0] if step.kind != "decode" else 0)
-        return _orig(model, step, ids, mask)
+        return _orig(model, step, ids, mask, *keep)
 
     monkeypatch.setattr(serving, "forward_pass", counting)
 

@@ -179,15 +179,16 @@ def probe_workspace_bytes(
     batch: int, q_heads: int, kv_heads: int, window: int, slots: int, head_dim: int, elem: int = 4, share: int = 1
 ) -> int:
     """An upper bound on the peak bytes of a look-ahead probe pass (``attention._probe_attention``): the scaled
-    queries, the logits over the own keys and over the slots (model dtype and float32, with log-sum-exp's
-    temporary), the slot mask and per-slot sums, the outputs and their layout copy."""
+    queries, the logits over the own keys and over the slots (model dtype and float32, the latter turned into the
+    probabilities in place: ``probe.slot_probabilities``), the slot mask and per-slot sums, the outputs and their
+    layout copy."""
     B, Hq, Hkv, w, hi, D, e = batch, q_heads, kv_heads, window, slots, head_dim, elem
     return (
         head_mask_bytes(B, Hkv, hi, share)
         + e * B * Hq * w * D
         + (e + 4) * B * Hq * w * w
         + 4 * B * Hq * w
-        + (e + 8) * B * Hq * w * hi
+        + (e + 4) * B * Hq * w * hi
         + 5 * B * Hkv * hi
         + 3 * e * B * Hq * w * D
         + 8 * B * w
