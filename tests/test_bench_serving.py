@@ -34,7 +34,7 @@ def test_rows_make_their_methods():
         assert m.name == key.split("-")[1]
     assert bs.make_method("cont-bm-question", 512, 64).rule == "question"
     assert bs.make_method("static-ed", 512, 64).kv_max == 65
-    assert bs.make_method("cont-fkv-apart", 512, 64) == bs.make_method("cont-fkv", 512, 64)
+    assert bs.make_method("cont-fkv-mixed", 512, 64) == bs.make_method("cont-fkv", 512, 64)
 
 
 @pytest.mark.parametrize("policy", ["static", "continuous"])

@@ -33,7 +33,7 @@ ROWS = (
     "static-bm-paper",
     "static-bm-question",
     "cont-fkv",
-    "cont-fkv-apart",
+    "cont-fkv-mixed",
     "cont-ed",
     "static-fkv",
     "static-ed",
@@ -133,9 +133,9 @@ def build_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 # ---------------------------------------------------------------------- rows: methods and sizes
 def make_method(key: str, kv_max: int, p: int) -> Method:
     """A row's method: ``<cont|static>-<method>[-<rule>]``; a row naming a rule runs BM at ``kv_max`` and ``p``, the
-    others at their ``core.method.serving_kv_max`` (ED: 65). ``cont-fkv-apart``: continuous FKV whose prefill passes
-    and decode steps are separate model calls (``Batching(mixed=False)``)."""
-    name, _, rule = key.removesuffix(APART).split("-", 1)[1].partition("-")
+    others at their ``core.method.serving_kv_max`` (ED: 65). ``cont-fkv-mixed``: continuous FKV whose prefill passes
+    take the decoding rows' steps along, one model call for both (``Batching(mixed=True)``)."""
+    name, _, rule = key.removesuffix(MIXED).split("-", 1)[1].partition("-")
     if rule:
         return Method(name, kv_max=kv_max, p=p, rule=rule)
     return Method(name, kv_max=serving_kv_max(name))
@@ -145,8 +145,8 @@ def continuous(key: str) -> bool:
     return key.startswith("cont")
 
 
-#: A row key's suffix: its prefill passes and decode steps run as separate calls (``Batching(mixed=False)``).
-APART = "-apart"
+#: A row key's suffix: its prefill passes take the decoding rows' steps along (``Batching(mixed=True)``).
+MIXED = "-mixed"
 
 
 def budget_bytes(a: argparse.Namespace, shape: ModelShape, longest: int) -> int:
@@ -186,7 +186,7 @@ def warm_up(model, methods: list[Method], eos, pad) -> None:
 
 
 def run_engine(
-    model, prompts, method: Method, slots: int, new: int, ignore_eos: bool, eos, pad, policy: str, mixed: bool = True
+    model, prompts, method: Method, slots: int, new: int, ignore_eos: bool, eos, pad, policy: str, mixed: bool = False
 ) -> dict:
     """The prompts on one engine of ``slots`` slots under ``policy`` (``continuous``, or ``static``: the paper's
     padded batches of ``slots`` prompts, in order; ``mixed``: ``Batching.mixed``): its timings, each request's latency
@@ -211,7 +211,7 @@ def run_engine(
 def run_row(model, shape, key: str, m: Method, size: int, prompts, longest: int, a, eos, pad) -> dict:
     """One row at ``size`` slots (continuous) or batch (static): its timings, latencies and the planner's total."""
     policy = "continuous" if continuous(key) else "static"
-    row = run_engine(model, prompts, m, size, a.new, a.equal, eos, pad, policy, mixed=not key.endswith(APART))
+    row = run_engine(model, prompts, m, size, a.new, a.equal, eos, pad, policy, mixed=key.endswith(MIXED))
     est = predict_pool(shape, m, size, longest, a.new, dtype=a.dtype)
     row.update(
         tokens_per_s=row["generated"] / row["wall_s"],

@@ -116,15 +116,16 @@ class Batching:
     ``predict_pool(pass_tokens=...)``). ``share_prompts``: adjacent requests with identical prompts admitted
     together prefill once, on one row copied into the others (the choices of a multiple-choice question).
     ``mixed``: under the continuous policy, FKV's prefill passes (in chunks) take every decoding row's next step
-    along, one model call for both (vLLM's chunked prefill; ``dense.DensePool.mixed_pass``); False: a prefill pass
-    and a decode step are two calls."""
+    along, one model call for both (vLLM's chunked prefill; ``dense.DensePool.mixed_pass``); False (the default, the
+    faster on a CPU: 0.97x its tokens/s mixed, docs/performance.md): a prefill pass and a decode step are two
+    calls."""
 
     policy: str = "continuous"
     prefill_budget: int | None = None
     pass_tokens: int | None = None
     share_prompts: bool = False
     pad_to: int = 0
-    mixed: bool = True
+    mixed: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
