@@ -479,9 +479,8 @@ class Engine:
         give its first token)."""
         pool = self.pool
         rows, index = [], []
-        for j, w in enumerate(work):
-            if w.phase.end < self.ends[self.request_of[w.row]]:
-                continue
+        for j in self._ending(work):
+            w = work[j]
             group = self.group_of[w.row] if w.row in self.shared else range(w.row, w.row + 1)
             self.shared.discard(w.row)
             self._change(pool.graduated(self.state, group, [self.max_new[self.request_of[r]] > 1 for r in group]))
