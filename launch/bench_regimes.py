@@ -54,6 +54,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--methods", default=None, help="--measure: the main job's methods (default: all five)")
     ap.add_argument("--kv-share", type=float, default=None, help="bounded methods' kv_max as a share of the length")
     ap.add_argument("--max-prompts", type=int, default=None, help="--measure: the prompts each cell fills up to")
+    ap.add_argument("--bm-chunk", type=int, default=0, help="--measure: BM's wide passes (columns a pass; 0: none)")
     ap.add_argument("--answers", nargs="*", default=[], help="bench_ruler table.json files: the predicted answers")
     a = ap.parse_args(argv)
     unknown = sorted(set(a.budgets.split(",")) - set(regimes.BUDGETS))
@@ -123,6 +124,8 @@ def measure(out: Path, lengths: list[int], outputs: list[int], a: argparse.Names
                         args += ["--kv-max", str(kv_max)]
                     if a.max_prompts:
                         args += ["--max-prompts", str(a.max_prompts)]
+                    if a.bm_chunk:
+                        args += ["--bm-chunk", str(a.bm_chunk)]
                     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), *args, "--out", str(cell_out)]
                     print(f"cpu {length:>5} tokens, {budget:>5}, {new:>3} new: running ({cell_out})", flush=True)
                     subprocess.run([*cmd, "--log-level", "WARNING"], check=True, stdout=subprocess.DEVNULL)

@@ -95,9 +95,10 @@ class Passes:
     def __init__(self):
         self.real, self.tokens, self.kinds, self.after = serve.forward_pass, [], [], None
 
-    def __call__(self, model, step, ids, mask):
-        out = self.real(model, step, ids, mask)
-        self.tokens.append(int((step.qpos >= 0).sum()))  # the pass's prompt tokens (probe columns aside)
+    def __call__(self, model, step, ids, mask, keep=1):
+        out = self.real(model, step, ids, mask, keep)
+        blocks = step.subs or (step,)  # a wide pass: each block's
+        self.tokens.append(sum(int((b.qpos >= 0).sum()) for b in blocks))  # the pass's prompt tokens (probes aside)
         self.kinds.append(step.kind)
         if self.after is not None:
             self.after()

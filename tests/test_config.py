@@ -606,14 +606,16 @@ def test_saved_config_keeps_its_resume_key(tmp_path):
         "compile",
         "cheaper_rules",
         "max_prompts",
+        "bm_chunk",
     }
     cfg = parse_args(["--out", str(tmp_path)]).replace(device="cpu", dtype="float32", tp_size=1, dp_size=1)
     assert cfg.main_job and cfg.to_dict()["same_memory"] is None  # as a plain run wrote it
     write_config(tmp_path, cfg)
     assert results.check_same_config(tmp_path, cfg.to_dict())
     saved = tmp_path / "config.yaml"  # written before `compile` existed: it changes no output, so it resumes
-    for key in ("compile: auto", "cheaper_rules: true", "max_prompts: 64"):  # keys added later: a folder written
-        # before them resumes (the first two change no output; the main job filled up to 64 prompts before the third)
+    for key in ("compile: auto", "cheaper_rules: true", "max_prompts: 64", "bm_chunk: 0"):  # keys added later: a
+        # folder written before them resumes (the first two change no output; the main job filled up to 64 prompts
+        # before the third and ran BM's passes of one block before the fourth)
         text = saved.read_text()
         assert f" {key}," in text
         saved.write_text(text.replace(f" {key},", ""))
@@ -626,3 +628,16 @@ def test_help_names_the_flags_that_leave_the_main_job(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "runs unless the configuration lists its runs: --method, --kv-max, --batch-size, --procedure" in text
     assert text.count("[lists the runs: leaves the main job]") == 4
+
+
+def test_bm_chunk_gives_the_main_jobs_bm_runs_wide_passes_and_no_other_method():
+    """``--bm-chunk N``: both of the main job's BM runs (the paper's rule and the best) prefill in wide passes of N
+    columns; FKV, ED and snap are as without it; an out-of-range value is one line."""
+    plain = parse_args([]).sweep.story_methods()
+    wide = parse_args(["--bm-chunk", "2048"]).sweep.story_methods()
+    assert [m.name for m in wide] == [m.name for m in plain]
+    for a, b in zip(plain, wide):
+        assert b.wide == (b.name == "bm") and getattr(b, "chunk", 0) == (
+            2048 if b.name == "bm" else getattr(a, "chunk", 0)
+        )
+    assert _error_of(["--bm-chunk", "-1"]).startswith("bm_chunk:")

@@ -32,9 +32,10 @@ METHODS = {
     "fkv": Method("fkv", block=0),  # a fixed-capacity slot per request
     "fkv-paged": Method("fkv", block=16),  # admitted by real length, in blocks of 16 positions
     "ed": Method("ed", kv_max=65),
-    "bm": Method("bm", KV, P),
-    "bm-question": Method("bm", KV, P, rule="question"),
-    "bm-taper": Method("bm", KV, P, rule="paper:taper=50"),  # budgets across layers: 144 and 48 slots (2 layers)
+    "bm": Method("bm", KV, P, chunk=0),  # the paper's passes: a block of each row a pass
+    "bm-question": Method("bm", KV, P, rule="question", chunk=0),
+    "bm-taper": Method("bm", KV, P, rule="paper:taper=50", chunk=0),  # budgets across layers: 144, 48 slots (2 layers)
+    "bm-wide": Method("bm", KV, P, rule="question", chunk=3 * P + 32),  # wide passes: 3 blocks of a row a pass
 }
 
 
@@ -424,6 +425,62 @@ def test_the_pass_size_changes_no_answer(key, references):
         engine = Engine(model, METHODS[key], 12, batching=Batching(pass_tokens=tokens))
         out = engine.run(requests, Sampling(ignore_eos=True), record=Record(logits=True, positions=True))
         check_against_alone(out, refs)
+
+
+WIDE = {
+    "bm": METHODS["bm"],
+    "bm-question": METHODS["bm-question"],
+    "bm-taper": METHODS["bm-taper"],
+    "bm-share": Method("bm", KV, P, rule="question:share=0", chunk=0),  # one budget for a layer's KV heads
+}
+
+
+@pytest.mark.parametrize("key", list(WIDE))
+def test_wide_passes_keep_what_passes_of_one_block_keep(key):
+    """BM with ``chunk`` (wide passes: several blocks of each row in one model call, each layer evicting before each
+    block inside its attention): every request's tokens, logits and kept positions equal ``generate()`` of its prompt
+    alone in passes of one block, with the smallest chunk (a block and its probe a pass), a middling one and one
+    that takes a whole prompt (a lone row's prompt in one model call), alone and beside other rows."""
+    model, narrow = model_of("llama"), WIDE[key]
+    refs = [alone(model, p, narrow, n) for p, n in zip(prompts(), NEW)]
+    requests = [Request(p, n) for p, n in zip(prompts(), NEW)]
+    window = narrow.lookahead
+    for slots, chunk in ((1, 10**4), (3, P + window), (3, 3 * P + window), (12, 10**4)):
+        wide = dataclasses.replace(narrow, chunk=chunk)
+        fed = []  # (rows, columns) of every pass the model computed
+        hook = model.model.embed_tokens.register_forward_hook(lambda m, a, o, fed=fed: fed.append(tuple(a[0].shape)))
+        try:
+            record = Record(logits=True, positions=True)
+            out = Engine(model, wide, slots).run(requests, Sampling(ignore_eos=True), record=record)
+        finally:
+            hook.remove()
+        check_against_alone(out, refs)
+        assert max(r * n for r, n in fed) <= chunk
+        if slots == 1:  # a lone row's prompt in one model call: its blocks and its probes
+            assert max(n for _, n in fed) >= max(LENGTHS)
+        elif chunk > P + window:  # several blocks of each row in one call
+            assert max(n for _, n in fed) > P + window
+
+
+@pytest.mark.parametrize("key", ["bm", "bm-question"])
+def test_wide_passes_keep_the_padded_batchs_positions(key):
+    """The paper's padded batch (``generate``, static) in wide passes keeps what it keeps in passes of one block."""
+    model, narrow = model_of("llama"), METHODS[key]
+    lengths = [40, 250, 288, 170]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):  # left-padded
+        ids[i, -n:] = torch.randint(3, 128, (n,), generator=g)
+        mask[i, -n:] = 1
+    runs = [
+        generate(model, ids, mask, m, 9, ignore_eos=True, return_logits=True)
+        for m in (narrow, dataclasses.replace(narrow, chunk=4 * P + narrow.lookahead))
+    ]
+    assert torch.equal(runs[0].tokens, runs[1].tokens)
+    assert runs[0].kept_positions() == runs[1].kept_positions()
+    for a, b in zip(runs[0].logits, runs[1].logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")

@@ -71,6 +71,15 @@ class SweepConfig(Part):
         lists=True,
     )
     p: int = setting(64, INT, "BM eviction amount / prefill block (default 64)", metavar="N", low=1, high=MAX_TOKENS)
+    bm_chunk: int = setting(
+        0,
+        INT,
+        "the main job's BM: prefill columns a pass in wide passes, several blocks of each row with each layer evicting "
+        "before each (the same kept pairs; default 0: a block of each row a pass, the paper's passes)",
+        metavar="N",
+        low=0,
+        high=MAX_TOKENS,
+    )
     batch_size: int = setting(4, INT, "samples per batch (default 4)", metavar="N", low=1, high=MAX_BATCH, lists=True)
     runs: list[dict[str, Any]] | None = setting(
         None,
@@ -192,7 +201,7 @@ class SweepConfig(Part):
     def story_methods(self, chosen: Sequence[str] | None = None) -> list[Method]:
         """The main job's methods: FKV, ED, the paper's BM, BM with the best rule and snap (``plan.budget``); with
         ``chosen`` (``methods`` as given to the main job), those of them whose method is named (``bm``: both BMs)."""
-        methods = story_methods(self.kv_max_for, self.p, self.rule)
+        methods = story_methods(self.kv_max_for, self.p, self.rule, self.bm_chunk)
         if chosen is None:
             return methods
         names = [m.name for m in methods]

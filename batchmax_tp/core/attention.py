@@ -129,6 +129,8 @@ def _rows_attention(
     """A pool's pass, as ``step`` states it (BM's prefill chunks, probes and decode steps; the dense pools' prefill
     and decode steps): write the new pairs key/value [R, Hkv, n, D], attend. Returns [R, n, Hq, D]."""
     step = step.at(module.layer_idx)  # budgets across layers: the layer's group's own part of the pass
+    if step.subs:  # BM's wide pass: its blocks one after another, each evicting first
+        return _wide(module, step, query, key, value, scaling)
     if step.mixed is not None:  # FKV's chunks and decode step in one call: each part on its columns
         return _mixed(module, step, query, key, value, scaling)
     layer = step.layer(module)
@@ -171,6 +173,23 @@ def _mixed(module, step: RowsPass, query, key, value, scaling: float) -> torch.T
     out = _rows_attention(module, chunks, *(rows(t) for t in (query, key, value)), scaling)  # [R, n, Hq, D]
     last = _rows_attention(module, decode, *(steps(t) for t in (query, key, value)), scaling)  # [S, 1, Hq, D]
     return torch.cat([out.reshape(1, split, *out.shape[2:]), last.transpose(0, 1)], dim=1)  # [1, R*n + S, Hq, D]
+
+
+def _wide(module, step: RowsPass, query, key, value, scaling: float) -> torch.Tensor:
+    """A wide pass (``bounded.BoundedPool.wide_pass``): query [R, Hq, N, D], key/value [R, Hkv, N, D], the columns of
+    its blocks' passes (``step.subs``) one after another. Each block runs in this layer as its own pass would: its
+    rows' evictions in this layer (Algorithm 1: ranked by this layer's sums and probes, which only this layer's
+    earlier blocks changed), then its pairs written and attended on views of its columns. Returns [R, N, Hq, D]."""
+    pool = step.pool
+    layer = module.layer_idx - pool.first_layer
+    outs, a = [], 0
+    for sub in step.subs:
+        for eviction in sub.evictions:
+            pool.evict_layer(eviction, layer)
+        b = a + sub.positions.shape[1]  # its probe's columns and its block's
+        outs.append(_rows_attention(module, sub, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling))
+        a = b
+    return torch.cat(outs, dim=1)  # [R, N, Hq, D]
 
 
 def _copy_pairs(layer, flat: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -45,6 +45,7 @@ from .step import Change, Eviction, PoolState, RowsPass, SlotWork
 from .workspace import (
     choice_workspace_bytes,
     eviction_layers,
+    eviction_workspace_bytes,
     probe_workspace_bytes,
     rows_workspace_bytes,
     snap_workspace_bytes,
@@ -235,6 +236,13 @@ class BoundedPool(SlotPool):
         decode pass's fused product (``SlotPool``)."""
         if step.kind == "decode":
             return super().pass_workspace(step)
+        if step.subs:  # a wide pass: its blocks one at a time, their outputs held until joined, an eviction's
+            keys = self.layers[0].keys  # [S, Hs, T + 1, D]
+            R, N = step.positions.shape
+            outputs = 2 * R * N * self.layout.query_heads * keys.shape[-1] * keys.element_size()
+            E, Hs, T = step.rows.numel(), keys.shape[1], self.share * self.capacity
+            evicting = eviction_workspace_bytes(1, E, Hs, T, self.layers[0].bias.element_size(), self.share)
+            return max(self.pass_workspace(sub) for sub in step.subs) + outputs + evicting
         keys = self.layers[0].keys  # [S, Hs, T + 1, D]
         Hs, D, e, G, Hq = keys.shape[1], keys.shape[-1], keys.element_size(), self.share, self.layout.query_heads
         (R, n), hi = step.qpos.shape, step.hi * G  # a probe pass: n is the rule's window
@@ -413,6 +421,32 @@ class BoundedPool(SlotPool):
             step = replace(step, probe=probe, among=None if len(among) == R else to_device(among, device))
         return step, None if prompts is None else torch.stack(ids)
 
+    def wide_pass(
+        self,
+        state: PoolState,
+        subs: tuple[tuple[SlotWork, ...], ...],
+        prompts: list[torch.Tensor],
+        device,
+    ) -> tuple[RowsPass, torch.Tensor]:
+        """A wide pass (``Method.wide``) and its ids [R, sum of the blocks' columns]: each block of ``subs`` (the same
+        rows in the same order, ``prompts`` theirs) described as ``prefill_pass`` describes it from the rows' states
+        after the block before; the model's columns are the blocks' one after another. Its evictions run inside each
+        layer's attention, before each block's (``evict_layer``)."""
+        passes, ids = [], []
+        for work in subs:
+            step, block_ids = self.prefill_pass(state, work, prompts, device)
+            state = state.changed(step.change())
+            passes.append(step)
+            ids.append(block_ids)
+        first, last = passes[0], passes[-1]
+        positions = torch.cat([step.positions for step in passes], dim=1)  # [R, N]
+        wide = replace(first, positions=positions, evictions=(), probe=None, among=None, subs=tuple(passes))
+        return replace(wide, after=last.after), torch.cat(ids, dim=1)
+
+    def evict_layer(self, ev: Eviction, layer: int) -> None:
+        """``ev`` in the pool's layer ``layer`` alone (a wide pass's evictions, inside that layer's attention)."""
+        self._evict_layers(ev, slice(layer, layer + 1))
+
     def decode_pass(self, state: PoolState, work: tuple[SlotWork, ...], device) -> RowsPass:
         """A decode pass over every row: each decoding row's eviction (its own step's count) and write slot."""
         S, C = self.slots, self.capacity
@@ -435,7 +469,8 @@ class BoundedPool(SlotPool):
         an open mask (and in a shared budget its head), and hands the model call where each layer's pairs go
         (``RowsPass.written``), so that inside the model call a layer only copies its pairs. The first pass that
         probes, under a rule probing every few blocks, allocates the stored probes first."""
-        if step.probe is not None and self.method.probe_every > 1 and self.layers[0].probe_q is None:
+        probing = any(sub.probe is not None for sub in (*step.subs, step))
+        if probing and self.method.probe_every > 1 and self.layers[0].probe_q is None:
             self._allocate_probe_store()
         model_step = super().ready(step)
         if step.kind != "decode":

@@ -429,7 +429,11 @@ class Engine:
         pool = self.pool
         work = self._chunks(step.work)
         prompts = [self.prompts[self.request_of[w.row]] for w in work]
-        described, ids = pool.prefill_pass(self.state, work, prompts, self.device)
+        if step.subs:  # a wide pass: several blocks of each row, their evictions inside each layer
+            subs = tuple(self._chunks(sub) for sub in step.subs)
+            described, ids = pool.wide_pass(self.state, subs, prompts, self.device)
+        else:
+            described, ids = pool.prefill_pass(self.state, work, prompts, self.device)
         keep = 1 if self._ending(work) else self.no_logits  # a pass no prompt ends in computes no logits
         out = forward_pass(self.model, self._ready(described), ids, torch.ones_like(ids, dtype=torch.bool), keep)
         pool.note()

@@ -90,6 +90,13 @@ class LayeredPool:
         described = [part.prefill_pass(own, work, prompts, device) for part, own in zip(self.parts, state.parts)]
         return _joined([step for step, _ in described]), described[0][1]
 
+    def wide_pass(
+        self, state: PoolState, subs: tuple[tuple[SlotWork, ...], ...], prompts: list[torch.Tensor], device
+    ) -> tuple[RowsPass, torch.Tensor]:
+        """Every group's description of the wide pass of ``subs`` (``BoundedPool.wide_pass``) and its input ids."""
+        described = [part.wide_pass(own, subs, prompts, device) for part, own in zip(self.parts, state.parts)]
+        return _joined([step for step, _ in described]), described[0][1]
+
     def decode_pass(self, state: PoolState, work: tuple[SlotWork, ...], device) -> RowsPass:
         return _joined([part.decode_pass(own, work, device) for part, own in zip(self.parts, state.parts)])
 

@@ -125,6 +125,12 @@ class Method:
         return False
 
     @property
+    def wide(self) -> bool:
+        """Whether a prefill pass runs several consecutive blocks of a row, evicting between them inside each layer
+        (BM with ``chunk`` > 0)."""
+        return False
+
+    @property
     def held_kv_max(self) -> int | None:
         """``kv_max`` where it bounds the cache, None for the full cache."""
         return self.kv_max if self.evicts else None
@@ -336,9 +342,15 @@ class ExtremeDecoding(Method):
 @dataclass(frozen=True)
 class BatchMax(Method):
     """``bm``: Batch-Max (paper, Algorithm 1 + its rule). The cache never holds more than ``kv_max`` pairs per
-    (sample, KV head), during prefill too; ``p`` pairs are evicted whenever a block does not fit."""
+    (sample, KV head), during prefill too; ``p`` pairs are evicted whenever a block does not fit. ``chunk`` > 0 (wide
+    passes; 0 by default): a prefill pass runs up to ``chunk`` columns, several consecutive blocks of each of its
+    rows, the model's linear layers over all of them at once and each layer's attention over the blocks one after
+    another, evicting before each (the same kept pairs; ``attention._wide``); ``chunk=0``: a pass runs one block of
+    each of its rows (the paper's passes, whose activations stay at a block a row; measured on this CPU in
+    docs/performance.md, "Wide passes")."""
 
     name: str = "bm"
+    chunk: int = 0
     takes_rule: ClassVar[bool] = True
     default_kv_max: ClassVar[int] = 512
     bounded_prefill: ClassVar[bool] = True
@@ -348,6 +360,15 @@ class BatchMax(Method):
     legend: ClassVar[str] = "BM (Batch-Max)"
     colour: ClassVar[str] = "tab:green"
     marker: ClassVar[str] = "^"
+
+    def __post_init__(self) -> None:
+        _check_chunk(self.name, self.chunk)
+        super().__post_init__()
+        if self.chunk and self.chunk < self.p + self.lookahead:
+            raise ValueError(
+                f"chunk must be 0 or at least p + the rule's probe window ({self.p + self.lookahead}: a pass holds "
+                f"at least one block and its probe) for method 'bm', got {self.chunk}"
+            )
 
     def validate_kv_max(self) -> None:
         if self.kv_max <= self.p:
@@ -370,6 +391,10 @@ class BatchMax(Method):
                 f"rule {self.rule!r}: taper={self.scorer.taper} leaves its smallest layer {least} slots, below p + "
                 f"the pairs it protects ({need}) at kv_max={self.kv_max} p={self.p}"
             )
+
+    def label(self) -> str:
+        label = super().label()
+        return f"{label[:-1]}, chunk={self.chunk})" if self.chunk else label
 
     @property
     def lookahead(self) -> int:
@@ -430,11 +455,21 @@ class BatchMax(Method):
     def first_block_chunk(self) -> int:
         return self.p
 
+    @property
+    def wide(self) -> bool:
+        """Whether a prefill pass runs several consecutive blocks of each of its rows (``chunk`` > 0): the linear
+        layers see all of the pass's columns at once, and each layer's attention runs the blocks one after another,
+        evicting before each as Algorithm 1 does (``attention._wide``): the same kept pairs as passes of one block."""
+        return self.chunk > 0
+
     def pass_tokens(self, slots: int) -> int:
-        """Every row's next chunk of ``p`` in one pass (and the look-ahead probe a rule folds into it), and never
-        less than Algorithm 1's first block and its probe (a lone row's run in one pass): measured 2026-11-26,
-        kv_max-token passes of many rows made a pool's prefill 2.2x slower than this on an H200 (Llama-2-7B, 98
-        slots), and no faster on the 2-core CPU (16 slots, within run-to-run noise); docs/performance.md."""
+        """``chunk`` > 0: at most ``chunk`` columns a pass (rows x their blocks and probes). Else every row's next
+        chunk of ``p`` in one pass (and the look-ahead probe a rule folds into it), and never less than Algorithm 1's
+        first block and its probe (a lone row's run in one pass): measured 2026-11-26, kv_max-token passes of many
+        rows made a pool's prefill 2.2x slower than this on an H200 (Llama-2-7B, 98 slots), and no faster on the
+        2-core CPU (16 slots, within run-to-run noise); docs/performance.md."""
+        if self.chunk:
+            return self.chunk
         return max(self.kv_max + self.lookahead, slots * (self.p + self.lookahead))
 
     def num_to_evict(self, filled: int, incoming: int, capacity: int, first_decode: bool) -> int:

@@ -75,6 +75,7 @@ class Step:
     kind: str
     work: tuple[SlotWork, ...]
     admitted: tuple[tuple[range, tuple[int, ...]], ...] = ()  # (slots, their requests) per group admitted
+    subs: tuple[tuple[SlotWork, ...], ...] = ()  # a wide pass (BM ``chunk``): its blocks, one work tuple each, in order
 
 
 @dataclass
@@ -192,6 +193,8 @@ class Scheduler:
         the pass's rows x columns fit ``pass_tokens`` (at least one group). Each row feeds as many columns as the
         pass's longest chunk. A chunk that a look-ahead probe follows takes its probe along (``SlotWork.probe``):
         every row of the pass then feeds the rule's window more columns."""
+        if self.method.wide:
+            return self._wide_prefill(runs, admitted)
         work, width, probing, seen = [], 0, False, set()
         window = self.method.lookahead
         for run in runs:
@@ -207,6 +210,43 @@ class Scheduler:
         if len(seen) == 1:  # a lone group: its first block in as few passes as fit
             work = self._first_block(self.running[work[0].row], window)
         return Step("prefill", tuple(work), admitted)
+
+    def _wide_prefill(self, runs: list[SlotRun], admitted) -> Step:
+        """A wide pass (BM with ``chunk``): the prefilling groups in admission order while the next block of each
+        (and the probes some take) fits ``pass_tokens``, then as many consecutive blocks of all of them as fit in all
+        (at least one), each block of the rows one sub-pass (``Step.subs``), stopping before any row's prefill ends or
+        its next phase is not a prefill block. ``work``: each row's blocks as one phase, ``phases`` the phases they
+        consume (probes included), for ``complete`` and the engine."""
+        window = self.method.lookahead
+        chosen, seen, width, probing = [], set(), 0, False
+        for run in runs:
+            if run.group.start in seen:
+                continue
+            probe = run.probe_after(run.cursor) is not None
+            size = max(width, run.phase.size)
+            if chosen and (len(chosen) + 1) * (size + (window if probing or probe else 0)) > self.pass_tokens:
+                break
+            seen.add(run.group.start)
+            chosen.append(run)
+            width, probing = size, probing or probe
+        cursors, subs, used = [run.cursor for run in chosen], [], 0
+        while all(c < len(run.phases) and run.phases[c].kind == "prefill" for run, c in zip(chosen, cursors)):
+            units = [(run.phases[c], run.probe_after(c)) for run, c in zip(chosen, cursors)]
+            n = max(phase.size for phase, _ in units)
+            cost = len(chosen) * (n + (window if any(probe for _, probe in units) else 0))
+            if subs and used + cost > self.pass_tokens:
+                break
+            used += cost
+            subs.append(
+                tuple(SlotWork(s, phase, probe) for run, (phase, probe) in zip(chosen, units) for s in run.group)
+            )
+            cursors = [c + 1 + (probe is not None) for c, (_, probe) in zip(cursors, units)]
+        work = []
+        for run, c in zip(chosen, cursors):
+            first, last = run.phase, run.phases[c - 1 if run.phases[c - 1].kind == "prefill" else c - 2]
+            merged = Phase("prefill", first.start, last.end, first.evict)
+            work.extend(SlotWork(s, merged, None, c - run.cursor) for s in run.group)
+        return Step("prefill", tuple(work), admitted, tuple(subs))
 
     def _first_block(self, run: SlotRun, window: int) -> list[SlotWork]:
         """A group alone in its pass runs its first block's next chunks as one (nothing is evicted inside the first

@@ -143,7 +143,11 @@ class RowsPass:
     whose prompt ends in the pass (``compress``) then keep their window's choice. A mixed pass (``mixed``: FKV's
     continuous batching, vLLM's chunked prefill) runs a chunked prefill pass and a decode step in one model call: the
     model's columns [1, R x n + S] are the chunks' rows flattened, then one per pool row (the decode step's), and the
-    attention runs each part on its own columns."""
+    attention runs each part on its own columns. A wide pass (``subs``: BM with ``chunk``) runs several consecutive
+    blocks of its rows in one model call: the model's columns are each block's pass's (``subs``, each described as a
+    pass of its own would be, from the rows' states after the one before), one after another (``positions``: all of
+    them), and each layer's attention runs the blocks in order, each block's evictions in that layer first
+    (``attention._wide``); ``after`` is the last block's."""
 
     kind: Literal["prefill", "probe", "compress", "decode", "mixed"]
     pool: object  # the storage its layers write and read (``core.bounded.BoundedPool``, ``core.dense.DensePool``, ...)
@@ -174,6 +178,7 @@ class RowsPass:
     paging: object = None  # FKV paged's decode passes: its blocks' state once the pass has run (``dense.Paging``)
     parts: tuple[RowsPass, ...] = ()  # budgets across layers: the pass of each layer group's pool (the first's is it)
     mixed: tuple[RowsPass, RowsPass] | None = None  # a mixed pass (FKV continuous): its chunks' and its decode step's
+    subs: tuple[RowsPass, ...] = ()  # a wide pass (BM ``chunk``): each block's pass of the rows, its columns in order
 
     def layer(self, module):
         return self.pool.layers[module.layer_idx - self.pool.first_layer]
@@ -198,7 +203,8 @@ class RowsPass:
             parts = tuple(part.for_model() for part in self.parts)
             return replace(parts[0], parts=parts)
         mixed = None if self.mixed is None else tuple(part.for_model() for part in self.mixed)
-        return replace(self, evictions=(), decoding=None, after=(), paging=None, mixed=mixed)
+        subs = tuple(replace(sub, after=()) for sub in self.subs)  # their evictions run inside each layer
+        return replace(self, evictions=(), decoding=None, after=(), paging=None, mixed=mixed, subs=subs)
 
     def change(self) -> Change:
         """The pass's change of its pool's host state (its rows' states after it; FKV paged's blocks; with budgets

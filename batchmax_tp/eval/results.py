@@ -459,6 +459,7 @@ def check_same_config(out: str | os.PathLike[str], config: Mapping[str, Any]) ->
         raise ValueError(f"out: cannot read {path} to resume: {' '.join(str(err).split())}") from None
     old.setdefault("dp_size", 1)  # written before dp_size was a key: single-process results
     old.setdefault("max_prompts", 64)  # written before max_prompts was a key: the main job's fixed 64
+    old.setdefault("bm_chunk", 0)  # written before bm_chunk was a key: BM's passes of one block
     for key in sorted((set(old) | set(config)) - _NEUTRAL_KEYS):
         if old.get(key) != config.get(key):
             raise ValueError(

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from ..core.method import Method, is_full_cache, min_kv_max
+from ..core.method import Method, is_full_cache, method_type, min_kv_max
 from .planner import (
     MemoryEstimate,
     ModelShape,
@@ -339,11 +339,15 @@ STORY_LINEUP: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def story_methods(kv_max: Callable[[str], int | None], p: int, rule: str = "paper") -> list[Method]:
+def story_methods(kv_max: Callable[[str], int | None], p: int, rule: str = "paper", bm_chunk: int = 0) -> list[Method]:
     """The main job's lineup (:data:`STORY_LINEUP`), each method with ``kv_max(name)`` and ``p``; the best rule is
-    ``rule``, or :data:`STORY_BEST_RULE` when ``rule`` is the paper's."""
+    ``rule``, or :data:`STORY_BEST_RULE` when ``rule`` is the paper's; ``bm_chunk``: BM's wide passes (``chunk``)."""
     best = rule if rule != "paper" else STORY_BEST_RULE
-    return [Method(name, kv_max=kv_max(name), p=p, rule=own or best) for name, own in STORY_LINEUP]
+
+    def own(name: str) -> dict:
+        return {"chunk": bm_chunk} if bm_chunk and method_type(name).bounded_prefill else {}
+
+    return [Method(name, kv_max=kv_max(name), p=p, rule=r or best, **own(name)) for name, r in STORY_LINEUP]
 
 
 def paper_setting_specs(

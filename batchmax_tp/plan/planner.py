@@ -253,7 +253,8 @@ def _pool_prefill_passes(
     widest = max(c for _, c in _layer_runs(shape, method, method.kv_max))  # budgets across layers: the largest
     C, D, V, H, w, e = G * widest, shape.head_dim, shape.vocab, kv_heads // G, method.lookahead, nbytes
     passes = []
-    for n in [*range(1, method.p + 1), min(method.kv_max, prompt_len)]:
+    blocks = range(1, method.p + 1) if method.wide else [*range(1, method.p + 1), min(method.kv_max, prompt_len)]
+    for n in blocks:
         R = min(slots, max(1, tokens // (n + w))) if n <= method.p else 1
         gathered = R * H * C * (2 * D * e + 4 + e)  # keys, values, sums and additive mask of the rows
         ws = gathered + rows_workspace_bytes(R, q_heads, H, n, C, D, padded=True, elem=e, share=G)
@@ -264,6 +265,11 @@ def _pool_prefill_passes(
             probe = probe_gathered + probe_workspace_bytes(R, q_heads, H, w, C, D, e, G) + chunk_out + probe_in
             joined = chunk_out + 3 * e * R * w * q_heads * D + e * R * (n + w) * q_heads * D
             ws = max(ws, probe, joined)
+        if method.wide:  # its blocks one after another over ``tokens`` columns: their outputs held, an eviction's
+            N = max(R * (n + w), min(tokens, slots * (prompt_len + w * -(-prompt_len // method.p))))
+            ws += 2 * e * N * q_heads * D + eviction_workspace_bytes(1, R, H, C, e, G)
+            passes.append((N * per_token + R * V * 4, ws))
+            continue
         passes.append((R * (n + w) * per_token + R * V * 4, ws))
     return passes
 
