@@ -424,8 +424,8 @@ class Engine:
 
     def _prefill(self, step: Step) -> set[int]:
         """One prefill pass of many rows' chunks (and the look-ahead probes folded in), each at its own position (a
-        shared group: its first row alone); the rows whose prompt ends here (and the rest of their shared group) emit
-        their first token."""
+        shared group: its first row alone), or a wide pass of several blocks of each (``Step.subs``, BM's ``chunk``);
+        the rows whose prompt ends here (and the rest of their shared group) emit their first token."""
         pool = self.pool
         work = self._chunks(step.work)
         prompts = [self.prompts[self.request_of[w.row]] for w in work]

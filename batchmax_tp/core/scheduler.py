@@ -15,10 +15,11 @@ evict nothing by score: their rows run the padded schedule on their own tokens (
 Prefill passes run before the decode pass of the slots already decoding, up to ``prefill_budget`` prompt tokens between
 two decode passes (None: no limit, so a new request is prefilled whole before the next decode pass). Under BM a pass
 takes the next chunk of many rows, each at its own phase (and the look-ahead probe that follows a chunk, folded into the
-same pass), up to ``pass_tokens`` rows x columns. The baselines prefill a group per pass: requests admitted together
-into adjacent slots with prompts of one length (up to the longest prompt's tokens in all); with ``keys``, adjacent
-requests of one key form a group instead (``Batching(share_prompts=True)`` keys identical prompts, whose prefill then
-runs once for the whole group).
+same pass), up to ``pass_tokens`` rows x columns; with BM's ``chunk`` (wide passes) several consecutive blocks of each
+of those rows, one sub-pass per block (``Step.subs``). The baselines prefill a group per pass: requests admitted
+together into adjacent slots with prompts of one length (up to the longest prompt's tokens in all); with ``keys``,
+adjacent requests of one key form a group instead (``Batching(share_prompts=True)`` keys identical prompts, whose
+prefill then runs once for the whole group).
 FKV's paged pool (``dense.PagedPool``) adds a second condition to admission: the request at the head of the queue
 enters a free slot only when the pool's free blocks cover its prompt and generation (``need``), which it holds until
 it ends; no request is passed over, none is preempted. Snap prefilled in chunks holds its prompt's full pairs in blocks
