@@ -28,15 +28,19 @@ pytestmark = requires_deepspeed  # every test here runs tensor-parallel ranks
 
 QUESTION = dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2)
 # Every method, as the engine spells it and as the reference does (``reference_generate``'s arguments; the padded
-# batch's rows, kv_max 16, p 4): FKV paged, ED, BM under the paper's rule and ``question``, heads sharing a budget,
-# budgets across layers, snap. ``groups``: the heads of the 9/3 Llama sharing one budget, in one process and on
-# each of AutoTP's two ranks (2 + 1 heads: rank 1's head keeps its own).
+# batch's rows, kv_max 16, p 4): FKV paged, ED, BM under the paper's rule and ``question`` (and in wide passes), heads
+# sharing a budget, budgets across layers, snap. ``groups``: the heads of the 9/3 Llama sharing one budget, in one
+# process and on each of AutoTP's two ranks (2 + 1 heads: rank 1's head keeps its own).
 MATRIX = {
     "fkv-paged": (Method("fkv", block=8), dict(method_name="fkv")),
     "ed": (Method("ed", kv_max=2), dict(method_name="ed", kv_max=2)),
     "bm-paper": (Method("bm", kv_max=16, p=4), dict(method_name="bm", kv_max=16, p=4)),
     "bm-question": (
         Method("bm", kv_max=16, p=4, rule=rule_string("question", QUESTION)),
+        dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params=QUESTION),
+    ),
+    "bm-wide": (  # wide passes (two blocks and their probes a pass), each rank evicting its own heads per layer
+        Method("bm", kv_max=16, p=4, rule=rule_string("question", QUESTION), chunk=24),
         dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params=QUESTION),
     ),
     "share": (  # (kernel 5: no near tie in the reference on one process's three heads)
