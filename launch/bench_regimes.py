@@ -81,10 +81,12 @@ def _needles(length: int, path: Path, model: str | None) -> int:
     return max(s.prompt_tokens for s in samples)
 
 
-def _method_of(summary):
-    from batchmax_tp.core.method import Method
+def _method_of(summary, bm_chunk: int = 0):
+    """The run's method as its summary names it (``bm_chunk``: the cell's BM ran in wide passes of that many)."""
+    from batchmax_tp.core.method import Method, method_type
 
-    return Method(summary.method, kv_max=summary.kv_max, p=summary.p or 64, rule=summary.rule or "paper")
+    own = {"chunk": bm_chunk} if bm_chunk and method_type(summary.method).bounded_prefill else {}
+    return Method(summary.method, kv_max=summary.kv_max, p=summary.p or 64, rule=summary.rule or "paper", **own)
 
 
 def measure(out: Path, lengths: list[int], outputs: list[int], a: argparse.Namespace) -> list[dict]:
@@ -143,7 +145,7 @@ def measure(out: Path, lengths: list[int], outputs: list[int], a: argparse.Names
                         "answers": s.score if ok else None,
                     }
                     if ok:
-                        method = _method_of(s)
+                        method = _method_of(s, a.bm_chunk)
                         run["predicted_tokens_per_s"] = regimes.predict_cell(
                             shape, cards, method, longest, new, b, dtype=dtype, batch=s.batch_size
                         )["tokens_per_s"]
