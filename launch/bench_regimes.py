@@ -83,9 +83,9 @@ def _needles(length: int, path: Path, model: str | None) -> int:
 
 def _method_of(summary, bm_chunk: int = 0):
     """The run's method as its summary names it (``bm_chunk``: the cell's BM ran in wide passes of that many)."""
-    from batchmax_tp.core.method import Method, method_type
+    from batchmax_tp.core.method import Method, wide_parameters
 
-    own = {"chunk": bm_chunk} if bm_chunk and method_type(summary.method).bounded_prefill else {}
+    own = wide_parameters(summary.method, bm_chunk)
     return Method(summary.method, kv_max=summary.kv_max, p=summary.p or 64, rule=summary.rule or "paper", **own)
 
 

@@ -236,14 +236,13 @@ class BoundedPool(SlotPool):
         decode pass's fused product (``SlotPool``)."""
         if step.kind == "decode":
             return super().pass_workspace(step)
+        keys = self.layers[0].keys  # [S, Hs, T + 1, D]
         if step.subs:  # a wide pass: its blocks one at a time, their outputs held until joined, an eviction's
-            keys = self.layers[0].keys  # [S, Hs, T + 1, D]
             R, N = step.positions.shape
             outputs = 2 * R * N * self.layout.query_heads * keys.shape[-1] * keys.element_size()
             E, Hs, T = step.rows.numel(), keys.shape[1], self.share * self.capacity
             evicting = eviction_workspace_bytes(1, E, Hs, T, self.layers[0].bias.element_size(), self.share)
             return max(self.pass_workspace(sub) for sub in step.subs) + outputs + evicting
-        keys = self.layers[0].keys  # [S, Hs, T + 1, D]
         Hs, D, e, G, Hq = keys.shape[1], keys.shape[-1], keys.element_size(), self.share, self.layout.query_heads
         (R, n), hi = step.qpos.shape, step.hi * G  # a probe pass: n is the rule's window
         if step.kind == "probe":

@@ -589,6 +589,12 @@ def method_type(name: str) -> type[Method]:
     return METHODS[name]
 
 
+def wide_parameters(name: str, bm_chunk: int) -> dict[str, int]:
+    """The own parameters that give the method called ``name`` BM's wide passes of ``bm_chunk`` columns (the main job's
+    ``bm_chunk``): its ``chunk`` where it bounds its prefill (BM); none for the others, or with ``bm_chunk`` 0."""
+    return {"chunk": bm_chunk} if bm_chunk and method_type(name).bounded_prefill else {}
+
+
 def make_method(spec: str, **common) -> Method:
     """A method from ``name`` or ``name:key=value,...`` (its own parameters, e.g. ``snap:window=16,kernel=5``)
     and the ``common`` fields (kv_max, p, rule); ValueError in one line for an unknown key or a value that is not

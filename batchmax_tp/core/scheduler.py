@@ -191,45 +191,43 @@ class Scheduler:
 
     def _batched_prefill(self, runs: list[SlotRun], admitted) -> Step:
         """The next prefill pass of many groups, each at its own phase (a prefill chunk), in admission order, while
-        the pass's rows x columns fit ``pass_tokens`` (at least one group). Each row feeds as many columns as the
-        pass's longest chunk. A chunk that a look-ahead probe follows takes its probe along (``SlotWork.probe``):
-        every row of the pass then feeds the rule's window more columns."""
+        the pass's rows x columns fit ``pass_tokens`` (at least one group; ``_pass_groups``). Each row feeds as many
+        columns as the pass's longest chunk. A chunk that a look-ahead probe follows takes its probe along
+        (``SlotWork.probe``): every row of the pass then feeds the rule's window more columns. BM's ``chunk``: a wide
+        pass of those groups (``_wide_prefill``)."""
+        chosen, others = self._pass_groups(runs)
         if self.method.wide:
-            return self._wide_prefill(runs, admitted)
-        work, width, probing, seen = [], 0, False, set()
-        window = self.method.lookahead
-        for run in runs:
-            if run.group.start in seen:
-                continue
-            seen.add(run.group.start)
-            probe = run.probe_after(run.cursor)
-            size = max(width, run.phase.size)
-            if work and len(seen) * (size + (window if probing or probe else 0)) > self.pass_tokens:
-                break
-            width, probing = size, probing or probe is not None
-            work.extend(SlotWork(s, run.phase, probe) for s in run.group)
-        if len(seen) == 1:  # a lone group: its first block in as few passes as fit
-            work = self._first_block(self.running[work[0].row], window)
+            return self._wide_prefill(chosen, admitted)
+        if not others:  # a lone group: its first block in as few passes as fit
+            work = self._first_block(chosen[0], self.method.lookahead)
+        else:
+            work = [SlotWork(s, run.phase, run.probe_after(run.cursor)) for run in chosen for s in run.group]
         return Step("prefill", tuple(work), admitted)
 
-    def _wide_prefill(self, runs: list[SlotRun], admitted) -> Step:
-        """A wide pass (BM with ``chunk``): the prefilling groups in admission order while the next block of each
-        (and the probes some take) fits ``pass_tokens``, then as many consecutive blocks of all of them as fit in all
-        (at least one), each block of the rows one sub-pass (``Step.subs``), stopping before any row's prefill ends or
-        its next phase is not a prefill block. ``work``: each row's blocks as one phase, ``phases`` the phases they
-        consume (probes included), for ``complete`` and the engine."""
-        window = self.method.lookahead
+    def _pass_groups(self, runs: list[SlotRun]) -> tuple[list[SlotRun], bool]:
+        """The prefilling groups (each group's first run) a pass takes, in admission order, while their next chunks
+        (and the probes some take: the rule's window more columns for every row) fit ``pass_tokens``, at least one;
+        and whether any other group is prefilling."""
         chosen, seen, width, probing = [], set(), 0, False
+        window = self.method.lookahead
         for run in runs:
             if run.group.start in seen:
                 continue
+            seen.add(run.group.start)
             probe = run.probe_after(run.cursor) is not None
             size = max(width, run.phase.size)
-            if chosen and (len(chosen) + 1) * (size + (window if probing or probe else 0)) > self.pass_tokens:
+            if chosen and len(seen) * (size + (window if probing or probe else 0)) > self.pass_tokens:
                 break
-            seen.add(run.group.start)
-            chosen.append(run)
             width, probing = size, probing or probe
+            chosen.append(run)
+        return chosen, len(seen) > 1
+
+    def _wide_prefill(self, chosen: list[SlotRun], admitted) -> Step:
+        """A wide pass (BM with ``chunk``) of the groups ``chosen`` (``_pass_groups``): as many consecutive blocks of
+        all of them as fit ``pass_tokens`` in all (at least one), each block of the rows one sub-pass (``Step.subs``),
+        stopping before any row's prefill ends or its next phase is not a prefill block. ``work``: each row's blocks
+        as one phase, ``phases`` the phases they consume (probes included), for ``complete`` and the engine."""
+        window = self.method.lookahead
         cursors, subs, used = [run.cursor for run in chosen], [], 0
         while all(c < len(run.phases) and run.phases[c].kind == "prefill" for run, c in zip(chosen, cursors)):
             units = [(run.phases[c], run.probe_after(c)) for run, c in zip(chosen, cursors)]

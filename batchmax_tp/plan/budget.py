@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from ..core.method import Method, is_full_cache, method_type, min_kv_max
+from ..core.method import Method, is_full_cache, min_kv_max, wide_parameters
 from .planner import (
     MemoryEstimate,
     ModelShape,
@@ -343,11 +343,10 @@ def story_methods(kv_max: Callable[[str], int | None], p: int, rule: str = "pape
     """The main job's lineup (:data:`STORY_LINEUP`), each method with ``kv_max(name)`` and ``p``; the best rule is
     ``rule``, or :data:`STORY_BEST_RULE` when ``rule`` is the paper's; ``bm_chunk``: BM's wide passes (``chunk``)."""
     best = rule if rule != "paper" else STORY_BEST_RULE
-
-    def own(name: str) -> dict:
-        return {"chunk": bm_chunk} if bm_chunk and method_type(name).bounded_prefill else {}
-
-    return [Method(name, kv_max=kv_max(name), p=p, rule=r or best, **own(name)) for name, r in STORY_LINEUP]
+    return [
+        Method(name, kv_max=kv_max(name), p=p, rule=own or best, **wide_parameters(name, bm_chunk))
+        for name, own in STORY_LINEUP
+    ]
 
 
 def paper_setting_specs(
