@@ -54,7 +54,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--methods", default=None, help="--measure: the main job's methods (default: all five)")
     ap.add_argument("--kv-share", type=float, default=None, help="bounded methods' kv_max as a share of the length")
     ap.add_argument("--max-prompts", type=int, default=None, help="--measure: the prompts each cell fills up to")
-    ap.add_argument("--bm-chunk", type=int, default=0, help="--measure: BM's wide passes (columns a pass; 0: none)")
+    ap.add_argument("--bm-chunk", type=int, default=0, help="BM's wide passes (columns a pass; 0: none), measured and predicted")
     ap.add_argument("--answers", nargs="*", default=[], help="bench_ruler table.json files: the predicted answers")
     a = ap.parse_args(argv)
     unknown = sorted(set(a.budgets.split(",")) - set(regimes.BUDGETS))
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         result["answers"] = {f"{label} @ {n}": share for (label, n), share in sorted(answers.items())}
     for setting in regimes.SETTINGS:
         # answers: each method's least share of FKV's measured at that prompt length (FKV's own: 1)
-        cells = regimes.predict_map(setting, lengths, outputs, answers, kv_share=a.kv_share)
+        cells = regimes.predict_map(setting, lengths, outputs, answers, kv_share=a.kv_share, bm_chunk=a.bm_chunk)
         result[setting] = cells
         slug = setting.split(" on ")[0]
         regimes.plot_map(

@@ -8,8 +8,9 @@ configurations side by side, each scored as a share of FKV's.
         --configs fkv bm:1024:question bm:2048:question snap:1024
 
 Lengths: 2k and 4k (every task, ``configs/lm_eval/ruler``), and 8k, 16k and 32k for a model with a 32k context (the
-needle tasks that ask one key and ``vt``; 4 documents per task and half at 8k and 16k, 2 at 32k), built on first use
-into ``--long-suite`` (default ``$BATCHMAX_CACHE/ruler-long``; deterministic, ~1 minute) by the suite's builder.
+needle tasks that ask one key and ``vt``; per task 8 to tune on and 16 held out at 8k and 16k, 2 and 2 at 32k),
+built on first use into ``--long-suite`` (default ``$BATCHMAX_CACHE/ruler-long``; deterministic, a few minutes) by
+the suite's builder.
 Before each half runs, its predicted time is logged (each configuration's FLOPs per document, ``bench.regimes``,
 at a share of a matrix product's FLOP/s measured on the device), and after each configuration the time left,
 scaled by what the ones run so far took. Resumable per document: every configuration answers through lm-eval's
@@ -342,7 +343,7 @@ def long_suite(folder: Path, lengths: list[str]) -> Path:
         for t in BUILD.tasks_at(n)
         if not (folder / "data" / f"{t}_{n}_{h}.jsonl").is_file()
         or len((folder / "data" / f"{t}_{n}_{h}.jsonl").read_text(encoding="utf-8").splitlines())
-        < BUILD.documents_at(n, BUILD.DEFAULT_PER_HALF)
+        < BUILD.documents_at(n, h)
     ]
     if missing:
         log(f"building the suite at {', '.join(long)} into {folder} (once; deterministic) ...")

@@ -51,8 +51,11 @@ reference has no defaults of its own):
   probe; the probe's queries and keys of the last probed block are kept, and a prefill eviction after a block
   without a probe first recomputes every kept entry's ``probe`` from them as above, over the entries kept then.
 * "snapkv" (window, every, weight, kernel, pool): the probe's score, then pooled as in "pooled".
-* "question" (window, every, kernel, pool, sinks, recent): the probe as in "probe"; prefill evictions use ``probe``
-  alone, decode evictions ``ave``, either pooled as in "pooled", and then +inf for the entries "sinks" protects.
+* "question" (window, every, kernel, pool, sinks, recent; ``decode`` optional): the probe as in "probe"; prefill
+  evictions use ``probe`` alone, decode evictions ``ave``, either pooled as in "pooled", and then +inf for the entries
+  "sinks" protects. ``decode="probe"``: a decode eviction first recomputes every kept entry's ``probe`` from the
+  last probe's stored queries and keys (as a prefill eviction after an unprobed block does) and ranks by it as a
+  prefill eviction does; a sample that never probed ranks by ``ave`` still.
 
 Heads sharing one budget (``groups``, BM; the rule parameter ``share``): a group of heads holds
 ``len(group) * kv_max`` entries together, counted per head as ``|kv|`` = the group's entries / its heads; an eviction
@@ -242,10 +245,11 @@ class _SampleState:
         params = params or {}
         for layer in range(self.n_layers) if layers is None else layers:
             ranked = {}  # head -> [(priority, position, head, entry)]
+            asked = rule == "question" and params.get("decode") == "probe" and self.probe_qk[layer] is not None
             for h in range(self.n_kv):
-                if prefill and not self.probed and self.probe_qk[layer] is not None:  # re-score: stored probe
+                if (prefill and not self.probed or asked) and self.probe_qk[layer] is not None:  # re-score: stored
                     self.probe_attention(layer, h)
-                ranked[h] = self.priorities(self.kv[layer][h], h, curr_id, rule, params, prefill)
+                ranked[h] = self.priorities(self.kv[layer][h], h, curr_id, rule, params, prefill or asked)
             for group in self.groups:
                 n = p * len(group)
                 order = sorted(item for h in group for item in ranked[h])
@@ -404,7 +408,8 @@ def reference_generate(
         "question": {"window", "every", "kernel", "pool", "sinks", "recent"},
     }
     rule_params = dict(rule_params or {})
-    assert rule in need and set(rule_params) == need[rule], (rule, rule_params)
+    optional = {"decode"} if rule == "question" else set()
+    assert rule in need and need[rule] <= set(rule_params) <= need[rule] | optional, (rule, rule_params)
     every = rule_params.get("every", 1)
     assert rule == "paper" or policy.blocks  # rules are BM's
     window = rule_params.get("window", 0)

@@ -91,6 +91,20 @@ def test_a_cells_kv_max_is_a_share_of_its_length_in_whole_blocks():
     assert small["runs"]["BM"]["batch"] > cell["runs"]["BM"]["batch"]
 
 
+def test_the_predicted_map_prices_bm_in_wide_passes_when_told():
+    """``bm_chunk``: both BM rows are BM in wide passes of that many columns (the planner's batch for that method,
+    whose pass holds that many columns of activations); the other methods are as without it."""
+    shape, cards = regimes.SETTINGS[LLAMA]
+    narrow, wide = (regimes.predict_map(LLAMA, lengths=[16384], outputs=[64], kv_share=0.125, bm_chunk=c)[0] for c in (0, 8192))
+    assert [m.chunk for m in regimes.methods(kv_max=2048, bm_chunk=8192) if m.name == "bm"] == [8192, 8192]
+    for label, rule in (("BM", "paper"), ("BM (question)", "question")):
+        method = Method("bm", kv_max=2048, rule=rule, chunk=8192)
+        want = regimes.max_slots(wide["budget_bytes"], shape, method, 16384, 64, tp=4, dtype="float16", limit=4096)
+        assert wide["runs"][label]["batch"] == want < narrow["runs"][label]["batch"]  # a wide pass's activations
+    for label in ("FKV", "ED", "snap"):
+        assert wide["runs"][label] == narrow["runs"][label]
+
+
 def test_a_run_at_its_own_batch_on_a_measured_device_is_its_flops_and_bytes_at_the_measured_rates():
     shape, _ = regimes.SETTINGS[LLAMA]
     cards = regimes.Cards("cpu", 1, 0, 100e9, 1e12, prefill_efficiency=1.0, decode_efficiency=1.0)

@@ -147,8 +147,9 @@ def test_prompts_fill_their_lengths_under_the_embedded_tokenizer(count):
 
 def test_the_long_documents_are_built_alike_twice_and_hold_their_answers(tmp_path, count):
     """8k, 16k and 32k: the needle tasks that ask one key and vt, in both halves, one document each here (the
-    default builds 4, 4 and 2: ``build.PER_HALF``); two builds write the same bytes, every answer is inside its
-    document, every prompt fills its length, and no key or value is in both halves."""
+    default builds 8 to tune on and 16 held out at 8k and 16k, 2 and 2 at 32k: ``build.PER_HALF``); two builds write
+    the same bytes, every answer is inside its document, every prompt fills its length, and no key or value is in both
+    halves."""
     a, b = tmp_path / "a", tmp_path / "b"
     heard = []
     build.build(a, count, per_half=1, lengths=build.LONG, progress=heard.append)
@@ -165,8 +166,29 @@ def test_the_long_documents_are_built_alike_twice_and_hold_their_answers(tmp_pat
             fills_its_length(task, length, d, count)
             seen[half] |= set(d["needles"])
     assert not seen["tune"] & seen["heldout"]
-    assert [build.documents_at(n, 4) for n in build.LONG] == [4, 4, 2]
+    assert [build.documents_at(n, "heldout") for n in build.LONG] == [16, 16, 2]
+    assert [build.documents_at(n, "tune") for n in build.LONG] == [8, 8, 2]
+    assert [build.documents_at(n, "heldout", 4) for n in build.LONG] == [4, 4, 2]  # a smaller suite: its first ones
+    assert build.documents_at("2k", "heldout") == build.DEFAULT_PER_HALF
     assert (a / "batchmax_ruler_tune_32k.yaml").is_file() and not (a / "batchmax_ruler_tune.yaml").exists()
+
+
+def test_the_larger_halves_last_documents_hold_their_answers_and_are_built_alike_twice(count):
+    """Issue 68's larger halves: the last held-out document (16th) and the last tuning one (8th) of each long task at
+    8k hold their answers and fill their length, each from its own stream (built twice: the same document), and the
+    held-out one shares no key or value with the tuning one."""
+    fx = build.load_fixture()
+    words = build.split_vocabulary(build.vocabulary(fx), build.DEFAULT_SEED)
+    for task in build.LONG_TASKS:
+        last = {h: build.documents_at("8k", h) - 1 for h in build.HALVES}
+        docs = {h: build.document(task, "8k", h, i, build.DEFAULT_SEED, fx, words[h], count) for h, i in last.items()}
+        for half, d in docs.items():
+            assert d["id"] == last[half] and d["half"] == half
+            holds_its_answers(task, "8k", d)
+            fills_its_length(task, "8k", d, count)
+        assert not set(docs["tune"]["needles"]) & set(docs["heldout"]["needles"])
+    again = build.document("vt", "8k", "heldout", 15, build.DEFAULT_SEED, fx, words["heldout"], count)
+    assert again == build.document("vt", "8k", "heldout", 15, build.DEFAULT_SEED, fx, words["heldout"], count)
 
 
 # -- scoring and lm-eval --------------------------------------------------------------------------------------------

@@ -43,6 +43,9 @@ CASES = [
     # the probe rides every 3rd (2nd) block; the evictions between re-score with its stored queries
     ("question", dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2)),
     ("probe", dict(window=3, every=2, weight=4.0)),
+    # decode evictions ranked by the question's stored queries too (issue 68), probing every block and every 3rd
+    ("question", dict(window=8, every=1, kernel=3, pool="max", sinks=1, recent=2, decode="probe")),
+    ("question", dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2, decode="probe")),
 ]
 
 
@@ -186,6 +189,28 @@ def test_rule_matches_reference(case):
         assert ref.kept_history[0] != paper.kept_history[0] or ref.kept != paper.kept
 
 
+def test_decode_probe_ranks_the_first_decode_eviction_by_the_question():
+    """``question:decode=probe`` keeps what the prefill kept until the first decode eviction, which then ranks by the
+    question's stored queries and so keeps other pairs than the average attention does (the option is not vacuous);
+    with no probe at all (a prompt within kv_max) the two are the same."""
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch(LENGTHS, seed=1)
+    base = dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2)
+    kv_max, p, n = 16, 4, 14
+    want = {d: reference_generate(model, ids, mask, "bm", kv_max, p, n, rule="question", rule_params={**base, "decode": d})
+            for d in ("attention", "probe")}
+    assert want["attention"].kept_history[0] == want["probe"].kept_history[0]  # the same prefill
+    assert want["attention"].kept_history[1] != want["probe"].kept_history[1]  # the first decode eviction differs
+    short = ids[:, -10:], mask[:, -10:].clone().fill_(1)
+    same = [
+        run_engine(model, *short, rule_string("question", {**base, "decode": d}), 32, p, 30).kept_positions()
+        for d in ("attention", "probe")
+    ]
+    assert same[0] == same[1]
+    with pytest.raises(ValueError, match="decode must be one of attention, probe"):
+        Method("bm", kv_max=96, p=32, rule="question:decode=window")
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -265,12 +290,12 @@ def test_memory_equals_paper_rule(rule):
     out = run_engine(model, ids, mask, rule, 16, 4, 10)
     assert out.peak_kv_bytes == paper.peak_kv_bytes
     # bookkeeping: a probe rule keeps one more float32 per slot (its look-ahead attention), the others nothing; one
-    # that probes every few blocks also each row's last probe queries [Hq, w, D] (scaled), their log-sum-exp over the
-    # probe's own keys [Hq, w] and the weights [w] (w: the rule's window).
+    # that probes every few blocks (or ranks decode evictions by its probe) also each row's last probe queries [Hq, w,
+    # D] (scaled), their log-sum-exp over the probe's own keys [Hq, w] and the weights [w] (w: the rule's window).
     r = get_rule(rule)
     c, B = model.config, ids.shape[0]
     extra = c.num_hidden_layers * B * c.num_key_value_heads * (16 + 1) * 4 if r.lookahead() else 0
-    if r.probe_every() > 1:
+    if r.probe_every() > 1 or r.probe_decodes():
         w = r.lookahead()
         extra += c.num_hidden_layers * B * w * (c.num_attention_heads * (c.head_dim * 4 + 4) + 4)
     assert out.peak_meta_bytes == paper.peak_meta_bytes + extra
@@ -415,6 +440,7 @@ def test_list_rules_prints_names_and_exits_0(capsys):
         "pool=max",
         "sinks=4",
         "recent=60",
+        "decode=attention",
     ]
 
 

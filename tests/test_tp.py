@@ -39,6 +39,10 @@ MATRIX = {
         Method("bm", kv_max=16, p=4, rule=rule_string("question", QUESTION)),
         dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params=QUESTION),
     ),
+    "bm-decode-probe": (  # decode evictions ranked by the stored question probe too (issue 68), rank-local
+        Method("bm", kv_max=16, p=4, rule=rule_string("question", {**QUESTION, "decode": "probe"})),
+        dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params={**QUESTION, "decode": "probe"}),
+    ),
     "bm-wide": (  # wide passes (two blocks and their probes a pass), each rank evicting its own heads per layer
         Method("bm", kv_max=16, p=4, rule=rule_string("question", QUESTION), chunk=24),
         dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params=QUESTION),

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..core.method import METHODS, Method, is_full_cache, method_type
+from ..core.method import METHODS, Method, is_full_cache, method_type, wide_parameters
 from ..plan.planner import DTYPE_BYTES, ModelShape, max_slots, predict_pool
 
 #: A method wins a cell only if its answers reach this share of FKV's.
@@ -142,13 +142,15 @@ SETTINGS: dict[str, tuple[ModelShape, Cards]] = {
 }
 
 
-def methods(p: int = 64, kv_max: int = 512) -> list[Method]:
-    """The main job's methods: FKV (by real length), ED (kv_max 2), BM paper and ``question``, snap (``kv_max``)."""
+def methods(p: int = 64, kv_max: int = 512, bm_chunk: int = 0) -> list[Method]:
+    """The main job's methods: FKV (by real length), ED (kv_max 2), BM paper and ``question``, snap (``kv_max``);
+    ``bm_chunk``: BM's wide passes (the main job's ``--bm-chunk``; 0: passes of one block)."""
+    wide = wide_parameters("bm", bm_chunk)
     return [
         Method("fkv", p=p),
         Method("ed", kv_max=2, p=p),
-        Method("bm", kv_max=kv_max, p=p),
-        Method("bm", kv_max=kv_max, p=p, rule="question"),
+        Method("bm", kv_max=kv_max, p=p, **wide),
+        Method("bm", kv_max=kv_max, p=p, rule="question", **wide),
         Method("snap", kv_max=kv_max, p=p),
     ]
 
@@ -277,10 +279,12 @@ def predict_map(
     answers: Mapping[tuple[str, int], float] | None = None,
     p: int = 64,
     kv_share: float | None = None,
+    bm_chunk: int = 0,
 ) -> list[dict]:
     """Every cell of ``SETTINGS[setting]``: each method's batch and predicted tokens/s (the bounded ones at
-    :func:`kv_max_at` the cell's length and ``kv_share``), the measured answers ({(label, length): share of FKV's})
-    at the measured prompt length nearest the cell's, and the winner."""
+    :func:`kv_max_at` the cell's length and ``kv_share``; BM in wide passes of ``bm_chunk`` columns, whose
+    activations the planner counts), the measured answers ({(label, length): share of FKV's}) at the measured prompt
+    length nearest the cell's, and the winner."""
     shape, cards = SETTINGS[setting]
     out = []
     for new in outputs:
@@ -290,7 +294,7 @@ def predict_map(
                 fits = b <= cards.memory
                 runs = {}
                 measured = nearest_length(answers or {}, length)
-                for m in methods(p, kv_max_at(length, kv_share, p)):
+                for m in methods(p, kv_max_at(length, kv_share, p), bm_chunk):
                     run = predict_cell(shape, cards, m, length, new, b) if fits else {"batch": 0, "tokens_per_s": None}
                     run["answers"] = (answers or {}).get((label(m), measured))
                     runs[label(m)] = run

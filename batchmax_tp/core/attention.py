@@ -403,7 +403,7 @@ def _rows_probe(
     other = None if other is None else other[..., :hi]
     to_slots, lse = probe.slot_probabilities(q, step.take(layer.keys[:, :, :hi]), slot_pos, own_lse, other)
     layer.probe[:, :, :hi].index_copy_(0, step.rows, probe.per_slot(to_slots, weights))  # [R, Hs, hi]
-    if step.method.probe_every > 1:
+    if step.method.stores_probe:
         layer.store_probe(step.rows, q, own_lse, weights)
     to_own = probe.probabilities(own.view(R, Hkv, g, w, w), lse.view(R, Hkv, g, w, 1), own_hidden)
     to_own = to_own.view(R, Hkv, g * w, w)  # [R, Hkv, g*w, w]

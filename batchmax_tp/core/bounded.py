@@ -328,6 +328,8 @@ class BoundedPool(SlotPool):
         probe = None
         if prefill and self.method.lookahead:
             probe = "fresh" if st.probed or self.method.probe_every == 1 else "rescore"
+        elif self.method.probe_decodes and st.asked:  # ``decode=probe``: the question's stored queries rank it
+            probe = "rescore"
         count = C - st.filled + evict
         st.filled -= evict
         st.ptr, st.contiguous, st.high = 0, False, C
@@ -375,6 +377,7 @@ class BoundedPool(SlotPool):
             write.append([self.capacity] * (n - real) + list(range(st.ptr, st.ptr + real)))
             st.ptr, st.filled, st.seen = st.ptr + real, st.filled + ph.size, ph.end
             st.probed = w.probe is not None  # its next eviction ranks with this probe
+            st.asked |= st.probed
             if st.contiguous:
                 st.high = max(st.high, st.ptr)
         R, hi = len(rows), max(1, *(after[r].high for r in rows))  # at least one slot: a pass of pads alone
@@ -469,7 +472,7 @@ class BoundedPool(SlotPool):
         (``RowsPass.written``), so that inside the model call a layer only copies its pairs. The first pass that
         probes, under a rule probing every few blocks, allocates the stored probes first."""
         probing = any(sub.probe is not None for sub in (*step.subs, step))
-        if probing and self.method.probe_every > 1 and self.layers[0].probe_q is None:
+        if probing and self.method.stores_probe and self.layers[0].probe_q is None:
             self._allocate_probe_store()
         model_step = super().ready(step)
         if step.kind != "decode":

@@ -120,6 +120,17 @@ class Method:
         return self.scorer.probe_every() if self.lookahead else 1
 
     @property
+    def probe_decodes(self) -> bool:
+        """Whether decode evictions rank by the stored probe re-scored over the slots held (``Rule.probe_decodes``)."""
+        return bool(self.lookahead) and self.scorer.probe_decodes()
+
+    @property
+    def stores_probe(self) -> bool:
+        """Whether each row keeps its last probe's queries (``core.probe``): to re-score the slots at evictions after
+        a block without a probe (``probe_every`` > 1) or at decode evictions (``probe_decodes``)."""
+        return bool(self.lookahead) and (self.probe_every > 1 or self.probe_decodes)
+
+    @property
     def paged(self) -> bool:
         """Whether the method's K/V lives in blocks shared by the rows (FKV by real length, ``dense.PagedPool``)."""
         return False

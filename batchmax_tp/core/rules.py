@@ -45,7 +45,9 @@ Rules (``rule_names()``):
   so a fact's whole span stays; decode evictions (no probe) rank by the pooled average attention. The sample's
   first ``sinks`` real tokens and the ``recent`` newest positions are never evicted (as in ``sinks``). The
   defaults (window 32, kernel 15, sinks 4, recent 60, and the probe on every 4th block: ``every`` 4) are the ones
-  measured in the README's retention section.
+  measured in the README's retention section. ``decode=probe`` (default ``attention``): decode evictions rank by the
+  last probe's stored queries too, re-scored over the slots held then, pooled and protected as at prefill (issue 68:
+  a prefill-wide average attention ranks the facts the question chose lowest, docs/retention.md).
 
 Every rule takes ``share`` (default 1, the paper's per-head budget): with ``share=G`` (0: all of a layer's KV heads
 on a rank) each group of G heads of a layer holds one budget of ``G x kv_max`` pairs per sample in storage sized to
@@ -84,6 +86,7 @@ __all__ = [
     "protect",
 ]
 
+DECODE_RANKS = ("attention", "probe")  #: what ``question``'s decode evictions rank by
 POOLS = ("max", "avg")
 #: Larger than any position (slot positions are int64): what an empty slot holds when the smallest is wanted.
 _NO_POSITION = 2**62
@@ -183,6 +186,8 @@ def _check(rule: str, name: str, value: object) -> None:
             raise ValueError(f"rule {rule!r}: {name} must be <= {_HIGHEST[name]}, got {value}")
     elif name == "pool" and value not in POOLS:
         raise ValueError(f"rule {rule!r}: pool must be one of {', '.join(POOLS)}, got {value!r}")
+    elif name == "decode" and value not in DECODE_RANKS:
+        raise ValueError(f"rule {rule!r}: decode must be one of {', '.join(DECODE_RANKS)}, got {value!r}")
     elif name == "weight" and (
         isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf")
     ):
@@ -241,6 +246,11 @@ class Rule:
         """A probe pass follows every ``every``-th prefill block (1: each one); the prefill evictions between re-score
         the slots with the last probed pass's stored queries (``core.probe``)."""
         return getattr(self, "every", 1)
+
+    def probe_decodes(self) -> bool:
+        """Whether decode evictions rank as the prefill's do, by the stored probe re-scored over the slots held (the
+        rule's ``decode`` is ``probe``), rather than by the rule's decode ranking."""
+        return getattr(self, "decode", "attention") == "probe"
 
     def protected(self) -> int:
         """Most pairs per (sample, head) the rule never evicts, its ``sinks + recent`` (``Method`` checks it against
@@ -335,7 +345,9 @@ class SnapKVRule(Rule):
 class QuestionRule(Rule):
     """SnapKV's own ranking: the pooled look-ahead attention alone at prefill evictions (the paper's average
     attention, pooled, at decode evictions), with the first ``sinks`` and the ``recent`` newest positions kept; the
-    probe runs after every ``every``-th prefill block (the evictions between re-score with its stored queries)."""
+    probe runs after every ``every``-th prefill block (the evictions between re-score with its stored queries).
+    ``decode=probe``: decode evictions rank as prefill evictions do, by the last probe's queries (the question)
+    re-scored over the slots held then (a row whose prefill never probed: by the pooled average attention)."""
 
     name: ClassVar[str] = "question"
     cheaper: ClassVar[tuple[str, ...]] = ("every=8", "window=16")  # docs/retention.md: ~0.95x the time at 2k
@@ -345,6 +357,7 @@ class QuestionRule(Rule):
     pool: str = "max"
     sinks: int = 4
     recent: int = 60
+    decode: str = "attention"
 
     def score(self, attn, pos, curr_id, probe=None, head=None):
         x = average_attention(attn, pos, curr_id) if probe is None else probe.masked_fill(pos < 0, float("-inf"))

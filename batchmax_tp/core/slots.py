@@ -58,7 +58,8 @@ def kv_layout(model: torch.nn.Module) -> KVLayout:
 class RowState:
     """One slot's host state: pairs held (``filled``), next position (``seen``), write pointer into its free list
     (``ptr``), slots ever written (``high``), whether its free list is still the identity (``contiguous``), whether
-    its last pass carried its look-ahead probe (``probed``: its next prefill eviction ranks with it); the dense
+    its last pass carried its look-ahead probe (``probed``: its next prefill eviction ranks with it), whether some
+    pass of its request did (``asked``: its stored probe, where the rule keeps one, is this request's); the dense
     pools' ``length`` (slots [0, length) held); whether its decode passes have begun (``decoding``). A padded row's
     ``filled`` counts its pads (Algorithm 1 on the padded batch)."""
 
@@ -68,6 +69,7 @@ class RowState:
     high: int = 0
     contiguous: bool = True
     probed: bool = False
+    asked: bool = False
     length: int = 0
     offset: int = 0  # a padded row's left pads: its positions are the padded batch's, its RoPE positions offset less
     decoding: bool = False  # its decode passes have begun (the HF drop-in reads it: HF's generate states no schedule)

@@ -299,7 +299,7 @@ def pool_bookkeeping_bytes(
 ) -> int:
     """The bookkeeping a BM pool holds (what ``ServeOutput.peak_meta_bytes`` measures): every row's position,
     attention sum, additive mask and free list; for a rule with a probe, every row's probe values and, for a rule
-    probing every few blocks, every row's stored probe queries (from the first probe pass on, so only when a prompt
+    that re-scores (probing every few blocks, or ranking decode evictions by its probe), every row's stored probe queries (from the first probe pass on, so only when a prompt
     of ``prompt_len`` tokens probes at all); 0 for FKV/ED."""
     q_heads, kv_heads = shape.local_heads(tp)
     nbytes = DTYPE_BYTES[dtype]
@@ -309,7 +309,7 @@ def pool_bookkeeping_bytes(
         return 0
     held = slots * shape.layers * (kv_heads // G) * (G * method.kv_max + 1) * per_slot
     probes = any(ph.kind == "probe" for ph in plan(method, prompt_len, 1))
-    if probes and method.probe_every > 1:
+    if probes and method.stores_probe:
         held += slots * shape.layers * probe_state_bytes(1, q_heads, method.lookahead, shape.head_dim, nbytes)
     return held
 

@@ -7,7 +7,8 @@
 Seven tasks, each at 2k and 4k tokens, each in a tuning half and a held-out half (this folder holds them). The long
 lengths, 8k, 16k and 32k (``LONG``: a model with a 32k context, Qwen2.5-Coder-0.5B), carry the tasks of
 ``LONG_TASKS``: the three needle tasks that ask one key (single, multi-key, multi-value) and ``vt``, which needs five
-facts chained; ``PER_HALF`` documents of each (4 at 8k and 16k, 2 at 32k). They are built on demand into another
+facts chained; ``PER_HALF`` documents of each (at 8k and 16k 8 in the tuning half and 16 held out, so that a
+held-out length's 64 documents give a share's 95% interval about +-0.08; 2 and 2 at 32k). They are built on demand into another
 folder (``launch/bench_ruler.py`` builds them into the model cache; ~5 MB of text, not kept in the repository):
 
 - ``niah_single``: one needle "One of the special magic numbers for {key} is: {value}." (a 7-digit value, a key
@@ -95,8 +96,9 @@ NIAH = {
 LONG_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt")
 SLACK = 0.02  # a prompt fills its budget to within this share
 DEFAULT_PER_HALF, DEFAULT_SEED = 4, 0
-#: Documents per (task, half) at each long length (``--per-half`` sets the short lengths').
-PER_HALF = {"8k": 4, "16k": 4, "32k": 2}
+#: Documents per (task, half) at each long length (``--per-half`` sets the short lengths' and caps these). Issue 68:
+#: 16 per task held out at 8k and 16k (64 a length), 8 per task to tune on; the first 4 are those built before.
+PER_HALF = {"8k": {"tune": 8, "heldout": 16}, "16k": {"tune": 8, "heldout": 16}, "32k": {"tune": 2, "heldout": 2}}
 VALUE_FIRST = {"tune": "1234", "heldout": "56789"}  # first digit of a value
 UPPER_FIRST = {"tune": string.ascii_uppercase[:13], "heldout": string.ascii_uppercase[13:]}  # variable names
 LOWER_FIRST = {"tune": string.ascii_lowercase[:13], "heldout": string.ascii_lowercase[13:]}  # coded words
@@ -337,10 +339,13 @@ def tasks_at(length: str) -> tuple[str, ...]:
     return tuple(TASKS) if length in SHORT else LONG_TASKS
 
 
-def documents_at(length: str, per_half: int) -> int:
-    """Documents per (task, half) at ``length``: ``per_half`` at 2k and 4k, ``PER_HALF`` beyond (at most
-    ``per_half`` when that is smaller, so a smaller suite stays the first documents of a larger one)."""
-    return per_half if length in SHORT else min(PER_HALF[length], per_half)
+def documents_at(length: str, half: str, per_half: int | None = None) -> int:
+    """Documents per task of ``half`` at ``length``: ``per_half`` (default ``DEFAULT_PER_HALF``) at 2k and 4k,
+    ``PER_HALF`` beyond (at most ``per_half`` when given and smaller, so a smaller suite stays the first documents of
+    a larger one)."""
+    if length in SHORT:
+        return DEFAULT_PER_HALF if per_half is None else per_half
+    return PER_HALF[length][half] if per_half is None else min(PER_HALF[length][half], per_half)
 
 
 def task_name(task: str, length: str, half: str) -> str:
@@ -380,7 +385,7 @@ def build(
     count: Callable[[str], int],
     *,
     seed: int = DEFAULT_SEED,
-    per_half: int = DEFAULT_PER_HALF,
+    per_half: int | None = None,
     lengths: tuple[str, ...] = SHORT,
     progress: Callable[[str], None] = lambda text: None,
 ):
@@ -396,7 +401,7 @@ def build(
     files = []
     for half in HALVES:
         for length in lengths:
-            n = documents_at(length, per_half)
+            n = documents_at(length, half, per_half)
             for task in tasks_at(length):
                 docs = [document(task, length, half, i, seed, fx, words[half], count) for i in range(n)]
                 path = out / "data" / f"{task}_{length}_{half}.jsonl"
@@ -434,15 +439,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--per-half",
         type=int,
-        default=DEFAULT_PER_HALF,
-        help=f"documents per (task, length, half) (default {DEFAULT_PER_HALF})",
+        default=None,
+        help=f"documents per (task, length, half) (default {DEFAULT_PER_HALF} at 2k and 4k, PER_HALF beyond)",
     )
     ap.add_argument("--out", type=Path, default=HERE, help="task folder to write (default: this folder)")
     ap.add_argument(
         "--lengths", default=",".join(SHORT), help=f"comma list of {', '.join(LENGTHS)} (default {','.join(SHORT)})"
     )
     args = ap.parse_args(argv)
-    if args.per_half < 1:
+    if args.per_half is not None and args.per_half < 1:
         ap.error("--per-half must be >= 1")
     lengths = tuple(n.strip() for n in args.lengths.split(",") if n.strip())
     bad = [n for n in lengths if n not in LENGTHS] or ([] if lengths else ["(none)"])
