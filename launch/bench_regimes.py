@@ -54,7 +54,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--methods", default=None, help="--measure: the main job's methods (default: all five)")
     ap.add_argument("--kv-share", type=float, default=None, help="bounded methods' kv_max as a share of the length")
     ap.add_argument("--max-prompts", type=int, default=None, help="--measure: the prompts each cell fills up to")
-    ap.add_argument("--bm-chunk", type=int, default=0, help="BM's wide passes (columns a pass; 0: none), measured and predicted")
+    ap.add_argument(
+        "--bm-chunk", type=int, default=0, help="BM's wide passes (columns a pass; 0: none), measured and predicted"
+    )
     ap.add_argument("--answers", nargs="*", default=[], help="bench_ruler table.json files: the predicted answers")
     a = ap.parse_args(argv)
     unknown = sorted(set(a.budgets.split(",")) - set(regimes.BUDGETS))

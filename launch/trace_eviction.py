@@ -5,10 +5,10 @@ and, per fact the answer needs, the share of its pairs held when the prefill end
         --docs ~/.cache/batchmax_tp/ruler-long/data/vt_16k_tune.jsonl:0,1 --methods bm:2048:question snap:2048
 
 ``--docs FILE:I,J,...`` (repeatable): documents of a data file of the suite (``configs/lm_eval/ruler/build.py``; the
-8k-32k files are built by ``launch/bench_ruler.py`` into ``$BATCHMAX_CACHE/ruler-long``). ``--methods``: ``fkv``, ``NAME:KV_MAX``
-or ``bm:KV_MAX:RULE`` (a rule with its settings, ``bm:2048:question:every=1``). Each document is served alone under
-each method, one after another in one process; the Markdown goes to stdout as each document ends, everything to
-``--out`` (JSON, rewritten after each document).
+8k-32k files are built by ``launch/bench_ruler.py`` into ``$BATCHMAX_CACHE/ruler-long``). ``--methods``: ``fkv``,
+``NAME:KV_MAX`` or ``bm:KV_MAX:RULE`` (a rule with its settings, ``bm:2048:question:every=1``). Each document is
+served alone under each method, one after another in one process; the Markdown goes to stdout as each document ends,
+everything to ``--out`` (JSON, rewritten after each document).
 """
 
 from __future__ import annotations

@@ -95,7 +95,9 @@ def test_the_predicted_map_prices_bm_in_wide_passes_when_told():
     """``bm_chunk``: both BM rows are BM in wide passes of that many columns (the planner's batch for that method,
     whose pass holds that many columns of activations); the other methods are as without it."""
     shape, cards = regimes.SETTINGS[LLAMA]
-    narrow, wide = (regimes.predict_map(LLAMA, lengths=[16384], outputs=[64], kv_share=0.125, bm_chunk=c)[0] for c in (0, 8192))
+    narrow, wide = (
+        regimes.predict_map(LLAMA, lengths=[16384], outputs=[64], kv_share=0.125, bm_chunk=c)[0] for c in (0, 8192)
+    )
     assert [m.chunk for m in regimes.methods(kv_max=2048, bm_chunk=8192) if m.name == "bm"] == [8192, 8192]
     for label, rule in (("BM", "paper"), ("BM (question)", "question")):
         method = Method("bm", kv_max=2048, rule=rule, chunk=8192)

@@ -197,8 +197,10 @@ def test_decode_probe_ranks_the_first_decode_eviction_by_the_question():
     ids, mask = left_padded_batch(LENGTHS, seed=1)
     base = dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2)
     kv_max, p, n = 16, 4, 14
-    want = {d: reference_generate(model, ids, mask, "bm", kv_max, p, n, rule="question", rule_params={**base, "decode": d})
-            for d in ("attention", "probe")}
+    want = {
+        d: reference_generate(model, ids, mask, "bm", kv_max, p, n, rule="question", rule_params={**base, "decode": d})
+        for d in ("attention", "probe")
+    }
     assert want["attention"].kept_history[0] == want["probe"].kept_history[0]  # the same prefill
     assert want["attention"].kept_history[1] != want["probe"].kept_history[1]  # the first decode eviction differs
     short = ids[:, -10:], mask[:, -10:].clone().fill_(1)

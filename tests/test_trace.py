@@ -42,9 +42,11 @@ def test_the_trace_rebuilds_the_prefills_held_pairs_and_logs_each_eviction_once(
     method, ids = METHODS[key], prompt()
     watched = list(range(0, N, 7))
     t = trace.trace_request(model, method, ids, NEW, watched)
-    run = lambda new: Engine(model, method, 1).run(  # noqa: E731
-        [Request(ids, new)], Sampling(ignore_eos=True), record=Record(positions=True)
-    ).outputs[0]
+
+    def run(new):
+        record = Record(positions=True)
+        return Engine(model, method, 1).run([Request(ids, new)], Sampling(ignore_eos=True), record=record).outputs[0]
+
     whole, one = run(NEW), run(1)
     assert t.tokens == whole.tokens and t.kept == whole.kept_positions
     assert t.prefill_kept == one.kept_positions  # rebuilt from the log: decode evictions put back, its writes taken
@@ -63,7 +65,7 @@ def test_the_trace_rebuilds_the_prefills_held_pairs_and_logs_each_eviction_once(
     assert any(e[6] for e in events) and any(not e[6] for e in events)
     went = [(e[0], e[1], e[3]) for e in events if e[6]]
     assert len(went) == len(set(went))
-    for layer, head, curr, pos, priority, rank, evicted, bar in events:
+    for layer, head, _curr, pos, priority, rank, evicted, bar in events:
         assert (priority <= bar) if evicted else (priority >= bar)
         assert 0 <= rank < 1
         assert not evicted or pos not in t.prefill_kept[layer][head]

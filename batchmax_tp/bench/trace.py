@@ -67,22 +67,24 @@ class EvictionLog:
         n, Hs, T = pos.shape
         live = pos >= 0
         gone = torch.zeros(n, Hs, T, dtype=torch.bool).scatter_(2, freed.long(), True) & live
-        kv = (torch.arange(Hs).view(1, Hs, 1) * share).expand(n, Hs, T) + (0 if head is None else head.cpu().long())  # [n, Hs, T]
+        kv = (torch.arange(Hs).view(1, Hs, 1) * share).expand(n, Hs, T) + (
+            0 if head is None else head.cpu().long()
+        )  # [n, Hs, T]
         bar = priority.masked_fill(~gone, float("-inf")).amax(-1, keepdim=True)  # [n, Hs, 1]
         below = priority.masked_fill(~live, float("inf"))
         order = below.argsort(dim=-1, stable=True).argsort(dim=-1).float()  # [n, Hs, T]: a live slot's place, lowest 0
         rank = order / live.sum(-1, keepdim=True).clamp(min=1)
-        for l, hs, t in gone.nonzero().tolist():
-            key = (first + l, int(kv[l, hs, t]))
+        for la, hs, t in gone.nonzero().tolist():
+            key = (first + la, int(kv[la, hs, t]))
             entries = self.evicted.setdefault(key, [])
             if not entries or entries[-1][0] != curr_id:
                 entries.append((curr_id, []))
-            entries[-1][1].append(int(pos[l, hs, t]))
+            entries[-1][1].append(int(pos[la, hs, t]))
         seen = torch.isin(pos, self.watched) & live
-        for l, hs, t in seen.nonzero().tolist():
+        for la, hs, t in seen.nonzero().tolist():
             self.events.append(
-                (first + l, int(kv[l, hs, t]), curr_id, int(pos[l, hs, t]), float(priority[l, hs, t]))
-                + (float(rank[l, hs, t]), bool(gone[l, hs, t]), float(bar[l, hs, 0]))
+                (first + la, int(kv[la, hs, t]), curr_id, int(pos[la, hs, t]), float(priority[la, hs, t]))
+                + (float(rank[la, hs, t]), bool(gone[la, hs, t]), float(bar[la, hs, 0]))
             )
 
 
@@ -132,7 +134,9 @@ def trace_request(
     log = EvictionLog(torch.tensor(sorted(set(watched)), dtype=torch.long))
     engine = Engine(model, method, 1, compile="none")
     with watching(log):
-        out = engine.run([Request(list(input_ids), max_new_tokens)], Sampling(ignore_eos=True), record=Record(positions=True))
+        out = engine.run(
+            [Request(list(input_ids), max_new_tokens)], Sampling(ignore_eos=True), record=Record(positions=True)
+        )
     request = out.outputs[0]
     n = len(input_ids)
     prefill = []
@@ -219,25 +223,37 @@ def trace_document(model, tokenizer, doc: dict, methods: Sequence[Method]) -> di
             "held_pairs": sum(len(h) for layer in trace.prefill_kept for h in layer),
         }
     for a, ta in traces.items():
-        out["methods"][a]["overlap"] = {b: overlap(ta.prefill_kept, tb.prefill_kept) for b, tb in traces.items() if b != a}
+        out["methods"][a]["overlap"] = {
+            b: overlap(ta.prefill_kept, tb.prefill_kept) for b, tb in traces.items() if b != a
+        }
     return out
 
 
 def format_document(result: dict) -> str:
     """:func:`trace_document`'s result as Markdown: per method its score and answer, then per fact the share of its
     (layer, KV head, token) triples held when the prefill ended, and where a method let it go, when and how."""
-    lines = [f"### {result['task']} #{result['id']} ({result['prompt_tokens']:,} tokens; expected {result['expected']})", ""]
+    lines = [
+        f"### {result['task']} #{result['id']} ({result['prompt_tokens']:,} tokens; expected {result['expected']})",
+        "",
+    ]
     for label, m in result["methods"].items():
         over = ", ".join(f"{v:.2f} of {k}'s" for k, v in m.get("overlap", {}).items())
-        lines.append(f"- **{label}**: score {m['score']:.2f}, answer {m['answer'][:80]!r}" + (f"; holds {over}" if over else ""))
-    lines += ["", "| fact | tokens | " + " | ".join(result["methods"]) + " |", "|---|---:|" + "---:|" * len(result["methods"])]
+        lines.append(
+            f"- **{label}**: score {m['score']:.2f}, answer {m['answer'][:80]!r}" + (f"; holds {over}" if over else "")
+        )
+    lines += [
+        "",
+        "| fact | tokens | " + " | ".join(result["methods"]) + " |",
+        "|---|---:|" + "---:|" * len(result["methods"]),
+    ]
     for i, fact in enumerate(result["facts"]):
         cells = []
         for m in result["methods"].values():
             f = m["facts"][i]
             cell = f"{f['held']:.2f}"
             if f["evicted"]:
-                cell += f" (lost {f['evicted']}: {f['after_tokens']} tokens after, rank {f['rank']:.2f}, bar gap {f['bar_gap']:.2g})"
+                cell += f" (lost {f['evicted']}: {f['after_tokens']} tokens after, rank {f['rank']:.2f}"
+                cell += f", bar gap {f['bar_gap']:.2g})"
             if f["decode_evicted"]:
                 cell += f"; decode took {f['decode_evicted']}, {f['held_at_end']:.2f} at the end"
             cells.append(cell)

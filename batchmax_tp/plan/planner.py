@@ -299,8 +299,9 @@ def pool_bookkeeping_bytes(
 ) -> int:
     """The bookkeeping a BM pool holds (what ``ServeOutput.peak_meta_bytes`` measures): every row's position,
     attention sum, additive mask and free list; for a rule with a probe, every row's probe values and, for a rule
-    that re-scores (probing every few blocks, or ranking decode evictions by its probe), every row's stored probe queries (from the first probe pass on, so only when a prompt
-    of ``prompt_len`` tokens probes at all); 0 for FKV/ED."""
+    that re-scores (probing every few blocks, or ranking decode evictions by its probe), every row's stored probe
+    queries (from the first probe pass on, so only when a prompt of ``prompt_len`` tokens probes at all); 0 for
+    FKV/ED."""
     q_heads, kv_heads = shape.local_heads(tp)
     nbytes = DTYPE_BYTES[dtype]
     G = method.group(kv_heads)

@@ -8,8 +8,9 @@ Seven tasks, each at 2k and 4k tokens, each in a tuning half and a held-out half
 lengths, 8k, 16k and 32k (``LONG``: a model with a 32k context, Qwen2.5-Coder-0.5B), carry the tasks of
 ``LONG_TASKS``: the three needle tasks that ask one key (single, multi-key, multi-value) and ``vt``, which needs five
 facts chained; ``PER_HALF`` documents of each (at 8k and 16k 8 in the tuning half and 16 held out, so that a
-held-out length's 64 documents give a share's 95% interval about +-0.08; 2 and 2 at 32k). They are built on demand into another
-folder (``launch/bench_ruler.py`` builds them into the model cache; ~5 MB of text, not kept in the repository):
+held-out length's 64 documents give a share's 95% interval about +-0.08; 2 and 2 at 32k). They are built on demand
+into another folder (``launch/bench_ruler.py`` builds them into the model cache; ~13 MB of text, not kept in the
+repository):
 
 - ``niah_single``: one needle "One of the special magic numbers for {key} is: {value}." (a 7-digit value, a key
   of two words) hidden in filler; the question asks for the value;
