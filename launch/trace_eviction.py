@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_ruler import BUILD, _script  # noqa: E402  (the suite's builder and scorer, loaded by path)
 
 from batchmax_tp.bench.trace import format_document, trace_document  # noqa: E402
 from batchmax_tp.core.method import make_method  # noqa: E402
@@ -57,9 +60,10 @@ def main(argv=None) -> int:
     except (ValueError, OSError, IndexError) as err:
         ap.error(str(err))
     model, tokenizer = load_model(a.model, dtype=a.dtype)
-    results = []
+    score, results = _script("ruler_utils").string_match_all, []
     for doc in docs:
-        results.append(trace_document(model, tokenizer, doc, methods))
+        until = ["\n\n"] if doc["task"] in BUILD.STOP_AT_BLANK_LINE else []  # as the task's yaml stops it
+        results.append(trace_document(model, tokenizer, doc, methods, score, until))
         print(format_document(results[-1]), flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(a.out), json.dumps(results, indent=1))

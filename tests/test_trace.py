@@ -4,6 +4,7 @@ watched pair ranked at or under the eviction's bar and a kept one at or over it;
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from batchmax_tp.core.method import Method
 from batchmax_tp.core.requests import Record, Request, Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("ruler_utils", ROOT / "configs" / "lm_eval" / "ruler" / "ruler_utils.py")
+scoring = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scoring)  # the suite's own score
 P, KV, N, NEW = 16, 96, 250, 20
 METHODS = {
     "bm": Method("bm", KV, P),
@@ -93,7 +97,8 @@ def test_a_documents_facts_are_found_and_traced(tiny_dir):
         for s in spans:
             assert s["fact"] in tokenizer.decode([enc["input_ids"][p] for p in s["positions"]])
         doc["max_gen_toks"] = 4
-        result = trace.trace_document(model, tokenizer, doc, [Method("bm", 256, 64, rule="question")])
+        score = scoring.string_match_all
+        result = trace.trace_document(model, tokenizer, doc, [Method("bm", 256, 64, rule="question")], score)
         (m,) = result["methods"].values()
         assert 0 <= m["score"] <= 1 and len(m["facts"]) == facts
         triples = model.config.num_hidden_layers * model.config.num_key_value_heads

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +26,7 @@ from ..core import bounded
 from ..core.engine import Engine
 from ..core.method import Method
 from ..core.requests import Record, Request, Sampling
+from .peers import cut_at
 
 #: The facts of a RULER-style document, as its builder states them (``configs/lm_eval/ruler/build.py``): a needle
 #: ("... magic numbers for KEY is: VALUE.") or a link of the variable chain ("VAR X = VAR Y." / "VAR X = 12345.").
@@ -190,17 +191,19 @@ def fate(trace: Trace, positions: Sequence[int]) -> dict:
     return out
 
 
-def answer_score(text: str, expected: Sequence[str]) -> float:
-    """RULER's ``string_match_all`` (``configs/lm_eval/ruler/ruler_utils.py``): the share of ``expected`` found in
-    ``text``, case-insensitive."""
-    return sum(e.lower() in text.lower() for e in expected) / len(expected)
-
-
-def trace_document(model, tokenizer, doc: dict, methods: Sequence[Method]) -> dict:
-    """One RULER-style document (a line of the suite's data files) under each of ``methods``, alone: its answer and
-    score (the text cut at a blank line for the needle tasks, as their lm-eval task stops), each fact's fate
-    (:func:`fate`) and how much of each other method's held set each one's holds when the prefill ends
-    (:func:`overlap`). The prompt is encoded as the ``batchmax`` lm-eval model encodes it."""
+def trace_document(
+    model,
+    tokenizer,
+    doc: dict,
+    methods: Sequence[Method],
+    score: Callable[[str, list[str]], float],
+    until: Sequence[str] = (),
+) -> dict:
+    """One RULER-style document (a line of the suite's data files) under each of ``methods``, alone: its answer (cut
+    at the first of ``until``, as its lm-eval task stops: ``peers.cut_at``) and its ``score(answer, expected)`` (the
+    suite's own ``ruler_utils.string_match_all``), each fact's fate (:func:`fate`) and how much of each other
+    method's held set each one's holds when the prefill ends (:func:`overlap`). The prompt is encoded as the
+    ``batchmax`` lm-eval model encodes it."""
     text = doc["input"]
     enc = tokenizer(text, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
@@ -213,12 +216,10 @@ def trace_document(model, tokenizer, doc: dict, methods: Sequence[Method]) -> di
     out["methods"] = {}
     for method in methods:
         trace = traces[method.label()] = trace_request(model, method, ids, doc["max_gen_toks"], watched)
-        answer = tokenizer.decode(trace.tokens, skip_special_tokens=True)
-        if doc["task"].startswith("niah"):
-            answer = answer.split("\n\n")[0]
+        answer = cut_at(tokenizer.decode(trace.tokens, skip_special_tokens=True), list(until))
         out["methods"][method.label()] = {
             "answer": answer,
-            "score": answer_score(answer, doc["outputs"]),
+            "score": score(answer, doc["outputs"]),
             "facts": [fate(trace, f["positions"]) for f in facts],
             "held_pairs": sum(len(h) for layer in trace.prefill_kept for h in layer),
         }
