@@ -55,7 +55,10 @@ reference has no defaults of its own):
   evictions use ``probe`` alone, decode evictions ``ave``, either pooled as in "pooled", and then +inf for the entries
   "sinks" protects. ``decode="probe"``: a decode eviction first recomputes every kept entry's ``probe`` from the
   last probe's stored queries and keys (as a prefill eviction after an unprobed block does) and ranks by it as a
-  prefill eviction does; a sample that never probed ranks by ``ave`` still.
+  prefill eviction does; a sample that never probed ranks by ``ave`` still. ``recall="tier"``: every entry a prefill
+  eviction removes is set aside (with its ``sum``), and the eviction before the prompt's last block ranks the kept
+  entries and the set-aside ones together (``probe`` of all of them recomputed from the stored queries and keys over
+  all of them), removing the p + (set-aside) lowest; the others are the kept entries from then on.
 
 Heads sharing one budget (``groups``, BM; the rule parameter ``share``): a group of heads holds
 ``len(group) * kv_max`` entries together, counted per head as ``|kv|`` = the group's entries / its heads; an eviction
@@ -130,6 +133,7 @@ class _SampleState:
         self.kv = [[[] for _ in range(self.n_kv)] for _ in range(self.n_layers)]
         self.groups = groups or [[h] for h in range(self.n_kv)]  # KV heads sharing one budget (Rule.share)
         self.probe_qk = [None] * self.n_layers  # per layer: (q [Hq, m, D], k [Hkv, m, D]) of the last probe
+        self.aside = [[[] for _ in range(self.n_kv)] for _ in range(self.n_layers)]  # recall="tier": evicted entries
         self.probed = False  # the last processed block carried the probe
 
     # ------------------------------------------------------------------ forward of one block
@@ -200,12 +204,13 @@ class _SampleState:
         hidden = norm(hidden)
         return lm_head(hidden[:, n - 1]).float()[0] if real else None
 
-    def probe_attention(self, layer, h):
-        """Sets ``probe`` of the kept entries of (layer, KV head h) from the stored probe queries and keys. Returns
-        (the real kept entries, [(query head, probe index, probabilities over those entries + own keys up to it)])."""
+    def probe_attention(self, layer, h, entries=None):
+        """Sets ``probe`` of the kept entries of (layer, KV head h) (or of ``entries``) from the stored probe queries
+        and keys. Returns (the real entries, [(query head, probe index, probabilities over those entries + own keys up
+        to it)])."""
         q, k = self.probe_qk[layer]
         m = k.shape[1]
-        entries = self.kv[layer][h]
+        entries = self.kv[layer][h] if entries is None else entries
         kept = [e for e in entries if not e.is_pad]
         for e in entries:
             e.probe = 0.0
@@ -238,20 +243,28 @@ class _SampleState:
         params: dict | None = None,
         prefill: bool = False,
         layers=None,
+        last: bool = False,
     ):
         """Each (layer of ``layers``, default all; group of heads sharing a budget) evicts len(group) * p entries, the
         lowest ``(priority, position, head)`` over the group's heads (each entry's priority computed within its own
-        head)."""
+        head). ``recall="tier"``: a prefill eviction sets its entries aside; ``last`` (before the prompt's last
+        block) ranks the set-aside entries with the kept ones and removes them as well."""
         params = params or {}
+        aside = prefill and rule == "question" and params.get("recall") == "tier"
+        recall = aside and last
         for layer in range(self.n_layers) if layers is None else layers:
             ranked = {}  # head -> [(priority, position, head, entry)]
             asked = rule == "question" and params.get("decode") == "probe" and self.probe_qk[layer] is not None
             for h in range(self.n_kv):
-                if (prefill and not self.probed or asked) and self.probe_qk[layer] is not None:  # re-score: stored
+                if recall:  # the kept and the set-aside entries together, re-scored from the stored probe
+                    self.kv[layer][h] = sorted(self.kv[layer][h] + self.aside[layer][h], key=lambda e: e.pos)
+                    removed, self.aside[layer][h] = len(self.aside[layer][h]), []
+                    self.probe_attention(layer, h)
+                elif (prefill and not self.probed or asked) and self.probe_qk[layer] is not None:  # re-score: stored
                     self.probe_attention(layer, h)
                 ranked[h] = self.priorities(self.kv[layer][h], h, curr_id, rule, params, prefill or asked)
             for group in self.groups:
-                n = p * len(group)
+                n = p * len(group) + (removed * len(group) if recall else 0)
                 order = sorted(item for h in group for item in ranked[h])
                 assert len(order) >= n
                 evicted, kept = order[:n], order[n:]
@@ -265,6 +278,8 @@ class _SampleState:
                         result.min_margin = min(result.min_margin, (b - a) / max(abs(b), 1e-30))
                 gone = {id(item[3]) for item in evicted}
                 for h in group:
+                    if aside and not recall:
+                        self.aside[layer][h].extend(e for e in self.kv[layer][h] if id(e) in gone)
                     self.kv[layer][h] = [e for e in self.kv[layer][h] if id(e) not in gone]  # compacted
                     result.evictions += 1
                     ev = sorted(item[1] for item in real_ev if item[2] == h)
@@ -408,7 +423,7 @@ def reference_generate(
         "question": {"window", "every", "kernel", "pool", "sinks", "recent"},
     }
     rule_params = dict(rule_params or {})
-    optional = {"decode"} if rule == "question" else set()
+    optional = {"decode", "recall"} if rule == "question" else set()
     assert rule in need and need[rule] <= set(rule_params) <= need[rule] | optional, (rule, rule_params)
     every = rule_params.get("every", 1)
     assert rule == "paper" or policy.blocks  # rules are BM's
@@ -451,7 +466,9 @@ def reference_generate(
                 t0, t1 = t1, min(s, t1 + p)
                 layers = full(t1 - t0)
                 if layers:
-                    st.evict_bm(p, t0 - 1, result, j, rule=rule, params=rule_params, prefill=True, layers=layers)
+                    st.evict_bm(
+                        p, t0 - 1, result, j, rule=rule, params=rule_params, prefill=True, layers=layers, last=t1 == s
+                    )
                 last = block(t0, t1)
         elif policy.compresses:
             last = st.process([(pos, ids[pos]) for pos in range(s)], window=snap["window"])

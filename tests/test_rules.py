@@ -46,6 +46,9 @@ CASES = [
     # decode evictions ranked by the question's stored queries too (issue 68), probing every block and every 3rd
     ("question", dict(window=8, every=1, kernel=3, pool="max", sinks=1, recent=2, decode="probe")),
     ("question", dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2, decode="probe")),
+    # the prefill's evicted pairs in a recall tier, ranked with the held ones before the last block (issue 68)
+    ("question", dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2, recall="tier")),
+    ("question", dict(window=8, every=1, kernel=3, pool="max", sinks=1, recent=2, decode="probe", recall="tier")),
 ]
 
 

@@ -43,6 +43,14 @@ MATRIX = {
         Method("bm", kv_max=16, p=4, rule=rule_string("question", {**QUESTION, "decode": "probe"})),
         dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params={**QUESTION, "decode": "probe"}),
     ),
+    "bm-recall": (  # a recall tier per rank, ranked with the held pairs before the last block (issue 68), rank-local
+        Method("bm", kv_max=16, p=4, rule=rule_string("question", {**QUESTION, "recall": "tier"})),
+        dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params={**QUESTION, "recall": "tier"}),
+    ),
+    "bm-recall-wide": (  # the recall inside each layer's attention, a wide pass's blocks one after another
+        Method("bm", kv_max=16, p=4, rule=rule_string("question", {**QUESTION, "recall": "tier"}), chunk=24),
+        dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params={**QUESTION, "recall": "tier"}),
+    ),
     "bm-wide": (  # wide passes (two blocks and their probes a pass), each rank evicting its own heads per layer
         Method("bm", kv_max=16, p=4, rule=rule_string("question", QUESTION), chunk=24),
         dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params=QUESTION),

@@ -42,6 +42,7 @@ from .slots import (
     to_device,
 )
 from .step import Change, Eviction, PoolState, RowsPass, SlotWork
+from .tier import Tier
 from .workspace import (
     choice_workspace_bytes,
     eviction_layers,
@@ -198,6 +199,19 @@ class BoundedPool(SlotPool):
 
     def __init__(self, method: Method, num_layers: int, slots: int, capacity: int, static: bool = False):
         super().__init__(method, num_layers, slots, capacity, PoolLayer, static)
+        self.tier: Tier | None = None  # the rows' recall tiers (``question:recall=tier``), made at the first eviction
+
+    def apply(self, change: Change) -> None:
+        """``SlotPool``'s, and a row emptied for a new request drops what its tier still holds."""
+        if self.tier is not None:
+            for row in change.reset:
+                self.tier.drop(row)
+        super().apply(change)
+
+    def release(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+        super().release()
 
     @property
     def free_dtype(self) -> torch.dtype:
@@ -279,8 +293,22 @@ class BoundedPool(SlotPool):
         step = eviction_layers(L, E, H, T, bias.element_size(), self.share)
         for first in range(0, L, step):
             self._evict_layers(ev, slice(first, min(first + step, L)))
+        if ev.probe == "recall":
+            self.note_workspace(self.recall_workspace(ev))
+
+    def recall_workspace(self, ev: Eviction) -> int:
+        """The most a recall (``_recall``: one row, layer and head at a time) holds beside the pool: a kv_max of the
+        tier's keys on the device, the stored queries' logits over them (float32, twice: the probabilities), and the
+        held and tier pairs' positions, sums, look-ahead attention and ranking keys (int64 and float32)."""
+        keys, q = self.layers[0].keys, self.layers[0].probe_q  # [S, Hs, T + 1, D], [S, Hs, g*w, D]
+        Hs, D, e, T = keys.shape[1], keys.shape[-1], keys.element_size(), self.capacity
+        m = max(fill for _, fill, _ in ev.tier)
+        return Hs * (T * D * e + 2 * q.shape[2] * T * 4 + (T + m) * (8 + 4 + 4 + 4 + 8 + 8))
 
     def _evict_layers(self, ev: Eviction, layers: slice) -> None:
+        if ev.probe == "recall":
+            self._recall(ev, layers)
+            return
         e, T, G = ev.rows, self.share * self.capacity, self.share
         names = ("pos", "score", "bias") + (("head",) if G > 1 else ())
         state = {n: self.stacks[n][layers, ..., :T] for n in names}  # [n, S, Hs, T] views
@@ -293,11 +321,86 @@ class BoundedPool(SlotPool):
         elif ev.probe == "rescore":  # each layer's last probe pass's queries, over the slots it holds now
             probe = torch.cat([self._rescored(lay, e, p) for lay, p in zip(self.layers[layers], pos.chunk(n))])
         priority = self.method.priority(score, pos, ev.curr_id.repeat(n, 1, 1), probe, head)  # [n*E, Hs, T]
+        before = (pos.clone(), score.clone()) if ev.tier else None  # the freed pairs' state, for their tiers
         freed = free_slots(priority, pos, score, bias, ev.count * G, head)  # [n*E, Hs, G*count]
+        if before is not None:  # the freed pairs wait in their rows' tiers (``question:recall=tier``)
+            self._to_tier(ev, layers, *(t.unflatten(0, (n, -1)) for t in (freed, *before)))
         for name, src in zip(("pos", "score", "bias"), (pos, score, bias)):
             state[name].index_copy_(1, e, src.unflatten(0, (n, -1)))
         free = self.stacks["free"]
         free[layers, ..., : ev.count * G].index_copy_(1, e, freed.unflatten(0, (n, -1)).to(free.dtype))
+
+    def _to_tier(
+        self, ev: Eviction, layers: slice, freed: torch.Tensor, pos: torch.Tensor, score: torch.Tensor
+    ) -> None:
+        """The pairs an eviction frees, ``freed`` [n, E, Hs, k] of the layers ``layers`` (``pos``/``score`` [n, E, Hs,
+        T]: their slot state before it), into each row's recall tier at its place (``Eviction.tier``)."""
+        T = self.capacity
+        if self.tier is None:
+            keys = self.layers[0].keys  # [S, Hs, T + 1, D]
+            self.tier = Tier(len(self.layers), keys.shape[1], keys.shape[-1], keys.dtype, keys.device)
+        for k, entry in enumerate(ev.tier):
+            if entry is None:
+                continue
+            row, offset, capacity = entry
+            idx = freed[:, k]  # [n, Hs, c]
+            keys, values = (
+                torch.stack([getattr(lay, name)[row, :, :T] for lay in self.layers[layers]]).gather(  # [n, Hs, T, D]
+                    2, idx[..., None].expand(*idx.shape, self.layers[0].keys.shape[-1])
+                )
+                for name in ("keys", "values")
+            )  # [n, Hs, c, D] each
+            self.tier.store(
+                row, capacity, offset, layers, keys, values, pos[:, k].gather(2, idx), score[:, k].gather(2, idx)
+            )
+
+    def _recall(self, ev: Eviction, layers: slice) -> None:
+        """A row's eviction before its prompt's last block, its tier's pairs among the candidates (``Eviction``'s
+        "recall"): per layer of ``layers`` and local KV head, the slots held and the tier's pairs are ranked together
+        by the rule, their look-ahead attention re-scored from the stored probe over all of them (``probe.
+        rescore_parts``: a kv_max of the tier's keys in fast memory at a time); the ``count`` lowest slots are freed
+        (the head of the free list, as an eviction's), and every tier pair that ranks above the lowest slots kept
+        takes the place of one of the slots that rank below it. The row's tier is then dropped."""
+        for k, (row, fill, _) in enumerate(ev.tier):
+            for li in range(*layers.indices(len(self.layers))):
+                self._recall_layer(li, row, self.tier.rows[row], fill, ev.count, ev.curr_id[k : k + 1])
+            if layers.stop >= len(self.layers):
+                self.tier.drop(row)
+
+    def _recall_layer(self, li: int, row: int, tier, fill: int, count: int, curr: torch.Tensor) -> None:
+        """``_recall`` of row ``row`` in layer ``li``: its ``fill`` tier pairs a head with its held slots, ``count``
+        slots freed, ranked at ``curr`` [1, 1, 1]."""
+        T, lay = self.capacity, self.layers[li]
+        device = lay.keys.device
+        keys, values = lay.keys[row, :, :T], lay.values[row, :, :T]  # [Hs, T, D] views
+        pos, score, bias = lay.pos[row, :, :T], lay.score[row, :, :T], lay.bias[row, :, :T]  # [Hs, T] views
+        t_pos, t_score = tier.pos[li, :, :fill].to(device), tier.score[li, :, :fill].to(device)  # [Hs, m] each
+
+        def parts():  # the held slots, then the tier a kv_max of pairs at a time
+            yield keys[None], pos[None]
+            for a in range(0, fill, T):
+                b = min(a + T, fill)
+                yield tier.keys[li, :, a:b].to(device)[None], t_pos[None, :, a:b]
+
+        state = lookahead.ProbeState(*(t[row : row + 1] for t in (lay.probe_q, lay.probe_lse, lay.probe_w)))
+        probe = torch.cat(lookahead.rescore_parts(state, parts), dim=-1)  # [1, Hs, T + m]
+        u_pos = torch.cat([pos, t_pos], dim=-1)[None]  # [1, Hs, T + m]
+        u_score = torch.cat([score, t_score], dim=-1)[None]
+        priority = self.method.priority(u_score, u_pos, curr, probe, None)  # [1, Hs, T + m]
+        drop = slots_to_evict(priority, u_pos, fill + count)[0]  # [Hs, m + count], lowest first
+        for h in range(drop.shape[0]):
+            d = drop[h]
+            gone = d[d < T]  # this head's slots ranked below the rest, lowest first: count + (pairs recalled)
+            back = torch.ones(fill, dtype=torch.bool, device=device)
+            back[d[d >= T] - T] = False
+            back = back.nonzero().view(-1)  # the tier's pairs ranked above the lowest slots kept
+            freed, into = gone[:count], gone[count:]
+            at = back.cpu()
+            keys[h, into] = tier.keys[li, h, at].to(device)
+            values[h, into] = tier.values[li, h, at].to(device)
+            pos[h, into], score[h, into], bias[h, into] = t_pos[h, back], t_score[h, back], 0.0
+            pos[h, freed], score[h, freed], bias[h, freed] = -1, 0.0, float("-inf")
+            lay.free[row, h, :count] = freed.to(lay.free.dtype)
 
     def _rescored(self, layer: PoolLayer, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s look-ahead attention [E, Hs, T] over the slots ``pos`` [E, Hs, T] of ``rows``, from the
@@ -321,19 +424,30 @@ class BoundedPool(SlotPool):
         """Pairs a row in state ``st`` evicts before ``phase``: the schedule's count (``Phase.evict``)."""
         return phase.evict
 
-    def _evict_row(self, row: int, st: RowState, evict: int, prefill: bool) -> tuple[int, int, int, str | None]:
+    def _evict_row(
+        self, row: int, st: RowState, evict: int, prefill: bool, tier: tuple[int, bool] | None = None
+    ) -> tuple:
         """A row's eviction of ``evict`` pairs (count: its empty slots too), its state ``st`` (the pass's copy)
-        advanced."""
+        advanced. ``tier`` (a prefill eviction under ``question:recall=tier``): (the row's padded prompt length,
+        whether the block after it is the prompt's last): its freed pairs go to the row's tier, or before the last
+        block the recall ranks the tier's with the held ones (``Eviction.tier``)."""
         C = self.capacity
-        probe = None
+        probe, entry = None, None
+        count = C - st.filled + evict
         if prefill and self.method.lookahead:
             probe = "fresh" if st.probed or self.method.probe_every == 1 else "rescore"
+            if tier is not None and self.method.recalls:
+                length, last = tier
+                entry = (row, st.tiered, length)
+                if last:
+                    probe = "recall"
+                else:
+                    st.tiered += count
         elif self.method.probe_decodes and st.asked:  # ``decode=probe``: the question's stored queries rank it
             probe = "rescore"
-        count = C - st.filled + evict
         st.filled -= evict
         st.ptr, st.contiguous, st.high = 0, False, C
-        return row, count, st.seen - 1, probe
+        return row, count, st.seen - 1, probe, entry
 
     def prefill_pass(
         self,
@@ -372,7 +486,12 @@ class BoundedPool(SlotPool):
             rope.append(r)
             ids.append(i)
             if evict := self.evicts(st, ph):
-                evicting.append(self._evict_row(w.row, st, evict, prefill=True))
+                tier = None
+                if self.method.recalls:  # (padded prompt length, the block is its last)
+                    if prompt is None:
+                        raise ValueError("question:recall=tier needs the prompts' ids (the engine's passes)")
+                    tier = (prompt.numel() + st.offset, ph.end - st.offset == prompt.numel())
+                evicting.append(self._evict_row(w.row, st, evict, prefill=True, tier=tier))
             real = sum(x >= 0 for x in q)
             write.append([self.capacity] * (n - real) + list(range(st.ptr, st.ptr + real)))
             st.ptr, st.filled, st.seen = st.ptr + real, st.filled + ph.size, ph.end
@@ -447,6 +566,8 @@ class BoundedPool(SlotPool):
 
     def evict_layer(self, ev: Eviction, layer: int) -> None:
         """``ev`` in the pool's layer ``layer`` alone (a wide pass's evictions, inside that layer's attention)."""
+        if ev.probe == "recall" and layer == 0:
+            self.note_workspace(self.recall_workspace(ev))
         self._evict_layers(ev, slice(layer, layer + 1))
 
     def decode_pass(self, state: PoolState, work: tuple[SlotWork, ...], device) -> RowsPass:

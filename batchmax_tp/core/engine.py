@@ -375,7 +375,10 @@ class Engine:
             pool.peak_meta_bytes,
             pool.peak_workspace_bytes,
             m.times["compile"],
+            getattr(getattr(pool, "tier", None), "peak_row_bytes", 0),  # BM's recall tier (``core.tier``)
         )
+        if out.tier_bytes:
+            logger.info("%s: recall tier %.1f MiB a request at most", self.method.label(), out.tier_bytes / 2**20)
         self.close()
         return out
 

@@ -99,8 +99,8 @@ class DropInPool(BoundedPool):
     """The drop-in's pool: BM's bounded rows for every method, its prefill ranked without a look-ahead probe (HF's
     generate runs none), and, while nothing has been evicted, grown in place of a new one (``grown``)."""
 
-    def _evict_row(self, row: int, st: RowState, evict: int, prefill: bool) -> tuple[int, int, int, str | None]:
-        row, count, curr_id, _ = super()._evict_row(row, st, evict, prefill)
+    def _evict_row(self, row: int, st: RowState, evict: int, prefill: bool, tier=None) -> tuple:
+        row, count, curr_id, _, _ = super()._evict_row(row, st, evict, prefill)
         return row, count, curr_id, None
 
     def grown(self, state: PoolState, capacity: int) -> DropInPool:

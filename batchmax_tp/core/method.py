@@ -125,10 +125,17 @@ class Method:
         return bool(self.lookahead) and self.scorer.probe_decodes()
 
     @property
+    def recalls(self) -> bool:
+        """Whether a prefill's evicted pairs wait in a slower tier for the recall before the last block
+        (``Rule.recalls``)."""
+        return bool(self.lookahead) and self.scorer.recalls()
+
+    @property
     def stores_probe(self) -> bool:
         """Whether each row keeps its last probe's queries (``core.probe``): to re-score the slots at evictions after
-        a block without a probe (``probe_every`` > 1) or at decode evictions (``probe_decodes``)."""
-        return bool(self.lookahead) and (self.probe_every > 1 or self.probe_decodes)
+        a block without a probe (``probe_every`` > 1), at decode evictions (``probe_decodes``) or over the slots and
+        the tier at the recall (``recalls``)."""
+        return bool(self.lookahead) and (self.probe_every > 1 or self.probe_decodes or self.recalls)
 
     @property
     def paged(self) -> bool:

@@ -109,3 +109,21 @@ def rescore(
     ``slot_probabilities``)."""
     probs, _ = slot_probabilities(state.q, slot_keys, slot_pos, state.own_lse, other)  # [B, Hkv, g*w, hi]
     return per_slot(probs, state.weights)
+
+
+def rescore_parts(state: ProbeState, parts) -> list[torch.Tensor]:
+    """The stored probe's attention per pair [B, Hkv, n_i] of each part of one set of pairs too large to hold at once
+    (the recall over the slots and the tier, ``core.bounded``): ``parts()`` yields (keys [B, Hkv, n_i, D], positions
+    [B, Hkv, n_i]) in the same order each time it is called; the softmax runs over all of them and the own keys
+    (two passes: the log-sum-exp first, then each part's probabilities), so the result is ``rescore`` over the parts
+    joined, a part's keys in memory at a time."""
+    lse = state.own_lse  # [B, Hkv, g*w, 1]
+    for keys, pos in parts():
+        logits = torch.matmul(state.q, keys.transpose(2, 3)).float()  # [B, Hkv, g*w, n_i]
+        logits.masked_fill_((pos < 0)[:, :, None, :], NEG)
+        lse = torch.logaddexp(lse, logits.logsumexp(-1, keepdim=True))
+    out = []
+    for keys, pos in parts():
+        logits = torch.matmul(state.q, keys.transpose(2, 3)).float()  # [B, Hkv, g*w, n_i]
+        out.append(per_slot(probabilities(logits, lse, (pos < 0)[:, :, None, :]), state.weights))
+    return out

@@ -47,7 +47,10 @@ Rules (``rule_names()``):
   defaults (window 32, kernel 15, sinks 4, recent 60, and the probe on every 4th block: ``every`` 4) are the ones
   measured in the README's retention section. ``decode=probe`` (default ``attention``): decode evictions rank by the
   last probe's stored queries too, re-scored over the slots held then, pooled and protected as at prefill (issue 68:
-  a prefill-wide average attention ranks the facts the question chose lowest, docs/retention.md).
+  a prefill-wide average attention ranks the facts the question chose lowest, docs/retention.md). ``recall=tier``
+  (default ``none``): the pairs the prefill evicts wait in a slower tier (``core.tier``: a file on disk on the CPU,
+  host memory beside a GPU) and the eviction before the prompt's last block ranks them and the held pairs together
+  by the stored probe (the question), so a fact an early probe ranked low comes back (issue 68).
 
 Every rule takes ``share`` (default 1, the paper's per-head budget): with ``share=G`` (0: all of a layer's KV heads
 on a rank) each group of G heads of a layer holds one budget of ``G x kv_max`` pairs per sample in storage sized to
@@ -87,6 +90,7 @@ __all__ = [
 ]
 
 DECODE_RANKS = ("attention", "probe")  #: what ``question``'s decode evictions rank by
+RECALLS = ("none", "tier")  #: whether ``question`` keeps its prefill's evicted pairs for a recall before the last block
 POOLS = ("max", "avg")
 #: Larger than any position (slot positions are int64): what an empty slot holds when the smallest is wanted.
 _NO_POSITION = 2**62
@@ -188,6 +192,8 @@ def _check(rule: str, name: str, value: object) -> None:
         raise ValueError(f"rule {rule!r}: pool must be one of {', '.join(POOLS)}, got {value!r}")
     elif name == "decode" and value not in DECODE_RANKS:
         raise ValueError(f"rule {rule!r}: decode must be one of {', '.join(DECODE_RANKS)}, got {value!r}")
+    elif name == "recall" and value not in RECALLS:
+        raise ValueError(f"rule {rule!r}: recall must be one of {', '.join(RECALLS)}, got {value!r}")
     elif name == "weight" and (
         isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf")
     ):
@@ -251,6 +257,11 @@ class Rule:
         """Whether decode evictions rank as the prefill's do, by the stored probe re-scored over the slots held (the
         rule's ``decode`` is ``probe``), rather than by the rule's decode ranking."""
         return getattr(self, "decode", "attention") == "probe"
+
+    def recalls(self) -> bool:
+        """Whether the pairs a prefill evicts are kept in a slower tier and ranked again, with the pairs held, by the
+        question's stored queries before the prompt's last block (the rule's ``recall`` is ``tier``)."""
+        return getattr(self, "recall", "none") == "tier"
 
     def protected(self) -> int:
         """Most pairs per (sample, head) the rule never evicts, its ``sinks + recent`` (``Method`` checks it against
@@ -347,7 +358,10 @@ class QuestionRule(Rule):
     attention, pooled, at decode evictions), with the first ``sinks`` and the ``recent`` newest positions kept; the
     probe runs after every ``every``-th prefill block (the evictions between re-score with its stored queries).
     ``decode=probe``: decode evictions rank as prefill evictions do, by the last probe's queries (the question)
-    re-scored over the slots held then (a row whose prefill never probed: by the pooled average attention)."""
+    re-scored over the slots held then (a row whose prefill never probed: by the pooled average attention).
+    ``recall=tier``: every pair a prefill eviction frees is kept in a slower tier (``core.tier``), and the eviction
+    before the prompt's last block ranks the held pairs and the tier's together by the question's stored queries, the
+    best of them held from then on (per budget of one head, every layer at ``kv_max``: ``share=1``, ``taper=0``)."""
 
     name: ClassVar[str] = "question"
     cheaper: ClassVar[tuple[str, ...]] = ("every=8", "window=16")  # docs/retention.md: ~0.95x the time at 2k
@@ -358,6 +372,15 @@ class QuestionRule(Rule):
     sinks: int = 4
     recent: int = 60
     decode: str = "attention"
+    recall: str = "none"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.recall == "tier" and (self.share != 1 or self.taper):
+            raise ValueError(
+                f"rule {self.name!r}: recall=tier ranks each head's own budget at kv_max: share must be 1 and taper 0, "
+                f"got share={self.share} taper={self.taper}"
+            )
 
     def score(self, attn, pos, curr_id, probe=None, head=None):
         x = average_attention(attn, pos, curr_id) if probe is None else probe.masked_fill(pos < 0, float("-inf"))

@@ -73,6 +73,7 @@ class RowState:
     length: int = 0
     offset: int = 0  # a padded row's left pads: its positions are the padded batch's, its RoPE positions offset less
     decoding: bool = False  # its decode passes have begun (the HF drop-in reads it: HF's generate states no schedule)
+    tiered: int = 0  # pairs a head its prefill's evictions put in its recall tier (``question:recall=tier``)
 
     def copy(self) -> RowState:
         """A copy to advance in a pass's description (every decode pass copies its rows' states: 0.4 us a row,
@@ -390,15 +391,18 @@ def to_device(data: list, device) -> torch.Tensor:
     return torch.tensor(data, device=device)
 
 
-def evictions_of(evicting: list[tuple[int, int, int, str | None]], device) -> tuple[Eviction, ...]:
-    """(row, count, curr_id, probe) per evicting row -> one ``Eviction`` per (count, probe) kind."""
-    kinds: dict[tuple[int, str | None], list[tuple[int, int]]] = {}
-    for row, count, curr_id, probe in evicting:
-        kinds.setdefault((count, probe), []).append((row, curr_id))
+def evictions_of(evicting: list[tuple], device) -> tuple[Eviction, ...]:
+    """(row, count, curr_id, probe[, tier]) per evicting row -> one ``Eviction`` per (count, probe) kind (``tier``:
+    the row's (tier pairs, tier size) under a rule with a recall tier, ``Eviction.tier``)."""
+    kinds: dict[tuple[int, str | None], list[tuple]] = {}
+    for row, count, curr_id, probe, *tier in evicting:
+        kinds.setdefault((count, probe), []).append((row, curr_id, *tier))
     out = []
     for (count, probe), members in kinds.items():
-        t = to_device(members, device)  # [E, 2]: one copy per kind
-        out.append(Eviction(t[:, 0], t[:, 1].view(-1, 1, 1), count, probe))
+        t = to_device([m[:2] for m in members], device)  # [E, 2]: one copy per kind
+        tier = tuple(m[2] if len(m) > 2 else None for m in members)  # [E] each row's, or None
+        tier = tier if any(t is not None for t in tier) else ()
+        out.append(Eviction(t[:, 0], t[:, 1].view(-1, 1, 1), count, probe, tier))
     return tuple(out)
 
 
