@@ -446,6 +446,7 @@ def test_list_rules_prints_names_and_exits_0(capsys):
         "sinks=4",
         "recent=60",
         "decode=attention",
+        "recall=none",
     ]
 
 
