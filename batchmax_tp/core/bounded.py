@@ -343,15 +343,14 @@ class BoundedPool(SlotPool):
             if entry is None:
                 continue
             row, offset, capacity = entry
-            idx = freed[:, k]  # [n, Hs, c]
+            idx = freed[:, k, ..., None].expand(-1, -1, -1, self.layers[0].keys.shape[-1])  # [n, Hs, c, D]
             keys, values = (
-                torch.stack([getattr(lay, name)[row, :, :T] for lay in self.layers[layers]]).gather(  # [n, Hs, T, D]
-                    2, idx[..., None].expand(*idx.shape, self.layers[0].keys.shape[-1])
-                )
+                torch.stack([getattr(lay, name)[row, :, :T].gather(1, i) for lay, i in zip(self.layers[layers], idx)])
                 for name in ("keys", "values")
-            )  # [n, Hs, c, D] each
+            )  # [n, Hs, c, D] each: only the freed pairs copied
+            at = freed[:, k]  # [n, Hs, c]
             self.tier.store(
-                row, capacity, offset, layers, keys, values, pos[:, k].gather(2, idx), score[:, k].gather(2, idx)
+                row, capacity, offset, layers, keys, values, pos[:, k].gather(2, at), score[:, k].gather(2, at)
             )
 
     def _recall(self, ev: Eviction, layers: slice) -> None:

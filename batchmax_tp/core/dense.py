@@ -141,7 +141,7 @@ class DensePool(SlotPool):
         for w in work:
             st = after[w.row]
             if w.phase.evict:  # ED (Algorithm 3): only the newest pair stays, moved to slot 0
-                evicting.append((w.row, st.length - 1, st.seen - 1, None))
+                evicting.append((w.row, st.length - 1, st.seen - 1, None, None))
                 st.length = 1
             write[w.row], seen[w.row] = st.length, st.seen
             st.length, st.seen = st.length + 1, st.seen + 1

@@ -101,7 +101,7 @@ class DropInPool(BoundedPool):
 
     def _evict_row(self, row: int, st: RowState, evict: int, prefill: bool, tier=None) -> tuple:
         row, count, curr_id, _, _ = super()._evict_row(row, st, evict, prefill)
-        return row, count, curr_id, None
+        return row, count, curr_id, None, None
 
     def grown(self, state: PoolState, capacity: int) -> DropInPool:
         """A pool of ``capacity`` slots per row holding what this one holds in ``state`` (only while no row has

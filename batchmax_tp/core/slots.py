@@ -392,17 +392,16 @@ def to_device(data: list, device) -> torch.Tensor:
 
 
 def evictions_of(evicting: list[tuple], device) -> tuple[Eviction, ...]:
-    """(row, count, curr_id, probe[, tier]) per evicting row -> one ``Eviction`` per (count, probe) kind (``tier``:
-    the row's (tier pairs, tier size) under a rule with a recall tier, ``Eviction.tier``)."""
+    """(row, count, curr_id, probe, tier) per evicting row -> one ``Eviction`` per (count, probe) kind (``tier``: the
+    row's entry under a rule with a recall tier, else None: ``Eviction.tier``)."""
     kinds: dict[tuple[int, str | None], list[tuple]] = {}
-    for row, count, curr_id, probe, *tier in evicting:
-        kinds.setdefault((count, probe), []).append((row, curr_id, *tier))
+    for row, count, curr_id, probe, tier in evicting:
+        kinds.setdefault((count, probe), []).append((row, curr_id, tier))
     out = []
     for (count, probe), members in kinds.items():
         t = to_device([m[:2] for m in members], device)  # [E, 2]: one copy per kind
-        tier = tuple(m[2] if len(m) > 2 else None for m in members)  # [E] each row's, or None
-        tier = tier if any(t is not None for t in tier) else ()
-        out.append(Eviction(t[:, 0], t[:, 1].view(-1, 1, 1), count, probe, tier))
+        tier = tuple(m[2] for m in members)  # [E]: each row's entry, or None
+        out.append(Eviction(t[:, 0], t[:, 1].view(-1, 1, 1), count, probe, tier if any(tier) else ()))
     return tuple(out)
 
 

@@ -60,14 +60,14 @@ class Eviction:
     attention of the probe pass just run), ``"rescore"`` (the last probe's stored queries over the slots held now)
     or None (a decode eviction, or a rule without a probe); ``"recall"`` (``question:recall=tier``, before a prompt's
     last block): the stored queries over the slots held and the row's tier together, the best of them held. ``tier``
-    (a rule with ``recall=tier``; else empty): per row, (its tier's pairs a head before this eviction, the pairs a head
-    its tier is made for), or None for a row whose freed pairs are not kept (a decode eviction)."""
+    (a rule with ``recall=tier``; else empty): per row, (the row, its tier's pairs a head before this eviction, the
+    pairs a head its tier is made for), or None for a row whose freed pairs are not kept (a decode eviction)."""
 
     rows: torch.Tensor  # [E] pool rows
     curr_id: torch.Tensor  # [E, 1, 1]
     count: int
     probe: Literal["fresh", "rescore", "recall"] | None = None
-    tier: tuple[tuple[int, int] | None, ...] = ()
+    tier: tuple[tuple[int, int, int] | None, ...] = ()
 
 
 @dataclass(frozen=True)

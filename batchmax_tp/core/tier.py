@@ -30,15 +30,14 @@ DIR_ENV = "BATCHMAX_TIER_DIR"
 
 @dataclass
 class RowTier:
-    """One request's tier: keys/values [L, H, M, D], positions [L, H, M] (int64), attention sums [L, H, M] (float32);
-    ``fill``: pairs per (layer, head) stored so far (the most of any layer)."""
+    """One request's tier: keys/values [L, H, M, D], positions [L, H, M] (int64), attention sums [L, H, M] (float32)
+    (how many are stored: the evictions' descriptions say, ``Eviction.tier``)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     pos: torch.Tensor
     score: torch.Tensor
     nbytes: int
-    fill: int = 0
     handle: object = None  # the mapping behind a file-backed tier (closed by ``Tier.drop``)
 
 
@@ -112,7 +111,6 @@ class Tier:
         tier.values[layers, :, at] = values.cpu()
         tier.pos[layers, :, at] = pos.cpu()
         tier.score[layers, :, at] = score.cpu()
-        tier.fill = max(tier.fill, at.stop)
 
     def drop(self, row: int) -> None:
         """Row ``row``'s tier is over (recalled, or its request ended): its memory or file freed."""
