@@ -166,8 +166,9 @@ def summarize(rows: list[dict], tasks: list[str], lengths: list[str]) -> list[di
     """Each row (``scores``: "<task> <length>" -> score; the first row is FKV's) with ``mean``, ``mean_by_length``,
     ``share_of_fkv`` and ``share_by_length`` (None where FKV's mean is 0), and, where the rows carry their documents'
     scores (``documents``: cell -> per-document scores), ``interval``: the share's bootstrap 95% interval [low,
-    high] (``eval.intervals``)."""
-    from batchmax_tp.eval.intervals import share_interval
+    high] (``eval.intervals``), and ``differences``: per configuration listed before it (but FKV), its share minus
+    that one's with their paired bootstrap 95% interval [difference, low, high]."""
+    from batchmax_tp.eval.intervals import difference_interval, share_interval
 
     share = lambda a, b: a / b if b else None  # noqa: E731
     out = []
@@ -181,6 +182,10 @@ def summarize(rows: list[dict], tasks: list[str], lengths: list[str]) -> list[di
         if "documents" in row and "documents" in fkv:
             found = share_interval(row["documents"], fkv["documents"])
             row["interval"] = None if found.value is None else [found.low, found.high]
+    for i, row in enumerate(out[2:], 2):  # each configuration against each one before it (FKV's aside), paired
+        earlier = [r for r in out[1:i] if "documents" in r and "documents" in row and "documents" in fkv]
+        found = {r["label"]: difference_interval(row["documents"], r["documents"], fkv["documents"]) for r in earlier}
+        row["differences"] = {k: [d.value, d.low, d.high] for k, d in found.items() if d.value is not None}
     return out
 
 
@@ -255,6 +260,12 @@ def format_table(rows: list[dict], tasks: list[str], lengths: list[str], about: 
         text += line("prompt read", [prefill_of(r) for r in rows])
     text += line("peak K/V MiB", [num(r["peak_kv_bytes"] / 2**20, ".1f") for r in rows])
     text += line("wall s", [num(r["wall_s"], ".0f") for r in rows])
+    pairs = [(r["label"], other, d) for r in rows for other, d in (r.get("differences") or {}).items()]
+    if pairs:
+        text += (
+            "\nPaired differences (a share of FKV minus another's, on the same documents; paired bootstrap 95%):\n\n"
+        )
+        text += "".join(f"- {a} - {b}: **{d:+.3f}** [{lo:+.2f}, {hi:+.2f}]\n" for a, b, (d, lo, hi) in pairs)
     return text
 
 

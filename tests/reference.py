@@ -59,6 +59,14 @@ reference has no defaults of its own):
   eviction removes is set aside (with its ``sum``), and the eviction before the prompt's last block ranks the kept
   entries and the set-aside ones together (``probe`` of all of them recomputed from the stored queries and keys over
   all of them), removing the p + (set-aside) lowest; the others are the kept entries from then on.
+  ``recall="window"``: every entry a prefill eviction removes is set aside, and after the prompt's last block each
+  (layer, KV head) that set some aside chooses from the kept and the set-aside real entries together, as "snap" does
+  (below) with the prompt's last w = min(window, entries, kept) real queries as computed in the run (each layer's
+  queries, kept as its blocks ran): each adds the probability it gives each of those entries at or before its own
+  position (one softmax over all of them) to the entry's window score; the last w entries and the (kept - w) others
+  of largest pooled window score (over the non-window entries within kernel // 2, "max" or "avg" as "snap": the
+  sum / kernel; +inf for the entries "sinks" protects, its first ``sinks`` and ``recent`` newest), ties to the older,
+  are the kept entries from then on (as many real ones as were kept; pads stay).
 
 Heads sharing one budget (``groups``, BM; the rule parameter ``share``): a group of heads holds
 ``len(group) * kv_max`` entries together, counted per head as ``|kv|`` = the group's entries / its heads; an eviction
@@ -135,6 +143,8 @@ class _SampleState:
         self.probe_qk = [None] * self.n_layers  # per layer: (q [Hq, m, D], k [Hkv, m, D]) of the last probe
         self.aside = [[[] for _ in range(self.n_kv)] for _ in range(self.n_layers)]  # recall="tier": evicted entries
         self.probed = False  # the last processed block carried the probe
+        self.window_q = None  # recall="window": per layer the last real queries so far, [(position, q [Hq, D])]
+        self.window_keep = 0
 
     # ------------------------------------------------------------------ forward of one block
     def process(self, block, probe=(), window=0):
@@ -172,6 +182,9 @@ class _SampleState:
             k = k.reshape(1, n + m, self.n_kv, self.head_dim).transpose(1, 2)
             v = v.reshape(1, n + m, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            if self.window_q is not None:  # recall="window": the prompt's last real queries, as computed
+                mine = self.window_q[layer] + [(pos, q[0, :, i].clone()) for i, pos in enumerate(positions)]
+                self.window_q[layer] = mine[-self.window_keep :]
             if probe:
                 self.probe_qk[layer] = (q[0, :, n:].clone(), k[0, :, n:].clone())
             out = torch.zeros(n + m, self.n_heads, self.head_dim, dtype=hidden.dtype)
@@ -250,8 +263,8 @@ class _SampleState:
         head). ``recall="tier"``: a prefill eviction sets its entries aside; ``last`` (before the prompt's last
         block) ranks the set-aside entries with the kept ones and removes them as well."""
         params = params or {}
-        aside = prefill and rule == "question" and params.get("recall") == "tier"
-        recall = aside and last
+        aside = prefill and rule == "question" and params.get("recall") in ("tier", "window")
+        recall = aside and last and params.get("recall") == "tier"
         for layer in range(self.n_layers) if layers is None else layers:
             ranked = {}  # head -> [(priority, position, head, entry)]
             asked = rule == "question" and params.get("decode") == "probe" and self.probe_qk[layer] is not None
@@ -336,6 +349,45 @@ class _SampleState:
                 for e in real:
                     e.sum = e.win
                 self.kv[layer][h] = real
+
+    def choose_by_window(self, window: int, params: dict, curr_id: int, result: RefResult):
+        """recall="window" after the prompt's last block (module docstring): from the kept and the set-aside entries,
+        the window and the best-pooled others by the window queries' attention over all of them."""
+        for layer in range(self.n_layers):
+            for h in range(self.n_kv):
+                pads = [e for e in self.kv[layer][h] if e.is_pad]
+                held = [e for e in self.kv[layer][h] if not e.is_pad]
+                union = sorted(held + [e for e in self.aside[layer][h] if not e.is_pad], key=lambda e: e.pos)
+                self.aside[layer][h] = []
+                if len(union) == len(held):
+                    continue
+                w = min(window, len(union), len(held))
+                win = {id(e): 0.0 for e in union}
+                for qpos, q in self.window_q[layer][-w:]:
+                    visible = [e for e in union if e.pos <= qpos]
+                    keys = torch.stack([e.key for e in visible])
+                    for qh in range(h * self.group, (h + 1) * self.group):
+                        probs = torch.softmax(((keys @ q[qh]) * self.scaling).float(), dim=-1)
+                        for e, pr in zip(visible, probs.tolist()):
+                            win[id(e)] += pr
+                prefix, recent = union[: len(union) - w], union[len(union) - w :]
+                kernel, r = params["kernel"], params["kernel"] // 2
+
+                def pooled(e):
+                    if e.pos - self.npad < params["sinks"] or e.pos > curr_id - params["recent"]:
+                        return math.inf  # the rule's sinks and recent pairs
+                    near = [win[id(o)] for o in prefix if abs(o.pos - e.pos) <= r]
+                    return max(near) if params["pool"] == "max" else sum(near) / kernel
+
+                order = sorted(prefix, key=lambda e: (-pooled(e), e.pos))
+                best = order[: len(held) - w]
+                if best and len(order) > len(best):  # how close the choice was at its boundary
+                    a, b = pooled(best[-1]), pooled(order[len(best)])
+                    if a == b or math.isinf(a):  # (protected pairs: kept first, by position)
+                        result.tie_decisions += 1
+                    else:
+                        result.min_margin = min(result.min_margin, (a - b) / max(abs(a), 1e-30))
+                self.kv[layer][h] = pads + sorted(best, key=lambda e: e.pos) + recent
 
     def keep_newest(self, result: RefResult, sample: int, curr_id: int):
         for layer in range(self.n_layers):
@@ -450,6 +502,9 @@ def reference_generate(
         assert all(m == 0 for m in mask[:npad]) and all(m == 1 for m in mask[npad:]), "left padding expected"
         ids = input_ids[j].tolist()
         st = _SampleState(model, npad, groups)
+        by_window = rule == "question" and rule_params.get("recall") == "window"
+        if by_window:
+            st.window_q, st.window_keep = [[] for _ in range(n_layers)], window
         logits = []
 
         def block(t0, t1):
@@ -470,6 +525,8 @@ def reference_generate(
                         p, t0 - 1, result, j, rule=rule, params=rule_params, prefill=True, layers=layers, last=t1 == s
                     )
                 last = block(t0, t1)
+            if by_window:
+                st.choose_by_window(window, rule_params, s - 1, result)
         elif policy.compresses:
             last = st.process([(pos, ids[pos]) for pos in range(s)], window=snap["window"])
             st.snap(kv_max, snap["window"], snap["kernel"])

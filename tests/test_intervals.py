@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from batchmax_tp.eval.intervals import Share, separate, share_interval
+from batchmax_tp.eval.intervals import Share, difference_interval, separate, share_interval
 
 
 def test_the_same_scores_are_a_share_of_one_with_no_width():
@@ -56,3 +56,32 @@ def test_totals_pool_the_documents_counts_and_resample_them_in_pairs():
     assert (pooled.low, pooled.high) == (pytest.approx(4 / 6), 1.0)
     same = share_interval(fkv, fkv, totals=True)
     assert (same.value, same.low, same.high) == (1.0, 1.0, 1.0)
+
+
+def test_a_paired_difference_is_exact_where_the_methods_differ_by_a_constant_and_refuses_unpaired_documents():
+    """The second method scores 0.5 below the first on each document of cell b and the same on cell a, FKV 1
+    everywhere: every resample's difference is 0.25 of FKV's score (cell b's 0.5 over two cells); a method against
+    itself differs by exactly 0; FKV at 0 gives none; unpaired documents are refused."""
+    fkv = {"a": [1.0, 1.0, 1.0], "b": [1.0, 1.0]}
+    first = {"a": [1.0, 0.0, 1.0], "b": [1.0, 0.5]}
+    second = {"a": [1.0, 0.0, 1.0], "b": [0.5, 0.0]}
+    diff = difference_interval(first, second, fkv)
+    assert (diff.value, diff.low, diff.high) == tuple(pytest.approx(0.25) for _ in range(3))
+    assert difference_interval(first, first, fkv) == Share(0.0, 0.0, 0.0)
+    assert difference_interval(first, second, {"a": [0.0] * 3, "b": [0.0] * 2}) == Share(None, None, None)
+    with pytest.raises(ValueError, match="same cells and documents"):
+        difference_interval(first, {"a": [1.0], "b": [1.0, 1.0]}, fkv)
+
+
+def test_a_paired_difference_is_narrower_than_the_shares_intervals_when_the_methods_agree_on_most_documents():
+    """Two methods that answer the same on 95 of 100 documents, FKV on all: their shares' intervals are each about
+    +-0.09 wide and overlap, the paired difference's (5 documents apart, all one way) lies wholly above 0."""
+    rng = np.random.default_rng(2)
+    base = (rng.random(100) < 0.5).astype(float)
+    better = base.copy()
+    better[np.flatnonzero(base == 0)[:5]] = 1.0
+    fkv = {"c": [1.0] * 100}
+    a, b = {"c": better.tolist()}, {"c": base.tolist()}
+    diff = difference_interval(a, b, fkv)
+    assert diff.value == pytest.approx(0.05) and 0 < diff.low < diff.value < diff.high
+    assert not separate(share_interval(a, fkv), share_interval(b, fkv))

@@ -1,9 +1,11 @@
-"""``question:recall=tier`` (issue 68): the pairs a prefill evicts wait in a slower tier and, before the prompt's last
-block, are ranked with the pairs held by the question's stored queries. Against the naive reference (which sets every
-evicted entry aside and re-ranks all of them: ``tests/reference.py``) in ``test_rules.py``'s cases and at tp 2 in
-``test_tp.py``'s matrix; here: that it brings pairs back (not vacuous), that the pool's fast memory does not grow
-with the prompt while the tier does, that a tier is a nameless file, gone when its request ends and when the run is
-killed, and the rule's checks."""
+"""``question:recall=tier`` and ``recall=window`` (issue 68): the pairs a prefill evicts wait in a slower tier and are
+ranked again with the pairs held: before the prompt's last block by the question's stored queries (``tier``), or
+after it by the prompt's last queries as snap's window ranks (``window``). Against the naive reference (which sets
+every evicted entry aside and re-ranks all of them: ``tests/reference.py``) in ``test_rules.py``'s cases and at tp 2
+in ``test_tp.py``'s matrix; here: that it brings pairs back (not vacuous), that ``window`` keeps exactly snap's choice
+over every prompt pair as the run computed them, that the pool's fast memory does not grow with the prompt while the
+tier does, that a tier is a nameless file, gone when its request ends and when the run is killed, and the rule's
+checks."""
 
 from __future__ import annotations
 
@@ -13,15 +15,19 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import PEAKED, left_padded_batch, tiny_llama
 from reference import reference_generate, rule_string
 
 from batchmax_tp.bench.padded import generate
+from batchmax_tp.core import attention, snap
 from batchmax_tp.core import tier as tier_mod
 from batchmax_tp.core.method import Method
+from batchmax_tp.core.schedule import plan
 
 BASE = dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2)
 RECALL = {**BASE, "recall": "tier"}
+WINDOW = {**BASE, "recall": "window"}
 
 
 def _evicted_in_prefill(ref, s):
@@ -34,12 +40,13 @@ def _evicted_in_prefill(ref, s):
 
 def test_recall_brings_back_pairs_the_prefill_evicted():
     """After the prompt, the recall holds pairs an earlier prefill eviction removed (without it none), and the engine
-    holds exactly those (the reference's kept sets: the top of all the prompt's pairs by the stored question)."""
+    holds exactly those (the reference's kept sets: the top of all the prompt's pairs by the stored question, or by
+    the window's queries after the last block)."""
     model = tiny_llama(0, **PEAKED)
     ids, mask = left_padded_batch([37, 52, 60], seed=1)
     s, kv_max, p = ids.shape[1], 16, 4
     back = {}
-    for name, params in (("none", BASE), ("tier", RECALL)):
+    for name, params in (("none", BASE), ("tier", RECALL), ("window", WINDOW)):
         ref = reference_generate(model, ids, mask, "bm", kv_max, p, 1, rule="question", rule_params=params)
         evicted = _evicted_in_prefill(ref, s)
         held = ref.kept_history[0]  # [layer][sample][head]
@@ -49,10 +56,71 @@ def test_recall_brings_back_pairs_the_prefill_evicted():
             for sample in range(len(held[layer]))
             for head in range(len(held[layer][sample]))
         )
-        if name == "tier":
+        if name != "none":
             out = generate(model, ids, mask, Method("bm", kv_max=kv_max, p=p, rule=rule_string("question", params)), 1)
             assert out.kept_positions() == held
-    assert back["none"] == 0 and back["tier"] > 10, back
+    assert back["none"] == 0 and back["tier"] > 10 and back["window"] > 10, back
+
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+def test_window_recall_keeps_snaps_choice_over_every_prompt_pair_as_computed(monkeypatch, pool):
+    """``recall=window`` with a tier that keeps every evicted pair: after the prompt, each (row, layer, KV head) holds
+    the window and the best others by snap's own window attention (``snap.window_scores``: the prompt's last w
+    queries over all of its pairs, every query and key as this run computed them, recorded from the attention's
+    inputs block by block) pooled by the rule (``snap.choose``), as many as the schedule holds then; the window (8)
+    spans the last three blocks (p 4, the last of 2 tokens)."""
+    seen = []  # (layer, pool rows, positions, queries, keys) of every prefill block's attention
+    inner = attention._rows_attention
+
+    def recording(module, step, query, key, value, scaling):
+        if step.kind == "prefill" and not step.subs:
+            w = 0 if step.probe is None else step.probe.qpos.shape[1]  # a folded probe's columns come first
+            seen.append(
+                (module.layer_idx, step.rows.tolist(), step.qpos, query[:, :, w:].clone(), key[:, :, w:].clone())
+            )
+        return inner(module, step, query, key, value, scaling)
+
+    monkeypatch.setattr(attention, "_rows_attention", recording)
+    model = tiny_llama(0, **PEAKED)
+    ids, mask = left_padded_batch([58, 58], seed=3)
+    s, kv_max, p, w = ids.shape[1], 16, 4, WINDOW["window"]
+    method = Method("bm", kv_max=kv_max, p=p, rule=rule_string("question", {**WINDOW, "pool": pool}))
+    out = generate(model, ids, mask, method, 1)
+    prefill = [ph for ph in plan(method, s, 1) if ph.kind == "prefill"]
+    held = sum(ph.size - ph.evict for ph in prefill)
+    assert prefill[-1].size == 2 and w <= held < s
+    cfg = model.config
+    scaling = (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) ** -0.5
+    kept = out.kept_positions()
+    for layer in range(cfg.num_hidden_layers):
+        for row in range(ids.shape[0]):
+            keys, queries, computed = {}, {}, []
+            for li, rows, qpos, q, k in seen:
+                if li != layer or row not in rows:
+                    continue
+                j = rows.index(row)
+                for c, position in enumerate(qpos[j].tolist()):
+                    if position >= 0:
+                        keys[position], queries[position] = k[j, :, c], q[j, :, c]
+                        computed.append(position)
+            assert sorted(computed) == list(range(s))  # every prompt pair, each computed once
+            k_all = torch.stack([keys[x] for x in range(s)], dim=1)[None]  # [1, Hkv, s, D]
+            q_win = torch.stack([queries[x] for x in range(s - w, s)], dim=1)[None]  # [1, Hq, w, D]
+            scores = snap.window_scores(q_win, k_all, scaling, w)  # [1, Hkv, s]
+            protect = (WINDOW["sinks"], WINDOW["recent"])  # the rule's sinks and recent: kept first
+            expect = snap.choose(scores, held, w, WINDOW["kernel"], pool, protect)[0].tolist()  # [Hkv][held]
+            pooling = torch.nn.functional.avg_pool1d if pool == "avg" else torch.nn.functional.max_pool1d
+            pooled = pooling(scores[0, :, None, : s - w], WINDOW["kernel"], 1, WINDOW["kernel"] // 2)[:, 0]
+            places = torch.arange(s - w)
+            pooled[:, (places < protect[0]) | (places >= s - protect[1])] = float("inf")
+            top = pooled.sort(dim=-1, descending=True).values  # [Hkv, s - w]
+            gap = (top[:, held - w - 1] - top[:, held - w]) / top[:, held - w - 1]
+            near = (gap > 0) & (gap < 1e-4)  # (an exact tie, one pair's score pooled twice, is decided by position)
+            assert not near.any(), f"near tie at the choice's boundary ({gap.min():.2g}): pick another seed"
+            assert kept[layer][row] == expect, (layer, row)
+    # not vacuous: without the recall the rule holds other pairs after the prompt
+    plain = generate(model, ids, mask, Method("bm", kv_max=kv_max, p=p, rule=rule_string("question", BASE)), 1)
+    assert plain.kept_positions() != kept
 
 
 def _run(model, length, rule, kv_max=16, p=4):
@@ -66,7 +134,7 @@ def test_fast_memory_is_the_pools_and_the_tier_grows_with_the_prompt():
     model = tiny_llama(0, **PEAKED)
     peaks, tiers = set(), {}
     for length in (40, 120):
-        for name, params in (("none", BASE), ("tier", RECALL)):
+        for name, params in (("none", BASE), ("tier", RECALL), ("window", WINDOW)):
             out = _run(model, length, rule_string("question", params))
             peaks.add(out.peak_kv_bytes)
             tiers[(length, name)] = out.served.tier_bytes
@@ -75,7 +143,8 @@ def test_fast_memory_is_the_pools_and_the_tier_grows_with_the_prompt():
     cfg = model.config
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_pair = cfg.num_hidden_layers * cfg.num_key_value_heads * (2 * dim * 4 + 8 + 4)  # float32 K/V, position, sum
-    assert tiers[(40, "tier")] == 40 * per_pair and tiers[(120, "tier")] == 120 * per_pair
+    for name in ("tier", "window"):
+        assert tiers[(40, name)] == 40 * per_pair and tiers[(120, name)] == 120 * per_pair
 
 
 def _maps_with(prefix: str) -> list[str]:

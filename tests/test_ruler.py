@@ -408,6 +408,19 @@ def test_bench_shares_of_fkv_and_configurations():
     documents = [{"a 2k": [1.0, 1.0], "b 2k": [0.5, 0.5]}, {"a 2k": [0.5, 0.5], "b 2k": [0.25, 0.25]}]
     with_docs = bench_ruler.summarize([{**r, "documents": d} for r, d in zip(rows, documents)], ["a", "b"], ["2k"])
     assert with_docs[1]["interval"] == [0.5, 0.5]  # every resample halves every document
+    # a third configuration against the second, paired: it finds cell a's whole score where bm finds half
+    third = {
+        "label": "bm2",
+        "scores": {"a 2k": 1.0, "b 2k": 0.25},
+        "documents": {"a 2k": [1.0, 1.0], "b 2k": [0.25] * 2},
+    }
+    rows3 = bench_ruler.summarize(
+        [*({**r, "documents": d} for r, d in zip(rows, documents)), third], ["a", "b"], ["2k"]
+    )
+    assert "differences" not in rows3[1] and rows3[2]["differences"]["bm"] == [pytest.approx(1 / 3)] * 3
+    speeds = dict(tokens_per_s=1.0, slots=1, peak_kv_bytes=2**20, wall_s=1.0)
+    table = bench_ruler.format_table([{**r, **speeds} for r in rows3], ["a", "b"], ["2k"], "About.")
+    assert "- bm2 - bm: **+0.333** [+0.33, +0.33]" in table
     zero = [{**rows[0], "scores": dict.fromkeys(rows[0]["scores"], 0.0)}, rows[1]]
     assert bench_ruler.summarize(zero, ["a", "b"], ["2k", "4k"])[1]["share_of_fkv"] is None
     parse = bench_ruler.parse_config

@@ -49,6 +49,10 @@ CASES = [
     # the prefill's evicted pairs in a recall tier, ranked with the held ones before the last block (issue 68)
     ("question", dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2, recall="tier")),
     ("question", dict(window=8, every=1, kernel=3, pool="max", sinks=1, recent=2, decode="probe", recall="tier")),
+    # the same tier, chosen from after the last block by its window's queries as snap chooses (issue 68); window > p:
+    # the window's queries come from the last three blocks
+    ("question", dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2, recall="window")),
+    ("question", dict(window=6, every=1, kernel=3, pool="avg", sinks=1, recent=2, decode="probe", recall="window")),
 ]
 
 
@@ -300,9 +304,11 @@ def test_memory_equals_paper_rule(rule):
     r = get_rule(rule)
     c, B = model.config, ids.shape[0]
     extra = c.num_hidden_layers * B * c.num_key_value_heads * (16 + 1) * 4 if r.lookahead() else 0
-    if r.probe_every() > 1 or r.probe_decodes():
+    if r.probe_every() > 1 or r.probe_decodes() or (r.recalls() and not r.recall_window()):
         w = r.lookahead()
         extra += c.num_hidden_layers * B * w * (c.num_attention_heads * (c.head_dim * 4 + 4) + 4)
+    # recall=window: each row's last prompt queries [Hq, w, D]
+    extra += c.num_hidden_layers * B * c.num_attention_heads * r.recall_window() * c.head_dim * 4
     assert out.peak_meta_bytes == paper.peak_meta_bytes + extra
 
 

@@ -27,6 +27,7 @@ from batchmax_tp.core.method import Method
 pytestmark = requires_deepspeed  # every test here runs tensor-parallel ranks
 
 QUESTION = dict(window=8, every=3, kernel=3, pool="max", sinks=1, recent=2)
+WINDOW = {**QUESTION, "recall": "window", "window": 12}  # (window 8: a near tie in the reference's choice here)
 # Every method, as the engine spells it and as the reference does (``reference_generate``'s arguments; the padded
 # batch's rows, kv_max 16, p 4): FKV paged, ED, BM under the paper's rule and ``question`` (and in wide passes), heads
 # sharing a budget, budgets across layers, snap. ``groups``: the heads of the 9/3 Llama sharing one budget, in one
@@ -50,6 +51,14 @@ MATRIX = {
     "bm-recall-wide": (  # the recall inside each layer's attention, a wide pass's blocks one after another
         Method("bm", kv_max=16, p=4, rule=rule_string("question", {**QUESTION, "recall": "tier"}), chunk=24),
         dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params={**QUESTION, "recall": "tier"}),
+    ),
+    "bm-recall-window": (  # the tier chosen from by the window's queries after the last block (issue 68), rank-local
+        Method("bm", kv_max=16, p=4, rule=rule_string("question", WINDOW)),
+        dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params=WINDOW),
+    ),
+    "bm-recall-window-wide": (  # ... inside each layer's attention, after a wide pass's last block
+        Method("bm", kv_max=16, p=4, rule=rule_string("question", WINDOW), chunk=24),
+        dict(method_name="bm", kv_max=16, p=4, rule="question", rule_params=WINDOW),
     ),
     "bm-wide": (  # wide passes (two blocks and their probes a pass), each rank evicting its own heads per layer
         Method("bm", kv_max=16, p=4, rule=rule_string("question", QUESTION), chunk=24),

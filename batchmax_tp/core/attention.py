@@ -142,8 +142,13 @@ def _rows_attention(
     # The pass's evictions ran before it (the pool's ``evict``); it writes its pairs, then attends.
     if step.kind == "prefill" and layer.score is not None:  # BM's prefill (a layer with sums): over the slots written
         if step.probe is not None:  # the probes folded into the pass: its first columns
-            return _folded(layer, step, query, key, value, scaling, hi)
-        return _rows_block(layer, step, query, scaling, hi, layer.write(step, key, value))
+            out = _folded(layer, step, query, key, value, scaling, hi)
+        else:
+            out = _rows_block(layer, step, query, scaling, hi, layer.write(step, key, value))
+        if step.window_rows is not None:  # recall=window: the window's queries kept, the last blocks' choice made
+            w = 0 if step.probe is None else step.probe.qpos.shape[1]
+            step.pool.choose_by_window(layer, step, query[:, :, w:], scaling)
+        return out
     if step.written is not None:  # BM's decode: the pool recorded each pair's slot in every layer (its ``ready``)
         _copy_pairs(layer, step.written[layer.layer_idx], key, value)
     else:

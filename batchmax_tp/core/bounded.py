@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from . import probe as lookahead
+from . import snap
 from .dense import Paging
 from .method import BLOCK, Method
 from .rules import MAX_SHARE
@@ -96,10 +97,11 @@ class PoolLayer(SlotLayer):
         super().__init__(cache, layer_idx)
         self.pos = self.score = self.bias = self.free = self.probe = self.head = None
         self.probe_q = self.probe_lse = self.probe_w = None
+        self.window_q = None  # ``recall=window``: each row's last ``w`` prompt queries so far [S, Hq, w, D]
         self.full_keys = self.full_values = None  # snap prefilled in chunks: its prompts' full pairs (``SnapPool``)
 
     def row_tensors(self) -> tuple[torch.Tensor, ...]:
-        stored = (self.probe, self.head, self.probe_q, self.probe_lse, self.probe_w)
+        stored = (self.probe, self.head, self.probe_q, self.probe_lse, self.probe_w, self.window_q)
         return (
             self.keys,
             self.values,
@@ -117,7 +119,7 @@ class PoolLayer(SlotLayer):
         self.free[row] = torch.arange(self.free.shape[-1], device=self.device)
 
     def meta_tensors(self) -> tuple[torch.Tensor | None, ...]:
-        stored = (self.probe, self.head, self.probe_q, self.probe_lse, self.probe_w)
+        stored = (self.probe, self.head, self.probe_q, self.probe_lse, self.probe_w, self.window_q)
         return self.pos, self.score, self.bias, self.free, *stored
 
     def other_heads(self, take, G: int) -> torch.Tensor | None:
@@ -283,6 +285,16 @@ class BoundedPool(SlotPool):
             for name, t in store.items():
                 setattr(layer, name, t[i])
 
+    def _allocate_window_store(self) -> None:
+        """``recall=window``: every layer's and row's last ``w`` prompt queries [L, S, Hq, w, D] (model dtype),
+        allocated before the first prefill pass; each layer holds its view."""
+        keys = self.layers[0].keys  # [S, Hs, T + 1, D]
+        L, S, w = len(self.layers), self.slots, self.method.recall_window
+        store = torch.zeros(L, S, self.layout.query_heads, w, keys.shape[-1], dtype=keys.dtype, device=keys.device)
+        self.stacks["window_q"] = store
+        for i, layer in enumerate(self.layers):
+            layer.window_q = store[i]
+
     def evict(self, ev: Eviction) -> None:
         """Free ``ev.count`` slots in each of the rows ``ev.rows``, in as many layers at once as
         ``workspace.EVICT_CHUNK_BYTES`` allows (usually all: ``cache.free_slots`` on their slot state gathered from
@@ -401,6 +413,69 @@ class BoundedPool(SlotPool):
             pos[h, freed], score[h, freed], bias[h, freed] = -1, 0.0, float("-inf")
             lay.free[row, h, :count] = freed.to(lay.free.dtype)
 
+    def choose_by_window(self, layer: PoolLayer, step: RowsPass, query: torch.Tensor, scaling: float) -> None:
+        """``recall=window``, in ``layer`` once a prefill pass's blocks have attended (their queries [R, Hq, n, D],
+        RoPE applied): the rows whose block holds some of their window keep its queries (``RowsPass.window_rows``),
+        then each row whose prompt's last block this was (``RowsPass.final``) chooses its pairs (``_choose_layer``);
+        after the last layer its tier is dropped."""
+        rows = step.rows.index_select(0, step.window_rows)  # [Rw] pool rows
+        w = layer.window_q.shape[2]
+        tail = query[:, :, -min(w, query.shape[2]) :].index_select(0, step.window_rows)  # [Rw, Hq, m, D]
+        joined = torch.cat([layer.window_q.index_select(0, rows), tail], dim=2)  # [Rw, Hq, w + m, D]
+        at = step.window_index[:, None, :, None].expand(-1, joined.shape[1], -1, joined.shape[-1])  # [Rw, Hq, w, D]
+        layer.window_q.index_copy_(0, rows, joined.gather(2, at))  # the last w real queries
+        for _, row, fill, first, length in step.final:
+            self._choose_layer(layer, row, fill, first, length, scaling)
+            if layer.layer_idx == len(self.layers) - 1:
+                self.tier.drop(row)
+
+    def _choose_layer(self, layer: PoolLayer, row: int, fill: int, first: int, length: int, scaling: float) -> None:
+        """Row ``row``'s choice in ``layer`` after its prompt's last block: its prompt's pairs, each held or in its
+        tier (``fill`` pairs a head; real positions ``[first, length)``), are scored by its window's queries (the
+        prompt's last w, as computed in the run: ``snap.window_scores_parts``, a kv_max of the tier's keys in fast
+        memory at a time) and chosen as snap chooses (``snap.choose``: the window and the pairs the rule protects, its
+        first ``sinks`` and ``recent`` newest, then the best pooled by its ``kernel``/``pool``), as many as the row
+        holds; each chosen tier pair takes the slot of a held pair not chosen."""
+        T, li, rule = self.capacity, layer.layer_idx, self.method.scorer
+        keys, values = layer.keys[row, :, :T], layer.values[row, :, :T]  # [Hs, T, D] views
+        pos, score = layer.pos[row, :, :T], layer.score[row, :, :T]  # [Hs, T] views
+        tier, device = self.tier.rows[row], keys.device
+        (Hs, _, D), s = keys.shape, length - first
+        held = int((pos[0] >= 0).sum())  # pairs a head (every head holds as many)
+        w = min(self.method.recall_window, s, held)
+        g = layer.window_q.shape[1] // Hs
+        query = layer.window_q[row, :, -w:].reshape(Hs, g, w, D)  # [Hs, g, w, D]: query heads by KV head
+        t_pos, t_score = tier.pos[li, :, :fill].to(device), tier.score[li, :, :fill].to(device)  # [Hs, m] each
+
+        def parts():  # the held slots, then the tier a kv_max of pairs at a time
+            yield keys, pos
+            for a in range(0, fill, T):
+                yield tier.keys[li, :, a : min(a + T, fill)].to(device), t_pos[:, a : a + T]
+
+        qpos = torch.arange(length - w, length, device=device)  # [w]
+        sums = torch.cat(snap.window_scores_parts(query, qpos, scaling, parts), dim=-1)  # [Hs, T + m]
+        u_pos = torch.cat([pos, t_pos], dim=-1)  # [Hs, T + m]: a held slot j, tier pair i at T + i
+        at = torch.where(u_pos >= 0, u_pos - first, s)  # [Hs, T + m]: each pair's place in the prompt (none: s)
+        dense = sums.new_zeros(Hs, s + 1).scatter_(1, at, sums)[:, :s]  # [Hs, s]: by position
+        source = torch.full((Hs, s + 1), -1, dtype=torch.long, device=device)
+        source.scatter_(1, at, torch.arange(T + fill, device=device).expand(Hs, -1))  # [Hs, s + 1]
+        protect = (rule.sinks, rule.recent)  # never evicted by the rule: kept first
+        kept = snap.choose(dense[None], held, w, rule.kernel, rule.pool, protect)[0]  # [Hs, held] places, ascending
+        chosen = source.gather(1, kept)  # [Hs, held]: held slots (< T) and tier pairs (>= T)
+        self.note_workspace(Hs * (T * D * keys.element_size() + 2 * g * w * T * 4 + (T + fill) * 36 + s * 12))
+        for h in range(Hs):
+            c = chosen[h]
+            back = c[c >= T] - T  # the tier's pairs chosen
+            stays = torch.zeros(T, dtype=torch.bool, device=device)
+            stays[c[c < T]] = True
+            into = ((pos[h] >= 0) & ~stays).nonzero().view(-1)  # the held pairs not chosen: their slots
+            if into.numel() != back.numel():
+                raise RuntimeError(f"recall=window: {back.numel()} tier pairs chosen for {into.numel()} slots")
+            at_tier = back.cpu()
+            keys[h, into] = tier.keys[li, h, at_tier].to(device)
+            values[h, into] = tier.values[li, h, at_tier].to(device)
+            pos[h, into], score[h, into] = t_pos[h, back], t_score[h, back]
+
     def _rescored(self, layer: PoolLayer, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s look-ahead attention [E, Hs, T] over the slots ``pos`` [E, Hs, T] of ``rows``, from the
         queries its last probe pass stored."""
@@ -429,7 +504,7 @@ class BoundedPool(SlotPool):
         """A row's eviction of ``evict`` pairs (count: its empty slots too), its state ``st`` (the pass's copy)
         advanced. ``tier`` (a prefill eviction under ``question:recall=tier``): (the row's padded prompt length,
         whether the block after it is the prompt's last): its freed pairs go to the row's tier, or before the last
-        block the recall ranks the tier's with the held ones (``Eviction.tier``)."""
+        block (``recall=tier``) the recall ranks the tier's with the held ones (``Eviction.tier``)."""
         C = self.capacity
         probe, entry = None, None
         count = C - st.filled + evict
@@ -438,7 +513,7 @@ class BoundedPool(SlotPool):
             if tier is not None and self.method.recalls:
                 length, last = tier
                 entry = (row, st.tiered, length)
-                if last:
+                if last and not self.method.recall_window:  # recall=tier: the recall is this eviction
                     probe = "recall"
                 else:
                     st.tiered += count
@@ -466,6 +541,7 @@ class BoundedPool(SlotPool):
         window = self.method.lookahead if any(w.probe is not None for w in work) else 0
         rows = [w.row for w in work]
         qpos, rope, write, evicting, ids, among, probe_qpos, probe_rope = [], [], [], [], [], [], [], []
+        windowed, window_index, final = [], [], []  # recall=window (``RowsPass.window_rows``)
         blind = False  # a row whose pass is pads alone and that holds nothing yet: its queries see no slot
         after = {w.row: state.rows[w.row].copy() for w in work}  # each row's state after the pass (a copy)
         for j, w in enumerate(work):
@@ -488,10 +564,19 @@ class BoundedPool(SlotPool):
                 tier = None
                 if self.method.recalls:  # (padded prompt length, the block is its last)
                     if prompt is None:
-                        raise ValueError("question:recall=tier needs the prompts' ids (the engine's passes)")
+                        recall = self.method.scorer.recall
+                        raise ValueError(f"question:recall={recall} needs the prompts' ids (the engine's passes)")
                     tier = (prompt.numel() + st.offset, ph.end - st.offset == prompt.numel())
                 evicting.append(self._evict_row(w.row, st, evict, prefill=True, tier=tier))
             real = sum(x >= 0 for x in q)
+            if (w_recall := self.method.recall_window) and prompt is not None:
+                length = prompt.numel() + st.offset  # the padded prompt's
+                if ph.end > length - w_recall:  # the block holds some of the window's queries: kept as they come
+                    m, r = min(n, w_recall), min(real, n, w_recall)  # the block's last m columns join the kept w
+                    windowed.append(j)
+                    window_index.append([r + i if r + i < w_recall else m + i for i in range(w_recall)])
+                if ph.end == length and st.tiered:  # its last block: the window then chooses the pairs held
+                    final.append((j, w.row, st.tiered, st.offset, length))
             write.append([self.capacity] * (n - real) + list(range(st.ptr, st.ptr + real)))
             st.ptr, st.filled, st.seen = st.ptr + real, st.filled + ph.size, ph.end
             st.probed = w.probe is not None  # its next eviction ranks with this probe
@@ -522,6 +607,13 @@ class BoundedPool(SlotPool):
             blind=blind,
             after=tuple(after.items()),
         )
+        if windowed:
+            step = replace(
+                step,
+                window_rows=to_device(windowed, device),
+                window_index=to_device([x for row in window_index for x in row], device).view(len(windowed), -1),
+                final=tuple(final),
+            )
         if among:  # the probes folded into the pass: the probing rows' first ``window`` columns
             probe_t = probe_t.view(len(among), window)
             probing = [rows[j] for j in among]
@@ -560,7 +652,17 @@ class BoundedPool(SlotPool):
             ids.append(block_ids)
         first, last = passes[0], passes[-1]
         positions = torch.cat([step.positions for step in passes], dim=1)  # [R, N]
-        wide = replace(first, positions=positions, evictions=(), probe=None, among=None, subs=tuple(passes))
+        wide = replace(
+            first,
+            positions=positions,
+            evictions=(),
+            probe=None,
+            among=None,
+            subs=tuple(passes),
+            window_rows=None,
+            window_index=None,
+            final=(),
+        )  # (each block's evictions, probes and window in its own pass)
         return replace(wide, after=last.after), torch.cat(ids, dim=1)
 
     def evict_layer(self, ev: Eviction, layer: int) -> None:
@@ -594,6 +696,9 @@ class BoundedPool(SlotPool):
         probing = any(sub.probe is not None for sub in (*step.subs, step))
         if probing and self.method.stores_probe and self.layers[0].probe_q is None:
             self._allocate_probe_store()
+        windowed = any(sub.window_rows is not None for sub in (*step.subs, step))
+        if windowed and self.layers[0].window_q is None:
+            self._allocate_window_store()
         model_step = super().ready(step)
         if step.kind != "decode":
             return model_step

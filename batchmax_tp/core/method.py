@@ -126,16 +126,23 @@ class Method:
 
     @property
     def recalls(self) -> bool:
-        """Whether a prefill's evicted pairs wait in a slower tier for the recall before the last block
-        (``Rule.recalls``)."""
+        """Whether a prefill's evicted pairs wait in a slower tier for a recall (before the last block, or after it by
+        the window: ``Rule.recalls``)."""
         return bool(self.lookahead) and self.scorer.recalls()
+
+    @property
+    def recall_window(self) -> int:
+        """``recall=window``: the prompt's last queries that choose, after its last block, the pairs held from the held
+        and the tier's (``Rule.recall_window``); 0: none (``recall=tier`` recalls before the last block instead)."""
+        return self.scorer.recall_window() if self.lookahead else 0
 
     @property
     def stores_probe(self) -> bool:
         """Whether each row keeps its last probe's queries (``core.probe``): to re-score the slots at evictions after
         a block without a probe (``probe_every`` > 1), at decode evictions (``probe_decodes``) or over the slots and
-        the tier at the recall (``recalls``)."""
-        return bool(self.lookahead) and (self.probe_every > 1 or self.probe_decodes or self.recalls)
+        the tier at ``recall=tier``'s recall."""
+        recall = self.recalls and not self.recall_window  # recall=tier re-scores with the stored probe
+        return bool(self.lookahead) and (self.probe_every > 1 or self.probe_decodes or recall)
 
     @property
     def paged(self) -> bool:

@@ -70,7 +70,9 @@ class ServeOutput:
     peak_meta_bytes: int
     peak_workspace_bytes: int
     compile_s: float = 0.0  # the first decode pass when compiled or captured (compilation or capture and one pass)
-    tier_bytes: int = 0  # ``question:recall=tier``: the most one request's recall tier held (slower memory: disk/host)
+    tier_bytes: int = (
+        0  # ``question:recall=tier|window``: the most one request's recall tier held (slower memory: disk/host)
+    )
 
     @property
     def generated_tokens(self) -> int:

@@ -50,7 +50,8 @@ Rules (``rule_names()``):
   a prefill-wide average attention ranks the facts the question chose lowest, docs/retention.md). ``recall=tier``
   (default ``none``): the pairs the prefill evicts wait in a slower tier (``core.tier``: a file on disk on the CPU,
   host memory beside a GPU) and the eviction before the prompt's last block ranks them and the held pairs together
-  by the stored probe (the question), so a fact an early probe ranked low comes back (issue 68).
+  by the stored probe (the question), so a fact an early probe ranked low comes back (issue 68); ``recall=window``: the
+  same tier, chosen from after the last block by its own last ``window`` queries, as snap's window chooses.
 
 Every rule takes ``share`` (default 1, the paper's per-head budget): with ``share=G`` (0: all of a layer's KV heads
 on a rank) each group of G heads of a layer holds one budget of ``G x kv_max`` pairs per sample in storage sized to
@@ -90,7 +91,9 @@ __all__ = [
 ]
 
 DECODE_RANKS = ("attention", "probe")  #: what ``question``'s decode evictions rank by
-RECALLS = ("none", "tier")  #: whether ``question`` keeps its prefill's evicted pairs for a recall before the last block
+#: whether ``question`` keeps its prefill's evicted pairs in a tier, and what recalls them: the stored probe before the
+#: prompt's last block (``tier``) or the last block's own window queries after it (``window``)
+RECALLS = ("none", "tier", "window")
 POOLS = ("max", "avg")
 #: Larger than any position (slot positions are int64): what an empty slot holds when the smallest is wanted.
 _NO_POSITION = 2**62
@@ -259,9 +262,14 @@ class Rule:
         return getattr(self, "decode", "attention") == "probe"
 
     def recalls(self) -> bool:
-        """Whether the pairs a prefill evicts are kept in a slower tier and ranked again, with the pairs held, by the
-        question's stored queries before the prompt's last block (the rule's ``recall`` is ``tier``)."""
-        return getattr(self, "recall", "none") == "tier"
+        """Whether the pairs a prefill evicts are kept in a slower tier and ranked again with the pairs held (the
+        rule's ``recall`` is ``tier`` or ``window``)."""
+        return getattr(self, "recall", "none") != "none"
+
+    def recall_window(self) -> int:
+        """Under ``recall=window``: the prompt's last queries (the rule's ``window``) whose attention, after the
+        prompt's last block, chooses the pairs held from the held and the tier's together; 0 otherwise."""
+        return getattr(self, "window", 0) if getattr(self, "recall", "none") == "window" else 0
 
     def protected(self) -> int:
         """Most pairs per (sample, head) the rule never evicts, its ``sinks + recent`` (``Method`` checks it against
@@ -361,7 +369,10 @@ class QuestionRule(Rule):
     re-scored over the slots held then (a row whose prefill never probed: by the pooled average attention).
     ``recall=tier``: every pair a prefill eviction frees is kept in a slower tier (``core.tier``), and the eviction
     before the prompt's last block ranks the held pairs and the tier's together by the question's stored queries, the
-    best of them held from then on (per budget of one head, every layer at ``kv_max``: ``share=1``, ``taper=0``)."""
+    best of them held from then on (per budget of one head, every layer at ``kv_max``: ``share=1``, ``taper=0``).
+    ``recall=window``: the same tier, and after the prompt's last block its last ``window`` queries (as computed in
+    the run) choose, as snap's window does (``core.snap``), the pairs held from the held and the tier's together
+    (the rule's ``kernel``/``pool`` pooling; as many pairs as were held)."""
 
     name: ClassVar[str] = "question"
     cheaper: ClassVar[tuple[str, ...]] = ("every=8", "window=16")  # docs/retention.md: ~0.95x the time at 2k
@@ -376,10 +387,10 @@ class QuestionRule(Rule):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.recall == "tier" and (self.share != 1 or self.taper):
+        if self.recall != "none" and (self.share != 1 or self.taper):
             raise ValueError(
-                f"rule {self.name!r}: recall=tier ranks each head's own budget at kv_max: share must be 1 and taper 0, "
-                f"got share={self.share} taper={self.taper}"
+                f"rule {self.name!r}: recall={self.recall} ranks each head's own budget at kv_max: share must be 1 and "
+                f"taper 0, got share={self.share} taper={self.taper}"
             )
 
     def score(self, attn, pos, curr_id, probe=None, head=None):

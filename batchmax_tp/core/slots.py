@@ -73,7 +73,7 @@ class RowState:
     length: int = 0
     offset: int = 0  # a padded row's left pads: its positions are the padded batch's, its RoPE positions offset less
     decoding: bool = False  # its decode passes have begun (the HF drop-in reads it: HF's generate states no schedule)
-    tiered: int = 0  # pairs a head its prefill's evictions put in its recall tier (``question:recall=tier``)
+    tiered: int = 0  # pairs a head its prefill's evictions put in its recall tier (``question:recall=tier|window``)
 
     def copy(self) -> RowState:
         """A copy to advance in a pass's description (every decode pass copies its rows' states: 0.4 us a row,

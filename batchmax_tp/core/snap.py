@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import probe
+
 
 def window_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
     """query [R, Hq, n, D] (the prompt's last n >= min(window, s) queries: all of it, or its last chunk), key
@@ -39,15 +41,52 @@ def window_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, window
     return torch.softmax(logits, dim=-1).sum(dim=2)  # [R, Hkv, s]
 
 
-def choose(scores: torch.Tensor, kv_max: int, window: int, kernel: int) -> torch.Tensor:
+def window_scores_parts(query: torch.Tensor, qpos: torch.Tensor, scaling: float, parts) -> list[torch.Tensor]:
+    """``window_scores`` over one set of pairs too large to hold at once (``question:recall=window``, issue 68): query
+    [Hkv, g, w, D] (a window's queries grouped by KV head, RoPE applied), qpos [w] their positions; ``parts()`` yields
+    (keys [Hkv, n_i, D], positions [Hkv, n_i], -1: none) in the same order each call. A query's softmax runs over every
+    part's pairs at or before its position (two passes: the log-sum-exp, then the probabilities, a part's keys in
+    memory at a time). Returns each part's [Hkv, n_i] float32: summed over the queries and each KV head's query
+    heads."""
+    Hkv, g, w, D = query.shape
+    q = query.reshape(Hkv, g * w, D)  # [Hkv, g*w, D]: rows (g, w)
+    later = qpos.repeat(g)[None, :, None]  # [1, g*w, 1]: each row's query position
+
+    def logits(keys: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = (pos[:, None, :] < 0) | (pos[:, None, :] > later)  # [Hkv, g*w, n_i]: none, or after the query
+        out = torch.matmul(q, keys.transpose(1, 2)).float().mul_(scaling)  # [Hkv, g*w, n_i]
+        return out.masked_fill_(hidden, probe.NEG), hidden
+
+    lse = None  # [Hkv, g*w, 1]
+    for keys, pos in parts():
+        part = logits(keys, pos)[0].logsumexp(-1, keepdim=True)
+        lse = part if lse is None else torch.logaddexp(lse, part)
+    out = []
+    for keys, pos in parts():
+        part, hidden = logits(keys, pos)
+        out.append(probe.probabilities(part, lse, hidden).sum(1))  # [Hkv, n_i]
+    return out
+
+
+def choose(
+    scores: torch.Tensor, kv_max: int, window: int, kernel: int, pool: str = "avg", protect: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
     """The positions each (row, KV head) keeps, ascending, [R, Hkv, min(s, kv_max)], from ``window_scores``
-    [R, Hkv, s]: the window and the ``kv_max - w`` pairs before it of highest pooled score."""
+    [R, Hkv, s]: the window and the ``kv_max - w`` pairs before it of highest pooled score (``pool``: SnapKV's
+    average over ``kernel`` positions, the padding counted; ``max``: the largest, as ``question`` pools).
+    ``protect`` (first, last): the first ``first`` and the last ``last`` positions are kept before any other (a rule's
+    sinks and recent pairs, ``question:recall=window``)."""
     R, Hkv, s = scores.shape
     if s <= kv_max:
         return torch.arange(s, device=scores.device).expand(R, Hkv, s)
     w = min(window, s)
     prefix = scores[..., : s - w].reshape(R * Hkv, 1, s - w)  # [R*Hkv, 1, s - w]
-    pooled = F.avg_pool1d(prefix, kernel, stride=1, padding=kernel // 2).view(R, Hkv, s - w)  # [R, Hkv, s - w]
+    pooling = F.avg_pool1d if pool == "avg" else F.max_pool1d
+    pooled = pooling(prefix, kernel, stride=1, padding=kernel // 2).view(R, Hkv, s - w)  # [R, Hkv, s - w]
+    first, last = protect
+    if first or last > w:
+        kept = torch.arange(s - w, device=scores.device)  # [s - w]: the prefix's positions
+        pooled = pooled.masked_fill((kept < first) | (kept >= s - last), float("inf"))
     # the highest pooled scores, ties to the older pair: a stable sort keeps positions ascending among equals
     top = torch.sort(pooled, dim=-1, descending=True, stable=True).indices[..., : kv_max - w]  # [R, Hkv, kv_max-w]
     recent = torch.arange(s - w, s, device=scores.device).expand(R, Hkv, w)  # [R, Hkv, w]

@@ -60,8 +60,9 @@ class Eviction:
     attention of the probe pass just run), ``"rescore"`` (the last probe's stored queries over the slots held now)
     or None (a decode eviction, or a rule without a probe); ``"recall"`` (``question:recall=tier``, before a prompt's
     last block): the stored queries over the slots held and the row's tier together, the best of them held. ``tier``
-    (a rule with ``recall=tier``; else empty): per row, (the row, its tier's pairs a head before this eviction, the
-    pairs a head its tier is made for), or None for a row whose freed pairs are not kept (a decode eviction)."""
+    (a rule with ``recall=tier`` or ``window``; else empty): per row, (the row, its tier's pairs a head before this
+    eviction, the pairs a head its tier is made for), or None for a row whose freed pairs are not kept (a decode
+    eviction)."""
 
     rows: torch.Tensor  # [E] pool rows
     curr_id: torch.Tensor  # [E, 1, 1]
@@ -151,7 +152,9 @@ class RowsPass:
     blocks of its rows in one model call: the model's columns are each block's pass's (``subs``, each described as a
     pass of its own would be, from the rows' states after the one before), one after another (``positions``: all of
     them), and each layer's attention runs the blocks in order, each block's evictions in that layer first
-    (``attention._wide``); ``after`` is the last block's."""
+    (``attention._wide``); ``after`` is the last block's. Under ``recall=window`` a prefill pass keeps the last queries
+    of the rows whose block holds their window (``window_rows``), and its rows whose prompt ends in it (``final``)
+    choose their pairs by them once the block has attended (``BoundedPool.choose_by_window``)."""
 
     kind: Literal["prefill", "probe", "compress", "decode", "mixed"]
     pool: object  # the storage its layers write and read (``core.bounded.BoundedPool``, ``core.dense.DensePool``, ...)
@@ -183,6 +186,14 @@ class RowsPass:
     parts: tuple[RowsPass, ...] = ()  # budgets across layers: the pass of each layer group's pool (the first's is it)
     mixed: tuple[RowsPass, RowsPass] | None = None  # a mixed pass (FKV continuous): its chunks' and its decode step's
     subs: tuple[RowsPass, ...] = ()  # a wide pass (BM ``chunk``): each block's pass of the rows, its columns in order
+    # ``recall=window`` (BM's prefill passes): the rows [Rw] (indices into ``rows``) whose block holds some of their
+    # prompt's last ``w`` queries, and where each of the w it keeps sits in [its kept w | the block's last m columns]
+    # (m = min(n, w))
+    # (``window_index`` [Rw, w]); ``final``: (index into ``rows``, pool row, tier pairs a head, first real position,
+    # padded prompt length) of each row whose prompt's last block this is, whose pairs its window then chooses
+    window_rows: torch.Tensor | None = None
+    window_index: torch.Tensor | None = None
+    final: tuple = ()
 
     def layer(self, module):
         return self.pool.layers[module.layer_idx - self.pool.first_layer]

@@ -1,8 +1,10 @@
-"""The recall tier (``question:recall=tier``, issue 68): the pairs a request's prefill evicts, kept outside the pool.
+"""The recall tier (``question:recall=tier|window``, issue 68): the pairs a request's prefill evicts, kept outside the
+pool.
 
 Per request (its pool row) and every layer and local KV head: each evicted pair's key and value, its position and
-its attention sum, appended in eviction order (``store``), until the eviction before the prompt's last block ranks
-them with the pairs held (``core.bounded``) and the row's tier is dropped (``drop``). The tier is slower memory: on a
+its attention sum, appended in eviction order (``store``), until the eviction before the prompt's last block
+(``tier``), or the window's choice after it (``window``), ranks them with the pairs held (``core.bounded``) and the
+row's tier is dropped (``drop``). The tier is slower memory: on a
 CPU a file on disk, mapped (a request's share of the fast memory, the pool's row, never grows with its prompt); beside
 a GPU pinned host memory. A file is unlinked as soon as it is mapped: it has no name while it is used, and the
 system frees it when its request's tier is dropped, or when the process ends however it ends (a killed run leaves

@@ -300,8 +300,8 @@ def pool_bookkeeping_bytes(
     """The bookkeeping a BM pool holds (what ``ServeOutput.peak_meta_bytes`` measures): every row's position,
     attention sum, additive mask and free list; for a rule with a probe, every row's probe values and, for a rule
     that re-scores (probing every few blocks, or ranking decode evictions by its probe), every row's stored probe
-    queries (from the first probe pass on, so only when a prompt of ``prompt_len`` tokens probes at all); 0 for
-    FKV/ED."""
+    queries (from the first probe pass on, so only when a prompt of ``prompt_len`` tokens probes at all); under
+    ``recall=window`` every row's window of prompt queries; 0 for FKV/ED."""
     q_heads, kv_heads = shape.local_heads(tp)
     nbytes = DTYPE_BYTES[dtype]
     G = method.group(kv_heads)
@@ -312,6 +312,8 @@ def pool_bookkeeping_bytes(
     probes = any(ph.kind == "probe" for ph in plan(method, prompt_len, 1))
     if probes and method.stores_probe:
         held += slots * shape.layers * probe_state_bytes(1, q_heads, method.lookahead, shape.head_dim, nbytes)
+    if method.recall_window:  # recall=window: every row's last prompt queries, from its first prefill pass on
+        held += slots * shape.layers * q_heads * method.recall_window * shape.head_dim * nbytes
     return held
 
 
