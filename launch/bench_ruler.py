@@ -41,7 +41,9 @@ columns are that run's, and the table says so. Not with ``--pick``.
 one with the highest share of FKV there is picked; FKV and the picks then run on the held-out half, and ``pick.md``
 gives each pick's held-out share with its interval (never the best held-out configuration's). Every share carries
 a paired, stratified bootstrap 95% interval over the documents (``batchmax_tp.eval.intervals``); a difference is
-marked real only where intervals separate.
+marked real only where intervals separate. ``table.md`` also gives each configuration's share minus each one's listed
+before it (FKV aside) with its own paired interval (the same documents for both and FKV in every resample, much
+narrower than the shares' intervals: ``difference_interval``), in ``table.json`` as ``differences``.
 
 ``--kvpress PRESS:KEPT...``: kvpress's presses (``snapkv``, ``adasnapkv``: its per-head budgets around SnapKV,
 ``expected``, ``kvzip``, ``tova``, ``streaming``) after the configurations, on the same documents, model and dtype,
