@@ -87,6 +87,17 @@ def free_slots(
     return freed
 
 
+def _from_tier(layer, row: int, li: int, h: int, into, tier, back, t_pos, t_score) -> None:
+    """A recall's tier pairs ``back`` [k] of layer ``li``, KV head ``h`` (positions and sums ``t_pos``/``t_score``
+    [Hs, m], on the device) into row ``row``'s slots ``into`` [k] of ``layer``: keys, values, positions, sums, an
+    open mask."""
+    at = back.cpu()
+    layer.keys[row, h, into] = tier.keys[li, h, at].to(layer.keys.device)
+    layer.values[row, h, into] = tier.values[li, h, at].to(layer.values.device)
+    layer.pos[row, h, into], layer.score[row, h, into] = t_pos[h, back], t_score[h, back]
+    layer.bias[row, h, into] = 0.0
+
+
 class PoolLayer(SlotLayer):
     """One decoder layer of the BM pool: keys/values [S, H, C + 1, D]; pos, score, bias, free [S, H, C + 1]; for a
     rule with a look-ahead probe, ``probe`` [S, H, C + 1] and (a rule probing every few blocks) the last probe's
@@ -383,7 +394,7 @@ class BoundedPool(SlotPool):
         slots freed, ranked at ``curr`` [1, 1, 1]."""
         T, lay = self.capacity, self.layers[li]
         device = lay.keys.device
-        keys, values = lay.keys[row, :, :T], lay.values[row, :, :T]  # [Hs, T, D] views
+        keys = lay.keys[row, :, :T]  # [Hs, T, D] (a view)
         pos, score, bias = lay.pos[row, :, :T], lay.score[row, :, :T], lay.bias[row, :, :T]  # [Hs, T] views
         t_pos, t_score = tier.pos[li, :, :fill].to(device), tier.score[li, :, :fill].to(device)  # [Hs, m] each
 
@@ -406,10 +417,7 @@ class BoundedPool(SlotPool):
             back[d[d >= T] - T] = False
             back = back.nonzero().view(-1)  # the tier's pairs ranked above the lowest slots kept
             freed, into = gone[:count], gone[count:]
-            at = back.cpu()
-            keys[h, into] = tier.keys[li, h, at].to(device)
-            values[h, into] = tier.values[li, h, at].to(device)
-            pos[h, into], score[h, into], bias[h, into] = t_pos[h, back], t_score[h, back], 0.0
+            _from_tier(lay, row, li, h, into, tier, back, t_pos, t_score)
             pos[h, freed], score[h, freed], bias[h, freed] = -1, 0.0, float("-inf")
             lay.free[row, h, :count] = freed.to(lay.free.dtype)
 
@@ -437,8 +445,7 @@ class BoundedPool(SlotPool):
         first ``sinks`` and ``recent`` newest, then the best pooled by its ``kernel``/``pool``), as many as the row
         holds; each chosen tier pair takes the slot of a held pair not chosen."""
         T, li, rule = self.capacity, layer.layer_idx, self.method.scorer
-        keys, values = layer.keys[row, :, :T], layer.values[row, :, :T]  # [Hs, T, D] views
-        pos, score = layer.pos[row, :, :T], layer.score[row, :, :T]  # [Hs, T] views
+        keys, pos = layer.keys[row, :, :T], layer.pos[row, :, :T]  # [Hs, T, D], [Hs, T] (views)
         tier, device = self.tier.rows[row], keys.device
         (Hs, _, D), s = keys.shape, length - first
         held = int((pos[0] >= 0).sum())  # pairs a head (every head holds as many)
@@ -471,10 +478,7 @@ class BoundedPool(SlotPool):
             into = ((pos[h] >= 0) & ~stays).nonzero().view(-1)  # the held pairs not chosen: their slots
             if into.numel() != back.numel():
                 raise RuntimeError(f"recall=window: {back.numel()} tier pairs chosen for {into.numel()} slots")
-            at_tier = back.cpu()
-            keys[h, into] = tier.keys[li, h, at_tier].to(device)
-            values[h, into] = tier.values[li, h, at_tier].to(device)
-            pos[h, into], score[h, into] = t_pos[h, back], t_score[h, back]
+            _from_tier(layer, row, li, h, into, tier, back, t_pos, t_score)
 
     def _rescored(self, layer: PoolLayer, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s look-ahead attention [E, Hs, T] over the slots ``pos`` [E, Hs, T] of ``rows``, from the

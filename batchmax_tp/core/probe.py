@@ -117,13 +117,25 @@ def rescore_parts(state: ProbeState, parts) -> list[torch.Tensor]:
     [B, Hkv, n_i]) in the same order each time it is called; the softmax runs over all of them and the own keys
     (two passes: the log-sum-exp first, then each part's probabilities), so the result is ``rescore`` over the parts
     joined, a part's keys in memory at a time."""
-    lse = state.own_lse  # [B, Hkv, g*w, 1]
+
+    def logits(keys: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = (pos < 0)[:, :, None, :]  # [B, Hkv, 1, n_i]
+        out = torch.matmul(state.q, keys.transpose(2, 3)).float()  # [B, Hkv, g*w, n_i]
+        return out.masked_fill_(hidden, NEG), hidden
+
+    return [per_slot(p, state.weights) for p in parts_probabilities(logits, parts, state.own_lse)]
+
+
+def parts_probabilities(logits, parts, lse: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """One softmax over the pairs of several parts, a part's keys in memory at a time (two passes: the log-sum-exp,
+    then each part's probabilities): ``parts()`` yields (keys, positions) in the same order each call, ``logits(keys,
+    positions)`` their float32 logits (hidden ones at ``NEG``) and what hides them; ``lse``: the log-sum-exp of logits
+    outside the parts (a probe's own keys) or None. Returns each part's probabilities (hidden: 0)."""
     for keys, pos in parts():
-        logits = torch.matmul(state.q, keys.transpose(2, 3)).float()  # [B, Hkv, g*w, n_i]
-        logits.masked_fill_((pos < 0)[:, :, None, :], NEG)
-        lse = torch.logaddexp(lse, logits.logsumexp(-1, keepdim=True))
+        part = logits(keys, pos)[0].logsumexp(-1, keepdim=True)
+        lse = part if lse is None else torch.logaddexp(lse, part)
     out = []
     for keys, pos in parts():
-        logits = torch.matmul(state.q, keys.transpose(2, 3)).float()  # [B, Hkv, g*w, n_i]
-        out.append(per_slot(probabilities(logits, lse, (pos < 0)[:, :, None, :]), state.weights))
+        part, hidden = logits(keys, pos)
+        out.append(probabilities(part, lse, hidden))
     return out

@@ -57,15 +57,7 @@ def window_scores_parts(query: torch.Tensor, qpos: torch.Tensor, scaling: float,
         out = torch.matmul(q, keys.transpose(1, 2)).float().mul_(scaling)  # [Hkv, g*w, n_i]
         return out.masked_fill_(hidden, probe.NEG), hidden
 
-    lse = None  # [Hkv, g*w, 1]
-    for keys, pos in parts():
-        part = logits(keys, pos)[0].logsumexp(-1, keepdim=True)
-        lse = part if lse is None else torch.logaddexp(lse, part)
-    out = []
-    for keys, pos in parts():
-        part, hidden = logits(keys, pos)
-        out.append(probe.probabilities(part, lse, hidden).sum(1))  # [Hkv, n_i]
-    return out
+    return [p.sum(1) for p in probe.parts_probabilities(logits, parts)]  # [Hkv, n_i] each
 
 
 def choose(
