@@ -5,6 +5,7 @@ cannot hold the model."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 
 import pytest
@@ -54,6 +55,24 @@ def test_explicit_bfloat16_on_a_gpu_without_it_is_one_line(monkeypatch, tmp_path
     fake_gpus(monkeypatch, {0: (8, 0)})
     assert models.resolve_dtype("bfloat16", "cuda", None) == "bfloat16"
     assert models.resolve_dtype("float16", "cuda", None) == "float16"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("cpu, machine", [("AVX2", "x86_64"), ("AVX512", "x86_64"), ("DEFAULT", "aarch64")])
+def test_half_dtypes_on_a_cpu_without_avx512_warn_in_one_line(monkeypatch, caplog, dtype, cpu, machine):
+    """bfloat16 / float16 products on an AVX2 CPU take torch's generic path (~100x slower than float32, measured
+    2026-12-03): the dtype is kept, with one warning; none for float32, AVX-512 or another architecture."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
+    monkeypatch.setattr(models.platform, "machine", lambda: machine)
+    with caplog.at_level(logging.WARNING, logger=models.__name__):
+        assert models.resolve_dtype(dtype, "cpu", None) == dtype
+        assert models.resolve_dtype("auto", "cpu", None) == "float32"
+    warned = [r.getMessage() for r in caplog.records if r.name == models.__name__]
+    if dtype != "float32" and cpu == "AVX2":
+        assert len(warned) == 1 and warned[0].startswith(f"{dtype} on this CPU (torch kernels AVX2: no AVX-512)")
+        assert "\n" not in warned[0] and "--dtype float32" in warned[0]
+    else:
+        assert warned == []
 
 
 UNSUPPORTED = {
