@@ -23,7 +23,6 @@ import importlib.util
 import json
 import logging
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -43,6 +42,7 @@ from transformers import (
 
 from . import parallel
 from .core.attention import SUPPORTED_FAMILIES, unsupported
+from .core.products import slow_half_products
 from .embedded import EMBEDDED_MODEL
 from .parted import PARTED, PartedModel, PartsError, cache_root, gguf_path
 
@@ -300,26 +300,32 @@ def _native_bf16(device: str) -> tuple[bool, str]:
     )
 
 
+@functools.cache
+def _half_products_note(dtype: str, cpu: str) -> None:
+    """Logs once per process that ``dtype``'s products run in float32 on this CPU."""
+    logger.warning(
+        "%s on this CPU (torch kernels %s: no AVX-512): the engine runs its products in float32, rounded to %s "
+        "(torch's own are ~100x slower here)",
+        dtype,
+        cpu,
+        dtype,
+    )
+
+
 def resolve_dtype(dtype: str, device: str, config=None) -> str:
     """The dtype a rank runs in on ``device`` (its own device: ``cuda:N``).
 
     ``auto``: float32 on CPU; on CUDA float16 for a float16 checkpoint, otherwise bfloat16 where the GPU has it
     natively (compute capability >= 8.0) and float16 where it has not (V100, TITAN V). An explicit ``bfloat16`` on
     a GPU without it is a one-line ``ValueError``; any other value is returned as it is. An explicit ``bfloat16``
-    or ``float16`` on an x86 CPU whose torch kernels are AVX2 at best logs a one-line warning: there its products take a
-    generic path (a 0.5B-sized product at ~1 GFLOP/s against float32's ~106, docs/retention.md, 2026-12-03).
+    or ``float16`` on an x86 CPU whose torch kernels are AVX2 at best logs one line: torch's own products take a
+    generic path there (a 0.5B-sized product at ~1 GFLOP/s against float32's ~106, docs/retention.md, 2026-12-03), so
+    the engine runs them in float32 and rounds them to the half dtype (``core.products``).
     """
     if dtype != "auto":
-        _parse_dtype(dtype)
-        if dtype in ("bfloat16", "float16") and not device.startswith("cuda"):
-            cpu = torch.backends.cpu.get_cpu_capability()
-            if cpu in ("AVX2", "DEFAULT") and platform.machine().lower() in ("x86_64", "amd64"):
-                logger.warning(
-                    "%s on this CPU (torch kernels %s: no AVX-512) runs its products ~100x slower than float32: "
-                    "use --dtype float32 or auto",
-                    dtype,
-                    cpu,
-                )
+        cpu = slow_half_products(_parse_dtype(dtype), device)
+        if cpu is not None:
+            _half_products_note(dtype, cpu)
         if dtype == "bfloat16" and device.startswith("cuda"):
             native, gpu = _native_bf16(device)
             if not native:

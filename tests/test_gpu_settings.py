@@ -15,7 +15,10 @@ from transformers import AutoConfig
 
 from batchmax_tp import cli, models
 from batchmax_tp.bench.padded import generate
+from batchmax_tp.core import products
+from batchmax_tp.core.engine import Engine
 from batchmax_tp.core.method import Method
+from batchmax_tp.core.requests import Record, Request, Sampling
 
 
 def fake_gpus(monkeypatch, capabilities: dict[int, tuple[int, int]], current: int = 0) -> None:
@@ -59,20 +62,59 @@ def test_explicit_bfloat16_on_a_gpu_without_it_is_one_line(monkeypatch, tmp_path
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("cpu, machine", [("AVX2", "x86_64"), ("AVX512", "x86_64"), ("DEFAULT", "aarch64")])
-def test_half_dtypes_on_a_cpu_without_avx512_warn_in_one_line(monkeypatch, caplog, dtype, cpu, machine):
+def test_half_dtypes_on_a_cpu_without_avx512_say_so_in_one_line(monkeypatch, caplog, dtype, cpu, machine):
     """bfloat16 / float16 products on an AVX2 CPU take torch's generic path (~100x slower than float32, measured
-    2026-12-03): the dtype is kept, with one warning; none for float32, AVX-512 or another architecture."""
+    2026-12-03): the dtype is kept, with one line saying the engine runs its products in float32; none for float32,
+    AVX-512 or another architecture."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu)
-    monkeypatch.setattr(models.platform, "machine", lambda: machine)
+    monkeypatch.setattr(products.platform, "machine", lambda: machine)
+    models._half_products_note.cache_clear()
     with caplog.at_level(logging.WARNING, logger=models.__name__):
         assert models.resolve_dtype(dtype, "cpu", None) == dtype
+        assert models.resolve_dtype(dtype, "cpu", None) == dtype  # said once a process
         assert models.resolve_dtype("auto", "cpu", None) == "float32"
     warned = [r.getMessage() for r in caplog.records if r.name == models.__name__]
-    if dtype != "float32" and cpu == "AVX2":
+    slow = dtype != "float32" and cpu == "AVX2"
+    assert (products.slow_half_products(getattr(torch, dtype), "cpu") == "AVX2") is slow
+    assert products.slow_half_products(getattr(torch, dtype), "cuda:0") is None
+    if slow:
         assert len(warned) == 1 and warned[0].startswith(f"{dtype} on this CPU (torch kernels AVX2: no AVX-512)")
-        assert "\n" not in warned[0] and "--dtype float32" in warned[0]
+        assert "\n" not in warned[0] and f"products in float32, rounded to {dtype}" in warned[0]
     else:
         assert warned == []
+
+
+@pytest.mark.parametrize("method", [Method("bm", 24, 8), Method("fkv", chunk=16)], ids=str)
+def test_half_products_on_an_avx2_cpu_run_in_float32_with_torchs_own_answers(monkeypatch, method):
+    """On an AVX2 CPU the engine runs a bfloat16 model's products in float32, rounded to bfloat16 once (the generic
+    kernel's arithmetic, in float32's fast kernels): every product of the run goes that way, and the tokens and
+    logits equal those of torch's own bfloat16 products (the same run with the capability reported as AVX-512), up to a
+    few roundings (the float32 sums' order differs). Snap is left out: on this tiny model its bfloat16 scores tie, and
+    a one-rounding difference picks another pair (as it would between two CPUs' own kernels)."""
+    model = tiny_random_model("qwen2", initializer_range=0.2).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    requests = [Request(torch.randint(3, 128, (n,), generator=g).tolist(), 6) for n in (20, 57, 41)]
+    widened = []
+    own = products.Float32Products.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        if (func in products.PRODUCTS or func is products.ATTENTION) and args[0].dtype == torch.bfloat16:
+            widened.append(func)
+        return own(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(products.Float32Products, "__torch_dispatch__", counted)
+    monkeypatch.setattr(products.platform, "machine", lambda: "x86_64")
+    runs = {}
+    for cpu in ("AVX512", "AVX2"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda cpu=cpu: cpu)
+        runs[cpu] = Engine(model, method, 2).run(requests, Sampling(ignore_eos=True), record=Record(logits=True))
+        if cpu == "AVX512":
+            assert widened == []  # torch's own kernels: the engine leaves them alone
+    assert len(widened) > 100  # every linear layer's product, each pass
+    for own_out, wide_out in zip(runs["AVX512"].outputs, runs["AVX2"].outputs):
+        assert wide_out.tokens == own_out.tokens
+        for a, b in zip(own_out.logits, wide_out.logits):
+            torch.testing.assert_close(b.float(), a.float(), atol=0.03 * a.float().abs().max().item(), rtol=0)
 
 
 UNSUPPORTED = {

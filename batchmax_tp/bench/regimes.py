@@ -85,12 +85,15 @@ def measured_attention_flops(
 
 def measured_flops(device: str, dtype: str, hidden: int) -> float:
     """FLOP/s of this device on a product like a prefill's (512 rows of ``hidden`` by 4 x ``hidden``): the best of 4
-    rounds of 4 products (the first round also warms up)."""
+    rounds of 4 products (the first round also warms up), run as the engine runs them (``core.products``)."""
     import torch
+
+    from ..core.products import float32_products
 
     a = torch.randn(512, hidden, dtype=getattr(torch, dtype), device=device)
     b = torch.randn(hidden, 4 * hidden, dtype=getattr(torch, dtype), device=device)
-    return 2 * 512 * hidden * 4 * hidden / _best_seconds(lambda: a @ b, device)
+    with float32_products(a.dtype, device):
+        return 2 * 512 * hidden * 4 * hidden / _best_seconds(lambda: a @ b, device)
 
 
 def measured_bandwidth(device: str, dtype: str, hidden: int, rows: int = 4) -> float:

@@ -57,6 +57,7 @@ from . import replay
 from .attention import use_batchmax_attention
 from .method import Method
 from .pool import make_pool
+from .products import float32_products
 from .replay import forward_pass
 from .requests import Batching, Record, Request, RequestOutput, Sampling, ServeOutput, check_requests
 from .scheduler import Scheduler, Step
@@ -331,6 +332,8 @@ class Engine:
         )
         self._hold = contextlib.ExitStack()
         self._hold.enter_context(use_batchmax_attention(model))
+        if mode == "none":  # eager: a half model's products on an AVX2 CPU run in float32 (``core.products``)
+            self._hold.enter_context(float32_products(next(model.parameters()).dtype, device))
 
     @torch.no_grad()
     def step(self) -> bool:
