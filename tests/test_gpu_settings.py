@@ -117,6 +117,24 @@ def test_half_products_on_an_avx2_cpu_run_in_float32_with_torchs_own_answers(mon
             torch.testing.assert_close(b.float(), a.float(), atol=0.03 * a.float().abs().max().item(), rtol=0)
 
 
+def test_float32_products_widen_a_weight_once_and_round_each_product_once():
+    """A weight's views are widened once a mode (the pass after reads the kept copy); activations each time; each
+    product is float32's, rounded to the half dtype once; float32 operands are left alone."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(48, 32, generator=g).to(torch.bfloat16), requires_grad=False)
+    b = torch.randn(48, generator=g).to(torch.bfloat16)
+    xs = [torch.randn(5, 32, generator=g).to(torch.bfloat16) for _ in range(3)]
+    mode = products.Float32Products([w])
+    with mode:
+        got = [torch.nn.functional.linear(x, w, b) for x in xs]
+        plain = torch.randn(4, 32) @ torch.randn(32, 6)
+    assert len(mode.widened) == 1 and next(iter(mode.widened.values())).dtype == torch.float32
+    assert plain.dtype == torch.float32
+    for x, y in zip(xs, got):
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, torch.nn.functional.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
+
+
 UNSUPPORTED = {
     "phi-3-mini-4k": (
         dict(model_type="phi3", sliding_window=2047, max_position_embeddings=4096),

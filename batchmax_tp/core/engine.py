@@ -333,7 +333,8 @@ class Engine:
         self._hold = contextlib.ExitStack()
         self._hold.enter_context(use_batchmax_attention(model))
         if mode == "none":  # eager: a half model's products on an AVX2 CPU run in float32 (``core.products``)
-            self._hold.enter_context(float32_products(next(model.parameters()).dtype, device))
+            dtype = next(model.parameters()).dtype
+            self._hold.enter_context(float32_products(dtype, device, weights=model.parameters()))
 
     @torch.no_grad()
     def step(self) -> bool:

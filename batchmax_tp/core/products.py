@@ -56,14 +56,33 @@ def _wide(x):
 
 class Float32Products(TorchDispatchMode):
     """While entered, every half-precision CPU product (``PRODUCTS``, and CPU SDPA's flash kernel) runs in float32 and
-    is rounded to its half dtype once."""
+    is rounded to its half dtype once. The products' operands that are views of ``weights`` are widened once and
+    kept for as long as the mode is (float32 copies of the weights the products read: twice their half bytes),
+    so a pass widens only its activations."""
+
+    def __init__(self, weights=()):
+        super().__init__()
+        self.weights = {w.untyped_storage().data_ptr() for w in weights if w.dtype in HALF}
+        self.widened: dict[tuple, torch.Tensor] = {}
+
+    def _wide(self, x):
+        if not (isinstance(x, torch.Tensor) and x.dtype in HALF):
+            return x
+        storage = x.untyped_storage().data_ptr()
+        if storage not in self.weights:
+            return x.float()
+        key = (storage, x.storage_offset(), tuple(x.shape), x.stride())
+        wide = self.widened.get(key)
+        if wide is None:
+            wide = self.widened[key] = x.float()
+        return wide
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in PRODUCTS:
             dtype = args[0].dtype
             if dtype in HALF and args[0].device.type == "cpu":
-                return func(*map(_wide, args), **kwargs).to(dtype)
+                return func(*map(self._wide, args), **kwargs).to(dtype)
         elif func is ATTENTION:
             dtype = args[0].dtype
             if dtype in HALF:
@@ -72,12 +91,13 @@ class Float32Products(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def float32_products(dtype: torch.dtype, device: torch.device | str):
+def float32_products(dtype: torch.dtype, device: torch.device | str, weights=()):
     """A context in which ``dtype``'s products on ``device`` run in float32 where torch's own half kernels are the
-    generic ones (``slow_half_products``; logged once per run), else a context that does nothing."""
+    generic ones (``slow_half_products``; logged once per run), else a context that does nothing. ``weights``: the
+    model's parameters, widened once (``Float32Products``)."""
     cpu = slow_half_products(dtype, device)
     if cpu is None:
         return contextlib.nullcontext()
     name = str(dtype).removeprefix("torch.")
     logger.info("%s products run in float32, rounded to %s (this CPU's torch kernels: %s)", name, name, cpu)
-    return Float32Products()
+    return Float32Products(weights)
