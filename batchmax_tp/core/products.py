@@ -50,10 +50,6 @@ def slow_half_products(dtype: torch.dtype, device: torch.device | str) -> str | 
     return None
 
 
-def _wide(x):
-    return x.float() if isinstance(x, torch.Tensor) and x.dtype in HALF else x
-
-
 class Float32Products(TorchDispatchMode):
     """While entered, every half-precision CPU product (``PRODUCTS``, and CPU SDPA's flash kernel) runs in float32 and
     is rounded to its half dtype once. The products' operands that are views of ``weights`` are widened once and
@@ -86,7 +82,7 @@ class Float32Products(TorchDispatchMode):
         elif func is ATTENTION:
             dtype = args[0].dtype
             if dtype in HALF:
-                out, lse = func(*map(_wide, args), **{k: _wide(v) for k, v in kwargs.items()})
+                out, lse = func(*map(self._wide, args), **{k: self._wide(v) for k, v in kwargs.items()})
                 return out.to(dtype), lse
         return func(*args, **kwargs)
 
