@@ -12,7 +12,7 @@ cell stopped part-way resumes its runs), on needle prompts of the cell's length 
 retention suite's held-out split, counted with ``--model``'s tokenizer), and draws ``OUT/regimes_cpu.png``. Each
 cell's runs carry the prediction for this machine beside the measurement: ``predict_cell`` at the run's own batch
 with this device's measured FLOP/s of a product and of causal attention and the rate a decode-shaped product streams
-weights (``regimes.this_device``), as a ratio over FKV's.
+weights (``rates.this_device``), as a ratio over FKV's.
 ``--methods`` (the main job's ``--method``: fkv, ed, bm, snap), ``--kv-share`` (each bounded method's kv_max: that
 share of the cell's length, in blocks of 64) and ``--max-prompts`` (the prompts a cell fills up to: long prompts
 cost minutes each here) pass to each cell's main job.
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from batchmax_tp.bench import regimes  # noqa: E402
+from batchmax_tp.bench import rates, regimes  # noqa: E402
 from batchmax_tp.eval.files import atomic_write_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def measure(out: Path, lengths: list[int], outputs: list[int], a: argparse.Names
     shape = ModelShape.from_config(config.get_text_config())
     dtype = resolve_dtype(a.dtype, "cpu", config)
     budgets = [b for b in regimes.BUDGETS if b in a.budgets.split(",")]
-    cards = regimes.this_device("cpu", dtype, shape)
+    cards = rates.this_device("cpu", dtype, shape)
     print(
         f"this machine ({dtype}): products {cards.flops / 1e9:.0f} GFLOP/s, attention {cards.attention_flops / 1e9:.0f}"
         f" GFLOP/s, weights streamed at {cards.bandwidth / 1e9:.1f} GB/s",

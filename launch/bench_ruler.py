@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     rate = None
     if base.shape is not None:
-        from batchmax_tp.bench.regimes import measured_flops
+        from batchmax_tp.bench.rates import measured_flops
 
         rate = measured_flops(str(base._device), base.dtype, base.shape.hidden) * EFFICIENCY
     run = Half(base, tasks, lengths, {**common, **batch}, suites, args.limit, args.log_samples, settings, rate)
