@@ -68,7 +68,6 @@ def measured_bandwidth(device: str, dtype: str, hidden: int, rows: int = 4) -> f
 
 
 def _best_seconds(work, device: str) -> float:
-
     best = float("inf")
     for _ in range(4):
         if device.startswith("cuda"):
